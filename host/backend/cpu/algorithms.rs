@@ -1,0 +1,326 @@
+//! Collective algorithms over the progress engine. Small messages go direct (everyone to
+//! everyone, reduced in rank order, so every rank computes bit-identical results); large ones
+//! use a ring (reduce-scatter, all-gather) or a chunked chain (broadcast), which work for any
+//! world size. Each step hands all its messages to the engine at once.
+
+use super::engine::{Engine, OpCtx, Tag, Xfer};
+use crate::dtype::{DType, ReduceOp};
+use crate::error::Result;
+use crate::reduce::{epilogue, prologue, reduce_into};
+use std::ops::Range;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Algo {
+    Direct,
+    Ring,
+}
+
+/// Two independent aligned scratch areas, reused across operations.
+#[derive(Default)]
+pub(crate) struct Scratch {
+    a: Vec<u64>,
+    b: Vec<u64>,
+}
+
+fn area(v: &mut Vec<u64>, bytes: usize) -> &mut [u8] {
+    let words = bytes.div_ceil(8);
+    if v.len() < words {
+        v.resize(words, 0);
+    }
+    // SAFETY: u64 storage viewed as bytes; the length stays inside the allocation.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), bytes) }
+}
+
+impl Scratch {
+    pub(crate) fn two(&mut self, a: usize, b: usize) -> (&mut [u8], &mut [u8]) {
+        (area(&mut self.a, a), area(&mut self.b, b))
+    }
+}
+
+/// Splits `buf` into consecutive parts of the given byte lengths.
+fn parts_of<'b>(buf: &'b mut [u8], lens: impl IntoIterator<Item = usize>) -> Vec<&'b mut [u8]> {
+    let mut rest = buf;
+    lens.into_iter()
+        .map(|n| {
+            let (a, b) = std::mem::take(&mut rest).split_at_mut(n);
+            rest = b;
+            a
+        })
+        .collect()
+}
+
+/// Byte lengths of `n` balanced blocks of `count` elements.
+fn block_lens(count: usize, n: usize, esize: usize) -> Vec<usize> {
+    (0..n).map(|i| (count / n + usize::from(i < count % n)) * esize).collect()
+}
+
+/// `(&parts[a], &mut parts[b])` for `a != b`.
+fn pair<'p>(parts: &'p mut [&mut [u8]], a: usize, b: usize) -> (&'p [u8], &'p mut [u8]) {
+    if a < b {
+        let (lo, hi) = parts.split_at_mut(b);
+        (&*lo[a], &mut *hi[0])
+    } else {
+        let (lo, hi) = parts.split_at_mut(a);
+        (&*hi[0], &mut *lo[b])
+    }
+}
+
+/// Ring reduce-scatter over `parts` (one per rank): afterwards `parts[rank]` holds the
+/// reduction of every rank's `parts[rank]`. Step s sends block (rank-s-1) to the right and
+/// reduces block (rank-s-2) from the left into ours.
+fn ring_reduce_scatter(e: &mut Engine, ctx: &OpCtx, tag: Tag, parts: &mut [&mut [u8]], dtype: DType, op: ReduceOp, tmp: &mut [u8]) -> Result<()> {
+    let (n, me) = (e.size, e.rank);
+    let (right, left) = ((me + 1) % n, (me + n - 1) % n);
+    for s in 0..n - 1 {
+        let (send_b, recv_b) = ((me + 2 * n - s - 1) % n, (me + 2 * n - s - 2) % n);
+        let incoming = &mut tmp[..parts[recv_b].len()];
+        let mut x = [e.send(right, tag, parts[send_b]), e.recv(left, tag, incoming)];
+        e.exchange(ctx, &mut x)?;
+        reduce_into(dtype, op, parts[recv_b], incoming);
+    }
+    Ok(())
+}
+
+/// Ring all-gather: every rank starts with its own `parts[rank]` and ends with all of them.
+fn ring_all_gather(e: &mut Engine, ctx: &OpCtx, tag: Tag, parts: &mut [&mut [u8]]) -> Result<()> {
+    let (n, me) = (e.size, e.rank);
+    let (right, left) = ((me + 1) % n, (me + n - 1) % n);
+    for s in 0..n - 1 {
+        let (send_b, recv_b) = ((me + n - s) % n, (me + 2 * n - s - 1) % n);
+        let (out, inc) = pair(parts, send_b, recv_b);
+        let mut x = [e.send(right, tag, out), e.recv(left, tag, inc)];
+        e.exchange(ctx, &mut x)?;
+    }
+    Ok(())
+}
+
+/// Everyone sends `mine` to everyone; `slots[r]` receives rank r's (our own slot is filled by
+/// the caller).
+fn direct_all_to_all_same(e: &mut Engine, ctx: &OpCtx, tag: Tag, mine: &[u8], slots: &mut [&mut [u8]]) -> Result<()> {
+    let me = e.rank;
+    let mut x = Vec::with_capacity(2 * e.size);
+    for (p, slot) in slots.iter_mut().enumerate().filter(|(p, _)| *p != me) {
+        x.push(e.send(p, tag, mine));
+        x.push(e.recv(p, tag, slot));
+    }
+    e.exchange(ctx, &mut x)
+}
+
+/// `acc = slots[0] op slots[1] op ...` in rank order.
+fn fold_in_rank_order(dtype: DType, op: ReduceOp, acc: &mut [u8], slots: &[&mut [u8]]) {
+    acc.copy_from_slice(slots[0]);
+    for s in &slots[1..] {
+        reduce_into(dtype, op, acc, s);
+    }
+}
+
+pub(crate) fn all_reduce(e: &mut Engine, s: &mut Scratch, ctx: &OpCtx, tag: Tag, buf: &mut [u8], dtype: DType, op: ReduceOp, algo: Algo) -> Result<()> {
+    let n = e.size;
+    prologue(dtype, op, buf);
+    if n > 1 {
+        match algo {
+            Algo::Direct => {
+                let (all, _) = s.two(buf.len() * n, 0);
+                let mut slots = parts_of(all, std::iter::repeat(buf.len()).take(n));
+                slots[e.rank].copy_from_slice(buf);
+                direct_all_to_all_same(e, ctx, tag, buf, &mut slots)?;
+                fold_in_rank_order(dtype, op, buf, &slots);
+            }
+            Algo::Ring => {
+                let lens = block_lens(buf.len() / dtype.size(), n, dtype.size());
+                let (tmp, _) = s.two(lens[0], 0);
+                let mut parts = parts_of(buf, lens);
+                ring_reduce_scatter(e, ctx, tag, &mut parts, dtype, op, tmp)?;
+                ring_all_gather(e, ctx, tag, &mut parts)?;
+            }
+        }
+    }
+    epilogue(dtype, op, n, buf);
+    Ok(())
+}
+
+pub(crate) fn reduce(e: &mut Engine, s: &mut Scratch, ctx: &OpCtx, tag: Tag, buf: &mut [u8], dtype: DType, op: ReduceOp, root: usize, algo: Algo) -> Result<()> {
+    let (n, me, len) = (e.size, e.rank, buf.len());
+    // Non-root buffers stay unchanged: the contribution is scaled in a copy.
+    let (work, tmp) = s.two(len * if algo == Algo::Direct && me == root { n } else { 1 }, len);
+    match algo {
+        Algo::Direct if me == root => {
+            let mut slots = parts_of(work, std::iter::repeat(len).take(n));
+            slots[me].copy_from_slice(buf);
+            prologue(dtype, op, slots[me]);
+            let mut x: Vec<Xfer> = Vec::with_capacity(n);
+            for (p, slot) in slots.iter_mut().enumerate().filter(|(p, _)| *p != me) {
+                x.push(e.recv(p, tag, slot));
+            }
+            e.exchange(ctx, &mut x)?;
+            drop(x);
+            fold_in_rank_order(dtype, op, buf, &slots);
+        }
+        Algo::Direct => {
+            work.copy_from_slice(buf);
+            prologue(dtype, op, work);
+            { let x = e.send(root, tag, work); e.exchange(ctx, &mut [x]) }?;
+            return Ok(());
+        }
+        Algo::Ring => {
+            work.copy_from_slice(buf);
+            prologue(dtype, op, work);
+            let lens = block_lens(len / dtype.size(), n, dtype.size());
+            let mut parts = parts_of(work, lens.iter().copied());
+            if n > 1 {
+                ring_reduce_scatter(e, ctx, tag, &mut parts, dtype, op, tmp)?;
+            }
+            if me == root {
+                let mut dst = parts_of(buf, lens);
+                dst[me].copy_from_slice(parts[me]);
+                let mut x: Vec<Xfer> = Vec::with_capacity(n);
+                for (p, d) in dst.iter_mut().enumerate().filter(|(p, _)| *p != me) {
+                    x.push(e.recv(p, tag, d));
+                }
+                e.exchange(ctx, &mut x)?;
+            } else {
+                let x = e.send(root, tag, parts[me]);
+                e.exchange(ctx, &mut [x])?;
+                return Ok(());
+            }
+        }
+    }
+    epilogue(dtype, op, n, buf);
+    Ok(())
+}
+
+pub(crate) fn broadcast(e: &mut Engine, ctx: &OpCtx, tag: Tag, buf: &mut [u8], root: usize, algo: Algo, chunk: usize) -> Result<()> {
+    let (n, me) = (e.size, e.rank);
+    if n == 1 {
+        return Ok(());
+    }
+    if algo == Algo::Direct {
+        if me == root {
+            let mut x: Vec<Xfer> = (0..n).filter(|&p| p != me).map(|p| e.send(p, tag, buf)).collect();
+            return e.exchange(ctx, &mut x);
+        }
+        return { let x = e.recv(root, tag, buf); e.exchange(ctx, &mut [x]) };
+    }
+    // A chain root -> root+1 -> ...: step i receives chunk i while forwarding chunk i-1.
+    let pos = (me + n - root) % n;
+    let (prev, next) = ((me + n - 1) % n, (me + 1) % n);
+    let last = pos == n - 1;
+    let chunks: Vec<Range<usize>> = {
+        let count = buf.len().div_ceil(chunk).max(1);
+        (0..count).map(|i| (i * chunk).min(buf.len())..((i + 1) * chunk).min(buf.len())).collect()
+    };
+    for i in 0..=chunks.len() {
+        let (head, tail) = buf.split_at_mut(chunks.get(i).map_or(buf.len(), |c| c.start));
+        let mut x: Vec<Xfer> = Vec::with_capacity(2);
+        if pos == 0 {
+            if let Some(c) = chunks.get(i) {
+                x.push(e.send(next, tag, &tail[..c.len()]));
+            }
+        } else {
+            if let Some(c) = chunks.get(i) {
+                x.push(e.recv(prev, tag, &mut tail[..c.len()]));
+            }
+            if i > 0 && !last {
+                x.push(e.send(next, tag, &head[chunks[i - 1].clone()]));
+            }
+        }
+        e.exchange(ctx, &mut x)?;
+    }
+    Ok(())
+}
+
+pub(crate) fn all_gather(e: &mut Engine, ctx: &OpCtx, tag: Tag, input: &[u8], outputs: &mut [&mut [u8]], algo: Algo) -> Result<()> {
+    outputs[e.rank].copy_from_slice(input);
+    if e.size == 1 {
+        return Ok(());
+    }
+    match algo {
+        Algo::Direct => direct_all_to_all_same(e, ctx, tag, input, outputs),
+        Algo::Ring => ring_all_gather(e, ctx, tag, outputs),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn reduce_scatter(e: &mut Engine, s: &mut Scratch, ctx: &OpCtx, tag: Tag, inputs: &[&[u8]], output: &mut [u8], dtype: DType, op: ReduceOp, algo: Algo) -> Result<()> {
+    let (n, me) = (e.size, e.rank);
+    let total: usize = inputs.iter().map(|i| i.len()).sum();
+    let largest = inputs.iter().map(|i| i.len()).max().unwrap_or(0);
+    // Our contributions, scaled for premul_sum, in one work area.
+    let (work, tmp) = s.two(total, if algo == Algo::Direct { output.len() * n } else { largest });
+    let mut parts = parts_of(work, inputs.iter().map(|i| i.len()));
+    for (p, i) in parts.iter_mut().zip(inputs) {
+        p.copy_from_slice(i);
+        prologue(dtype, op, p);
+    }
+    match algo {
+        Algo::Direct => {
+            let mut slots = parts_of(tmp, std::iter::repeat(output.len()).take(n));
+            slots[me].copy_from_slice(parts[me]);
+            let mut x: Vec<Xfer> = Vec::with_capacity(2 * n);
+            for (p, slot) in slots.iter_mut().enumerate().filter(|(p, _)| *p != me) {
+                x.push(e.send(p, tag, parts[p]));
+                x.push(e.recv(p, tag, slot));
+            }
+            e.exchange(ctx, &mut x)?;
+            drop(x);
+            fold_in_rank_order(dtype, op, output, &slots);
+        }
+        Algo::Ring => {
+            if n > 1 {
+                ring_reduce_scatter(e, ctx, tag, &mut parts, dtype, op, tmp)?;
+            }
+            output.copy_from_slice(parts[me]);
+        }
+    }
+    epilogue(dtype, op, n, output);
+    Ok(())
+}
+
+pub(crate) fn all_to_all(e: &mut Engine, ctx: &OpCtx, tag: Tag, inputs: &[&[u8]], outputs: &mut [&mut [u8]]) -> Result<()> {
+    let me = e.rank;
+    outputs[me].copy_from_slice(inputs[me]);
+    let mut x = Vec::with_capacity(2 * e.size);
+    for (p, out) in outputs.iter_mut().enumerate().filter(|(p, _)| *p != me) {
+        x.push(e.send(p, tag, inputs[p]));
+        x.push(e.recv(p, tag, out));
+    }
+    e.exchange(ctx, &mut x)
+}
+
+pub(crate) fn scatter(e: &mut Engine, ctx: &OpCtx, tag: Tag, inputs: Option<&[&[u8]]>, output: &mut [u8], root: usize) -> Result<()> {
+    let me = e.rank;
+    match inputs {
+        Some(inputs) if me == root => {
+            output.copy_from_slice(inputs[me]);
+            let mut x: Vec<Xfer> = (0..e.size).filter(|&p| p != me).map(|p| e.send(p, tag, inputs[p])).collect();
+            e.exchange(ctx, &mut x)
+        }
+        _ => { let x = e.recv(root, tag, output); e.exchange(ctx, &mut [x]) },
+    }
+}
+
+pub(crate) fn gather(e: &mut Engine, ctx: &OpCtx, tag: Tag, input: &[u8], outputs: Option<&mut [&mut [u8]]>, root: usize) -> Result<()> {
+    let me = e.rank;
+    match outputs {
+        Some(outputs) if me == root => {
+            outputs[me].copy_from_slice(input);
+            let mut x = Vec::with_capacity(e.size);
+            for (p, out) in outputs.iter_mut().enumerate().filter(|(p, _)| *p != me) {
+                x.push(e.recv(p, tag, out));
+            }
+            e.exchange(ctx, &mut x)
+        }
+        _ => { let x = e.send(root, tag, input); e.exchange(ctx, &mut [x]) },
+    }
+}
+
+pub(crate) fn barrier(e: &mut Engine, ctx: &OpCtx, tag: Tag) -> Result<()> {
+    let me = e.rank;
+    let mut none: Vec<[u8; 0]> = vec![[]; e.size];
+    let mut x = Vec::with_capacity(2 * e.size);
+    for (p, slot) in none.iter_mut().enumerate().filter(|(p, _)| *p != me) {
+        x.push(e.send(p, tag, &[]));
+        x.push(e.recv(p, tag, slot));
+    }
+    e.exchange(ctx, &mut x)
+}

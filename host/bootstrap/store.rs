@@ -1,0 +1,189 @@
+//! The key-value store ranks rendezvous through, and the two stores that need no server:
+//! an in-memory one (in-process groups) and a prefix view (one namespace per communicator).
+
+use crate::error::{Error, Result};
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// A rendezvous store, shared by every rank of a job. Blocking calls take a timeout and end in
+/// `Error::Timeout` naming the key they waited for.
+pub trait Store: Send + Sync {
+    fn set(&self, key: &str, value: &[u8]) -> Result<()>;
+    /// Waits until `key` exists, then returns its value.
+    fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>>;
+    /// Adds `delta` to the integer stored at `key` (0 when absent) and returns the new value.
+    fn add(&self, key: &str, delta: i64) -> Result<i64>;
+    /// Sets `key` to `desired` if its value is `expected` (an absent key matches an empty
+    /// `expected`); returns the value after the call.
+    fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>>;
+    /// Removes `key`; returns whether it existed.
+    fn delete(&self, key: &str) -> Result<bool>;
+    /// Waits until every key exists.
+    fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()>;
+    /// An address of this host that other ranks can reach (used to bind TCP links).
+    fn local_addr_hint(&self) -> Option<IpAddr> {
+        None
+    }
+}
+
+fn parse_counter(op: &'static str, key: &str, v: Option<&Vec<u8>>) -> Result<i64> {
+    match v {
+        None => Ok(0),
+        Some(b) => std::str::from_utf8(b)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| Error::invalid(op, format!("value at `{key}` is not an integer"))),
+    }
+}
+
+/// The shared state of a store, usable by any front end (memory store, TCP store server).
+#[derive(Default)]
+pub(crate) struct Table {
+    map: Mutex<HashMap<String, Vec<u8>>>,
+    changed: Condvar,
+}
+
+impl Table {
+    pub(crate) fn set(&self, key: &str, value: &[u8]) {
+        let mut m = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        m.insert(key.to_owned(), value.to_vec());
+        self.changed.notify_all();
+    }
+
+    /// Waits until every key exists or `deadline` passes; returns the first missing key.
+    pub(crate) fn wait_keys(&self, keys: &[&str], deadline: Instant) -> std::result::Result<(), String> {
+        let mut m = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            let Some(missing) = keys.iter().find(|k| !m.contains_key(**k)) else { return Ok(()) };
+            let now = Instant::now();
+            if now >= deadline {
+                return Err((*missing).to_owned());
+            }
+            m = self.changed.wait_timeout(m, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+        }
+    }
+
+    pub(crate) fn get(&self, key: &str, deadline: Instant) -> std::result::Result<Vec<u8>, String> {
+        self.wait_keys(&[key], deadline)?;
+        let m = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        Ok(m.get(key).cloned().unwrap_or_default())
+    }
+
+    pub(crate) fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        let mut m = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        let v = parse_counter("store add", key, m.get(key))?.wrapping_add(delta);
+        m.insert(key.to_owned(), v.to_string().into_bytes());
+        self.changed.notify_all();
+        Ok(v)
+    }
+
+    pub(crate) fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Vec<u8> {
+        let mut m = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        let matches = match m.get(key) {
+            None => expected.is_empty(),
+            Some(cur) => cur == expected,
+        };
+        if matches {
+            m.insert(key.to_owned(), desired.to_vec());
+            self.changed.notify_all();
+        }
+        m.get(key).cloned().unwrap_or_default()
+    }
+
+    pub(crate) fn delete(&self, key: &str) -> bool {
+        let mut m = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        m.remove(key).is_some()
+    }
+}
+
+pub(crate) fn timeout_err(key: &str, after: Duration) -> Error {
+    Error::StoreTimeout {
+        key: key.to_owned(),
+        after,
+    }
+}
+
+/// A store in this process's memory, for in-process groups and tests.
+#[derive(Default, Clone)]
+pub struct MemoryStore {
+    table: Arc<Table>,
+}
+
+impl MemoryStore {
+    pub fn new() -> MemoryStore {
+        MemoryStore::default()
+    }
+}
+
+impl Store for MemoryStore {
+    fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        self.table.set(key, value);
+        Ok(())
+    }
+    fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        self.table.get(key, Instant::now() + timeout).map_err(|k| timeout_err(&k, timeout))
+    }
+    fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        self.table.add(key, delta)
+    }
+    fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>> {
+        Ok(self.table.compare_set(key, expected, desired))
+    }
+    fn delete(&self, key: &str) -> Result<bool> {
+        Ok(self.table.delete(key))
+    }
+    fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
+        self.table.wait_keys(keys, Instant::now() + timeout).map_err(|k| timeout_err(&k, timeout))
+    }
+    fn local_addr_hint(&self) -> Option<IpAddr> {
+        Some(IpAddr::from([127, 0, 0, 1]))
+    }
+}
+
+/// A view of another store with every key under `prefix/`.
+#[derive(Clone)]
+pub struct PrefixStore {
+    prefix: String,
+    inner: Arc<dyn Store>,
+}
+
+impl PrefixStore {
+    pub fn new(prefix: impl Into<String>, inner: Arc<dyn Store>) -> PrefixStore {
+        PrefixStore {
+            prefix: prefix.into(),
+            inner,
+        }
+    }
+
+    fn key(&self, k: &str) -> String {
+        format!("{}/{}", self.prefix, k)
+    }
+}
+
+impl Store for PrefixStore {
+    fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        self.inner.set(&self.key(key), value)
+    }
+    fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        self.inner.get(&self.key(key), timeout)
+    }
+    fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        self.inner.add(&self.key(key), delta)
+    }
+    fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>> {
+        self.inner.compare_set(&self.key(key), expected, desired)
+    }
+    fn delete(&self, key: &str) -> Result<bool> {
+        self.inner.delete(&self.key(key))
+    }
+    fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
+        let full: Vec<String> = keys.iter().map(|k| self.key(k)).collect();
+        let refs: Vec<&str> = full.iter().map(String::as_str).collect();
+        self.inner.wait(&refs, timeout)
+    }
+    fn local_addr_hint(&self) -> Option<IpAddr> {
+        self.inner.local_addr_hint()
+    }
+}

@@ -1,0 +1,345 @@
+//! The TCP store: a server that holds the job's rendezvous keys and a client for each rank.
+//!
+//! Every connection starts with mutual challenge-response on the job token (see auth.rs); a
+//! client that cannot prove it knows the token is refused before any request is read. Requests
+//! and replies are length-prefixed frames with a cap; a malformed or oversized frame closes the
+//! connection of the client that sent it and nothing else.
+
+use super::auth::{self, NONCE_BYTES, PROOF_BYTES};
+use super::store::{timeout_err, Store, Table};
+use super::wire::{read_frame, write_frame, Dec, Enc, DEFAULT_MAX_FRAME};
+use crate::error::{Error, Result};
+use std::io::{Read, Write};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const MAGIC: &[u8; 4] = b"FCS1";
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+const MAX_CONNECTIONS: usize = 4096;
+
+mod opcode {
+    pub const SET: u8 = 1;
+    pub const GET: u8 = 2;
+    pub const ADD: u8 = 3;
+    pub const CAS: u8 = 4;
+    pub const DELETE: u8 = 5;
+    pub const WAIT: u8 = 6;
+}
+
+mod status {
+    pub const OK: u8 = 0;
+    pub const TIMEOUT: u8 = 1;
+    pub const ERROR: u8 = 2;
+}
+
+/// A running store server. Dropping it stops accepting and closes every client connection.
+pub struct TcpStoreServer {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    conns: Arc<Mutex<Vec<TcpStream>>>,
+    accept: Option<std::thread::JoinHandle<()>>,
+}
+
+impl TcpStoreServer {
+    /// Listens on `addr` (port 0 picks a free port) with the job `token`.
+    pub fn bind(addr: impl ToSocketAddrs, token: &str) -> Result<TcpStoreServer> {
+        Self::bind_with_cap(addr, token, DEFAULT_MAX_FRAME)
+    }
+
+    pub fn bind_with_cap(addr: impl ToSocketAddrs, token: &str, max_frame: u32) -> Result<TcpStoreServer> {
+        if token.is_empty() {
+            return Err(Error::Config("the TCP store needs a non-empty job token (FERROCOMM_TOKEN)".into()));
+        }
+        let listener = TcpListener::bind(addr).map_err(|e| Error::io("bind TCP store", e))?;
+        let addr = listener.local_addr().map_err(|e| Error::io("TCP store address", e))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let conns = Arc::new(Mutex::new(Vec::new()));
+        let table = Arc::new(Table::default());
+        let token: Arc<[u8]> = token.as_bytes().into();
+        let (stop2, conns2) = (stop.clone(), conns.clone());
+        let live = Arc::new(AtomicUsize::new(0));
+        let accept = std::thread::Builder::new()
+            .name("ferrocomm-store".into())
+            .spawn(move || {
+                for stream in listener.incoming() {
+                    if stop2.load(Ordering::Acquire) {
+                        break;
+                    }
+                    let Ok(stream) = stream else { continue };
+                    if live.load(Ordering::Acquire) >= MAX_CONNECTIONS {
+                        tracing::warn!("store: connection limit reached, refusing a client");
+                        continue;
+                    }
+                    if let Ok(c) = stream.try_clone() {
+                        conns2.lock().unwrap_or_else(|p| p.into_inner()).push(c);
+                    }
+                    let (table, token, live) = (table.clone(), token.clone(), live.clone());
+                    live.fetch_add(1, Ordering::AcqRel);
+                    let spawned = std::thread::Builder::new().name("ferrocomm-store-conn".into()).spawn(move || {
+                        if let Err(e) = serve(stream, &table, &token, max_frame) {
+                            tracing::debug!("store: client dropped: {e}");
+                        }
+                        live.fetch_sub(1, Ordering::AcqRel);
+                    });
+                    if spawned.is_err() {
+                        tracing::warn!("store: cannot spawn a connection thread");
+                    }
+                }
+            })
+            .map_err(|e| Error::io("spawn store thread", e))?;
+        Ok(TcpStoreServer {
+            addr,
+            stop,
+            conns,
+            accept: Some(accept),
+        })
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for TcpStoreServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        // Wake the accept loop so it sees `stop`.
+        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_secs(1));
+        for c in self.conns.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
+            let _ = c.shutdown(Shutdown::Both);
+        }
+        if let Some(h) = self.accept.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+fn server_handshake(s: &mut TcpStream, token: &[u8]) -> Result<()> {
+    let nonce = auth::nonce();
+    let mut hello = MAGIC.to_vec();
+    hello.extend_from_slice(&nonce);
+    s.write_all(&hello).map_err(|e| Error::io("store handshake", e))?;
+    let mut reply = [0u8; 4 + PROOF_BYTES + NONCE_BYTES];
+    s.read_exact(&mut reply).map_err(|e| Error::io("store handshake", e))?;
+    if &reply[..4] != MAGIC {
+        return Err(Error::protocol("store handshake", "client is not a ferrocomm store client"));
+    }
+    let (proof, client_nonce) = reply[4..].split_at(PROOF_BYTES);
+    if !auth::verify(token, &nonce, b"client", proof) {
+        let _ = s.write_all(&[0]);
+        return Err(Error::Auth("client did not prove the job token".into()));
+    }
+    let mut ok = vec![1u8];
+    ok.extend_from_slice(&auth::proof(token, client_nonce, b"server"));
+    s.write_all(&ok).map_err(|e| Error::io("store handshake", e))
+}
+
+fn serve(mut s: TcpStream, table: &Table, token: &[u8], max_frame: u32) -> Result<()> {
+    s.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(|e| Error::io("store socket", e))?;
+    server_handshake(&mut s, token)?;
+    s.set_read_timeout(None).map_err(|e| Error::io("store socket", e))?;
+    s.set_nodelay(true).map_err(|e| Error::io("store socket", e))?;
+    while let Some(req) = read_frame(&mut s, max_frame, "store request")? {
+        let reply = match handle(table, &req) {
+            Ok(r) => r,
+            Err(e) => {
+                // Tell the client why, then drop it: its stream may be out of step.
+                let _ = write_frame(&mut s, &Enc::default().u8(status::ERROR).bytes(e.to_string().as_bytes()).0);
+                return Err(e);
+            }
+        };
+        write_frame(&mut s, &reply).map_err(|e| Error::io("store reply", e))?;
+    }
+    Ok(())
+}
+
+fn handle(table: &Table, req: &[u8]) -> Result<Vec<u8>> {
+    let mut d = Dec::new(req);
+    let ok = || Enc::default().u8(status::OK);
+    let timed_out = |key: &str| Enc::default().u8(status::TIMEOUT).bytes(key.as_bytes()).0;
+    let op = d.u8()?;
+    let reply = match op {
+        opcode::SET => {
+            let (k, v) = (d.str()?, d.bytes()?);
+            d.finish()?;
+            table.set(k, v);
+            ok().0
+        }
+        opcode::GET => {
+            let (k, ms) = (d.str()?, d.u64()?);
+            d.finish()?;
+            match table.get(k, deadline_after(ms)) {
+                Ok(v) => ok().bytes(&v).0,
+                Err(key) => timed_out(&key),
+            }
+        }
+        opcode::ADD => {
+            let (k, delta) = (d.str()?, d.u64()? as i64);
+            d.finish()?;
+            match table.add(k, delta) {
+                Ok(v) => ok().u64(v as u64).0,
+                Err(e) => Enc::default().u8(status::ERROR).bytes(e.to_string().as_bytes()).0,
+            }
+        }
+        opcode::CAS => {
+            let (k, exp, des) = (d.str()?, d.bytes()?, d.bytes()?);
+            d.finish()?;
+            ok().bytes(&table.compare_set(k, exp, des)).0
+        }
+        opcode::DELETE => {
+            let k = d.str()?;
+            d.finish()?;
+            ok().u8(table.delete(k) as u8).0
+        }
+        opcode::WAIT => {
+            let n = d.u64()?;
+            // Each key costs at least its 4-byte length, so `n` is bounded by the frame size.
+            if n > req.len() as u64 / 4 {
+                return Err(Error::protocol("store frame", format!("wait claims {n} keys in a {}-byte frame", req.len())));
+            }
+            let keys = (0..n).map(|_| d.str()).collect::<Result<Vec<_>>>()?;
+            let ms = d.u64()?;
+            d.finish()?;
+            match table.wait_keys(&keys, deadline_after(ms)) {
+                Ok(()) => ok().0,
+                Err(key) => timed_out(&key),
+            }
+        }
+        other => return Err(Error::protocol("store frame", format!("unknown opcode {other}"))),
+    };
+    Ok(reply)
+}
+
+fn deadline_after(ms: u64) -> Instant {
+    // Clamp absurd timeouts so the addition cannot overflow.
+    Instant::now() + Duration::from_millis(ms.min(365 * 24 * 3600 * 1000))
+}
+
+/// A connection to a [`TcpStoreServer`].
+pub struct TcpStore {
+    stream: Mutex<TcpStream>,
+    server: SocketAddr,
+    max_frame: u32,
+}
+
+impl TcpStore {
+    /// Connects to the server at `addr`, retrying until `timeout` (the server may start after
+    /// us), and authenticates with the job `token`.
+    pub fn connect(addr: impl ToSocketAddrs, token: &str, timeout: Duration) -> Result<TcpStore> {
+        let addrs: Vec<SocketAddr> = addr.to_socket_addrs().map_err(|e| Error::io("resolve store address", e))?.collect();
+        let server = *addrs.first().ok_or_else(|| Error::Config("store address resolves to nothing".into()))?;
+        let deadline = Instant::now() + timeout;
+        let mut stream = loop {
+            match TcpStream::connect_timeout(&server, Duration::from_secs(1)) {
+                Ok(s) => break s,
+                Err(e) if Instant::now() >= deadline => {
+                    return Err(Error::io(format!("connect to store at {server} (gave up after {timeout:?})"), e))
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(50)),
+            }
+        };
+        stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(|e| Error::io("store socket", e))?;
+        client_handshake(&mut stream, token.as_bytes())?;
+        stream.set_nodelay(true).map_err(|e| Error::io("store socket", e))?;
+        Ok(TcpStore {
+            stream: Mutex::new(stream),
+            server,
+            max_frame: DEFAULT_MAX_FRAME,
+        })
+    }
+
+    fn call(&self, req: &[u8], wait: Duration) -> Result<Vec<u8>> {
+        let mut s = self.stream.lock().unwrap_or_else(|p| p.into_inner());
+        let lost = |e: std::io::Error| Error::io(format!("store at {}", self.server), e);
+        // The server answers a blocking call when it ends; give it that long plus a margin.
+        s.set_read_timeout(Some(wait + Duration::from_secs(10))).map_err(lost)?;
+        write_frame(&mut *s, req).map_err(lost)?;
+        match read_frame(&mut *s, self.max_frame, "store reply")? {
+            Some(r) => Ok(r),
+            None => Err(Error::io(
+                format!("store at {}", self.server),
+                std::io::Error::new(std::io::ErrorKind::ConnectionAborted, "the store server closed the connection"),
+            )),
+        }
+    }
+
+    /// Splits a reply into its status and payload; turns server-side errors into ours.
+    fn ok<'a>(reply: &'a [u8], wait: Duration) -> Result<Dec<'a>> {
+        let mut d = Dec::new(reply);
+        match d.u8()? {
+            status::OK => Ok(d),
+            status::TIMEOUT => Err(timeout_err(d.str()?, wait)),
+            status::ERROR => Err(Error::protocol("store server", String::from_utf8_lossy(d.bytes()?).into_owned())),
+            s => Err(Error::protocol("store reply", format!("unknown status {s}"))),
+        }
+    }
+}
+
+fn client_handshake(s: &mut TcpStream, token: &[u8]) -> Result<()> {
+    let io = |e| Error::io("store handshake", e);
+    let mut hello = [0u8; 4 + NONCE_BYTES];
+    s.read_exact(&mut hello).map_err(io)?;
+    if &hello[..4] != MAGIC {
+        return Err(Error::protocol("store handshake", "server is not a ferrocomm store"));
+    }
+    let nonce = auth::nonce();
+    let mut reply = MAGIC.to_vec();
+    reply.extend_from_slice(&auth::proof(token, &hello[4..], b"client"));
+    reply.extend_from_slice(&nonce);
+    s.write_all(&reply).map_err(io)?;
+    let mut verdict = [0u8; 1];
+    if s.read_exact(&mut verdict).is_err() || verdict[0] != 1 {
+        return Err(Error::Auth("the store server rejected our job token (check FERROCOMM_TOKEN)".into()));
+    }
+    let mut proof = [0u8; PROOF_BYTES];
+    s.read_exact(&mut proof).map_err(io)?;
+    if !auth::verify(token, &nonce, b"server", &proof) {
+        return Err(Error::Auth("the store server could not prove the job token".into()));
+    }
+    Ok(())
+}
+
+const QUICK: Duration = Duration::from_secs(0);
+
+impl Store for TcpStore {
+    fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        let r = self.call(&Enc::default().u8(opcode::SET).bytes(key.as_bytes()).bytes(value).0, QUICK)?;
+        Self::ok(&r, QUICK)?.finish()
+    }
+    fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        let req = Enc::default().u8(opcode::GET).bytes(key.as_bytes()).u64(timeout.as_millis() as u64).0;
+        let r = self.call(&req, timeout)?;
+        let mut d = Self::ok(&r, timeout)?;
+        let v = d.bytes()?.to_vec();
+        d.finish()?;
+        Ok(v)
+    }
+    fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        let r = self.call(&Enc::default().u8(opcode::ADD).bytes(key.as_bytes()).u64(delta as u64).0, QUICK)?;
+        let mut d = Self::ok(&r, QUICK)?;
+        Ok(d.u64()? as i64)
+    }
+    fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>> {
+        let req = Enc::default().u8(opcode::CAS).bytes(key.as_bytes()).bytes(expected).bytes(desired).0;
+        let r = self.call(&req, QUICK)?;
+        Ok(Self::ok(&r, QUICK)?.bytes()?.to_vec())
+    }
+    fn delete(&self, key: &str) -> Result<bool> {
+        let r = self.call(&Enc::default().u8(opcode::DELETE).bytes(key.as_bytes()).0, QUICK)?;
+        Ok(Self::ok(&r, QUICK)?.u8()? != 0)
+    }
+    fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
+        let mut e = Enc::default().u8(opcode::WAIT).u64(keys.len() as u64);
+        for k in keys {
+            e = e.bytes(k.as_bytes());
+        }
+        let r = self.call(&e.u64(timeout.as_millis() as u64).0, timeout)?;
+        Self::ok(&r, timeout)?.finish()
+    }
+    fn local_addr_hint(&self) -> Option<IpAddr> {
+        let s = self.stream.lock().unwrap_or_else(|p| p.into_inner());
+        s.local_addr().ok().map(|a| a.ip())
+    }
+}

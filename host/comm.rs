@@ -1,0 +1,289 @@
+//! The communicator: one rank of a group, one device, one backend.
+
+use crate::backend::{self, BackendInit};
+use crate::bootstrap::{self, MemoryStore, PrefixStore, Store, TcpStoreServer};
+use crate::error::{Error, Result};
+use crate::ops::Op;
+use crate::options::{CommOptions, OpOptions};
+use crate::work::{Executor, Scope};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+/// Where a communicator's buffers live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Device {
+    /// Host memory.
+    Cpu,
+    /// CUDA device `ordinal`.
+    Cuda(usize),
+}
+
+const LIVE: u8 = 0;
+const FINALIZED: u8 = 1;
+const ABORTED: u8 = 2;
+
+struct Inner {
+    exec: Arc<Executor>,
+    backend_name: String,
+    name: String,
+    rank: usize,
+    size: usize,
+    device: Device,
+    options: CommOptions,
+    /// The job store (not prefixed); sub-communicators take namespaces under `prefix`.
+    store: Arc<dyn Store>,
+    prefix: String,
+    splits: AtomicU64,
+    state: AtomicU8,
+    /// Rank 0 may host the job's store server; it lives as long as this communicator.
+    _server: Option<TcpStoreServer>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.exec.shutdown();
+    }
+}
+
+/// One rank of a communicator. Cheap to clone (clones share the rank); `Send + Sync`:
+/// operations from several threads are serialised in the order they are issued.
+#[derive(Clone)]
+pub struct Comm {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Comm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Comm")
+            .field("name", &self.inner.name)
+            .field("backend", &self.inner.backend_name)
+            .field("rank", &self.inner.rank)
+            .field("size", &self.inner.size)
+            .finish()
+    }
+}
+
+/// Per-process counter of communicators created under one (name, rank), so that creating a
+/// communicator of the same name twice gives two separate namespaces in the store.
+fn next_generation(name: &str, rank: usize) -> u64 {
+    static G: OnceLock<Mutex<HashMap<(String, usize), u64>>> = OnceLock::new();
+    let mut m = G.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
+    let g = m.entry((name.to_owned(), rank)).or_insert(0);
+    *g += 1;
+    *g
+}
+
+/// Creates this process's rank of the communicator `name` on `backend` (`"cpu"`, `"auto"`, or
+/// a registered name). Collective: every rank calls it with the same name.
+///
+/// Rank, world size and store come from `options` when set, else from the environment
+/// (torchrun, Slurm, Open MPI or PMI variables; `MASTER_ADDR`/`MASTER_PORT` or
+/// `FERROCOMM_STORE`; `FERROCOMM_TOKEN`).
+pub fn new_comm(backend: &str, device: Device, name: &str, options: CommOptions) -> Result<Comm> {
+    crate::log::init();
+    let (rank, size, store, server) = match (&options.store, options.rank, options.size) {
+        (Some(s), Some(r), Some(n)) => (r, n, s.clone(), None),
+        (Some(_), _, _) => return Err(Error::Config("options.store needs options.rank and options.size".into())),
+        (None, _, _) => {
+            let info = bootstrap::discover(|k| std::env::var(k).ok())?.ok_or_else(|| {
+                Error::Config(
+                    "no rank information: run under ferrocomm-run, torchrun, srun or mpirun, or set \
+                     CommOptions::with_store, or use Comm::new_group for ranks in one process"
+                        .into(),
+                )
+            })?;
+            let (store, server) = bootstrap::store_from_env(info.rank, options.timeout)?;
+            (info.rank, info.world_size, store, server)
+        }
+    };
+    let prefix = format!("ferrocomm/{name}/{}", next_generation(name, rank));
+    Comm::create(backend, device, name, rank, size, store, prefix, options, server)
+}
+
+impl Comm {
+    #[allow(clippy::too_many_arguments)]
+    fn create(
+        backend: &str,
+        device: Device,
+        name: &str,
+        rank: usize,
+        size: usize,
+        store: Arc<dyn Store>,
+        prefix: String,
+        options: CommOptions,
+        server: Option<TcpStoreServer>,
+    ) -> Result<Comm> {
+        if size == 0 || rank >= size {
+            return Err(Error::InvalidRank { op: "new_comm", rank, size });
+        }
+        let factory = backend::factory(backend)?;
+        let scoped: Arc<dyn Store> = Arc::new(PrefixStore::new(prefix.clone(), store.clone()));
+        let b = factory(&BackendInit { rank, size, store: scoped, name, device, options: &options })?;
+        tracing::debug!(name, backend, rank, size, "communicator ready");
+        Ok(Comm {
+            inner: Arc::new(Inner {
+                exec: Executor::new(b),
+                backend_name: backend.to_owned(),
+                name: name.to_owned(),
+                rank,
+                size,
+                device,
+                options,
+                store,
+                prefix,
+                splits: AtomicU64::new(0),
+                state: AtomicU8::new(LIVE),
+                _server: server,
+            }),
+        })
+    }
+
+    /// Creates `devices.len()` ranks of one communicator in this process, one per device (like
+    /// `ncclCommInitAll`). Rank i drives `devices[i]`; give each rank to its own thread.
+    pub fn new_group(backend: &str, devices: &[Device], name: &str, options: CommOptions) -> Result<Vec<Comm>> {
+        crate::log::init();
+        let n = devices.len();
+        if n == 0 {
+            return Err(Error::invalid("new_group", "needs at least one device"));
+        }
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let prefix = format!("ferrocomm/{name}/group");
+        // Joining is collective and blocking, so every rank joins from its own thread.
+        let results: Vec<Result<Comm>> = std::thread::scope(|s| {
+            let handles: Vec<_> = devices
+                .iter()
+                .enumerate()
+                .map(|(rank, &dev)| {
+                    let (store, prefix, options) = (store.clone(), prefix.clone(), options.clone());
+                    s.spawn(move || Comm::create(backend, dev, name, rank, n, store, prefix, options, None))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Err(Error::invalid("new_group", "a rank's setup panicked"))))
+                .collect()
+        });
+        results.into_iter().collect()
+    }
+
+    pub fn rank(&self) -> usize {
+        self.inner.rank
+    }
+    pub fn size(&self) -> usize {
+        self.inner.size
+    }
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+    pub fn device(&self) -> Device {
+        self.inner.device
+    }
+    pub fn backend_name(&self) -> &str {
+        &self.inner.backend_name
+    }
+    /// The default timeout of this communicator's operations.
+    pub fn timeout(&self) -> Duration {
+        self.inner.options.timeout
+    }
+
+    fn check_live(&self, op: &'static str) -> Result<()> {
+        match self.inner.state.load(Ordering::Acquire) {
+            LIVE => Ok(()),
+            FINALIZED => Err(Error::Closed { op, state: "finalized" }),
+            _ => Err(Error::Closed { op, state: "aborted" }),
+        }
+    }
+
+    /// Checks `op` and resolves its timeout; shared by the synchronous and asynchronous paths.
+    pub(crate) fn prepare(&self, op: &Op<'_>, opts: &OpOptions) -> Result<(&Arc<Executor>, Duration)> {
+        self.check_live(op.name())?;
+        op.validate(self.inner.rank, self.inner.size)?;
+        Ok((&self.inner.exec, opts.timeout.unwrap_or(self.inner.options.timeout)))
+    }
+
+    /// Runs `op` synchronously with `opts`.
+    pub fn run(&self, op: Op<'_>, opts: &OpOptions) -> Result<()> {
+        let (exec, timeout) = self.prepare(&op, opts)?;
+        exec.run(op, timeout, opts)
+    }
+
+    /// Runs `f` with a [`Scope`] for asynchronous operations on buffers that outlive the scope;
+    /// returns after every operation started in it has ended.
+    pub fn scope<'env, F, T>(&self, f: F) -> T
+    where
+        F: for<'scope> FnOnce(&'scope Scope<'scope, 'env>) -> T,
+    {
+        let scope = Scope::new(self);
+        // Waits even when `f` panics: queued operations must not outlive their buffers.
+        struct WaitOnExit<'a, 's, 'e>(&'a Scope<'s, 'e>);
+        impl Drop for WaitOnExit<'_, '_, '_> {
+            fn drop(&mut self) {
+                self.0.wait_all();
+            }
+        }
+        let _guard = WaitOnExit(&scope);
+        f(&scope)
+    }
+
+    /// Splits off a sub-communicator. Collective over this communicator: every rank calls it,
+    /// passing the (same) ordered list of ranks of the group it wants to join, or an empty list
+    /// to join none. Ranks of the new communicator follow the list order. Returns `None` for
+    /// ranks in no group.
+    pub fn split(&self, ranks: &[usize], name: &str) -> Result<Option<Comm>> {
+        let (me, size) = (self.inner.rank, self.inner.size);
+        let mut seen = vec![false; size];
+        for &r in ranks {
+            if r >= size {
+                return Err(Error::InvalidSplit(format!("rank {r} is out of range for size {size}")));
+            }
+            if std::mem::replace(&mut seen[r], true) {
+                return Err(Error::InvalidSplit(format!("rank {r} is listed twice")));
+            }
+        }
+        if !ranks.is_empty() && !seen[me] {
+            return Err(Error::InvalidSplit(format!("rank {me} passes a group {ranks:?} that does not contain it")));
+        }
+        let generation = self.inner.splits.fetch_add(1, Ordering::Relaxed);
+        let all: Vec<Vec<usize>> = self.all_gather_object(&ranks.to_vec())?;
+        for (r, list) in all.iter().enumerate() {
+            for &q in list {
+                if all.get(q) != Some(list) {
+                    return Err(Error::InvalidSplit(format!("rank {r} asked for {list:?} but rank {q} asked for {:?}", all.get(q))));
+                }
+            }
+        }
+        let Some(new_rank) = ranks.iter().position(|&r| r == me) else { return Ok(None) };
+        let prefix = format!("{}/split{generation}/{}", self.inner.prefix, ranks[0]);
+        let c = Comm::create(
+            &self.inner.backend_name,
+            self.inner.device,
+            name,
+            new_rank,
+            ranks.len(),
+            self.inner.store.clone(),
+            prefix,
+            self.inner.options.clone(),
+            None,
+        )?;
+        Ok(Some(c))
+    }
+
+    /// Completes queued operations and closes this rank. Later operations fail with
+    /// `Error::Closed`.
+    pub fn finalize(&self) -> Result<()> {
+        self.check_live("finalize")?;
+        self.inner.exec.drain();
+        self.inner.state.store(FINALIZED, Ordering::Release);
+        self.inner.exec.backend().finalize()
+    }
+
+    /// Fails every running and later operation of this rank at once, from any thread; peers
+    /// waiting on this rank get `Error::PeerLost`.
+    pub fn abort(&self) {
+        self.inner.state.store(ABORTED, Ordering::Release);
+        self.inner.exec.backend().abort();
+    }
+}

@@ -1,0 +1,88 @@
+//! # ferrocomm
+//!
+//! Device-centric communication for Rust: every collective behind one communicator API, a CPU
+//! backend with the same semantics as the GPU ones, and the bootstrap (store, rank discovery,
+//! launcher) to run N ranks as threads, processes or hosts.
+//!
+//! ## Quick start
+//!
+//! ```
+//! use ferrocomm::prelude::*;
+//!
+//! // Four ranks in this process (one thread each), on the CPU backend.
+//! let comms = Comm::new_group("cpu", &[Device::Cpu; 4], "quick", CommOptions::from_env()?)?;
+//! std::thread::scope(|s| {
+//!     for c in &comms {
+//!         s.spawn(move || -> ferrocomm::Result<()> {
+//!             let mut x = vec![c.rank() as f32 + 1.0; 8];
+//!             c.all_reduce(&mut x, ReduceOp::Sum)?;
+//!             assert_eq!(x, vec![10.0; 8]);
+//!             Ok(())
+//!         });
+//!     }
+//! });
+//! # Ok::<(), ferrocomm::Error>(())
+//! ```
+//!
+//! Across processes, start the program with `ferrocomm-run -n 4 -- prog` (or torchrun, srun,
+//! mpirun) and call [`new_comm`]`("cpu", Device::Cpu, "world", CommOptions::from_env()?)`.
+//!
+//! ## Asynchronous operations
+//!
+//! [`Comm::scope`] hands out a scope whose calls return a [`Work`]; the scope waits for every
+//! operation before it returns, so the compiler proves the buffers outlive the work.
+//!
+//! ## Environment variables
+//!
+//! | variable | meaning |
+//! |---|---|
+//! | `FERROCOMM_TIMEOUT` | default timeout of every operation, seconds (600) |
+//! | `FERROCOMM_TOKEN` | job secret the TCP store demands (ferrocomm-run sets it) |
+//! | `FERROCOMM_STORE` | `tcp://host:port` or `file:///dir`; else `MASTER_ADDR`/`MASTER_PORT` |
+//! | `FERROCOMM_STORE_EXTERNAL` | `1`: a launcher hosts the store, rank 0 must not |
+//! | `FERROCOMM_TRANSPORT` | `auto` (shared memory on one host, TCP between hosts) or `tcp` |
+//! | `FERROCOMM_SHM_RING_BYTES` | bytes of each shared-memory ring (1 MiB) |
+//! | `FERROCOMM_SOCKET_ADDR` | address to bind TCP links on |
+//! | `FERROCOMM_CPU_DIRECT_MAX` | largest per-rank message sent directly, bytes (64 KiB) |
+//! | `FERROCOMM_CPU_CHUNK` | broadcast pipelining chunk, bytes (256 KiB) |
+//! | `FERROCOMM_LOG` | log filter, e.g. `debug` |
+//!
+//! ## Threads and clean-up
+//!
+//! A [`Comm`] is `Send + Sync`; calls from several threads run one at a time in issue order.
+//! Dropping the last clone closes the rank (peers still waiting on it get `Error::PeerLost`);
+//! [`Comm::finalize`] closes it explicitly, [`Comm::abort`] fails its running operation at once.
+
+mod backend;
+mod bootstrap;
+mod collectives;
+mod comm;
+mod dtype;
+mod error;
+mod log;
+mod objects;
+mod ops;
+mod options;
+mod reduce;
+mod transport;
+mod work;
+
+pub use backend::{backend_names, register_backend, Backend, BackendFactory, BackendInit, RunOptions};
+pub use bootstrap::{
+    discover, random_token, store_addr, store_from_env, FileStore, MemoryStore, PrefixStore, RankInfo, Store, StoreAddr,
+    TcpStore, TcpStoreServer, DEFAULT_MAX_FRAME,
+};
+pub use collectives::{Batch, Collectives, WithOptions};
+pub use comm::{new_comm, Comm, Device};
+pub use dtype::{DType, Element, ReduceOp};
+pub use error::{Error, Result};
+pub use ops::{Buf, BufMut, Op, P2p};
+pub use options::{default_timeout, CommOptions, OpOptions, TransportOptions};
+pub use work::{Scope, Work};
+
+pub use half::{bf16, f16};
+
+/// The names most programs need.
+pub mod prelude {
+    pub use crate::{new_comm, Collectives, Comm, CommOptions, DType, Device, Element, OpOptions, ReduceOp};
+}

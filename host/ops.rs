@@ -1,0 +1,251 @@
+//! Operations as data. Every public call of a [`crate::Comm`] becomes an [`Op`] that borrows the
+//! caller's buffers; a backend executes it. Per-rank parts (all_gather outputs, all_to_all
+//! inputs, ...) are always resolved into one buffer per rank before a backend sees them, so the
+//! single-buffer, list and v-forms of a collective are one operation.
+
+use crate::dtype::{as_bytes, as_bytes_mut, DType, Element, ReduceOp};
+use crate::error::{Error, Result};
+
+/// A read-only buffer of one element type. Host memory today; device memory joins as another
+/// location without changing the shape of `Op`.
+#[derive(Debug)]
+pub struct Buf<'a> {
+    bytes: &'a [u8],
+    dtype: DType,
+}
+
+/// A writable buffer of one element type.
+#[derive(Debug)]
+pub struct BufMut<'a> {
+    bytes: &'a mut [u8],
+    dtype: DType,
+}
+
+impl<'a> Buf<'a> {
+    pub fn new<T: Element>(s: &'a [T]) -> Self {
+        Buf { bytes: as_bytes(s), dtype: T::DTYPE }
+    }
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    pub fn count(&self) -> usize {
+        self.bytes.len() / self.dtype.size()
+    }
+    /// The host bytes of the buffer.
+    pub fn host_bytes(&self) -> &[u8] {
+        self.bytes
+    }
+}
+
+impl<'a> BufMut<'a> {
+    pub fn new<T: Element>(s: &'a mut [T]) -> Self {
+        BufMut { bytes: as_bytes_mut(s), dtype: T::DTYPE }
+    }
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    pub fn count(&self) -> usize {
+        self.bytes.len() / self.dtype.size()
+    }
+    pub fn host_bytes(&self) -> &[u8] {
+        self.bytes
+    }
+    pub fn host_bytes_mut(&mut self) -> &mut [u8] {
+        self.bytes
+    }
+}
+
+/// Splits `s` into consecutive parts of `counts` elements; the counts must cover `s` exactly.
+pub(crate) fn split_counts<'a, T: Element>(op: &'static str, s: &'a [T], counts: &[usize]) -> Result<Vec<Buf<'a>>> {
+    check_total(op, s.len(), counts)?;
+    let mut rest = s;
+    Ok(counts
+        .iter()
+        .map(|&c| {
+            let (a, b) = rest.split_at(c);
+            rest = b;
+            Buf::new(a)
+        })
+        .collect())
+}
+
+pub(crate) fn split_counts_mut<'a, T: Element>(op: &'static str, s: &'a mut [T], counts: &[usize]) -> Result<Vec<BufMut<'a>>> {
+    check_total(op, s.len(), counts)?;
+    let mut rest = s;
+    Ok(counts
+        .iter()
+        .map(|&c| {
+            let (a, b) = std::mem::take(&mut rest).split_at_mut(c);
+            rest = b;
+            BufMut::new(a)
+        })
+        .collect())
+}
+
+fn check_total(op: &'static str, len: usize, counts: &[usize]) -> Result<()> {
+    let total = counts.iter().try_fold(0usize, |a, &c| a.checked_add(c));
+    if total != Some(len) {
+        return Err(Error::SizeMismatch {
+            op,
+            what: format!("buffer (split by counts {counts:?})"),
+            expected: total.unwrap_or(usize::MAX),
+            actual: len,
+        });
+    }
+    Ok(())
+}
+
+/// `size` equal parts of `len` elements; an error if `len` does not divide.
+pub(crate) fn equal_counts(op: &'static str, len: usize, size: usize) -> Result<Vec<usize>> {
+    if len % size != 0 {
+        return Err(Error::SizeMismatch {
+            op,
+            what: format!("buffer split into {size} equal parts"),
+            expected: len.div_ceil(size) * size,
+            actual: len,
+        });
+    }
+    Ok(vec![len / size; size])
+}
+
+/// One point-to-point transfer of a batch.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum P2p<'a> {
+    Send { buf: Buf<'a>, peer: usize },
+    Recv { buf: BufMut<'a>, peer: usize },
+}
+
+/// A communication operation with its buffers, as a backend receives it.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Op<'a> {
+    AllReduce { buf: BufMut<'a>, op: ReduceOp },
+    /// The result lands in `root`'s buffer; the other ranks' buffers are left unchanged.
+    Reduce { buf: BufMut<'a>, op: ReduceOp, root: usize },
+    Broadcast { buf: BufMut<'a>, root: usize },
+    /// `outputs[r]` receives rank r's `input`.
+    AllGather { input: Buf<'a>, outputs: Vec<BufMut<'a>> },
+    /// `output` receives the reduction over ranks of their `inputs[rank]`.
+    ReduceScatter { inputs: Vec<Buf<'a>>, output: BufMut<'a>, op: ReduceOp },
+    /// `outputs[r]` receives rank r's `inputs[rank]`.
+    AllToAll { inputs: Vec<Buf<'a>>, outputs: Vec<BufMut<'a>> },
+    /// Root's `inputs[r]` goes to rank r's `output`; `inputs` is `None` off the root.
+    Scatter { inputs: Option<Vec<Buf<'a>>>, output: BufMut<'a>, root: usize },
+    /// Rank r's `input` goes to root's `outputs[r]`; `outputs` is `None` off the root.
+    Gather { input: Buf<'a>, outputs: Option<Vec<BufMut<'a>>>, root: usize },
+    Barrier,
+    /// Point-to-point transfers progressed together; never deadlocks whatever their order.
+    Batch(Vec<P2p<'a>>),
+}
+
+impl Op<'_> {
+    /// The name used in errors and logs.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::AllReduce { .. } => "all_reduce",
+            Op::Reduce { .. } => "reduce",
+            Op::Broadcast { .. } => "broadcast",
+            Op::AllGather { .. } => "all_gather",
+            Op::ReduceScatter { .. } => "reduce_scatter",
+            Op::AllToAll { .. } => "all_to_all",
+            Op::Scatter { .. } => "scatter",
+            Op::Gather { .. } => "gather",
+            Op::Barrier => "barrier",
+            Op::Batch(v) => match v.as_slice() {
+                [P2p::Send { .. }] => "send",
+                [P2p::Recv { .. }] => "recv",
+                _ => "batch_p2p",
+            },
+        }
+    }
+
+    /// Checks everything that can be checked locally: ranks, part counts, dtypes, reduce ops
+    /// and this rank's own sizes. Cross-rank consistency is checked by the backend's protocol.
+    pub fn validate(&self, rank: usize, size: usize) -> Result<()> {
+        let name = self.name();
+        let check_rank = |r: usize| {
+            if r < size {
+                Ok(())
+            } else {
+                Err(Error::InvalidRank { op: name, rank: r, size })
+            }
+        };
+        let parts = |n: usize, what: &str| {
+            if n == size {
+                Ok(())
+            } else {
+                Err(Error::SizeMismatch { op: name, what: format!("number of {what}"), expected: size, actual: n })
+            }
+        };
+        let same_dtype = |a: DType, b: DType| {
+            if a == b {
+                Ok(())
+            } else {
+                Err(Error::DTypeMismatch { op: name, expected: a.name(), actual: b.name() })
+            }
+        };
+        let same_count = |what: String, expected: usize, actual: usize| {
+            if expected == actual {
+                Ok(())
+            } else {
+                Err(Error::SizeMismatch { op: name, what, expected, actual })
+            }
+        };
+        match self {
+            Op::AllReduce { buf, op } => op.check(name, buf.dtype),
+            Op::Reduce { buf, op, root } => {
+                check_rank(*root)?;
+                op.check(name, buf.dtype)
+            }
+            Op::Broadcast { root, .. } => check_rank(*root),
+            Op::AllGather { input, outputs } => {
+                parts(outputs.len(), "outputs")?;
+                outputs.iter().try_for_each(|o| same_dtype(input.dtype, o.dtype))?;
+                same_count(format!("outputs[{rank}] (own slot)"), input.count(), outputs[rank].count())
+            }
+            Op::ReduceScatter { inputs, output, op } => {
+                parts(inputs.len(), "inputs")?;
+                inputs.iter().try_for_each(|i| same_dtype(output.dtype, i.dtype))?;
+                op.check(name, output.dtype)?;
+                same_count(format!("inputs[{rank}] (own slot)"), output.count(), inputs[rank].count())
+            }
+            Op::AllToAll { inputs, outputs } => {
+                parts(inputs.len(), "inputs")?;
+                parts(outputs.len(), "outputs")?;
+                let d = inputs[0].dtype;
+                inputs.iter().try_for_each(|i| same_dtype(d, i.dtype))?;
+                outputs.iter().try_for_each(|o| same_dtype(d, o.dtype))?;
+                same_count(format!("outputs[{rank}] (own slot)"), inputs[rank].count(), outputs[rank].count())
+            }
+            Op::Scatter { inputs, output, root } => {
+                check_rank(*root)?;
+                match (inputs, rank == *root) {
+                    (Some(inputs), true) => {
+                        parts(inputs.len(), "inputs")?;
+                        inputs.iter().try_for_each(|i| same_dtype(output.dtype, i.dtype))?;
+                        same_count(format!("inputs[{rank}] (own slot)"), output.count(), inputs[rank].count())
+                    }
+                    (None, true) => Err(Error::invalid(name, "the root must pass the input buffer")),
+                    (_, false) => Ok(()),
+                }
+            }
+            Op::Gather { input, outputs, root } => {
+                check_rank(*root)?;
+                match (outputs, rank == *root) {
+                    (Some(outputs), true) => {
+                        parts(outputs.len(), "outputs")?;
+                        outputs.iter().try_for_each(|o| same_dtype(input.dtype, o.dtype))?;
+                        same_count(format!("outputs[{rank}] (own slot)"), input.count(), outputs[rank].count())
+                    }
+                    (None, true) => Err(Error::invalid(name, "the root must pass the output buffer")),
+                    (_, false) => Ok(()),
+                }
+            }
+            Op::Barrier => Ok(()),
+            Op::Batch(v) => v.iter().try_for_each(|p| match p {
+                P2p::Send { peer, .. } | P2p::Recv { peer, .. } => check_rank(*peer),
+            }),
+        }
+    }
+}

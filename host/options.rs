@@ -1,0 +1,139 @@
+//! Options of communicators and of single operations, with their `FERROCOMM_*` defaults.
+
+use crate::bootstrap::Store;
+use crate::error::{Error, Result};
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Reads `FERROCOMM_<name>`; a set but malformed value is an error, never silently ignored.
+pub(crate) fn env_parse<T: std::str::FromStr>(name: &str) -> Result<Option<T>> {
+    match std::env::var(name) {
+        Ok(v) => v
+            .trim()
+            .parse()
+            .map(Some)
+            .map_err(|_| Error::Config(format!("{name}={v:?} cannot be parsed"))),
+        Err(_) => Ok(None),
+    }
+}
+
+/// The default timeout of every blocking operation: `FERROCOMM_TIMEOUT` seconds, else 600 s.
+pub fn default_timeout() -> Result<Duration> {
+    let secs: f64 = env_parse("FERROCOMM_TIMEOUT")?.unwrap_or(600.0);
+    if !(secs > 0.0 && secs.is_finite()) {
+        return Err(Error::Config(format!("FERROCOMM_TIMEOUT={secs} must be a positive number of seconds")));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+/// How ranks reach each other (CPU backend).
+#[derive(Clone, Debug)]
+pub struct TransportOptions {
+    /// Bytes of each shared-memory ring between two ranks (power of two, ≥ 4 KiB).
+    /// `FERROCOMM_SHM_RING_BYTES`, default 1 MiB.
+    pub shm_ring_bytes: usize,
+    /// Use TCP even between ranks of one host (`FERROCOMM_TRANSPORT=tcp`).
+    pub force_tcp: bool,
+    /// Address to bind TCP links on (`FERROCOMM_SOCKET_ADDR`); default: the address this host
+    /// uses to reach the store.
+    pub bind_addr: Option<IpAddr>,
+}
+
+impl TransportOptions {
+    pub fn from_env() -> Result<TransportOptions> {
+        let shm_ring_bytes = env_parse("FERROCOMM_SHM_RING_BYTES")?.unwrap_or(1 << 20);
+        let force_tcp = match std::env::var("FERROCOMM_TRANSPORT").as_deref() {
+            Ok("tcp") => true,
+            Ok("auto") | Ok("") | Err(_) => false,
+            Ok(other) => return Err(Error::Config(format!("FERROCOMM_TRANSPORT={other:?}: expected `auto` or `tcp`"))),
+        };
+        let t = TransportOptions {
+            shm_ring_bytes,
+            force_tcp,
+            bind_addr: env_parse("FERROCOMM_SOCKET_ADDR")?,
+        };
+        t.validate()?;
+        Ok(t)
+    }
+
+    pub(crate) fn validate(&self) -> Result<()> {
+        let r = self.shm_ring_bytes;
+        if !r.is_power_of_two() || r < 4096 {
+            return Err(Error::Config(format!("shm ring size {r} must be a power of two of at least 4096")));
+        }
+        Ok(())
+    }
+}
+
+/// Options of a communicator.
+#[derive(Clone)]
+pub struct CommOptions {
+    /// Default timeout of every operation (`FERROCOMM_TIMEOUT`, default 600 s).
+    pub timeout: Duration,
+    /// The store to rendezvous through; default: from the environment (see `bootstrap`).
+    pub store: Option<Arc<dyn Store>>,
+    /// This rank and the world size; default: from the launcher's environment variables.
+    pub rank: Option<usize>,
+    pub size: Option<usize>,
+    /// Backend-specific settings, as strings.
+    pub hints: BTreeMap<String, String>,
+    pub transport: TransportOptions,
+}
+
+impl CommOptions {
+    /// Defaults, read from the environment.
+    pub fn from_env() -> Result<CommOptions> {
+        Ok(CommOptions {
+            timeout: default_timeout()?,
+            store: None,
+            rank: None,
+            size: None,
+            hints: BTreeMap::new(),
+            transport: TransportOptions::from_env()?,
+        })
+    }
+
+    pub fn with_timeout(mut self, t: Duration) -> Self {
+        self.timeout = t;
+        self
+    }
+
+    pub fn with_store(mut self, store: Arc<dyn Store>, rank: usize, size: usize) -> Self {
+        self.store = Some(store);
+        self.rank = Some(rank);
+        self.size = Some(size);
+        self
+    }
+
+    pub fn with_hint(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.hints.insert(key.into(), value.into());
+        self
+    }
+}
+
+/// Options of one operation.
+#[derive(Clone, Debug, Default)]
+pub struct OpOptions {
+    /// Overrides the communicator's timeout for this operation.
+    pub timeout: Option<Duration>,
+    /// Backend hints, e.g. `algorithm = direct | ring` on the CPU backend.
+    pub hints: BTreeMap<String, String>,
+}
+
+impl OpOptions {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn timeout(mut self, t: Duration) -> Self {
+        self.timeout = Some(t);
+        self
+    }
+
+    pub fn hint(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.hints.insert(key.into(), value.into());
+        self
+    }
+}

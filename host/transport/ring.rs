@@ -1,0 +1,125 @@
+//! A single-producer single-consumer byte ring in memory shared by two ranks (two threads of
+//! one process or two processes). `head` and `tail` only grow; their difference is the fill.
+//!
+//! Ordering: the producer copies bytes, then publishes `tail` with Release; the consumer loads
+//! `tail` with Acquire before reading those bytes, so it never sees a byte before it is written.
+//! The same pair in the other direction (`head`) tells the producer a region may be reused.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// The control block at the start of every ring. `tail` and `head` sit on separate cache lines
+/// so producer and consumer do not bounce one line between them.
+#[repr(C, align(64))]
+pub(crate) struct RingCtl {
+    tail: AtomicU64,
+    _pad0: [u8; 56],
+    head: AtomicU64,
+    _pad1: [u8; 56],
+}
+
+pub(crate) const CTL_BYTES: usize = std::mem::size_of::<RingCtl>();
+const _: () = assert!(CTL_BYTES == 128);
+
+/// One end of a ring. Which end is decided by which methods the owner calls; the transport
+/// gives each end to exactly one rank.
+pub(crate) struct RingEnd {
+    ctl: *const RingCtl,
+    data: *mut u8,
+    cap: u64,
+    /// Our own counter (tail for a producer, head for a consumer): only we write it.
+    pos: u64,
+}
+
+// SAFETY: the ring memory is shared on purpose; all cross-rank access goes through the atomic
+// counters with Release/Acquire as described above, and each end is used by one thread at a time
+// (it is owned by a backend behind a lock).
+unsafe impl Send for RingEnd {}
+
+impl RingEnd {
+    /// # Safety
+    /// `base` must point to `CTL_BYTES + cap` bytes of zero-initialised (or previously
+    /// ring-formatted) shared memory, aligned to 64, that outlives the `RingEnd`; `cap` must be a
+    /// power of two.
+    pub(crate) unsafe fn new(base: *mut u8, cap: usize, producer: bool) -> RingEnd {
+        let ctl = base as *const RingCtl;
+        let pos = if producer {
+            (*ctl).tail.load(Ordering::Relaxed)
+        } else {
+            (*ctl).head.load(Ordering::Relaxed)
+        };
+        RingEnd {
+            ctl,
+            data: base.add(CTL_BYTES),
+            cap: cap as u64,
+            pos,
+        }
+    }
+
+    fn ctl(&self) -> &RingCtl {
+        // SAFETY: `new`'s contract keeps the control block alive and aligned.
+        unsafe { &*self.ctl }
+    }
+
+    /// Copies as much of `src` as fits; returns the number of bytes written.
+    pub(crate) fn write(&mut self, src: &[u8]) -> usize {
+        let head = self.ctl().head.load(Ordering::Acquire);
+        let free = self.cap - (self.pos - head);
+        let n = (src.len() as u64).min(free) as usize;
+        if n == 0 {
+            return 0;
+        }
+        let start = (self.pos & (self.cap - 1)) as usize;
+        let first = n.min(self.cap as usize - start);
+        // SAFETY: [start, start+first) and [0, n-first) are inside the data region, and the
+        // consumer does not read them until `tail` is published below.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), self.data.add(start), first);
+            std::ptr::copy_nonoverlapping(src.as_ptr().add(first), self.data, n - first);
+        }
+        self.pos += n as u64;
+        self.ctl().tail.store(self.pos, Ordering::Release);
+        n
+    }
+
+    /// Copies up to `dst.len()` available bytes; returns the number of bytes read.
+    pub(crate) fn read(&mut self, dst: &mut [u8]) -> usize {
+        let tail = self.ctl().tail.load(Ordering::Acquire);
+        let n = (dst.len() as u64).min(tail - self.pos) as usize;
+        if n == 0 {
+            return 0;
+        }
+        let start = (self.pos & (self.cap - 1)) as usize;
+        let first = n.min(self.cap as usize - start);
+        // SAFETY: the producer published these bytes with `tail` (acquired above) and will not
+        // overwrite them until we publish `head`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.data.add(start), dst.as_mut_ptr(), first);
+            std::ptr::copy_nonoverlapping(self.data, dst.as_mut_ptr().add(first), n - first);
+        }
+        self.pos += n as u64;
+        self.ctl().head.store(self.pos, Ordering::Release);
+        n
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bytes_come_out_in_order_across_wraparound() {
+        let cap = 64usize;
+        let mut mem = vec![0u64; (CTL_BYTES + cap) / 8];
+        let base = mem.as_mut_ptr().cast::<u8>();
+        // SAFETY: `mem` is zeroed, 8-aligned (the test does not need 64) and outlives both ends.
+        let (mut tx, mut rx) = unsafe { (RingEnd::new(base, cap, true), RingEnd::new(base, cap, false)) };
+        let src: Vec<u8> = (0..1000u32).map(|i| (i * 7 % 251) as u8).collect();
+        let mut out = vec![0u8; src.len()];
+        let (mut w, mut r) = (0, 0);
+        while r < src.len() {
+            w += tx.write(&src[w..(w + 37).min(src.len())]);
+            r += rx.read(&mut out[r..(r + 23).min(src.len())]);
+        }
+        assert_eq!(out, src);
+    }
+}

@@ -1,0 +1,270 @@
+//! Builds every link of one communicator through its store: ranks on the same host map each
+//! other's shared-memory segment, ranks on other hosts connect over TCP and prove they belong to
+//! the communicator with a per-communicator secret that only the (authenticated) store carries.
+
+use super::liveness::ProcessWatch;
+use super::ring::RingEnd;
+use super::shm::{OwnerState, Segment};
+use super::tcp::TcpLink;
+use super::{Link, ShmLink};
+use crate::bootstrap::{self, Store, NONCE_BYTES, PROOF_BYTES};
+use crate::error::{Error, Result};
+use crate::options::TransportOptions;
+use std::io::{Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const LINK_MAGIC: &[u8; 4] = b"FCL1";
+
+/// All links of one rank, indexed by peer rank.
+pub(crate) struct Transport {
+    pub(crate) links: Vec<Link>,
+    own_seg: Option<Arc<Segment>>,
+}
+
+impl Transport {
+    /// A handle that can announce our state while an operation holds the transport.
+    pub(crate) fn announcer(&self) -> Announcer {
+        let streams = self
+            .links
+            .iter()
+            .filter_map(|l| match l {
+                Link::Tcp(t) => t.try_clone_stream(),
+                _ => None,
+            })
+            .collect();
+        Announcer { seg: self.own_seg.clone(), streams }
+    }
+}
+
+impl Drop for Transport {
+    fn drop(&mut self) {
+        self.announcer().announce(OwnerState::Closed);
+    }
+}
+
+/// Tells peers how we left: same-host peers read our segment header when they stall; remote
+/// peers see their TCP connection shut down.
+pub(crate) struct Announcer {
+    seg: Option<Arc<Segment>>,
+    streams: Vec<TcpStream>,
+}
+
+impl Announcer {
+    pub(crate) fn announce(&self, state: OwnerState) {
+        if let Some(s) = &self.seg {
+            s.set_state(state);
+        }
+        if state != OwnerState::Live {
+            for s in &self.streams {
+                let _ = s.shutdown(std::net::Shutdown::Both);
+            }
+        }
+    }
+}
+
+fn host_identity(rank: usize, opts: &TransportOptions) -> String {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    let mut name = [0u8; 256];
+    // SAFETY: gethostname writes at most `len` bytes into our buffer.
+    unsafe { libc::gethostname(name.as_mut_ptr().cast(), name.len()) };
+    let end = name.iter().position(|&b| b == 0).unwrap_or(name.len());
+    let id = format!("{}/{}", String::from_utf8_lossy(&name[..end]), boot.trim());
+    if opts.force_tcp {
+        // Every rank its own "host": all links go over TCP (tests the multi-host path locally).
+        format!("{id}#rank{rank}")
+    } else {
+        id
+    }
+}
+
+fn left(deadline: Instant) -> Duration {
+    deadline.saturating_duration_since(Instant::now())
+}
+
+fn get_str(store: &dyn Store, key: &str, deadline: Instant) -> Result<String> {
+    let v = store.get(key, left(deadline))?;
+    String::from_utf8(v).map_err(|_| Error::protocol("transport setup", format!("store key `{key}` is not UTF-8")))
+}
+
+static SEGMENT_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// Connects `rank` to every other rank of a communicator of `size`, using `store` (already
+/// prefixed for this communicator). Collective: every rank must call it.
+pub(crate) fn connect_all(rank: usize, size: usize, store: &dyn Store, opts: &TransportOptions, timeout: Duration) -> Result<Transport> {
+    let deadline = Instant::now() + timeout;
+    let me = host_identity(rank, opts);
+    store.set(&format!("host/{rank}"), me.as_bytes())?;
+    let hosts = (0..size).map(|r| get_str(store, &format!("host/{r}"), deadline)).collect::<Result<Vec<_>>>()?;
+    let local = |p: usize| hosts[p] == me;
+    let any_remote = hosts.iter().any(|h| h != &hosts[0]);
+
+    let own_seg = if (0..size).any(|p| p != rank && local(p)) {
+        let name = format!(
+            "/ferrocomm-{}-{}-{}-{}",
+            std::process::id(),
+            rank,
+            SEGMENT_COUNTER.fetch_add(1, Ordering::Relaxed),
+            &bootstrap::random_token()[..12]
+        );
+        Some(Arc::new(Segment::create(&name, size, opts.shm_ring_bytes)?))
+    } else {
+        None
+    };
+    let listener = if (0..size).any(|p| !local(p)) {
+        let ip = opts.bind_addr.or_else(|| store.local_addr_hint()).unwrap_or(IpAddr::from([127, 0, 0, 1]));
+        Some(TcpListener::bind((ip, 0)).map_err(|e| Error::io(format!("bind link listener on {ip}"), e))?)
+    } else {
+        None
+    };
+    let secret = if any_remote {
+        if rank == 0 {
+            let s = bootstrap::random_token();
+            store.set("link-secret", s.as_bytes())?;
+            s
+        } else {
+            get_str(store, "link-secret", deadline)?
+        }
+    } else {
+        String::new()
+    };
+
+    let shm_name = own_seg.as_ref().map(|s| s.name().to_owned()).unwrap_or_else(|| "-".into());
+    let tcp_addr = match &listener {
+        Some(l) => l.local_addr().map_err(|e| Error::io("link listener address", e))?.to_string(),
+        None => "-".into(),
+    };
+    store.set(&format!("endpoint/{rank}"), format!("{shm_name} {tcp_addr}").as_bytes())?;
+
+    let mut links: Vec<Option<Link>> = (0..size).map(|_| None).collect();
+    links[rank] = Some(Link::SelfLoop(Default::default()));
+    for p in (0..size).filter(|&p| p != rank) {
+        let ep = get_str(store, &format!("endpoint/{p}"), deadline)?;
+        let (peer_shm, peer_tcp) = ep
+            .split_once(' ')
+            .ok_or_else(|| Error::protocol("transport setup", format!("malformed endpoint of rank {p}: {ep:?}")))?;
+        if local(p) {
+            let own = own_seg.clone().ok_or_else(|| Error::protocol("transport setup", "no own segment"))?;
+            links[p] = Some(shm_link(rank, p, own, peer_shm, size, opts.shm_ring_bytes)?);
+        } else if rank > p {
+            let addr: SocketAddr = peer_tcp
+                .parse()
+                .map_err(|_| Error::protocol("transport setup", format!("rank {p} published no TCP address ({peer_tcp:?})")))?;
+            links[p] = Some(Link::Tcp(connect_link(rank, p, addr, secret.as_bytes(), deadline)?));
+        }
+    }
+    if let Some(l) = &listener {
+        let expected = (rank + 1..size).filter(|&p| !local(p)).count();
+        for (p, stream) in accept_links(l, expected, secret.as_bytes(), size, deadline)? {
+            if links[p].is_some() || p <= rank || local(p) {
+                return Err(Error::protocol("transport setup", format!("unexpected link from rank {p}")));
+            }
+            links[p] = Some(Link::Tcp(TcpLink::new(stream)?));
+        }
+    }
+    let links = links
+        .into_iter()
+        .enumerate()
+        .map(|(p, l)| l.ok_or_else(|| Error::protocol("transport setup", format!("no link to rank {p}"))))
+        .collect::<Result<Vec<_>>>()?;
+
+    // Everyone has mapped every segment once all are ready: drop the names so nothing is left
+    // in /dev/shm even if a process dies later.
+    store.set(&format!("ready/{rank}"), b"1")?;
+    let keys: Vec<String> = (0..size).map(|r| format!("ready/{r}")).collect();
+    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let waited = store.wait(&refs, left(deadline));
+    if let Some(s) = &own_seg {
+        s.unlink();
+    }
+    waited?;
+    Ok(Transport { links, own_seg })
+}
+
+fn shm_link(rank: usize, peer: usize, own: Arc<Segment>, peer_name: &str, size: usize, ring_bytes: usize) -> Result<Link> {
+    let peer_seg = Arc::new(Segment::open(peer_name, size, ring_bytes)?);
+    // SAFETY: both rings lie inside mappings that the link keeps alive (the Arcs below); each
+    // end is used by exactly one rank: we produce into our slot of the peer's segment and
+    // consume the peer's slot of ours.
+    let (tx, rx) = unsafe {
+        (
+            RingEnd::new(peer_seg.ring_base(rank), ring_bytes, true),
+            RingEnd::new(own.ring_base(peer), ring_bytes, false),
+        )
+    };
+    let watch = ProcessWatch::open(peer_seg.owner_pid());
+    Ok(Link::Shm(ShmLink {
+        tx,
+        rx,
+        peer_seg,
+        _own_seg: own,
+        watch,
+    }))
+}
+
+fn connect_link(rank: usize, peer: usize, addr: SocketAddr, secret: &[u8], deadline: Instant) -> Result<TcpLink> {
+    let ctx = || format!("link to rank {peer} at {addr}");
+    let mut s = loop {
+        match TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
+            Ok(s) => break s,
+            Err(e) if Instant::now() >= deadline => return Err(Error::io(ctx(), e)),
+            Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    };
+    s.set_read_timeout(Some(left(deadline).max(Duration::from_millis(1)))).map_err(|e| Error::io(ctx(), e))?;
+    let mut challenge = [0u8; 4 + NONCE_BYTES];
+    s.read_exact(&mut challenge).map_err(|e| Error::io(ctx(), e))?;
+    if &challenge[..4] != LINK_MAGIC {
+        return Err(Error::protocol("link handshake", format!("rank {peer} is not a ferrocomm link")));
+    }
+    let mut hello = (rank as u32).to_le_bytes().to_vec();
+    hello.extend_from_slice(&bootstrap::proof(secret, &challenge[4..], &(rank as u32).to_le_bytes()));
+    s.write_all(&hello).map_err(|e| Error::io(ctx(), e))?;
+    s.set_read_timeout(None).map_err(|e| Error::io(ctx(), e))?;
+    TcpLink::new(s)
+}
+
+/// Accepts `expected` authenticated links; returns (peer rank, stream) pairs.
+fn accept_links(l: &TcpListener, expected: usize, secret: &[u8], size: usize, deadline: Instant) -> Result<Vec<(usize, TcpStream)>> {
+    l.set_nonblocking(true).map_err(|e| Error::io("link listener", e))?;
+    let mut got = Vec::new();
+    while got.len() < expected {
+        let mut s = match l.accept() {
+            Ok((s, _)) => s,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if Instant::now() >= deadline {
+                    return Err(Error::Timeout {
+                        op: "transport setup (accept links)",
+                        peer: None,
+                        after: Duration::ZERO,
+                    });
+                }
+                std::thread::sleep(Duration::from_millis(5));
+                continue;
+            }
+            Err(e) => return Err(Error::io("accept link", e)),
+        };
+        s.set_nonblocking(false).map_err(|e| Error::io("link socket", e))?;
+        s.set_read_timeout(Some(left(deadline).max(Duration::from_millis(1)))).map_err(|e| Error::io("link socket", e))?;
+        let nonce = bootstrap::nonce();
+        let mut challenge = LINK_MAGIC.to_vec();
+        challenge.extend_from_slice(&nonce);
+        if s.write_all(&challenge).is_err() {
+            continue;
+        }
+        let mut hello = [0u8; 4 + PROOF_BYTES];
+        if s.read_exact(&mut hello).is_err() {
+            continue;
+        }
+        let peer = u32::from_le_bytes([hello[0], hello[1], hello[2], hello[3]]) as usize;
+        if peer >= size || !bootstrap::verify(secret, &nonce, &hello[..4], &hello[4..]) {
+            tracing::warn!("link listener: refused a connection that did not prove the communicator secret");
+            continue;
+        }
+        s.set_read_timeout(None).map_err(|e| Error::io("link socket", e))?;
+        got.push((peer, s));
+    }
+    Ok(got)
+}

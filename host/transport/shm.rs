@@ -1,0 +1,181 @@
+//! POSIX shared-memory segments: one per rank, holding that rank's *incoming* rings (one per
+//! sender) and a small header that tells peers whether the owner is still there.
+
+use crate::error::{Error, Result};
+use crate::transport::ring::CTL_BYTES;
+use std::ffi::CString;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+const MAGIC: u64 = 0x6665_7272_6f63_6f6d; // "ferrocom"
+const HEADER_BYTES: usize = 4096;
+
+/// What a segment's owner says about itself; peers read it when they stop making progress.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum OwnerState {
+    Live = 0,
+    Closed = 1,
+    Aborted = 2,
+}
+
+#[repr(C)]
+struct SegHeader {
+    magic: u64,
+    world: u64,
+    ring_bytes: u64,
+    pid: u64,
+    state: AtomicU64,
+}
+
+/// A mapping of one segment (ours or a peer's).
+pub(crate) struct Segment {
+    base: *mut u8,
+    len: usize,
+    name: CString,
+    owner: bool,
+}
+
+// SAFETY: the mapping is plain shared memory; concurrent access goes through atomics (header
+// state, ring counters) with the orderings documented in ring.rs.
+unsafe impl Send for Segment {}
+unsafe impl Sync for Segment {}
+
+fn ring_stride(ring_bytes: usize) -> usize {
+    CTL_BYTES + ring_bytes
+}
+
+impl Segment {
+    fn total_len(world: usize, ring_bytes: usize) -> usize {
+        HEADER_BYTES + world * ring_stride(ring_bytes)
+    }
+
+    /// Creates and maps a fresh segment for `world` incoming rings of `ring_bytes` each.
+    pub(crate) fn create(name: &str, world: usize, ring_bytes: usize) -> Result<Segment> {
+        let cname = CString::new(name).map_err(|_| Error::Config(format!("bad shm name {name}")))?;
+        let len = Self::total_len(world, ring_bytes);
+        // SAFETY: plain libc calls with a valid C string; the fd is closed on every path.
+        let fd = unsafe { libc::shm_open(cname.as_ptr(), libc::O_CREAT | libc::O_EXCL | libc::O_RDWR, 0o600) };
+        if fd < 0 {
+            return Err(Error::last_os(format!("shm_open({name}, create)")));
+        }
+        // SAFETY: `fd` is ours.
+        let r = unsafe { libc::ftruncate(fd, len as libc::off_t) };
+        if r != 0 {
+            let e = Error::last_os(format!("ftruncate({name}, {len})"));
+            // SAFETY: cleaning up what we created.
+            unsafe {
+                libc::close(fd);
+                libc::shm_unlink(cname.as_ptr());
+            }
+            return Err(e);
+        }
+        let seg = Self::map(fd, len, cname, true);
+        if let Ok(s) = &seg {
+            // SAFETY: the header lies at the start of our fresh, zeroed mapping.
+            let h = unsafe { &mut *(s.base as *mut SegHeader) };
+            h.world = world as u64;
+            h.ring_bytes = ring_bytes as u64;
+            h.pid = std::process::id() as u64;
+            h.state.store(OwnerState::Live as u64, Ordering::Relaxed);
+            // Release: a peer that sees the magic sees the fields above.
+            // SAFETY: same header, viewed as an atomic to publish.
+            unsafe { (*(std::ptr::addr_of!(h.magic) as *const AtomicU64)).store(MAGIC, Ordering::Release) };
+        }
+        seg
+    }
+
+    /// Maps a peer's segment created with the same geometry.
+    pub(crate) fn open(name: &str, world: usize, ring_bytes: usize) -> Result<Segment> {
+        let cname = CString::new(name).map_err(|_| Error::Config(format!("bad shm name {name}")))?;
+        // SAFETY: plain libc call with a valid C string.
+        let fd = unsafe { libc::shm_open(cname.as_ptr(), libc::O_RDWR, 0) };
+        if fd < 0 {
+            return Err(Error::last_os(format!("shm_open({name}, open)")));
+        }
+        let len = Self::total_len(world, ring_bytes);
+        // SAFETY: fstat into a zeroed struct.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        if unsafe { libc::fstat(fd, &mut st) } != 0 || (st.st_size as usize) != len {
+            // SAFETY: closing our own fd.
+            unsafe { libc::close(fd) };
+            return Err(Error::protocol("shm segment", format!("{name} has size {} bytes, expected {len}", st.st_size)));
+        }
+        let seg = Self::map(fd, len, cname, false)?;
+        // SAFETY: the mapping is at least HEADER_BYTES long.
+        let magic = unsafe { (*(seg.base as *const AtomicU64)).load(Ordering::Acquire) };
+        let h = seg.header();
+        if magic != MAGIC || h.world != world as u64 || h.ring_bytes != ring_bytes as u64 {
+            return Err(Error::protocol("shm segment", format!("{name} has a foreign or different layout")));
+        }
+        Ok(seg)
+    }
+
+    fn map(fd: libc::c_int, len: usize, name: CString, owner: bool) -> Result<Segment> {
+        // SAFETY: mapping a shared-memory fd of at least `len` bytes; the fd is closed after.
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0) };
+        let err = (p == libc::MAP_FAILED).then(|| Error::last_os("mmap(shm segment)"));
+        // SAFETY: our fd; the mapping keeps the memory alive.
+        unsafe { libc::close(fd) };
+        match err {
+            Some(e) => {
+                if owner {
+                    // SAFETY: removing the name we just created.
+                    unsafe { libc::shm_unlink(name.as_ptr()) };
+                }
+                Err(e)
+            }
+            None => Ok(Segment { base: p.cast(), len, name, owner }),
+        }
+    }
+
+    fn header(&self) -> &SegHeader {
+        // SAFETY: every segment starts with a header page.
+        unsafe { &*(self.base as *const SegHeader) }
+    }
+
+    pub(crate) fn name(&self) -> &str {
+        self.name.to_str().unwrap_or("")
+    }
+
+    pub(crate) fn owner_pid(&self) -> u32 {
+        self.header().pid as u32
+    }
+
+    pub(crate) fn state(&self) -> OwnerState {
+        match self.header().state.load(Ordering::Acquire) {
+            0 => OwnerState::Live,
+            1 => OwnerState::Closed,
+            _ => OwnerState::Aborted,
+        }
+    }
+
+    /// Release: everything we wrote into peers' rings before is visible to a peer that reads
+    /// the new state.
+    pub(crate) fn set_state(&self, s: OwnerState) {
+        self.header().state.store(s as u64, Ordering::Release);
+    }
+
+    /// Start of the ring that `sender` writes into this segment.
+    pub(crate) fn ring_base(&self, sender: usize) -> *mut u8 {
+        let h = self.header();
+        debug_assert!((sender as u64) < h.world);
+        // SAFETY: in bounds by the layout computed in `total_len`.
+        unsafe { self.base.add(HEADER_BYTES + sender * ring_stride(h.ring_bytes as usize)) }
+    }
+
+    /// Removes the name; existing mappings stay valid. Called once every peer has mapped us, so
+    /// a crash later leaves nothing behind in /dev/shm.
+    pub(crate) fn unlink(&self) {
+        if self.owner {
+            // SAFETY: our own segment name.
+            unsafe { libc::shm_unlink(self.name.as_ptr()) };
+        }
+    }
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        self.unlink();
+        // SAFETY: unmapping our own mapping; nothing refers to it after the owner is dropped.
+        unsafe { libc::munmap(self.base.cast(), self.len) };
+    }
+}

@@ -1,0 +1,239 @@
+//! Issue order and asynchronous operations.
+//!
+//! Operations of one communicator run one at a time in issue order. A synchronous call runs on
+//! the caller's thread when nothing is queued (no hand-off latency); otherwise it queues behind
+//! the asynchronous ones. Asynchronous operations run on the communicator's worker thread and
+//! are issued inside a [`Scope`], which — like `std::thread::scope` — waits for all of them
+//! before it returns, so the borrowed buffers provably outlive the work. Every operation ends
+//! by itself within its timeout, so that wait is bounded too.
+
+use crate::backend::{Backend, RunOptions};
+use crate::error::{Error, Result};
+use crate::ops::Op;
+use crate::options::OpOptions;
+use std::collections::VecDeque;
+use std::marker::PhantomData;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+/// The outcome of one operation, filled in once.
+#[derive(Default)]
+pub(crate) struct Completion {
+    result: Mutex<Option<Result<()>>>,
+    done: Condvar,
+}
+
+impl Completion {
+    fn finish(&self, r: Result<()>) {
+        *self.result.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
+        self.done.notify_all();
+    }
+
+    fn is_done(&self) -> bool {
+        self.result.lock().unwrap_or_else(|p| p.into_inner()).is_some()
+    }
+
+    /// Waits up to `limit` (forever if `None`); takes the result the first time it is seen.
+    fn wait(&self, limit: Option<Duration>) -> Option<Result<()>> {
+        let mut g = self.result.lock().unwrap_or_else(|p| p.into_inner());
+        let deadline = limit.map(|d| std::time::Instant::now() + d);
+        while g.is_none() {
+            match deadline {
+                None => g = self.done.wait(g).unwrap_or_else(|p| p.into_inner()),
+                Some(dl) => {
+                    let now = std::time::Instant::now();
+                    if now >= dl {
+                        return None;
+                    }
+                    g = self.done.wait_timeout(g, dl - now).unwrap_or_else(|p| p.into_inner()).0;
+                }
+            }
+        }
+        // Leave Ok behind so a second wait reports success rather than blocking.
+        Some(std::mem::replace(&mut *g, Some(Ok(()))).unwrap_or(Ok(())))
+    }
+}
+
+struct Job {
+    /// Lifetime erased; see `Executor::submit` for why the borrow outlives the job.
+    op: Op<'static>,
+    timeout: Duration,
+    hints: std::collections::BTreeMap<String, String>,
+    done: Arc<Completion>,
+}
+
+#[derive(Default)]
+struct Queue {
+    jobs: VecDeque<Job>,
+    /// Queued plus running jobs.
+    in_flight: usize,
+    shutdown: bool,
+    worker: Option<std::thread::JoinHandle<()>>,
+}
+
+pub(crate) struct Executor {
+    backend: Box<dyn Backend>,
+    queue: Mutex<Queue>,
+    wake: Condvar,
+    /// Held while an operation runs: the backend sees one operation at a time.
+    running: Mutex<()>,
+}
+
+impl Executor {
+    pub(crate) fn new(backend: Box<dyn Backend>) -> Arc<Executor> {
+        Arc::new(Executor { backend, queue: Mutex::default(), wake: Condvar::new(), running: Mutex::new(()) })
+    }
+
+    pub(crate) fn backend(&self) -> &dyn Backend {
+        &*self.backend
+    }
+
+    /// Runs `op` to completion in issue order.
+    pub(crate) fn run(self: &Arc<Self>, mut op: Op<'_>, timeout: Duration, opts: &OpOptions) -> Result<()> {
+        let q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        if q.in_flight == 0 {
+            // Nothing queued: run here. The worker takes `running` only for a job it dequeued,
+            // and in_flight == 0 means there is none, so this cannot wait on the worker.
+            let _running = self.running.lock().unwrap_or_else(|p| p.into_inner());
+            drop(q);
+            return self.backend.run(&mut op, &RunOptions { timeout, hints: &opts.hints });
+        }
+        drop(q);
+        // SAFETY: we block below until the job has completed, so `op`'s borrows outlive it.
+        let done = unsafe { self.submit(op, timeout, opts) }?;
+        done.wait(None).unwrap_or(Ok(()))
+    }
+
+    /// Queues `op` for the worker thread.
+    ///
+    /// # Safety
+    /// The buffers `op` borrows must stay valid until the returned completion is finished.
+    pub(crate) unsafe fn submit(self: &Arc<Self>, op: Op<'_>, timeout: Duration, opts: &OpOptions) -> Result<Arc<Completion>> {
+        // SAFETY: only the lifetime parameter changes; the caller guarantees the borrows.
+        let op: Op<'static> = unsafe { std::mem::transmute::<Op<'_>, Op<'static>>(op) };
+        let done = Arc::new(Completion::default());
+        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        if q.shutdown {
+            return Err(Error::Closed { op: op.name(), state: "shut down" });
+        }
+        if q.worker.is_none() {
+            let me = Arc::clone(self);
+            let h = std::thread::Builder::new()
+                .name("ferrocomm-worker".into())
+                .spawn(move || me.work())
+                .map_err(|e| Error::io("spawn communicator worker", e))?;
+            q.worker = Some(h);
+        }
+        q.jobs.push_back(Job { op, timeout, hints: opts.hints.clone(), done: done.clone() });
+        q.in_flight += 1;
+        self.wake.notify_all();
+        Ok(done)
+    }
+
+    fn work(&self) {
+        loop {
+            let mut job = {
+                let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+                loop {
+                    if let Some(j) = q.jobs.pop_front() {
+                        break j;
+                    }
+                    if q.shutdown {
+                        return;
+                    }
+                    q = self.wake.wait(q).unwrap_or_else(|p| p.into_inner());
+                }
+            };
+            let r = {
+                let _running = self.running.lock().unwrap_or_else(|p| p.into_inner());
+                self.backend.run(&mut job.op, &RunOptions { timeout: job.timeout, hints: &job.hints })
+            };
+            // Drop the borrowed buffers before anyone learns the job is done.
+            let Job { op, done, .. } = job;
+            drop(op);
+            self.queue.lock().unwrap_or_else(|p| p.into_inner()).in_flight -= 1;
+            self.wake.notify_all();
+            done.finish(r);
+        }
+    }
+
+    /// Waits for every queued operation (used by finalize).
+    pub(crate) fn drain(&self) {
+        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        while q.in_flight > 0 {
+            q = self.wake.wait_timeout(q, Duration::from_millis(5)).unwrap_or_else(|p| p.into_inner()).0;
+        }
+    }
+
+    /// Stops the worker once the queue is empty.
+    pub(crate) fn shutdown(&self) {
+        let h = {
+            let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+            q.shutdown = true;
+            self.wake.notify_all();
+            q.worker.take()
+        };
+        if let Some(h) = h {
+            if h.thread().id() != std::thread::current().id() {
+                let _ = h.join();
+            }
+        }
+    }
+}
+
+/// An operation in flight. Waiting is optional: the scope it belongs to waits for it anyway.
+#[must_use = "an unwaited Work only reports its error through the scope's end"]
+pub struct Work<'scope> {
+    done: Arc<Completion>,
+    op: &'static str,
+    _scope: PhantomData<&'scope ()>,
+}
+
+impl Work<'_> {
+    /// Blocks until the operation ends (it ends by itself within its timeout).
+    pub fn wait(self) -> Result<()> {
+        self.done.wait(None).unwrap_or(Ok(()))
+    }
+
+    /// Blocks at most `limit`; `Error::Timeout` if the operation is still running then (it
+    /// keeps running; wait again later).
+    pub fn wait_timeout(&self, limit: Duration) -> Result<()> {
+        self.done.wait(Some(limit)).unwrap_or(Err(Error::Timeout { op: self.op, peer: None, after: limit }))
+    }
+
+    pub fn is_completed(&self) -> bool {
+        self.done.is_done()
+    }
+}
+
+/// Issues asynchronous operations whose buffers live at least as long as the scope.
+/// Created by [`crate::Comm::scope`].
+pub struct Scope<'scope, 'env: 'scope> {
+    pub(crate) comm: &'scope crate::Comm,
+    pending: Mutex<Vec<Arc<Completion>>>,
+    _scope: PhantomData<&'scope mut &'scope ()>,
+    _env: PhantomData<&'env mut &'env ()>,
+}
+
+impl<'scope, 'env> Scope<'scope, 'env> {
+    pub(crate) fn new(comm: &'scope crate::Comm) -> Self {
+        Scope { comm, pending: Mutex::default(), _scope: PhantomData, _env: PhantomData }
+    }
+
+    /// Validates `op` and queues it; returns its [`Work`].
+    pub fn start(&'scope self, op: Op<'scope>, opts: &OpOptions) -> Result<Work<'scope>> {
+        let name = op.name();
+        let (exec, timeout) = self.comm.prepare(&op, opts)?;
+        // SAFETY: `op` borrows for 'scope, and `Comm::scope` waits for every pending completion
+        // (also when the scope body panics) before 'scope ends.
+        let done = unsafe { exec.submit(op, timeout, opts) }?;
+        self.pending.lock().unwrap_or_else(|p| p.into_inner()).push(done.clone());
+        Ok(Work { done, op: name, _scope: PhantomData })
+    }
+
+    pub(crate) fn wait_all(&self) {
+        for c in self.pending.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
+            let _ = c.wait(None);
+        }
+    }
+}
