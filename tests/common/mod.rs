@@ -1,0 +1,137 @@
+//! Helpers shared by the integration tests: running N ranks, random data, host references.
+#![allow(dead_code)]
+
+pub mod suite;
+
+use ferrocomm::prelude::*;
+use ferrocomm::{bf16, f16};
+pub use rand::rngs::StdRng;
+pub use rand::{Rng, SeedableRng};
+use std::fmt::Debug;
+use std::time::Duration;
+
+/// Runs `f(comm)` on each rank of an in-process group of `n`, one thread per rank; returns the
+/// per-rank results in rank order. A panicking rank fails the test.
+pub fn run_group<R: Send>(n: usize, name: &str, options: CommOptions, f: impl Fn(&Comm) -> R + Sync) -> Vec<R> {
+    let comms = Comm::new_group("cpu", &vec![Device::Cpu; n], name, options).expect("new_group");
+    std::thread::scope(|s| {
+        let hs: Vec<_> = comms.iter().map(|c| s.spawn(|| f(c))).collect();
+        hs.into_iter().map(|h| h.join().expect("rank panicked")).collect()
+    })
+}
+
+pub fn options(timeout: Duration) -> CommOptions {
+    CommOptions::from_env().expect("options").with_timeout(timeout)
+}
+
+/// A fresh seed for this run, printed so a failure can be replayed with FERROCOMM_TEST_SEED.
+pub fn fresh_seed() -> u64 {
+    let seed = std::env::var("FERROCOMM_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(rand::random);
+    eprintln!("seed = {seed} (replay with FERROCOMM_TEST_SEED={seed})");
+    seed
+}
+
+pub fn rng(seed: u64, stream: u64) -> StdRng {
+    StdRng::seed_from_u64(seed ^ stream.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+}
+
+/// An element type as the tests see it: random values, a poison value, and the reference
+/// reduction (exact for integers, in f64 with a tolerance for floats).
+pub trait TestElem: Element + PartialEq + Debug + Default {
+    fn random(r: &mut StdRng, op: Option<ReduceOp>) -> Self;
+    fn poison() -> Self;
+    /// Checks `got` against the reduction of `vals` (one per rank) under `op`.
+    fn check_reduced(vals: &[Self], op: ReduceOp, got: Self) -> Result<(), String>;
+}
+
+macro_rules! int_elem {
+    ($($t:ty),*) => {$(
+        impl TestElem for $t {
+            fn random(r: &mut StdRng, _: Option<ReduceOp>) -> Self { r.gen() }
+            fn poison() -> Self { <$t>::MAX.wrapping_sub(0x11) }
+            fn check_reduced(vals: &[Self], op: ReduceOp, got: Self) -> Result<(), String> {
+                let n = vals.len();
+                let sum = |it: &mut dyn Iterator<Item = $t>| it.fold(0 as $t, |a, b| a.wrapping_add(b));
+                let want: $t = match op {
+                    ReduceOp::Sum => sum(&mut vals.iter().copied()),
+                    ReduceOp::Prod => vals.iter().fold(1 as $t, |a, b| a.wrapping_mul(*b)),
+                    ReduceOp::Min => *vals.iter().min().unwrap(),
+                    ReduceOp::Max => *vals.iter().max().unwrap(),
+                    ReduceOp::Avg => sum(&mut vals.iter().copied()).wrapping_div(n as $t),
+                    ReduceOp::BAnd => vals.iter().fold(!0, |a, b| a & b),
+                    ReduceOp::BOr => vals.iter().fold(0, |a, b| a | b),
+                    ReduceOp::BXor => vals.iter().fold(0, |a, b| a ^ b),
+                    ReduceOp::PremulSum(s) => sum(&mut vals.iter().map(|v| v.wrapping_mul(s as $t))),
+                    _ => unreachable!(),
+                };
+                if got == want { Ok(()) } else { Err(format!("got {got}, want {want} (inputs {vals:?}, {op})")) }
+            }
+        }
+    )*};
+}
+int_elem!(i8, u8, i32, i64);
+
+macro_rules! float_elem {
+    ($t:ty, $eps:expr, $to:expr, $from:expr) => {
+        impl TestElem for $t {
+            fn random(r: &mut StdRng, op: Option<ReduceOp>) -> Self {
+                // Products stay near 1 so eight ranks neither overflow nor underflow.
+                let x: f64 = match op {
+                    Some(ReduceOp::Prod) => r.gen_range(0.5..1.5),
+                    _ => r.gen_range(-1.0..1.0),
+                };
+                $from(x)
+            }
+            fn poison() -> Self { $from(-12345.0) }
+            fn check_reduced(vals: &[Self], op: ReduceOp, got: Self) -> Result<(), String> {
+                let v: Vec<f64> = vals.iter().map(|x| $to(*x)).collect();
+                let n = v.len() as f64;
+                let (want, scale) = match op {
+                    ReduceOp::Sum => (v.iter().sum::<f64>(), v.iter().map(|x| x.abs()).sum::<f64>()),
+                    ReduceOp::Avg => (v.iter().sum::<f64>() / n, v.iter().map(|x| x.abs()).sum::<f64>() / n),
+                    ReduceOp::Prod => { let p = v.iter().product::<f64>(); (p, p.abs()) }
+                    ReduceOp::Min => (v.iter().cloned().fold(f64::INFINITY, f64::min), 0.0),
+                    ReduceOp::Max => (v.iter().cloned().fold(f64::NEG_INFINITY, f64::max), 0.0),
+                    ReduceOp::PremulSum(s) => (v.iter().map(|x| x * s).sum::<f64>(), v.iter().map(|x| (x * s).abs()).sum::<f64>()),
+                    _ => unreachable!(),
+                };
+                // Documented tolerance: each of the n-1 combining steps (and the final scale)
+                // rounds once to the element type: |error| <= eps * (n + 2) * sum|x|.
+                let tol = $eps * (n + 2.0) * scale + 1e-30;
+                let g = $to(got);
+                if (g - want).abs() <= tol { Ok(()) } else { Err(format!("got {g}, want {want} ± {tol} (inputs {v:?}, {op})")) }
+            }
+        }
+    };
+}
+float_elem!(f32, f32::EPSILON as f64, |x: f32| x as f64, |x: f64| x as f32);
+float_elem!(f64, f64::EPSILON, |x: f64| x, |x: f64| x);
+float_elem!(f16, 0.000977, |x: f16| x.to_f64(), f16::from_f64);
+float_elem!(bf16, 0.0078125, |x: bf16| x.to_f64(), bf16::from_f64);
+
+pub const INT_OPS: [ReduceOp; 9] = [
+    ReduceOp::Sum,
+    ReduceOp::Prod,
+    ReduceOp::Min,
+    ReduceOp::Max,
+    ReduceOp::Avg,
+    ReduceOp::BAnd,
+    ReduceOp::BOr,
+    ReduceOp::BXor,
+    ReduceOp::PremulSum(3.0),
+];
+
+pub const FLOAT_OPS: [ReduceOp; 6] =
+    [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg, ReduceOp::PremulSum(0.5)];
+
+pub fn ops_for<T: Element>() -> &'static [ReduceOp] {
+    if T::DTYPE.is_float() {
+        &FLOAT_OPS
+    } else {
+        &INT_OPS
+    }
+}
+
+pub fn random_vec<T: TestElem>(r: &mut StdRng, n: usize, op: Option<ReduceOp>) -> Vec<T> {
+    (0..n).map(|_| T::random(r, op)).collect()
+}

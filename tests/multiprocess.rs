@@ -1,0 +1,167 @@
+//! Ranks as separate processes: the whole suite over shared memory (2 and 4 processes) and over
+//! TCP (3 processes), a rank killed with SIGKILL in the middle of a collective, and the
+//! launcher's teardown when a rank fails.
+//!
+//! The parent tests re-run this test binary as the ranks (`child_entry`, ignored by default).
+
+mod common;
+use common::*;
+use ferrocomm::prelude::*;
+use ferrocomm::Error;
+use std::io::Read;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const MODE: &str = "FERROCOMM_TEST_MODE";
+
+/// The rank side. Does nothing unless started by a parent test below.
+#[test]
+#[ignore = "run by the multi-process tests as their ranks"]
+fn child_entry() {
+    let Ok(mode) = std::env::var(MODE) else {
+        eprintln!("child_entry: not started by a multi-process test, nothing to do");
+        return;
+    };
+    let rank: usize = std::env::var("RANK").unwrap().parse().unwrap();
+    match mode.as_str() {
+        "suite" => {
+            let seed = std::env::var("FERROCOMM_TEST_SEED").unwrap().parse().unwrap();
+            let comm = new_comm("cpu", Device::Cpu, "mp-suite", CommOptions::from_env().unwrap()).unwrap();
+            let n = common::suite::run_all(&comm, seed);
+            comm.finalize().unwrap();
+            println!("child ok: {n} checked calls");
+        }
+        "killed-mid-collective" => {
+            let comm = new_comm("cpu", Device::Cpu, "mp-kill", CommOptions::from_env().unwrap()).unwrap();
+            let mut x = vec![1.0f32; 1 << 20];
+            loop {
+                match comm.all_reduce(&mut x, ReduceOp::Sum) {
+                    Ok(()) => println!("looping"),
+                    Err(e) => {
+                        println!("rank {rank} error: {e}");
+                        let code = if matches!(e, Error::PeerLost { op: "all_reduce", .. }) { 3 } else { 4 };
+                        std::process::exit(code);
+                    }
+                }
+            }
+        }
+        "one-rank-fails" => {
+            if rank == 1 {
+                println!("rank 1 fails now");
+                std::process::exit(7);
+            }
+            std::thread::sleep(Duration::from_secs(60));
+        }
+        other => panic!("unknown mode {other}"),
+    }
+}
+
+fn child_command(mode: &str) -> Command {
+    let mut c = Command::new(std::env::current_exe().unwrap());
+    c.args(["--ignored", "--exact", "child_entry", "--nocapture", "--test-threads=1"]).env(MODE, mode);
+    c
+}
+
+/// Waits for `c` at most `limit`, killing it if it runs longer; returns (status, stdout).
+fn wait_bounded(mut c: Child, limit: Duration) -> (std::process::ExitStatus, String) {
+    let deadline = Instant::now() + limit;
+    let status = loop {
+        if let Some(s) = c.try_wait().unwrap() {
+            break s;
+        }
+        if Instant::now() > deadline {
+            let _ = c.kill();
+            panic!("child did not finish within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut out = String::new();
+    c.stdout.take().unwrap().read_to_string(&mut out).unwrap();
+    (status, out)
+}
+
+fn launch(n: usize, mode: &str, envs: &[(&str, &str)]) -> (std::process::ExitStatus, String, Duration) {
+    let child = child_command(mode);
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ferrocomm-run"));
+    cmd.arg("-n").arg(n.to_string()).arg("--").arg(child.get_program()).args(child.get_args()).env(MODE, mode);
+    for (k, v) in envs {
+        cmd.env(k, v);
+    }
+    let t0 = Instant::now();
+    let c = cmd.stdout(Stdio::piped()).spawn().unwrap();
+    let (s, out) = wait_bounded(c, Duration::from_secs(300));
+    (s, out, t0.elapsed())
+}
+
+fn suite_across_processes(n: usize, envs: &[(&str, &str)]) {
+    let seed = fresh_seed().to_string();
+    let mut all = envs.to_vec();
+    all.push(("FERROCOMM_TEST_SEED", &seed));
+    all.push(("FERROCOMM_TIMEOUT", "60"));
+    let (status, out, _) = launch(n, "suite", &all);
+    assert!(status.success(), "ranks failed:\n{out}");
+    for r in 0..n {
+        assert!(out.lines().any(|l| l.starts_with(&format!("[{r}]: ")) && l.contains("child ok")), "rank {r} did not finish:\n{out}");
+    }
+}
+
+#[test]
+fn every_collective_two_processes_shared_memory() {
+    suite_across_processes(2, &[]);
+}
+
+#[test]
+fn every_collective_four_processes_shared_memory() {
+    suite_across_processes(4, &[]);
+}
+
+#[test]
+fn every_collective_three_processes_over_tcp() {
+    suite_across_processes(3, &[("FERROCOMM_TRANSPORT", "tcp")]);
+}
+
+/// Rank 2 is SIGKILLed while all ranks loop over large all_reduces (timeout 60 s): the other
+/// ranks must report the lost peer within seconds, not hang until the timeout.
+#[test]
+fn sigkill_in_a_collective_gives_every_other_rank_an_error() {
+    for transport in ["auto", "tcp"] {
+        let token = ferrocomm::random_token();
+        let server = ferrocomm::TcpStoreServer::bind("127.0.0.1:0", &token).unwrap();
+        let port = server.addr().port().to_string();
+        let children: Vec<Child> = (0..3)
+            .map(|r| {
+                child_command("killed-mid-collective")
+                    .envs([("RANK", r.to_string()), ("WORLD_SIZE", "3".into()), ("LOCAL_RANK", r.to_string())])
+                    .envs([("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", &port), ("FERROCOMM_TOKEN", &token)])
+                    .envs([("FERROCOMM_STORE_EXTERNAL", "1"), ("FERROCOMM_TIMEOUT", "60"), ("FERROCOMM_TRANSPORT", transport)])
+                    .stdout(Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(1500));
+        // SAFETY: killing our own child.
+        unsafe { libc::kill(children[2].id() as i32, libc::SIGKILL) };
+        let killed_at = Instant::now();
+        let mut it = children.into_iter();
+        let survivors: Vec<Child> = it.by_ref().take(2).collect();
+        let mut victim = it.next().unwrap();
+        for (r, c) in survivors.into_iter().enumerate() {
+            let (status, out) = wait_bounded(c, Duration::from_secs(30));
+            assert_eq!(status.code(), Some(3), "{transport}: rank {r} should report PeerLost in all_reduce:\n{out}");
+            assert!(out.contains("looping"), "{transport}: rank {r} was not inside the collective loop yet:\n{out}");
+        }
+        let took = killed_at.elapsed();
+        let _ = victim.wait();
+        eprintln!("{transport}: survivors reported the loss {took:?} after SIGKILL");
+        assert!(took < Duration::from_secs(10), "{transport}: took {took:?}");
+    }
+}
+
+#[test]
+fn launcher_stops_every_rank_when_one_fails() {
+    let (status, out, took) = launch(3, "one-rank-fails", &[]);
+    assert_eq!(status.code(), Some(7), "launcher should exit with the failed rank's code:\n{out}");
+    assert!(out.lines().any(|l| l.starts_with("[1]: ") && l.contains("rank 1 fails now")), "rank output is prefixed:\n{out}");
+    assert!(took < Duration::from_secs(20), "the sleeping ranks were not torn down ({took:?})");
+}
