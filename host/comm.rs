@@ -119,7 +119,7 @@ impl Comm {
         if size == 0 || rank >= size {
             return Err(Error::InvalidRank { op: "new_comm", rank, size });
         }
-        let factory = backend::factory(backend)?;
+        let factory = backend::backend_factory(backend)?;
         let scoped: Arc<dyn Store> = Arc::new(PrefixStore::new(prefix.clone(), store.clone()));
         let b = factory(&BackendInit { rank, size, store: scoped, name, device, options: &options })?;
         tracing::debug!(name, backend, rank, size, "communicator ready");

@@ -67,7 +67,7 @@ mod reduce;
 mod transport;
 mod work;
 
-pub use backend::{backend_names, register_backend, Backend, BackendFactory, BackendInit, RunOptions};
+pub use backend::{backend_factory, backend_names, register_backend, Backend, BackendFactory, BackendInit, RunOptions};
 pub use bootstrap::{
     discover, random_token, store_addr, store_from_env, FileStore, MemoryStore, PrefixStore, RankInfo, Store, StoreAddr,
     TcpStore, TcpStoreServer, DEFAULT_MAX_FRAME,

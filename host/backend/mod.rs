@@ -77,7 +77,8 @@ pub fn backend_names() -> Vec<String> {
     v
 }
 
-pub(crate) fn factory(name: &str) -> Result<BackendFactory> {
+/// The factory registered as `name` (a user backend may wrap a built-in one).
+pub fn backend_factory(name: &str) -> Result<BackendFactory> {
     registry()
         .read()
         .unwrap_or_else(|p| p.into_inner())

@@ -9,6 +9,7 @@ use super::auth::{self, NONCE_BYTES, PROOF_BYTES};
 use super::store::{timeout_err, Store, Table};
 use super::wire::{read_frame, write_frame, Dec, Enc, DEFAULT_MAX_FRAME};
 use crate::error::{Error, Result};
+use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -38,7 +39,8 @@ mod status {
 pub struct TcpStoreServer {
     addr: SocketAddr,
     stop: Arc<AtomicBool>,
-    conns: Arc<Mutex<Vec<TcpStream>>>,
+    /// Open client connections, so dropping the server can close them.
+    conns: Arc<Mutex<HashMap<u64, TcpStream>>>,
     accept: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -55,7 +57,7 @@ impl TcpStoreServer {
         let listener = TcpListener::bind(addr).map_err(|e| Error::io("bind TCP store", e))?;
         let addr = listener.local_addr().map_err(|e| Error::io("TCP store address", e))?;
         let stop = Arc::new(AtomicBool::new(false));
-        let conns = Arc::new(Mutex::new(Vec::new()));
+        let conns: Arc<Mutex<HashMap<u64, TcpStream>>> = Arc::default();
         let table = Arc::new(Table::default());
         let token: Arc<[u8]> = token.as_bytes().into();
         let (stop2, conns2) = (stop.clone(), conns.clone());
@@ -63,6 +65,7 @@ impl TcpStoreServer {
         let accept = std::thread::Builder::new()
             .name("ferrocomm-store".into())
             .spawn(move || {
+                let mut next_id = 0u64;
                 for stream in listener.incoming() {
                     if stop2.load(Ordering::Acquire) {
                         break;
@@ -72,15 +75,20 @@ impl TcpStoreServer {
                         tracing::warn!("store: connection limit reached, refusing a client");
                         continue;
                     }
+                    let id = next_id;
+                    next_id += 1;
                     if let Ok(c) = stream.try_clone() {
-                        conns2.lock().unwrap_or_else(|p| p.into_inner()).push(c);
+                        conns2.lock().unwrap_or_else(|p| p.into_inner()).insert(id, c);
                     }
-                    let (table, token, live) = (table.clone(), token.clone(), live.clone());
+                    let (table, token, live, conns) = (table.clone(), token.clone(), live.clone(), conns2.clone());
                     live.fetch_add(1, Ordering::AcqRel);
                     let spawned = std::thread::Builder::new().name("ferrocomm-store-conn".into()).spawn(move || {
-                        if let Err(e) = serve(stream, &table, &token, max_frame) {
+                        if let Err(e) = serve(&stream, &table, &token, max_frame) {
                             tracing::debug!("store: client dropped: {e}");
                         }
+                        // The clone kept for `Drop` would hold the socket open: close it here.
+                        let _ = stream.shutdown(Shutdown::Both);
+                        conns.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
                         live.fetch_sub(1, Ordering::AcqRel);
                     });
                     if spawned.is_err() {
@@ -107,7 +115,7 @@ impl Drop for TcpStoreServer {
         self.stop.store(true, Ordering::Release);
         // Wake the accept loop so it sees `stop`.
         let _ = TcpStream::connect_timeout(&self.addr, Duration::from_secs(1));
-        for c in self.conns.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
+        for (_, c) in self.conns.lock().unwrap_or_else(|p| p.into_inner()).drain() {
             let _ = c.shutdown(Shutdown::Both);
         }
         if let Some(h) = self.accept.take() {
@@ -116,7 +124,7 @@ impl Drop for TcpStoreServer {
     }
 }
 
-fn server_handshake(s: &mut TcpStream, token: &[u8]) -> Result<()> {
+fn server_handshake(mut s: &TcpStream, token: &[u8]) -> Result<()> {
     let nonce = auth::nonce();
     let mut hello = MAGIC.to_vec();
     hello.extend_from_slice(&nonce);
@@ -136,9 +144,9 @@ fn server_handshake(s: &mut TcpStream, token: &[u8]) -> Result<()> {
     s.write_all(&ok).map_err(|e| Error::io("store handshake", e))
 }
 
-fn serve(mut s: TcpStream, table: &Table, token: &[u8], max_frame: u32) -> Result<()> {
+fn serve(mut s: &TcpStream, table: &Table, token: &[u8], max_frame: u32) -> Result<()> {
     s.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(|e| Error::io("store socket", e))?;
-    server_handshake(&mut s, token)?;
+    server_handshake(s, token)?;
     s.set_read_timeout(None).map_err(|e| Error::io("store socket", e))?;
     s.set_nodelay(true).map_err(|e| Error::io("store socket", e))?;
     while let Some(req) = read_frame(&mut s, max_frame, "store request")? {
@@ -217,10 +225,13 @@ fn deadline_after(ms: u64) -> Instant {
     Instant::now() + Duration::from_millis(ms.min(365 * 24 * 3600 * 1000))
 }
 
-/// A connection to a [`TcpStoreServer`].
+/// A client of a [`TcpStoreServer`]. Each call takes an idle authenticated connection (or
+/// opens one), so a blocking `get` or `wait` never holds up calls from other threads.
 pub struct TcpStore {
-    stream: Mutex<TcpStream>,
+    idle: Mutex<Vec<TcpStream>>,
     server: SocketAddr,
+    token: String,
+    local_ip: Option<IpAddr>,
     max_frame: u32,
 }
 
@@ -230,43 +241,37 @@ impl TcpStore {
     pub fn connect(addr: impl ToSocketAddrs, token: &str, timeout: Duration) -> Result<TcpStore> {
         let addrs: Vec<SocketAddr> = addr.to_socket_addrs().map_err(|e| Error::io("resolve store address", e))?.collect();
         let server = *addrs.first().ok_or_else(|| Error::Config("store address resolves to nothing".into()))?;
-        let deadline = Instant::now() + timeout;
-        let mut stream = loop {
-            match TcpStream::connect_timeout(&server, Duration::from_secs(1)) {
-                Ok(s) => break s,
-                Err(e) if Instant::now() >= deadline => {
-                    return Err(Error::io(format!("connect to store at {server} (gave up after {timeout:?})"), e))
-                }
-                Err(_) => std::thread::sleep(Duration::from_millis(50)),
-            }
-        };
-        stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(|e| Error::io("store socket", e))?;
-        client_handshake(&mut stream, token.as_bytes())?;
-        stream.set_nodelay(true).map_err(|e| Error::io("store socket", e))?;
-        Ok(TcpStore {
-            stream: Mutex::new(stream),
-            server,
-            max_frame: DEFAULT_MAX_FRAME,
-        })
+        let first = open_connection(server, token, Instant::now() + timeout)?;
+        let local_ip = first.local_addr().ok().map(|a| a.ip());
+        Ok(TcpStore { idle: Mutex::new(vec![first]), server, token: token.to_owned(), local_ip, max_frame: DEFAULT_MAX_FRAME })
     }
 
     fn call(&self, req: &[u8], wait: Duration) -> Result<Vec<u8>> {
-        let mut s = self.stream.lock().unwrap_or_else(|p| p.into_inner());
+        let pooled = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let mut s = match pooled {
+            Some(s) => s,
+            None => open_connection(self.server, &self.token, Instant::now() + Duration::from_secs(10))?,
+        };
         let lost = |e: std::io::Error| Error::io(format!("store at {}", self.server), e);
         // The server answers a blocking call when it ends; give it that long plus a margin.
         s.set_read_timeout(Some(wait + Duration::from_secs(10))).map_err(lost)?;
-        write_frame(&mut *s, req).map_err(lost)?;
-        match read_frame(&mut *s, self.max_frame, "store reply")? {
-            Some(r) => Ok(r),
-            None => Err(Error::io(
-                format!("store at {}", self.server),
-                std::io::Error::new(std::io::ErrorKind::ConnectionAborted, "the store server closed the connection"),
-            )),
-        }
+        write_frame(&mut s, req).map_err(lost)?;
+        let reply = match read_frame(&mut s, self.max_frame, "store reply")? {
+            Some(r) => r,
+            None => {
+                return Err(Error::io(
+                    format!("store at {}", self.server),
+                    std::io::Error::new(std::io::ErrorKind::ConnectionAborted, "the store server closed the connection"),
+                ))
+            }
+        };
+        // Only a connection that finished its exchange cleanly goes back to the pool.
+        self.idle.lock().unwrap_or_else(|p| p.into_inner()).push(s);
+        Ok(reply)
     }
 
     /// Splits a reply into its status and payload; turns server-side errors into ours.
-    fn ok<'a>(reply: &'a [u8], wait: Duration) -> Result<Dec<'a>> {
+    fn ok(reply: &[u8], wait: Duration) -> Result<Dec<'_>> {
         let mut d = Dec::new(reply);
         match d.u8()? {
             status::OK => Ok(d),
@@ -275,6 +280,20 @@ impl TcpStore {
             s => Err(Error::protocol("store reply", format!("unknown status {s}"))),
         }
     }
+}
+
+fn open_connection(server: SocketAddr, token: &str, deadline: Instant) -> Result<TcpStream> {
+    let mut stream = loop {
+        match TcpStream::connect_timeout(&server, Duration::from_secs(1)) {
+            Ok(s) => break s,
+            Err(e) if Instant::now() >= deadline => return Err(Error::io(format!("connect to store at {server}"), e)),
+            Err(_) => std::thread::sleep(Duration::from_millis(50)),
+        }
+    };
+    stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(|e| Error::io("store socket", e))?;
+    client_handshake(&mut stream, token.as_bytes())?;
+    stream.set_nodelay(true).map_err(|e| Error::io("store socket", e))?;
+    Ok(stream)
 }
 
 fn client_handshake(s: &mut TcpStream, token: &[u8]) -> Result<()> {
@@ -339,7 +358,6 @@ impl Store for TcpStore {
         Self::ok(&r, timeout)?.finish()
     }
     fn local_addr_hint(&self) -> Option<IpAddr> {
-        let s = self.stream.lock().unwrap_or_else(|p| p.into_inner());
-        s.local_addr().ok().map(|a| a.ip())
+        self.local_ip
     }
 }

@@ -13,7 +13,16 @@ use std::time::Duration;
 /// Runs `f(comm)` on each rank of an in-process group of `n`, one thread per rank; returns the
 /// per-rank results in rank order. A panicking rank fails the test.
 pub fn run_group<R: Send>(n: usize, name: &str, options: CommOptions, f: impl Fn(&Comm) -> R + Sync) -> Vec<R> {
-    let comms = Comm::new_group("cpu", &vec![Device::Cpu; n], name, options).expect("new_group");
+    run_group_with("cpu", n, name, options, f)
+}
+
+/// `run_group` on a named backend with a 10 s timeout.
+pub fn run_group_on<R: Send>(backend: &str, n: usize, name: &str, f: impl Fn(&Comm) -> R + Sync) -> Vec<R> {
+    run_group_with(backend, n, name, options(Duration::from_secs(10)), f)
+}
+
+fn run_group_with<R: Send>(backend: &str, n: usize, name: &str, options: CommOptions, f: impl Fn(&Comm) -> R + Sync) -> Vec<R> {
+    let comms = Comm::new_group(backend, &vec![Device::Cpu; n], name, options).expect("new_group");
     std::thread::scope(|s| {
         let hs: Vec<_> = comms.iter().map(|c| s.spawn(|| f(c))).collect();
         hs.into_iter().map(|h| h.join().expect("rank panicked")).collect()

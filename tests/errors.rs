@@ -1,0 +1,232 @@
+//! Bad input gets a specific error, never a panic; the communicator stays usable after a
+//! locally detected error; ranks that call different operations get `Error::Mismatch`.
+
+mod common;
+use common::*;
+use ferrocomm::prelude::*;
+use ferrocomm::Error;
+use std::time::Duration;
+
+fn group(n: usize, name: &str) -> Vec<Comm> {
+    Comm::new_group("cpu", &vec![Device::Cpu; n], name, options(Duration::from_secs(5))).unwrap()
+}
+
+#[test]
+fn mismatched_buffer_sizes_are_size_mismatch_errors() {
+    let comms = group(1, "sizes1");
+    let c = &comms[0];
+    let comms2 = group(2, "sizes2");
+    let c2 = &comms2[0];
+    let mut out = vec![0f32; 3];
+    assert!(matches!(c2.all_gather(&mut out, &[1.0f32]), Err(Error::SizeMismatch { op: "all_gather", .. })));
+    assert!(matches!(c2.reduce_scatter(&mut [0f32; 1], &[1.0f32; 3], ReduceOp::Sum), Err(Error::SizeMismatch { .. })));
+    assert!(matches!(c.all_gather_v(&mut [0i32; 4], &[1], &[2]), Err(Error::SizeMismatch { op: "all_gather_v", .. })));
+    assert!(matches!(c.reduce_scatter_v(&mut [0i32; 2], &[1, 2, 3], &[3], ReduceOp::Sum), Err(Error::SizeMismatch { .. })));
+    // The own slot of a list form must match this rank's input.
+    let mut slot = [0i64; 2];
+    assert!(matches!(c.all_gather_list(vec![&mut slot[..]], &[1i64]), Err(Error::SizeMismatch { op: "all_gather", .. })));
+    // Wrong number of per-rank parts.
+    let (mut a, mut b) = ([0u8; 1], [0u8; 1]);
+    assert!(matches!(c.all_gather_list(vec![&mut a[..], &mut b[..]], &[1u8]), Err(Error::SizeMismatch { .. })));
+    assert!(matches!(c.all_to_all_v(&mut [0u8; 2], &[1u8; 2], &[2], &[1]), Err(Error::SizeMismatch { .. })));
+    // Still usable: nothing was sent.
+    let mut x = [5i32];
+    c.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+    assert_eq!(x, [5]);
+}
+
+#[test]
+fn bitwise_ops_on_floats_and_bad_scalars_are_rejected() {
+    let comms = group(1, "dtype");
+    let c = &comms[0];
+    for op in [ReduceOp::BAnd, ReduceOp::BOr, ReduceOp::BXor] {
+        assert!(matches!(c.all_reduce(&mut [1.0f32], op), Err(Error::UnsupportedReduce { dtype: "f32", .. })));
+        assert!(matches!(c.all_reduce(&mut [ferrocomm::bf16::ONE], op), Err(Error::UnsupportedReduce { dtype: "bf16", .. })));
+        assert!(matches!(c.reduce(&mut [1.0f64], op, 0), Err(Error::UnsupportedReduce { dtype: "f64", .. })));
+    }
+    assert!(matches!(c.all_reduce(&mut [1.0f32], ReduceOp::PremulSum(f64::NAN)), Err(Error::InvalidArgument { .. })));
+    let mut x = [6u8];
+    c.all_reduce(&mut x, ReduceOp::BAnd).unwrap();
+    assert_eq!(x, [6]);
+}
+
+#[test]
+fn ranks_out_of_range_are_invalid_rank_errors() {
+    let comms = group(2, "ranks");
+    let c = &comms[0];
+    assert!(matches!(c.reduce(&mut [1i32], ReduceOp::Sum, 2), Err(Error::InvalidRank { op: "reduce", rank: 2, size: 2 })));
+    assert!(matches!(c.broadcast(&mut [1i32], 9), Err(Error::InvalidRank { .. })));
+    assert!(matches!(c.send(&[1i32], 2), Err(Error::InvalidRank { op: "send", .. })));
+    assert!(matches!(c.recv(&mut [1i32], 5), Err(Error::InvalidRank { op: "recv", .. })));
+    assert!(matches!(c.scatter(&mut [0i32], Some(&[1, 2][..]), 3), Err(Error::InvalidRank { .. })));
+    assert!(matches!(c.gather(None, &[1i32], 3), Err(Error::InvalidRank { .. })));
+}
+
+#[test]
+fn malformed_splits_are_invalid_split_errors() {
+    let comms = group(3, "badsplit");
+    let c = &comms[0];
+    assert!(matches!(c.split(&[0, 0], "dup"), Err(Error::InvalidSplit(_))));
+    assert!(matches!(c.split(&[0, 3], "range"), Err(Error::InvalidSplit(_))));
+    assert!(matches!(c.split(&[1, 2], "not-me"), Err(Error::InvalidSplit(_))));
+}
+
+#[test]
+fn splits_that_disagree_across_ranks_fail_on_every_rank() {
+    let lists = [vec![0, 1], vec![1, 2], vec![2]];
+    let r = run_group(3, "disagree", options(Duration::from_secs(5)), |c| c.split(&lists[c.rank()], "x").map(|o| o.is_some()));
+    for (rank, res) in r.iter().enumerate() {
+        assert!(matches!(res, Err(Error::InvalidSplit(_))), "rank {rank}: {res:?}");
+    }
+}
+
+#[test]
+fn split_makes_working_sub_communicators_in_list_order() {
+    // Ranks 0 and 2 form one group (ordered [2, 0]), 1 and 3 another; rank 4 joins none.
+    let lists = [vec![2, 0], vec![1, 3], vec![2, 0], vec![1, 3], vec![]];
+    let r = run_group(5, "split", options(Duration::from_secs(10)), |c| {
+        let sub = c.split(&lists[c.rank()], "half").unwrap();
+        sub.map(|s| {
+            let mut x = [c.rank() as i32];
+            s.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+            let mut who = vec![0i32; s.size()];
+            s.all_gather(&mut who, &[c.rank() as i32]).unwrap();
+            (s.rank(), s.size(), x[0], who)
+        })
+    });
+    assert_eq!(r[0], Some((1, 2, 2, vec![2, 0])));
+    assert_eq!(r[2], Some((0, 2, 2, vec![2, 0])));
+    assert_eq!(r[1], Some((0, 2, 4, vec![1, 3])));
+    assert_eq!(r[3], Some((1, 2, 4, vec![1, 3])));
+    assert_eq!(r[4], None);
+}
+
+#[test]
+fn different_sizes_across_ranks_are_a_mismatch() {
+    let r = run_group(2, "mm-size", options(Duration::from_secs(3)), |c| {
+        let mut x = vec![1.0f32; 10 + 2 * c.rank()];
+        c.all_reduce(&mut x, ReduceOp::Sum)
+    });
+    assert!(r.iter().all(|x| x.is_err()), "{r:?}");
+    assert!(r.iter().any(|x| matches!(x, Err(Error::Mismatch { op: "all_reduce", .. }))), "{r:?}");
+}
+
+#[test]
+fn different_operations_or_dtypes_across_ranks_are_a_mismatch() {
+    let r = run_group(2, "mm-op", options(Duration::from_secs(3)), |c| {
+        let mut x = vec![1.0f32; 4];
+        if c.rank() == 0 {
+            c.all_reduce(&mut x, ReduceOp::Sum)
+        } else {
+            c.broadcast(&mut x, 1)
+        }
+    });
+    assert!(r.iter().any(|x| matches!(x, Err(Error::Mismatch { .. }))), "{r:?}");
+    let r = run_group(2, "mm-dtype", options(Duration::from_secs(3)), |c| {
+        if c.rank() == 0 {
+            c.all_reduce(&mut [1.0f32; 4], ReduceOp::Max)
+        } else {
+            c.all_reduce(&mut [1i32; 4], ReduceOp::Max)
+        }
+    });
+    assert!(r.iter().all(|x| matches!(x, Err(Error::Mismatch { op: "all_reduce", .. }))), "{r:?}");
+}
+
+#[test]
+fn unknown_backends_and_devices_are_clear_errors() {
+    let o = options(Duration::from_secs(1));
+    assert!(matches!(Comm::new_group("nope", &[Device::Cpu], "x", o.clone()), Err(Error::UnknownBackend(..))));
+    assert!(matches!(Comm::new_group("cpu", &[Device::Cuda(0)], "x", o.clone()), Err(Error::Unavailable { .. })));
+    assert!(matches!(Comm::new_group("auto", &[Device::Cuda(0)], "x", o), Err(Error::Unavailable { .. })));
+}
+
+#[test]
+fn a_finalized_communicator_refuses_operations() {
+    let comms = group(1, "fin");
+    comms[0].finalize().unwrap();
+    assert!(matches!(comms[0].all_reduce(&mut [1i32], ReduceOp::Sum), Err(Error::Closed { state: "finalized", .. })));
+}
+
+#[test]
+fn object_collectives_round_trip_any_serde_type() {
+    let r = run_group(3, "objects", options(Duration::from_secs(10)), |c| {
+        let me = (c.rank(), format!("rank-{}", c.rank()), vec![c.rank() as f64; c.rank()]);
+        let all = c.all_gather_object(&me).unwrap();
+        let b: String = c.broadcast_object((c.rank() == 1).then(|| "from one".to_string()).as_ref(), 1).unwrap();
+        let g = c.gather_object(&me.1, 2).unwrap();
+        let items: Vec<u32> = vec![10, 20, 30];
+        let s: u32 = c.scatter_object((c.rank() == 0).then_some(&items[..]), 0).unwrap();
+        (all, b, g, s)
+    });
+    for (rank, (all, b, g, s)) in r.iter().enumerate() {
+        assert_eq!(all.len(), 3);
+        assert_eq!(all[2], (2, "rank-2".to_string(), vec![2.0, 2.0]));
+        assert_eq!(b, "from one");
+        assert_eq!(g.is_some(), rank == 2);
+        assert_eq!(*s, [10, 20, 30][rank]);
+    }
+    assert_eq!(r[2].2.as_ref().unwrap(), &vec!["rank-0".to_string(), "rank-1".into(), "rank-2".into()]);
+}
+
+#[test]
+fn async_work_completes_in_issue_order_with_sync_calls() {
+    let r = run_group(3, "async", options(Duration::from_secs(10)), |c| {
+        let mut a = vec![c.rank() as i64; 1000];
+        let mut b = vec![1i64; 7];
+        let mut after = [c.rank() as i64];
+        c.scope(|s| {
+            let wa = s.all_reduce(&mut a, ReduceOp::Sum).unwrap();
+            let wb = s.with_options(OpOptions::new().timeout(Duration::from_secs(5))).all_reduce(&mut b, ReduceOp::Prod).unwrap();
+            // A synchronous call queues behind the asynchronous ones.
+            c.all_reduce(&mut after, ReduceOp::Max).unwrap();
+            assert!(wa.is_completed() && wb.is_completed());
+            wb.wait().unwrap();
+            wa.wait_timeout(Duration::from_secs(1)).unwrap();
+        });
+        (a, b, after)
+    });
+    for (a, b, after) in r {
+        assert_eq!(a, vec![3; 1000]);
+        assert_eq!(b, vec![1; 7]);
+        assert_eq!(after, [2]);
+    }
+}
+
+#[test]
+fn users_can_register_their_own_backend() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    // A user backend that counts operations and delegates the work to the CPU backend.
+    struct Counting(Box<dyn ferrocomm::Backend>, Arc<AtomicUsize>);
+    impl ferrocomm::Backend for Counting {
+        fn name(&self) -> &'static str {
+            "counting"
+        }
+        fn run(&self, op: &mut ferrocomm::Op<'_>, o: &ferrocomm::RunOptions) -> ferrocomm::Result<()> {
+            self.1.fetch_add(1, Ordering::Relaxed);
+            self.0.run(op, o)
+        }
+        fn abort(&self) {
+            self.0.abort()
+        }
+        fn finalize(&self) -> ferrocomm::Result<()> {
+            self.0.finalize()
+        }
+    }
+    let count = Arc::new(AtomicUsize::new(0));
+    let c2 = count.clone();
+    let cpu = ferrocomm::backend_factory("cpu").unwrap();
+    ferrocomm::register_backend(
+        "counting",
+        Arc::new(move |init: &ferrocomm::BackendInit| Ok(Box::new(Counting(cpu(init)?, c2.clone())) as Box<dyn ferrocomm::Backend>)),
+    );
+    assert!(ferrocomm::backend_names().contains(&"counting".to_string()));
+    let r = run_group_on("counting", 2, "mine", |c| {
+        let mut x = [c.rank() as i32 + 1];
+        c.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+        c.barrier().unwrap();
+        (x[0], c.backend_name().to_string())
+    });
+    assert_eq!(r, vec![(3, "counting".to_string()); 2]);
+    assert_eq!(count.load(Ordering::Relaxed), 4);
+}

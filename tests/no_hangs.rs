@@ -1,0 +1,135 @@
+//! Every blocking wait ends: a rank that never joins gives the others `Error::Timeout` naming the
+//! operation within timeout + 1 s; a rank that leaves or aborts gives them an error at once.
+
+mod common;
+use common::*;
+use ferrocomm::prelude::*;
+use ferrocomm::Error;
+use std::time::{Duration, Instant};
+
+const TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Ranks 0 and 1 call `op`; rank 2 never does (it waits until the others are done).
+fn absent_rank(name: &str, op: impl Fn(&Comm) -> ferrocomm::Result<()> + Sync) -> Vec<(Result<(), Error>, Duration)> {
+    let done = std::sync::Barrier::new(3);
+    let r = run_group(3, name, options(TIMEOUT), |c| {
+        if c.rank() == 2 {
+            done.wait();
+            return None;
+        }
+        let t0 = Instant::now();
+        let res = op(c);
+        let took = t0.elapsed();
+        done.wait();
+        Some((res, took))
+    });
+    r.into_iter().flatten().collect()
+}
+
+#[test]
+fn a_rank_that_never_joins_gives_timeout_naming_the_op() {
+    let cases: Vec<(&str, Box<dyn Fn(&Comm) -> ferrocomm::Result<()> + Sync>)> = vec![
+        ("all_reduce", Box::new(|c| c.all_reduce(&mut [1.0f32; 64], ReduceOp::Sum))),
+        ("barrier", Box::new(|c| c.barrier())),
+        ("broadcast", Box::new(|c| c.broadcast(&mut vec![0i32; 1 << 18], 2))),
+        ("recv", Box::new(|c| c.recv(&mut [0u8; 8], 2))),
+        ("all_gather", Box::new(|c| c.all_gather(&mut vec![0i64; 3 * 100_000], &vec![1i64; 100_000]))),
+    ];
+    for (op, f) in cases {
+        for (res, took) in absent_rank(&format!("absent-{op}"), f) {
+            match res {
+                Err(Error::Timeout { op: got, .. }) => assert_eq!(got, op),
+                other => panic!("{op}: expected Timeout, got {other:?}"),
+            }
+            assert!(took >= TIMEOUT && took <= TIMEOUT + Duration::from_secs(1), "{op}: took {took:?}");
+        }
+    }
+}
+
+#[test]
+fn per_op_timeout_overrides_the_communicator_default() {
+    let done = std::sync::Barrier::new(2);
+    let r = run_group(2, "per-op", options(Duration::from_secs(60)), |c| {
+        if c.rank() == 1 {
+            done.wait();
+            return Duration::ZERO;
+        }
+        let t0 = Instant::now();
+        let e = c.with_options(OpOptions::new().timeout(Duration::from_millis(300))).barrier();
+        assert!(matches!(e, Err(Error::Timeout { op: "barrier", peer: Some(1), .. })), "{e:?}");
+        done.wait();
+        t0.elapsed()
+    });
+    assert!(r[0] < Duration::from_secs(2), "took {:?}", r[0]);
+}
+
+#[test]
+fn wait_timeout_on_work_returns_while_the_operation_continues() {
+    let go = std::sync::Barrier::new(2);
+    let r = run_group(2, "work-timeout", options(Duration::from_secs(10)), |c| {
+        let mut x = [c.rank() as i32 + 1];
+        if c.rank() == 1 {
+            go.wait(); // join only after rank 0 has seen its wait_timeout expire
+            c.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+            return x[0];
+        }
+        c.scope(|s| {
+            let w = s.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+            assert!(matches!(w.wait_timeout(Duration::from_millis(100)), Err(Error::Timeout { op: "all_reduce", .. })));
+            assert!(!w.is_completed());
+            go.wait();
+            w.wait().unwrap();
+        });
+        x[0]
+    });
+    assert_eq!(r, vec![3, 3]);
+}
+
+#[test]
+fn a_rank_that_drops_its_communicator_gives_peer_lost_at_once() {
+    let comms = Comm::new_group("cpu", &[Device::Cpu; 3], "dropped", options(Duration::from_secs(30))).unwrap();
+    let mut it = comms.into_iter();
+    let (c0, c1) = (it.next().unwrap(), it.next().unwrap());
+    drop(it); // rank 2 leaves
+    let t0 = Instant::now();
+    std::thread::scope(|s| {
+        for c in [&c0, &c1] {
+            s.spawn(move || {
+                let e = c.all_reduce(&mut [1.0f64; 16], ReduceOp::Sum);
+                assert!(matches!(e, Err(Error::PeerLost { op: "all_reduce", peer: 2, .. })), "{e:?}");
+            });
+        }
+    });
+    assert!(t0.elapsed() < Duration::from_secs(2), "took {:?}", t0.elapsed());
+}
+
+#[test]
+fn abort_from_another_thread_ends_a_waiting_operation_and_peers_see_it() {
+    let comms = Comm::new_group("cpu", &[Device::Cpu; 2], "abort", options(Duration::from_secs(30))).unwrap();
+    let t0 = Instant::now();
+    std::thread::scope(|s| {
+        let c0 = &comms[0];
+        let waiter = s.spawn(move || c0.recv(&mut [0u8; 4], 1));
+        std::thread::sleep(Duration::from_millis(200));
+        c0.abort();
+        let e = waiter.join().unwrap();
+        assert!(matches!(e, Err(Error::Closed { state: "aborted", .. })), "{e:?}");
+    });
+    assert!(t0.elapsed() < Duration::from_secs(2));
+    assert!(matches!(comms[0].barrier(), Err(Error::Closed { .. })));
+    let e = comms[1].recv(&mut [0u8; 4], 0);
+    assert!(matches!(e, Err(Error::PeerLost { peer: 0, .. })), "{e:?}");
+}
+
+#[test]
+fn after_a_failed_transfer_the_communicator_refuses_further_operations() {
+    let done = std::sync::Barrier::new(2);
+    run_group(2, "broken", options(Duration::from_millis(300)), |c| {
+        if c.rank() == 0 {
+            assert!(matches!(c.barrier(), Err(Error::Timeout { .. })));
+            let e = c.barrier();
+            assert!(matches!(e, Err(Error::Closed { .. })), "{e:?}");
+        }
+        done.wait();
+    });
+}
