@@ -30,7 +30,10 @@ fn demo(comm: &Comm) -> ferrocomm::Result<()> {
     comm.batch().send(&token, right).recv(&mut from_left, left).issue()?;
     println!("rank {rank}: ring recv        = {} (from rank {left})", from_left[0]);
 
-    let cfg = (rank == 0).then(|| Config { learning_rate: 3e-4, layers: vec![512, 512, 10] });
+    let cfg = (rank == 0).then(|| Config {
+        learning_rate: 3e-4,
+        layers: vec![512, 512, 10],
+    });
     let cfg: Config = comm.broadcast_object(cfg.as_ref(), 0)?;
     println!("rank {rank}: broadcast_object = {cfg:?}");
     comm.finalize()
@@ -46,6 +49,8 @@ fn main() -> ferrocomm::Result<()> {
     let comms = Comm::new_group("auto", &[Device::Cpu; 4], "quickstart", options)?;
     std::thread::scope(|s| {
         let handles: Vec<_> = comms.iter().map(|c| s.spawn(move || demo(c))).collect();
-        handles.into_iter().try_for_each(|h| h.join().expect("rank thread panicked"))
+        handles
+            .into_iter()
+            .try_for_each(|h| h.join().expect("rank thread panicked"))
     })
 }

@@ -33,65 +33,122 @@ pub trait Collectives<'a>: Sized {
 
     /// Reduces `buf` across ranks in place; every rank gets the result.
     fn all_reduce<T: Element>(&self, buf: &'a mut [T], op: ReduceOp) -> Result<Self::Output> {
-        self.call(Op::AllReduce { buf: BufMut::new(buf), op })
+        self.call(Op::AllReduce {
+            buf: BufMut::new(buf),
+            op,
+        })
     }
 
     /// Reduces into `root`'s `buf`; other ranks' buffers are unchanged.
     fn reduce<T: Element>(&self, buf: &'a mut [T], op: ReduceOp, root: usize) -> Result<Self::Output> {
-        self.call(Op::Reduce { buf: BufMut::new(buf), op, root })
+        self.call(Op::Reduce {
+            buf: BufMut::new(buf),
+            op,
+            root,
+        })
     }
 
     /// Copies `root`'s `buf` to every rank's `buf`.
     fn broadcast<T: Element>(&self, buf: &'a mut [T], root: usize) -> Result<Self::Output> {
-        self.call(Op::Broadcast { buf: BufMut::new(buf), root })
+        self.call(Op::Broadcast {
+            buf: BufMut::new(buf),
+            root,
+        })
     }
 
     /// `output` (size × input) receives every rank's `input` in rank order.
     fn all_gather<T: Element>(&self, output: &'a mut [T], input: &'a [T]) -> Result<Self::Output> {
         let counts = equal_counts("all_gather", output.len(), self.comm().size())?;
-        self.call(Op::AllGather { input: Buf::new(input), outputs: split_counts_mut("all_gather", output, &counts)? })
+        self.call(Op::AllGather {
+            input: Buf::new(input),
+            outputs: split_counts_mut("all_gather", output, &counts)?,
+        })
     }
 
     /// `outputs[r]` receives rank r's `input`.
     fn all_gather_list<T: Element>(&self, outputs: Vec<&'a mut [T]>, input: &'a [T]) -> Result<Self::Output> {
-        self.call(Op::AllGather { input: Buf::new(input), outputs: outputs.into_iter().map(BufMut::new).collect() })
+        self.call(Op::AllGather {
+            input: Buf::new(input),
+            outputs: outputs.into_iter().map(BufMut::new).collect(),
+        })
     }
 
     /// Rank r contributes `counts[r]` elements; `output` holds them all in rank order.
     fn all_gather_v<T: Element>(&self, output: &'a mut [T], input: &'a [T], counts: &[usize]) -> Result<Self::Output> {
-        self.call(Op::AllGather { input: Buf::new(input), outputs: split_counts_mut("all_gather_v", output, counts)? })
+        self.call(Op::AllGather {
+            input: Buf::new(input),
+            outputs: split_counts_mut("all_gather_v", output, counts)?,
+        })
     }
 
     /// `input` (size × output) is reduced across ranks; rank r gets block r.
     fn reduce_scatter<T: Element>(&self, output: &'a mut [T], input: &'a [T], op: ReduceOp) -> Result<Self::Output> {
         let counts = equal_counts("reduce_scatter", input.len(), self.comm().size())?;
-        self.call(Op::ReduceScatter { inputs: split_counts("reduce_scatter", input, &counts)?, output: BufMut::new(output), op })
+        self.call(Op::ReduceScatter {
+            inputs: split_counts("reduce_scatter", input, &counts)?,
+            output: BufMut::new(output),
+            op,
+        })
     }
 
     /// Rank r gets the reduction of every rank's `inputs[r]`.
-    fn reduce_scatter_list<T: Element>(&self, output: &'a mut [T], inputs: Vec<&'a [T]>, op: ReduceOp) -> Result<Self::Output> {
-        self.call(Op::ReduceScatter { inputs: inputs.into_iter().map(Buf::new).collect(), output: BufMut::new(output), op })
+    fn reduce_scatter_list<T: Element>(
+        &self,
+        output: &'a mut [T],
+        inputs: Vec<&'a [T]>,
+        op: ReduceOp,
+    ) -> Result<Self::Output> {
+        self.call(Op::ReduceScatter {
+            inputs: inputs.into_iter().map(Buf::new).collect(),
+            output: BufMut::new(output),
+            op,
+        })
     }
 
     /// Like `reduce_scatter` with block r of `counts[r]` elements.
-    fn reduce_scatter_v<T: Element>(&self, output: &'a mut [T], input: &'a [T], counts: &[usize], op: ReduceOp) -> Result<Self::Output> {
-        self.call(Op::ReduceScatter { inputs: split_counts("reduce_scatter_v", input, counts)?, output: BufMut::new(output), op })
+    fn reduce_scatter_v<T: Element>(
+        &self,
+        output: &'a mut [T],
+        input: &'a [T],
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<Self::Output> {
+        self.call(Op::ReduceScatter {
+            inputs: split_counts("reduce_scatter_v", input, counts)?,
+            output: BufMut::new(output),
+            op,
+        })
     }
 
     /// Block r of `input` goes to rank r; block r of `output` comes from rank r (equal blocks).
     fn all_to_all<T: Element>(&self, output: &'a mut [T], input: &'a [T]) -> Result<Self::Output> {
         let size = self.comm().size();
-        let (ic, oc) = (equal_counts("all_to_all", input.len(), size)?, equal_counts("all_to_all", output.len(), size)?);
-        self.call(Op::AllToAll { inputs: split_counts("all_to_all", input, &ic)?, outputs: split_counts_mut("all_to_all", output, &oc)? })
+        let (ic, oc) = (
+            equal_counts("all_to_all", input.len(), size)?,
+            equal_counts("all_to_all", output.len(), size)?,
+        );
+        self.call(Op::AllToAll {
+            inputs: split_counts("all_to_all", input, &ic)?,
+            outputs: split_counts_mut("all_to_all", output, &oc)?,
+        })
     }
 
     fn all_to_all_list<T: Element>(&self, outputs: Vec<&'a mut [T]>, inputs: Vec<&'a [T]>) -> Result<Self::Output> {
-        self.call(Op::AllToAll { inputs: inputs.into_iter().map(Buf::new).collect(), outputs: outputs.into_iter().map(BufMut::new).collect() })
+        self.call(Op::AllToAll {
+            inputs: inputs.into_iter().map(Buf::new).collect(),
+            outputs: outputs.into_iter().map(BufMut::new).collect(),
+        })
     }
 
     /// Block sizes per peer: `input_counts[r]` elements go to rank r, `output_counts[r]` come
     /// from it.
-    fn all_to_all_v<T: Element>(&self, output: &'a mut [T], input: &'a [T], output_counts: &[usize], input_counts: &[usize]) -> Result<Self::Output> {
+    fn all_to_all_v<T: Element>(
+        &self,
+        output: &'a mut [T],
+        input: &'a [T],
+        output_counts: &[usize],
+        input_counts: &[usize],
+    ) -> Result<Self::Output> {
         self.call(Op::AllToAll {
             inputs: split_counts("all_to_all_v", input, input_counts)?,
             outputs: split_counts_mut("all_to_all_v", output, output_counts)?,
@@ -107,7 +164,11 @@ pub trait Collectives<'a>: Sized {
             }
             _ => None,
         };
-        self.call(Op::Scatter { inputs, output: BufMut::new(output), root })
+        self.call(Op::Scatter {
+            inputs,
+            output: BufMut::new(output),
+            root,
+        })
     }
 
     /// Every rank's `input` lands in block r of `root`'s `output` (`None` elsewhere).
@@ -119,7 +180,11 @@ pub trait Collectives<'a>: Sized {
             }
             _ => None,
         };
-        self.call(Op::Gather { input: Buf::new(input), outputs, root })
+        self.call(Op::Gather {
+            input: Buf::new(input),
+            outputs,
+            root,
+        })
     }
 
     fn barrier(&self) -> Result<Self::Output> {
@@ -128,16 +193,25 @@ pub trait Collectives<'a>: Sized {
 
     /// Sends `buf` to `peer`, which must call `recv` (or a batch recv) for it.
     fn send<T: Element>(&self, buf: &'a [T], peer: usize) -> Result<Self::Output> {
-        self.call(Op::Batch(vec![P2p::Send { buf: Buf::new(buf), peer }]))
+        self.call(Op::Batch(vec![P2p::Send {
+            buf: Buf::new(buf),
+            peer,
+        }]))
     }
 
     fn recv<T: Element>(&self, buf: &'a mut [T], peer: usize) -> Result<Self::Output> {
-        self.call(Op::Batch(vec![P2p::Recv { buf: BufMut::new(buf), peer }]))
+        self.call(Op::Batch(vec![P2p::Recv {
+            buf: BufMut::new(buf),
+            peer,
+        }]))
     }
 
     /// Point-to-point calls that run together (in any order without deadlock) on `issue()`.
     fn batch(&self) -> Batch<'a, '_, Self> {
-        Batch { to: self, list: Vec::new() }
+        Batch {
+            to: self,
+            list: Vec::new(),
+        }
     }
 }
 
@@ -150,11 +224,17 @@ pub struct Batch<'a, 'c, C: Collectives<'a>> {
 
 impl<'a, C: Collectives<'a>> Batch<'a, '_, C> {
     pub fn send<T: Element>(mut self, buf: &'a [T], peer: usize) -> Self {
-        self.list.push(P2p::Send { buf: Buf::new(buf), peer });
+        self.list.push(P2p::Send {
+            buf: Buf::new(buf),
+            peer,
+        });
         self
     }
     pub fn recv<T: Element>(mut self, buf: &'a mut [T], peer: usize) -> Self {
-        self.list.push(P2p::Recv { buf: BufMut::new(buf), peer });
+        self.list.push(P2p::Recv {
+            buf: BufMut::new(buf),
+            peer,
+        });
         self
     }
     pub fn issue(self) -> Result<C::Output> {

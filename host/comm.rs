@@ -70,7 +70,10 @@ impl std::fmt::Debug for Comm {
 /// communicator of the same name twice gives two separate namespaces in the store.
 fn next_generation(name: &str, rank: usize) -> u64 {
     static G: OnceLock<Mutex<HashMap<(String, usize), u64>>> = OnceLock::new();
-    let mut m = G.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
+    let mut m = G
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
     let g = m.entry((name.to_owned(), rank)).or_insert(0);
     *g += 1;
     *g
@@ -86,7 +89,11 @@ pub fn new_comm(backend: &str, device: Device, name: &str, options: CommOptions)
     crate::log::init();
     let (rank, size, store, server) = match (&options.store, options.rank, options.size) {
         (Some(s), Some(r), Some(n)) => (r, n, s.clone(), None),
-        (Some(_), _, _) => return Err(Error::Config("options.store needs options.rank and options.size".into())),
+        (Some(_), _, _) => {
+            return Err(Error::Config(
+                "options.store needs options.rank and options.size".into(),
+            ))
+        }
         (None, _, _) => {
             let info = bootstrap::discover(|k| std::env::var(k).ok())?.ok_or_else(|| {
                 Error::Config(
@@ -117,11 +124,22 @@ impl Comm {
         server: Option<TcpStoreServer>,
     ) -> Result<Comm> {
         if size == 0 || rank >= size {
-            return Err(Error::InvalidRank { op: "new_comm", rank, size });
+            return Err(Error::InvalidRank {
+                op: "new_comm",
+                rank,
+                size,
+            });
         }
         let factory = backend::backend_factory(backend)?;
         let scoped: Arc<dyn Store> = Arc::new(PrefixStore::new(prefix.clone(), store.clone()));
-        let b = factory(&BackendInit { rank, size, store: scoped, name, device, options: &options })?;
+        let b = factory(&BackendInit {
+            rank,
+            size,
+            store: scoped,
+            name,
+            device,
+            options: &options,
+        })?;
         tracing::debug!(name, backend, rank, size, "communicator ready");
         Ok(Comm {
             inner: Arc::new(Inner {
@@ -163,7 +181,10 @@ impl Comm {
                 .collect();
             handles
                 .into_iter()
-                .map(|h| h.join().unwrap_or_else(|_| Err(Error::invalid("new_group", "a rank's setup panicked"))))
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(Error::invalid("new_group", "a rank's setup panicked")))
+                })
                 .collect()
         });
         results.into_iter().collect()
@@ -244,18 +265,25 @@ impl Comm {
             }
         }
         if !ranks.is_empty() && !seen[me] {
-            return Err(Error::InvalidSplit(format!("rank {me} passes a group {ranks:?} that does not contain it")));
+            return Err(Error::InvalidSplit(format!(
+                "rank {me} passes a group {ranks:?} that does not contain it"
+            )));
         }
         let generation = self.inner.splits.fetch_add(1, Ordering::Relaxed);
         let all: Vec<Vec<usize>> = self.all_gather_object(&ranks.to_vec())?;
         for (r, list) in all.iter().enumerate() {
             for &q in list {
                 if all.get(q) != Some(list) {
-                    return Err(Error::InvalidSplit(format!("rank {r} asked for {list:?} but rank {q} asked for {:?}", all.get(q))));
+                    return Err(Error::InvalidSplit(format!(
+                        "rank {r} asked for {list:?} but rank {q} asked for {:?}",
+                        all.get(q)
+                    )));
                 }
             }
         }
-        let Some(new_rank) = ranks.iter().position(|&r| r == me) else { return Ok(None) };
+        let Some(new_rank) = ranks.iter().position(|&r| r == me) else {
+            return Ok(None);
+        };
         let prefix = format!("{}/split{generation}/{}", self.inner.prefix, ranks[0]);
         let c = Comm::create(
             &self.inner.backend_name,

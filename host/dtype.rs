@@ -144,7 +144,10 @@ impl ReduceOp {
         }
         if let ReduceOp::PremulSum(s) = self {
             if !s.is_finite() {
-                return Err(crate::Error::invalid(op, format!("premul_sum scalar {s} is not finite")));
+                return Err(crate::Error::invalid(
+                    op,
+                    format!("premul_sum scalar {s} is not finite"),
+                ));
             }
         }
         Ok(())

@@ -33,11 +33,7 @@ pub enum Error {
     },
     /// A rank argument is outside `0..size`.
     #[error("{op}: rank {rank} is out of range for a communicator of size {size}")]
-    InvalidRank {
-        op: &'static str,
-        rank: usize,
-        size: usize,
-    },
+    InvalidRank { op: &'static str, rank: usize, size: usize },
     /// `split` was called with a rank list that is malformed or inconsistent across ranks.
     #[error("split: {0}")]
     InvalidSplit(String),
@@ -89,17 +85,10 @@ pub enum Error {
     Auth(String),
     /// Store or transport traffic that does not follow the protocol.
     #[error("protocol error ({context}): {reason}")]
-    Protocol {
-        context: &'static str,
-        reason: String,
-    },
+    Protocol { context: &'static str, reason: String },
     /// A frame larger than the configured cap.
     #[error("{context}: frame of {size} bytes exceeds the cap of {max} bytes")]
-    FrameTooLarge {
-        context: &'static str,
-        size: u64,
-        max: u64,
-    },
+    FrameTooLarge { context: &'static str, size: u64, max: u64 },
     /// Configuration from the environment or options is missing or malformed.
     #[error("configuration: {0}")]
     Config(String),

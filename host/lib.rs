@@ -69,8 +69,8 @@ mod work;
 
 pub use backend::{backend_factory, backend_names, register_backend, Backend, BackendFactory, BackendInit, RunOptions};
 pub use bootstrap::{
-    discover, random_token, store_addr, store_from_env, FileStore, MemoryStore, PrefixStore, RankInfo, Store, StoreAddr,
-    TcpStore, TcpStoreServer, DEFAULT_MAX_FRAME,
+    discover, random_token, store_addr, store_from_env, FileStore, MemoryStore, PrefixStore, RankInfo, Store,
+    StoreAddr, TcpStore, TcpStoreServer, DEFAULT_MAX_FRAME,
 };
 pub use collectives::{Batch, Collectives, WithOptions};
 pub use comm::{new_comm, Comm, Device};

@@ -11,7 +11,10 @@ fn codec() -> impl Options {
 }
 
 fn encode<T: Serialize>(op: &'static str, v: &T) -> Result<Vec<u8>> {
-    codec().serialize(v).map_err(|e| Error::Serialization { op, reason: e.to_string() })
+    codec().serialize(v).map_err(|e| Error::Serialization {
+        op,
+        reason: e.to_string(),
+    })
 }
 
 fn decode<T: DeserializeOwned>(op: &'static str, b: &[u8]) -> Result<T> {
@@ -19,7 +22,10 @@ fn decode<T: DeserializeOwned>(op: &'static str, b: &[u8]) -> Result<T> {
     codec()
         .with_limit(b.len() as u64)
         .deserialize(b)
-        .map_err(|e| Error::Serialization { op, reason: e.to_string() })
+        .map_err(|e| Error::Serialization {
+            op,
+            reason: e.to_string(),
+        })
 }
 
 fn lengths(v: &[i64]) -> Vec<usize> {
@@ -54,7 +60,11 @@ impl Comm {
         };
         let mut len = [bytes.len() as i64];
         self.broadcast(&mut len, root)?;
-        let mut buf = if self.rank() == root { bytes } else { vec![0u8; lengths(&len)[0]] };
+        let mut buf = if self.rank() == root {
+            bytes
+        } else {
+            vec![0u8; lengths(&len)[0]]
+        };
         self.broadcast(&mut buf, root)?;
         decode("broadcast_object", &buf)
     }
@@ -66,22 +76,48 @@ impl Comm {
         let mut lens = vec![0i64; if is_root { self.size() } else { 0 }];
         self.gather(is_root.then_some(&mut lens[..]), &[mine.len() as i64], root)?;
         if !is_root {
-            self.run(crate::ops::Op::Gather { input: crate::ops::Buf::new(&mine), outputs: None, root }, &Default::default())?;
+            self.run(
+                crate::ops::Op::Gather {
+                    input: crate::ops::Buf::new(&mine),
+                    outputs: None,
+                    root,
+                },
+                &Default::default(),
+            )?;
             return Ok(None);
         }
         let mut bufs: Vec<Vec<u8>> = lengths(&lens).into_iter().map(|n| vec![0u8; n]).collect();
         let outputs = bufs.iter_mut().map(|b| crate::ops::BufMut::new(&mut b[..])).collect();
-        self.run(crate::ops::Op::Gather { input: crate::ops::Buf::new(&mine), outputs: Some(outputs), root }, &Default::default())?;
-        bufs.iter().map(|b| decode("gather_object", b)).collect::<Result<Vec<T>>>().map(Some)
+        self.run(
+            crate::ops::Op::Gather {
+                input: crate::ops::Buf::new(&mine),
+                outputs: Some(outputs),
+                root,
+            },
+            &Default::default(),
+        )?;
+        bufs.iter()
+            .map(|b| decode("gather_object", b))
+            .collect::<Result<Vec<T>>>()
+            .map(Some)
     }
 
     /// `root` passes one value per rank; rank r returns value r.
     pub fn scatter_object<T: Serialize + DeserializeOwned>(&self, objs: Option<&[T]>, root: usize) -> Result<T> {
         let is_root = self.rank() == root;
         let encoded = match (is_root, objs) {
-            (true, Some(o)) if o.len() == self.size() => Some(o.iter().map(|v| encode("scatter_object", v)).collect::<Result<Vec<_>>>()?),
+            (true, Some(o)) if o.len() == self.size() => Some(
+                o.iter()
+                    .map(|v| encode("scatter_object", v))
+                    .collect::<Result<Vec<_>>>()?,
+            ),
             (true, Some(o)) => {
-                return Err(Error::SizeMismatch { op: "scatter_object", what: "values".into(), expected: self.size(), actual: o.len() })
+                return Err(Error::SizeMismatch {
+                    op: "scatter_object",
+                    what: "values".into(),
+                    expected: self.size(),
+                    actual: o.len(),
+                })
             }
             (true, None) => return Err(Error::invalid("scatter_object", "the root must pass the values")),
             (false, _) => None,
@@ -90,8 +126,17 @@ impl Comm {
         let mut len = [0i64];
         self.scatter(&mut len, is_root.then_some(&lens[..]), root)?;
         let mut mine = vec![0u8; lengths(&len)[0]];
-        let inputs = encoded.as_ref().map(|e| e.iter().map(|b| crate::ops::Buf::new(&b[..])).collect());
-        self.run(crate::ops::Op::Scatter { inputs, output: crate::ops::BufMut::new(&mut mine), root }, &Default::default())?;
+        let inputs = encoded
+            .as_ref()
+            .map(|e| e.iter().map(|b| crate::ops::Buf::new(&b[..])).collect());
+        self.run(
+            crate::ops::Op::Scatter {
+                inputs,
+                output: crate::ops::BufMut::new(&mut mine),
+                root,
+            },
+            &Default::default(),
+        )?;
         decode("scatter_object", &mine)
     }
 }

@@ -23,7 +23,10 @@ pub struct BufMut<'a> {
 
 impl<'a> Buf<'a> {
     pub fn new<T: Element>(s: &'a [T]) -> Self {
-        Buf { bytes: as_bytes(s), dtype: T::DTYPE }
+        Buf {
+            bytes: as_bytes(s),
+            dtype: T::DTYPE,
+        }
     }
     pub fn dtype(&self) -> DType {
         self.dtype
@@ -39,7 +42,10 @@ impl<'a> Buf<'a> {
 
 impl<'a> BufMut<'a> {
     pub fn new<T: Element>(s: &'a mut [T]) -> Self {
-        BufMut { bytes: as_bytes_mut(s), dtype: T::DTYPE }
+        BufMut {
+            bytes: as_bytes_mut(s),
+            dtype: T::DTYPE,
+        }
     }
     pub fn dtype(&self) -> DType {
         self.dtype
@@ -69,7 +75,11 @@ pub(crate) fn split_counts<'a, T: Element>(op: &'static str, s: &'a [T], counts:
         .collect())
 }
 
-pub(crate) fn split_counts_mut<'a, T: Element>(op: &'static str, s: &'a mut [T], counts: &[usize]) -> Result<Vec<BufMut<'a>>> {
+pub(crate) fn split_counts_mut<'a, T: Element>(
+    op: &'static str,
+    s: &'a mut [T],
+    counts: &[usize],
+) -> Result<Vec<BufMut<'a>>> {
     check_total(op, s.len(), counts)?;
     let mut rest = s;
     Ok(counts
@@ -120,20 +130,48 @@ pub enum P2p<'a> {
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum Op<'a> {
-    AllReduce { buf: BufMut<'a>, op: ReduceOp },
+    AllReduce {
+        buf: BufMut<'a>,
+        op: ReduceOp,
+    },
     /// The result lands in `root`'s buffer; the other ranks' buffers are left unchanged.
-    Reduce { buf: BufMut<'a>, op: ReduceOp, root: usize },
-    Broadcast { buf: BufMut<'a>, root: usize },
+    Reduce {
+        buf: BufMut<'a>,
+        op: ReduceOp,
+        root: usize,
+    },
+    Broadcast {
+        buf: BufMut<'a>,
+        root: usize,
+    },
     /// `outputs[r]` receives rank r's `input`.
-    AllGather { input: Buf<'a>, outputs: Vec<BufMut<'a>> },
+    AllGather {
+        input: Buf<'a>,
+        outputs: Vec<BufMut<'a>>,
+    },
     /// `output` receives the reduction over ranks of their `inputs[rank]`.
-    ReduceScatter { inputs: Vec<Buf<'a>>, output: BufMut<'a>, op: ReduceOp },
+    ReduceScatter {
+        inputs: Vec<Buf<'a>>,
+        output: BufMut<'a>,
+        op: ReduceOp,
+    },
     /// `outputs[r]` receives rank r's `inputs[rank]`.
-    AllToAll { inputs: Vec<Buf<'a>>, outputs: Vec<BufMut<'a>> },
+    AllToAll {
+        inputs: Vec<Buf<'a>>,
+        outputs: Vec<BufMut<'a>>,
+    },
     /// Root's `inputs[r]` goes to rank r's `output`; `inputs` is `None` off the root.
-    Scatter { inputs: Option<Vec<Buf<'a>>>, output: BufMut<'a>, root: usize },
+    Scatter {
+        inputs: Option<Vec<Buf<'a>>>,
+        output: BufMut<'a>,
+        root: usize,
+    },
     /// Rank r's `input` goes to root's `outputs[r]`; `outputs` is `None` off the root.
-    Gather { input: Buf<'a>, outputs: Option<Vec<BufMut<'a>>>, root: usize },
+    Gather {
+        input: Buf<'a>,
+        outputs: Option<Vec<BufMut<'a>>>,
+        root: usize,
+    },
     Barrier,
     /// Point-to-point transfers progressed together; never deadlocks whatever their order.
     Batch(Vec<P2p<'a>>),
@@ -168,28 +206,46 @@ impl Op<'_> {
             if r < size {
                 Ok(())
             } else {
-                Err(Error::InvalidRank { op: name, rank: r, size })
+                Err(Error::InvalidRank {
+                    op: name,
+                    rank: r,
+                    size,
+                })
             }
         };
         let parts = |n: usize, what: &str| {
             if n == size {
                 Ok(())
             } else {
-                Err(Error::SizeMismatch { op: name, what: format!("number of {what}"), expected: size, actual: n })
+                Err(Error::SizeMismatch {
+                    op: name,
+                    what: format!("number of {what}"),
+                    expected: size,
+                    actual: n,
+                })
             }
         };
         let same_dtype = |a: DType, b: DType| {
             if a == b {
                 Ok(())
             } else {
-                Err(Error::DTypeMismatch { op: name, expected: a.name(), actual: b.name() })
+                Err(Error::DTypeMismatch {
+                    op: name,
+                    expected: a.name(),
+                    actual: b.name(),
+                })
             }
         };
         let same_count = |what: String, expected: usize, actual: usize| {
             if expected == actual {
                 Ok(())
             } else {
-                Err(Error::SizeMismatch { op: name, what, expected, actual })
+                Err(Error::SizeMismatch {
+                    op: name,
+                    what,
+                    expected,
+                    actual,
+                })
             }
         };
         match self {
@@ -202,13 +258,21 @@ impl Op<'_> {
             Op::AllGather { input, outputs } => {
                 parts(outputs.len(), "outputs")?;
                 outputs.iter().try_for_each(|o| same_dtype(input.dtype, o.dtype))?;
-                same_count(format!("outputs[{rank}] (own slot)"), input.count(), outputs[rank].count())
+                same_count(
+                    format!("outputs[{rank}] (own slot)"),
+                    input.count(),
+                    outputs[rank].count(),
+                )
             }
             Op::ReduceScatter { inputs, output, op } => {
                 parts(inputs.len(), "inputs")?;
                 inputs.iter().try_for_each(|i| same_dtype(output.dtype, i.dtype))?;
                 op.check(name, output.dtype)?;
-                same_count(format!("inputs[{rank}] (own slot)"), output.count(), inputs[rank].count())
+                same_count(
+                    format!("inputs[{rank}] (own slot)"),
+                    output.count(),
+                    inputs[rank].count(),
+                )
             }
             Op::AllToAll { inputs, outputs } => {
                 parts(inputs.len(), "inputs")?;
@@ -216,7 +280,11 @@ impl Op<'_> {
                 let d = inputs[0].dtype;
                 inputs.iter().try_for_each(|i| same_dtype(d, i.dtype))?;
                 outputs.iter().try_for_each(|o| same_dtype(d, o.dtype))?;
-                same_count(format!("outputs[{rank}] (own slot)"), inputs[rank].count(), outputs[rank].count())
+                same_count(
+                    format!("outputs[{rank}] (own slot)"),
+                    inputs[rank].count(),
+                    outputs[rank].count(),
+                )
             }
             Op::Scatter { inputs, output, root } => {
                 check_rank(*root)?;
@@ -224,7 +292,11 @@ impl Op<'_> {
                     (Some(inputs), true) => {
                         parts(inputs.len(), "inputs")?;
                         inputs.iter().try_for_each(|i| same_dtype(output.dtype, i.dtype))?;
-                        same_count(format!("inputs[{rank}] (own slot)"), output.count(), inputs[rank].count())
+                        same_count(
+                            format!("inputs[{rank}] (own slot)"),
+                            output.count(),
+                            inputs[rank].count(),
+                        )
                     }
                     (None, true) => Err(Error::invalid(name, "the root must pass the input buffer")),
                     (_, false) => Ok(()),
@@ -236,7 +308,11 @@ impl Op<'_> {
                     (Some(outputs), true) => {
                         parts(outputs.len(), "outputs")?;
                         outputs.iter().try_for_each(|o| same_dtype(input.dtype, o.dtype))?;
-                        same_count(format!("outputs[{rank}] (own slot)"), input.count(), outputs[rank].count())
+                        same_count(
+                            format!("outputs[{rank}] (own slot)"),
+                            input.count(),
+                            outputs[rank].count(),
+                        )
                     }
                     (None, true) => Err(Error::invalid(name, "the root must pass the output buffer")),
                     (_, false) => Ok(()),

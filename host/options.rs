@@ -23,7 +23,9 @@ pub(crate) fn env_parse<T: std::str::FromStr>(name: &str) -> Result<Option<T>> {
 pub fn default_timeout() -> Result<Duration> {
     let secs: f64 = env_parse("FERROCOMM_TIMEOUT")?.unwrap_or(600.0);
     if !(secs > 0.0 && secs.is_finite()) {
-        return Err(Error::Config(format!("FERROCOMM_TIMEOUT={secs} must be a positive number of seconds")));
+        return Err(Error::Config(format!(
+            "FERROCOMM_TIMEOUT={secs} must be a positive number of seconds"
+        )));
     }
     Ok(Duration::from_secs_f64(secs))
 }
@@ -47,7 +49,11 @@ impl TransportOptions {
         let force_tcp = match std::env::var("FERROCOMM_TRANSPORT").as_deref() {
             Ok("tcp") => true,
             Ok("auto") | Ok("") | Err(_) => false,
-            Ok(other) => return Err(Error::Config(format!("FERROCOMM_TRANSPORT={other:?}: expected `auto` or `tcp`"))),
+            Ok(other) => {
+                return Err(Error::Config(format!(
+                    "FERROCOMM_TRANSPORT={other:?}: expected `auto` or `tcp`"
+                )))
+            }
         };
         let t = TransportOptions {
             shm_ring_bytes,
@@ -61,7 +67,9 @@ impl TransportOptions {
     pub(crate) fn validate(&self) -> Result<()> {
         let r = self.shm_ring_bytes;
         if !r.is_power_of_two() || r < 4096 {
-            return Err(Error::Config(format!("shm ring size {r} must be a power of two of at least 4096")));
+            return Err(Error::Config(format!(
+                "shm ring size {r} must be a power of two of at least 4096"
+            )));
         }
         Ok(())
     }

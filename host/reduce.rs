@@ -38,16 +38,34 @@ int_arith!(i8, u8, i32, i64);
 macro_rules! float_arith {
     ($t:ty, $w:ty, $to:expr, $from:expr) => {
         impl Arith for $t {
-            fn add(self, o: Self) -> Self { $from($to(self) + $to(o)) }
-            fn mul(self, o: Self) -> Self { $from($to(self) * $to(o)) }
-            fn min(self, o: Self) -> Self { $from($to(self).min($to(o))) }
-            fn max(self, o: Self) -> Self { $from($to(self).max($to(o))) }
+            fn add(self, o: Self) -> Self {
+                $from($to(self) + $to(o))
+            }
+            fn mul(self, o: Self) -> Self {
+                $from($to(self) * $to(o))
+            }
+            fn min(self, o: Self) -> Self {
+                $from($to(self).min($to(o)))
+            }
+            fn max(self, o: Self) -> Self {
+                $from($to(self).max($to(o)))
+            }
             // Bitwise ops on floats are rejected by `ReduceOp::check` before any data moves.
-            fn bitand(self, _: Self) -> Self { self }
-            fn bitor(self, _: Self) -> Self { self }
-            fn bitxor(self, _: Self) -> Self { self }
-            fn div_count(self, n: usize) -> Self { $from($to(self) / n as $w) }
-            fn scale(self, s: f64) -> Self { $from($to(self) * s as $w) }
+            fn bitand(self, _: Self) -> Self {
+                self
+            }
+            fn bitor(self, _: Self) -> Self {
+                self
+            }
+            fn bitxor(self, _: Self) -> Self {
+                self
+            }
+            fn div_count(self, n: usize) -> Self {
+                $from($to(self) / n as $w)
+            }
+            fn scale(self, s: f64) -> Self {
+                $from($to(self) * s as $w)
+            }
         }
     };
 }

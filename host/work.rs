@@ -50,7 +50,7 @@ impl Completion {
             }
         }
         // Leave Ok behind so a second wait reports success rather than blocking.
-        Some(std::mem::replace(&mut *g, Some(Ok(()))).unwrap_or(Ok(())))
+        Some(g.replace(Ok(())).unwrap_or(Ok(())))
     }
 }
 
@@ -81,7 +81,12 @@ pub(crate) struct Executor {
 
 impl Executor {
     pub(crate) fn new(backend: Box<dyn Backend>) -> Arc<Executor> {
-        Arc::new(Executor { backend, queue: Mutex::default(), wake: Condvar::new(), running: Mutex::new(()) })
+        Arc::new(Executor {
+            backend,
+            queue: Mutex::default(),
+            wake: Condvar::new(),
+            running: Mutex::new(()),
+        })
     }
 
     pub(crate) fn backend(&self) -> &dyn Backend {
@@ -96,7 +101,13 @@ impl Executor {
             // and in_flight == 0 means there is none, so this cannot wait on the worker.
             let _running = self.running.lock().unwrap_or_else(|p| p.into_inner());
             drop(q);
-            return self.backend.run(&mut op, &RunOptions { timeout, hints: &opts.hints });
+            return self.backend.run(
+                &mut op,
+                &RunOptions {
+                    timeout,
+                    hints: &opts.hints,
+                },
+            );
         }
         drop(q);
         // SAFETY: we block below until the job has completed, so `op`'s borrows outlive it.
@@ -108,13 +119,21 @@ impl Executor {
     ///
     /// # Safety
     /// The buffers `op` borrows must stay valid until the returned completion is finished.
-    pub(crate) unsafe fn submit(self: &Arc<Self>, op: Op<'_>, timeout: Duration, opts: &OpOptions) -> Result<Arc<Completion>> {
+    pub(crate) unsafe fn submit(
+        self: &Arc<Self>,
+        op: Op<'_>,
+        timeout: Duration,
+        opts: &OpOptions,
+    ) -> Result<Arc<Completion>> {
         // SAFETY: only the lifetime parameter changes; the caller guarantees the borrows.
         let op: Op<'static> = unsafe { std::mem::transmute::<Op<'_>, Op<'static>>(op) };
         let done = Arc::new(Completion::default());
         let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
         if q.shutdown {
-            return Err(Error::Closed { op: op.name(), state: "shut down" });
+            return Err(Error::Closed {
+                op: op.name(),
+                state: "shut down",
+            });
         }
         if q.worker.is_none() {
             let me = Arc::clone(self);
@@ -124,7 +143,12 @@ impl Executor {
                 .map_err(|e| Error::io("spawn communicator worker", e))?;
             q.worker = Some(h);
         }
-        q.jobs.push_back(Job { op, timeout, hints: opts.hints.clone(), done: done.clone() });
+        q.jobs.push_back(Job {
+            op,
+            timeout,
+            hints: opts.hints.clone(),
+            done: done.clone(),
+        });
         q.in_flight += 1;
         self.wake.notify_all();
         Ok(done)
@@ -146,7 +170,13 @@ impl Executor {
             };
             let r = {
                 let _running = self.running.lock().unwrap_or_else(|p| p.into_inner());
-                self.backend.run(&mut job.op, &RunOptions { timeout: job.timeout, hints: &job.hints })
+                self.backend.run(
+                    &mut job.op,
+                    &RunOptions {
+                        timeout: job.timeout,
+                        hints: &job.hints,
+                    },
+                )
             };
             // Drop the borrowed buffers before anyone learns the job is done.
             let Job { op, done, .. } = job;
@@ -161,7 +191,11 @@ impl Executor {
     pub(crate) fn drain(&self) {
         let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
         while q.in_flight > 0 {
-            q = self.wake.wait_timeout(q, Duration::from_millis(5)).unwrap_or_else(|p| p.into_inner()).0;
+            q = self
+                .wake
+                .wait_timeout(q, Duration::from_millis(5))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
     }
 
@@ -198,7 +232,11 @@ impl Work<'_> {
     /// Blocks at most `limit`; `Error::Timeout` if the operation is still running then (it
     /// keeps running; wait again later).
     pub fn wait_timeout(&self, limit: Duration) -> Result<()> {
-        self.done.wait(Some(limit)).unwrap_or(Err(Error::Timeout { op: self.op, peer: None, after: limit }))
+        self.done.wait(Some(limit)).unwrap_or(Err(Error::Timeout {
+            op: self.op,
+            peer: None,
+            after: limit,
+        }))
     }
 
     pub fn is_completed(&self) -> bool {
@@ -217,7 +255,12 @@ pub struct Scope<'scope, 'env: 'scope> {
 
 impl<'scope, 'env> Scope<'scope, 'env> {
     pub(crate) fn new(comm: &'scope crate::Comm) -> Self {
-        Scope { comm, pending: Mutex::default(), _scope: PhantomData, _env: PhantomData }
+        Scope {
+            comm,
+            pending: Mutex::default(),
+            _scope: PhantomData,
+            _env: PhantomData,
+        }
     }
 
     /// Validates `op` and queues it; returns its [`Work`].
@@ -227,8 +270,15 @@ impl<'scope, 'env> Scope<'scope, 'env> {
         // SAFETY: `op` borrows for 'scope, and `Comm::scope` waits for every pending completion
         // (also when the scope body panics) before 'scope ends.
         let done = unsafe { exec.submit(op, timeout, opts) }?;
-        self.pending.lock().unwrap_or_else(|p| p.into_inner()).push(done.clone());
-        Ok(Work { done, op: name, _scope: PhantomData })
+        self.pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(done.clone());
+        Ok(Work {
+            done,
+            op: name,
+            _scope: PhantomData,
+        })
     }
 
     pub(crate) fn wait_all(&self) {

@@ -7,7 +7,9 @@ use std::time::Duration;
 
 fn world(n: usize) {
     let seed = fresh_seed();
-    let checks = run_group(n, &format!("suite{n}"), options(Duration::from_secs(60)), |c| common::suite::run_all(c, seed));
+    let checks = run_group(n, &format!("suite{n}"), options(Duration::from_secs(60)), |c| {
+        common::suite::run_all(c, seed)
+    });
     assert!(checks.iter().all(|&k| k == checks[0] && k > 0));
     eprintln!("world {n}: {} checked calls per rank", checks[0]);
 }

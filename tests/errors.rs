@@ -18,17 +18,38 @@ fn mismatched_buffer_sizes_are_size_mismatch_errors() {
     let comms2 = group(2, "sizes2");
     let c2 = &comms2[0];
     let mut out = vec![0f32; 3];
-    assert!(matches!(c2.all_gather(&mut out, &[1.0f32]), Err(Error::SizeMismatch { op: "all_gather", .. })));
-    assert!(matches!(c2.reduce_scatter(&mut [0f32; 1], &[1.0f32; 3], ReduceOp::Sum), Err(Error::SizeMismatch { .. })));
-    assert!(matches!(c.all_gather_v(&mut [0i32; 4], &[1], &[2]), Err(Error::SizeMismatch { op: "all_gather_v", .. })));
-    assert!(matches!(c.reduce_scatter_v(&mut [0i32; 2], &[1, 2, 3], &[3], ReduceOp::Sum), Err(Error::SizeMismatch { .. })));
+    assert!(matches!(
+        c2.all_gather(&mut out, &[1.0f32]),
+        Err(Error::SizeMismatch { op: "all_gather", .. })
+    ));
+    assert!(matches!(
+        c2.reduce_scatter(&mut [0f32; 1], &[1.0f32; 3], ReduceOp::Sum),
+        Err(Error::SizeMismatch { .. })
+    ));
+    assert!(matches!(
+        c.all_gather_v(&mut [0i32; 4], &[1], &[2]),
+        Err(Error::SizeMismatch { op: "all_gather_v", .. })
+    ));
+    assert!(matches!(
+        c.reduce_scatter_v(&mut [0i32; 2], &[1, 2, 3], &[3], ReduceOp::Sum),
+        Err(Error::SizeMismatch { .. })
+    ));
     // The own slot of a list form must match this rank's input.
     let mut slot = [0i64; 2];
-    assert!(matches!(c.all_gather_list(vec![&mut slot[..]], &[1i64]), Err(Error::SizeMismatch { op: "all_gather", .. })));
+    assert!(matches!(
+        c.all_gather_list(vec![&mut slot[..]], &[1i64]),
+        Err(Error::SizeMismatch { op: "all_gather", .. })
+    ));
     // Wrong number of per-rank parts.
     let (mut a, mut b) = ([0u8; 1], [0u8; 1]);
-    assert!(matches!(c.all_gather_list(vec![&mut a[..], &mut b[..]], &[1u8]), Err(Error::SizeMismatch { .. })));
-    assert!(matches!(c.all_to_all_v(&mut [0u8; 2], &[1u8; 2], &[2], &[1]), Err(Error::SizeMismatch { .. })));
+    assert!(matches!(
+        c.all_gather_list(vec![&mut a[..], &mut b[..]], &[1u8]),
+        Err(Error::SizeMismatch { .. })
+    ));
+    assert!(matches!(
+        c.all_to_all_v(&mut [0u8; 2], &[1u8; 2], &[2], &[1]),
+        Err(Error::SizeMismatch { .. })
+    ));
     // Still usable: nothing was sent.
     let mut x = [5i32];
     c.all_reduce(&mut x, ReduceOp::Sum).unwrap();
@@ -40,11 +61,23 @@ fn bitwise_ops_on_floats_and_bad_scalars_are_rejected() {
     let comms = group(1, "dtype");
     let c = &comms[0];
     for op in [ReduceOp::BAnd, ReduceOp::BOr, ReduceOp::BXor] {
-        assert!(matches!(c.all_reduce(&mut [1.0f32], op), Err(Error::UnsupportedReduce { dtype: "f32", .. })));
-        assert!(matches!(c.all_reduce(&mut [ferrocomm::bf16::ONE], op), Err(Error::UnsupportedReduce { dtype: "bf16", .. })));
-        assert!(matches!(c.reduce(&mut [1.0f64], op, 0), Err(Error::UnsupportedReduce { dtype: "f64", .. })));
+        assert!(matches!(
+            c.all_reduce(&mut [1.0f32], op),
+            Err(Error::UnsupportedReduce { dtype: "f32", .. })
+        ));
+        assert!(matches!(
+            c.all_reduce(&mut [ferrocomm::bf16::ONE], op),
+            Err(Error::UnsupportedReduce { dtype: "bf16", .. })
+        ));
+        assert!(matches!(
+            c.reduce(&mut [1.0f64], op, 0),
+            Err(Error::UnsupportedReduce { dtype: "f64", .. })
+        ));
     }
-    assert!(matches!(c.all_reduce(&mut [1.0f32], ReduceOp::PremulSum(f64::NAN)), Err(Error::InvalidArgument { .. })));
+    assert!(matches!(
+        c.all_reduce(&mut [1.0f32], ReduceOp::PremulSum(f64::NAN)),
+        Err(Error::InvalidArgument { .. })
+    ));
     let mut x = [6u8];
     c.all_reduce(&mut x, ReduceOp::BAnd).unwrap();
     assert_eq!(x, [6]);
@@ -54,11 +87,24 @@ fn bitwise_ops_on_floats_and_bad_scalars_are_rejected() {
 fn ranks_out_of_range_are_invalid_rank_errors() {
     let comms = group(2, "ranks");
     let c = &comms[0];
-    assert!(matches!(c.reduce(&mut [1i32], ReduceOp::Sum, 2), Err(Error::InvalidRank { op: "reduce", rank: 2, size: 2 })));
+    assert!(matches!(
+        c.reduce(&mut [1i32], ReduceOp::Sum, 2),
+        Err(Error::InvalidRank {
+            op: "reduce",
+            rank: 2,
+            size: 2
+        })
+    ));
     assert!(matches!(c.broadcast(&mut [1i32], 9), Err(Error::InvalidRank { .. })));
     assert!(matches!(c.send(&[1i32], 2), Err(Error::InvalidRank { op: "send", .. })));
-    assert!(matches!(c.recv(&mut [1i32], 5), Err(Error::InvalidRank { op: "recv", .. })));
-    assert!(matches!(c.scatter(&mut [0i32], Some(&[1, 2][..]), 3), Err(Error::InvalidRank { .. })));
+    assert!(matches!(
+        c.recv(&mut [1i32], 5),
+        Err(Error::InvalidRank { op: "recv", .. })
+    ));
+    assert!(matches!(
+        c.scatter(&mut [0i32], Some(&[1, 2][..]), 3),
+        Err(Error::InvalidRank { .. })
+    ));
     assert!(matches!(c.gather(None, &[1i32], 3), Err(Error::InvalidRank { .. })));
 }
 
@@ -74,7 +120,9 @@ fn malformed_splits_are_invalid_split_errors() {
 #[test]
 fn splits_that_disagree_across_ranks_fail_on_every_rank() {
     let lists = [vec![0, 1], vec![1, 2], vec![2]];
-    let r = run_group(3, "disagree", options(Duration::from_secs(5)), |c| c.split(&lists[c.rank()], "x").map(|o| o.is_some()));
+    let r = run_group(3, "disagree", options(Duration::from_secs(5)), |c| {
+        c.split(&lists[c.rank()], "x").map(|o| o.is_some())
+    });
     for (rank, res) in r.iter().enumerate() {
         assert!(matches!(res, Err(Error::InvalidSplit(_))), "rank {rank}: {res:?}");
     }
@@ -108,7 +156,11 @@ fn different_sizes_across_ranks_are_a_mismatch() {
         c.all_reduce(&mut x, ReduceOp::Sum)
     });
     assert!(r.iter().all(|x| x.is_err()), "{r:?}");
-    assert!(r.iter().any(|x| matches!(x, Err(Error::Mismatch { op: "all_reduce", .. }))), "{r:?}");
+    assert!(
+        r.iter()
+            .any(|x| matches!(x, Err(Error::Mismatch { op: "all_reduce", .. }))),
+        "{r:?}"
+    );
 }
 
 #[test]
@@ -129,22 +181,38 @@ fn different_operations_or_dtypes_across_ranks_are_a_mismatch() {
             c.all_reduce(&mut [1i32; 4], ReduceOp::Max)
         }
     });
-    assert!(r.iter().all(|x| matches!(x, Err(Error::Mismatch { op: "all_reduce", .. }))), "{r:?}");
+    assert!(
+        r.iter()
+            .all(|x| matches!(x, Err(Error::Mismatch { op: "all_reduce", .. }))),
+        "{r:?}"
+    );
 }
 
 #[test]
 fn unknown_backends_and_devices_are_clear_errors() {
     let o = options(Duration::from_secs(1));
-    assert!(matches!(Comm::new_group("nope", &[Device::Cpu], "x", o.clone()), Err(Error::UnknownBackend(..))));
-    assert!(matches!(Comm::new_group("cpu", &[Device::Cuda(0)], "x", o.clone()), Err(Error::Unavailable { .. })));
-    assert!(matches!(Comm::new_group("auto", &[Device::Cuda(0)], "x", o), Err(Error::Unavailable { .. })));
+    assert!(matches!(
+        Comm::new_group("nope", &[Device::Cpu], "x", o.clone()),
+        Err(Error::UnknownBackend(..))
+    ));
+    assert!(matches!(
+        Comm::new_group("cpu", &[Device::Cuda(0)], "x", o.clone()),
+        Err(Error::Unavailable { .. })
+    ));
+    assert!(matches!(
+        Comm::new_group("auto", &[Device::Cuda(0)], "x", o),
+        Err(Error::Unavailable { .. })
+    ));
 }
 
 #[test]
 fn a_finalized_communicator_refuses_operations() {
     let comms = group(1, "fin");
     comms[0].finalize().unwrap();
-    assert!(matches!(comms[0].all_reduce(&mut [1i32], ReduceOp::Sum), Err(Error::Closed { state: "finalized", .. })));
+    assert!(matches!(
+        comms[0].all_reduce(&mut [1i32], ReduceOp::Sum),
+        Err(Error::Closed { state: "finalized", .. })
+    ));
 }
 
 #[test]
@@ -152,7 +220,9 @@ fn object_collectives_round_trip_any_serde_type() {
     let r = run_group(3, "objects", options(Duration::from_secs(10)), |c| {
         let me = (c.rank(), format!("rank-{}", c.rank()), vec![c.rank() as f64; c.rank()]);
         let all = c.all_gather_object(&me).unwrap();
-        let b: String = c.broadcast_object((c.rank() == 1).then(|| "from one".to_string()).as_ref(), 1).unwrap();
+        let b: String = c
+            .broadcast_object((c.rank() == 1).then(|| "from one".to_string()).as_ref(), 1)
+            .unwrap();
         let g = c.gather_object(&me.1, 2).unwrap();
         let items: Vec<u32> = vec![10, 20, 30];
         let s: u32 = c.scatter_object((c.rank() == 0).then_some(&items[..]), 0).unwrap();
@@ -165,7 +235,10 @@ fn object_collectives_round_trip_any_serde_type() {
         assert_eq!(g.is_some(), rank == 2);
         assert_eq!(*s, [10, 20, 30][rank]);
     }
-    assert_eq!(r[2].2.as_ref().unwrap(), &vec!["rank-0".to_string(), "rank-1".into(), "rank-2".into()]);
+    assert_eq!(
+        r[2].2.as_ref().unwrap(),
+        &vec!["rank-0".to_string(), "rank-1".into(), "rank-2".into()]
+    );
 }
 
 #[test]
@@ -176,7 +249,10 @@ fn async_work_completes_in_issue_order_with_sync_calls() {
         let mut after = [c.rank() as i64];
         c.scope(|s| {
             let wa = s.all_reduce(&mut a, ReduceOp::Sum).unwrap();
-            let wb = s.with_options(OpOptions::new().timeout(Duration::from_secs(5))).all_reduce(&mut b, ReduceOp::Prod).unwrap();
+            let wb = s
+                .with_options(OpOptions::new().timeout(Duration::from_secs(5)))
+                .all_reduce(&mut b, ReduceOp::Prod)
+                .unwrap();
             // A synchronous call queues behind the asynchronous ones.
             c.all_reduce(&mut after, ReduceOp::Max).unwrap();
             assert!(wa.is_completed() && wb.is_completed());
@@ -218,7 +294,9 @@ fn users_can_register_their_own_backend() {
     let cpu = ferrocomm::backend_factory("cpu").unwrap();
     ferrocomm::register_backend(
         "counting",
-        Arc::new(move |init: &ferrocomm::BackendInit| Ok(Box::new(Counting(cpu(init)?, c2.clone())) as Box<dyn ferrocomm::Backend>)),
+        Arc::new(move |init: &ferrocomm::BackendInit| {
+            Ok(Box::new(Counting(cpu(init)?, c2.clone())) as Box<dyn ferrocomm::Backend>)
+        }),
     );
     assert!(ferrocomm::backend_names().contains(&"counting".to_string()));
     let r = run_group_on("counting", 2, "mine", |c| {

@@ -39,7 +39,11 @@ fn child_entry() {
                     Ok(()) => println!("looping"),
                     Err(e) => {
                         println!("rank {rank} error: {e}");
-                        let code = if matches!(e, Error::PeerLost { op: "all_reduce", .. }) { 3 } else { 4 };
+                        let code = if matches!(e, Error::PeerLost { op: "all_reduce", .. }) {
+                            3
+                        } else {
+                            4
+                        };
                         std::process::exit(code);
                     }
                 }
@@ -58,7 +62,8 @@ fn child_entry() {
 
 fn child_command(mode: &str) -> Command {
     let mut c = Command::new(std::env::current_exe().unwrap());
-    c.args(["--ignored", "--exact", "child_entry", "--nocapture", "--test-threads=1"]).env(MODE, mode);
+    c.args(["--ignored", "--exact", "child_entry", "--nocapture", "--test-threads=1"])
+        .env(MODE, mode);
     c
 }
 
@@ -83,7 +88,12 @@ fn wait_bounded(mut c: Child, limit: Duration) -> (std::process::ExitStatus, Str
 fn launch(n: usize, mode: &str, envs: &[(&str, &str)]) -> (std::process::ExitStatus, String, Duration) {
     let child = child_command(mode);
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_ferrocomm-run"));
-    cmd.arg("-n").arg(n.to_string()).arg("--").arg(child.get_program()).args(child.get_args()).env(MODE, mode);
+    cmd.arg("-n")
+        .arg(n.to_string())
+        .arg("--")
+        .arg(child.get_program())
+        .args(child.get_args())
+        .env(MODE, mode);
     for (k, v) in envs {
         cmd.env(k, v);
     }
@@ -101,7 +111,11 @@ fn suite_across_processes(n: usize, envs: &[(&str, &str)]) {
     let (status, out, _) = launch(n, "suite", &all);
     assert!(status.success(), "ranks failed:\n{out}");
     for r in 0..n {
-        assert!(out.lines().any(|l| l.starts_with(&format!("[{r}]: ")) && l.contains("child ok")), "rank {r} did not finish:\n{out}");
+        assert!(
+            out.lines()
+                .any(|l| l.starts_with(&format!("[{r}]: ")) && l.contains("child ok")),
+            "rank {r} did not finish:\n{out}"
+        );
     }
 }
 
@@ -131,9 +145,21 @@ fn sigkill_in_a_collective_gives_every_other_rank_an_error() {
         let children: Vec<Child> = (0..3)
             .map(|r| {
                 child_command("killed-mid-collective")
-                    .envs([("RANK", r.to_string()), ("WORLD_SIZE", "3".into()), ("LOCAL_RANK", r.to_string())])
-                    .envs([("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", &port), ("FERROCOMM_TOKEN", &token)])
-                    .envs([("FERROCOMM_STORE_EXTERNAL", "1"), ("FERROCOMM_TIMEOUT", "60"), ("FERROCOMM_TRANSPORT", transport)])
+                    .envs([
+                        ("RANK", r.to_string()),
+                        ("WORLD_SIZE", "3".into()),
+                        ("LOCAL_RANK", r.to_string()),
+                    ])
+                    .envs([
+                        ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", &port),
+                        ("FERROCOMM_TOKEN", &token),
+                    ])
+                    .envs([
+                        ("FERROCOMM_STORE_EXTERNAL", "1"),
+                        ("FERROCOMM_TIMEOUT", "60"),
+                        ("FERROCOMM_TRANSPORT", transport),
+                    ])
                     .stdout(Stdio::piped())
                     .spawn()
                     .unwrap()
@@ -148,8 +174,15 @@ fn sigkill_in_a_collective_gives_every_other_rank_an_error() {
         let mut victim = it.next().unwrap();
         for (r, c) in survivors.into_iter().enumerate() {
             let (status, out) = wait_bounded(c, Duration::from_secs(30));
-            assert_eq!(status.code(), Some(3), "{transport}: rank {r} should report PeerLost in all_reduce:\n{out}");
-            assert!(out.contains("looping"), "{transport}: rank {r} was not inside the collective loop yet:\n{out}");
+            assert_eq!(
+                status.code(),
+                Some(3),
+                "{transport}: rank {r} should report PeerLost in all_reduce:\n{out}"
+            );
+            assert!(
+                out.contains("looping"),
+                "{transport}: rank {r} was not inside the collective loop yet:\n{out}"
+            );
         }
         let took = killed_at.elapsed();
         let _ = victim.wait();
@@ -161,7 +194,18 @@ fn sigkill_in_a_collective_gives_every_other_rank_an_error() {
 #[test]
 fn launcher_stops_every_rank_when_one_fails() {
     let (status, out, took) = launch(3, "one-rank-fails", &[]);
-    assert_eq!(status.code(), Some(7), "launcher should exit with the failed rank's code:\n{out}");
-    assert!(out.lines().any(|l| l.starts_with("[1]: ") && l.contains("rank 1 fails now")), "rank output is prefixed:\n{out}");
-    assert!(took < Duration::from_secs(20), "the sleeping ranks were not torn down ({took:?})");
+    assert_eq!(
+        status.code(),
+        Some(7),
+        "launcher should exit with the failed rank's code:\n{out}"
+    );
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("[1]: ") && l.contains("rank 1 fails now")),
+        "rank output is prefixed:\n{out}"
+    );
+    assert!(
+        took < Duration::from_secs(20),
+        "the sleeping ranks were not torn down ({took:?})"
+    );
 }

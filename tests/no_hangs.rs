@@ -28,12 +28,19 @@ fn absent_rank(name: &str, op: impl Fn(&Comm) -> ferrocomm::Result<()> + Sync) -
 
 #[test]
 fn a_rank_that_never_joins_gives_timeout_naming_the_op() {
-    let cases: Vec<(&str, Box<dyn Fn(&Comm) -> ferrocomm::Result<()> + Sync>)> = vec![
-        ("all_reduce", Box::new(|c| c.all_reduce(&mut [1.0f32; 64], ReduceOp::Sum))),
+    type Call = Box<dyn Fn(&Comm) -> ferrocomm::Result<()> + Sync>;
+    let cases: Vec<(&str, Call)> = vec![
+        (
+            "all_reduce",
+            Box::new(|c| c.all_reduce(&mut [1.0f32; 64], ReduceOp::Sum)),
+        ),
         ("barrier", Box::new(|c| c.barrier())),
         ("broadcast", Box::new(|c| c.broadcast(&mut vec![0i32; 1 << 18], 2))),
         ("recv", Box::new(|c| c.recv(&mut [0u8; 8], 2))),
-        ("all_gather", Box::new(|c| c.all_gather(&mut vec![0i64; 3 * 100_000], &vec![1i64; 100_000]))),
+        (
+            "all_gather",
+            Box::new(|c| c.all_gather(&mut vec![0i64; 3 * 100_000], &vec![1i64; 100_000])),
+        ),
     ];
     for (op, f) in cases {
         for (res, took) in absent_rank(&format!("absent-{op}"), f) {
@@ -41,7 +48,10 @@ fn a_rank_that_never_joins_gives_timeout_naming_the_op() {
                 Err(Error::Timeout { op: got, .. }) => assert_eq!(got, op),
                 other => panic!("{op}: expected Timeout, got {other:?}"),
             }
-            assert!(took >= TIMEOUT && took <= TIMEOUT + Duration::from_secs(1), "{op}: took {took:?}");
+            assert!(
+                took >= TIMEOUT && took <= TIMEOUT + Duration::from_secs(1),
+                "{op}: took {took:?}"
+            );
         }
     }
 }
@@ -55,8 +65,20 @@ fn per_op_timeout_overrides_the_communicator_default() {
             return Duration::ZERO;
         }
         let t0 = Instant::now();
-        let e = c.with_options(OpOptions::new().timeout(Duration::from_millis(300))).barrier();
-        assert!(matches!(e, Err(Error::Timeout { op: "barrier", peer: Some(1), .. })), "{e:?}");
+        let e = c
+            .with_options(OpOptions::new().timeout(Duration::from_millis(300)))
+            .barrier();
+        assert!(
+            matches!(
+                e,
+                Err(Error::Timeout {
+                    op: "barrier",
+                    peer: Some(1),
+                    ..
+                })
+            ),
+            "{e:?}"
+        );
         done.wait();
         t0.elapsed()
     });
@@ -75,7 +97,10 @@ fn wait_timeout_on_work_returns_while_the_operation_continues() {
         }
         c.scope(|s| {
             let w = s.all_reduce(&mut x, ReduceOp::Sum).unwrap();
-            assert!(matches!(w.wait_timeout(Duration::from_millis(100)), Err(Error::Timeout { op: "all_reduce", .. })));
+            assert!(matches!(
+                w.wait_timeout(Duration::from_millis(100)),
+                Err(Error::Timeout { op: "all_reduce", .. })
+            ));
             assert!(!w.is_completed());
             go.wait();
             w.wait().unwrap();
@@ -96,7 +121,17 @@ fn a_rank_that_drops_its_communicator_gives_peer_lost_at_once() {
         for c in [&c0, &c1] {
             s.spawn(move || {
                 let e = c.all_reduce(&mut [1.0f64; 16], ReduceOp::Sum);
-                assert!(matches!(e, Err(Error::PeerLost { op: "all_reduce", peer: 2, .. })), "{e:?}");
+                assert!(
+                    matches!(
+                        e,
+                        Err(Error::PeerLost {
+                            op: "all_reduce",
+                            peer: 2,
+                            ..
+                        })
+                    ),
+                    "{e:?}"
+                );
             });
         }
     });

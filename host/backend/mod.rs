@@ -67,12 +67,20 @@ fn registry() -> &'static RwLock<HashMap<String, BackendFactory>> {
 
 /// Registers (or replaces) the backend factory called `name`.
 pub fn register_backend(name: &str, factory: BackendFactory) {
-    registry().write().unwrap_or_else(|p| p.into_inner()).insert(name.to_owned(), factory);
+    registry()
+        .write()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(name.to_owned(), factory);
 }
 
 /// Names of the registered backends, sorted.
 pub fn backend_names() -> Vec<String> {
-    let mut v: Vec<String> = registry().read().unwrap_or_else(|p| p.into_inner()).keys().cloned().collect();
+    let mut v: Vec<String> = registry()
+        .read()
+        .unwrap_or_else(|p| p.into_inner())
+        .keys()
+        .cloned()
+        .collect();
     v.sort();
     v
 }

@@ -144,7 +144,10 @@ fn main() -> ExitCode {
             if let Ok(Some(status)) = c.try_wait() {
                 *slot = None;
                 if !status.success() && failure.is_none() {
-                    eprintln!("ferrocomm-run: rank {rank} failed ({}); stopping the other ranks", describe(status));
+                    eprintln!(
+                        "ferrocomm-run: rank {rank} failed ({}); stopping the other ranks",
+                        describe(status)
+                    );
                     failure = Some((rank, status));
                 }
             }

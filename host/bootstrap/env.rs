@@ -16,7 +16,12 @@ pub struct RankInfo {
 /// (source, rank var, size var, local-rank vars in order of preference)
 const LAUNCHERS: &[(&str, &str, &str, &[&str])] = &[
     ("torchrun", "RANK", "WORLD_SIZE", &["LOCAL_RANK"]),
-    ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", &["OMPI_COMM_WORLD_LOCAL_RANK"]),
+    (
+        "openmpi",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        &["OMPI_COMM_WORLD_LOCAL_RANK"],
+    ),
     ("pmi", "PMI_RANK", "PMI_SIZE", &["MPI_LOCALRANKID", "PMI_LOCAL_RANK"]),
     ("slurm", "SLURM_PROCID", "SLURM_NTASKS", &["SLURM_LOCALID"]),
 ];
@@ -31,10 +36,14 @@ fn parse(var: &str, v: &str) -> Result<usize> {
 /// `Ok(None)` when no launcher variables are set at all.
 pub fn discover(lookup: impl Fn(&str) -> Option<String>) -> Result<Option<RankInfo>> {
     for (source, rank_var, size_var, local_vars) in LAUNCHERS {
-        let (Some(r), Some(s)) = (lookup(rank_var), lookup(size_var)) else { continue };
+        let (Some(r), Some(s)) = (lookup(rank_var), lookup(size_var)) else {
+            continue;
+        };
         let (rank, world_size) = (parse(rank_var, &r)?, parse(size_var, &s)?);
         if world_size == 0 || rank >= world_size {
-            return Err(Error::Config(format!("{rank_var}={rank} is not below {size_var}={world_size}")));
+            return Err(Error::Config(format!(
+                "{rank_var}={rank} is not below {size_var}={world_size}"
+            )));
         }
         let local_rank = match local_vars.iter().find_map(|v| lookup(v).map(|x| (v, x))) {
             Some((v, x)) => parse(v, &x)?,
@@ -64,19 +73,29 @@ pub fn store_addr(lookup: impl Fn(&str) -> Option<String>) -> Result<StoreAddr> 
             return Ok(StoreAddr::File(path.into()));
         }
         let hp = s.strip_prefix("tcp://").unwrap_or(&s);
-        let (host, port) = hp
-            .rsplit_once(':')
-            .ok_or_else(|| Error::Config(format!("FERROCOMM_STORE={s:?}: expected tcp://host:port or file:///dir")))?;
-        let port = port.parse().map_err(|_| Error::Config(format!("FERROCOMM_STORE={s:?}: bad port")))?;
-        return Ok(StoreAddr::Tcp { host: host.trim_matches(['[', ']']).to_owned(), port });
+        let (host, port) = hp.rsplit_once(':').ok_or_else(|| {
+            Error::Config(format!(
+                "FERROCOMM_STORE={s:?}: expected tcp://host:port or file:///dir"
+            ))
+        })?;
+        let port = port
+            .parse()
+            .map_err(|_| Error::Config(format!("FERROCOMM_STORE={s:?}: bad port")))?;
+        return Ok(StoreAddr::Tcp {
+            host: host.trim_matches(['[', ']']).to_owned(),
+            port,
+        });
     }
     match (lookup("MASTER_ADDR"), lookup("MASTER_PORT")) {
         (Some(host), Some(port)) => Ok(StoreAddr::Tcp {
             host,
-            port: port.parse().map_err(|_| Error::Config(format!("MASTER_PORT={port:?} is not a port number")))?,
+            port: port
+                .parse()
+                .map_err(|_| Error::Config(format!("MASTER_PORT={port:?} is not a port number")))?,
         }),
         _ => Err(Error::Config(
-            "no store address: set MASTER_ADDR and MASTER_PORT (or FERROCOMM_STORE=tcp://host:port | file:///dir)".into(),
+            "no store address: set MASTER_ADDR and MASTER_PORT (or FERROCOMM_STORE=tcp://host:port | file:///dir)"
+                .into(),
         )),
     }
 }
@@ -93,33 +112,63 @@ mod tests {
 
     #[test]
     fn torchrun_variables_are_read() {
-        let r = discover(env(&[("RANK", "3"), ("WORLD_SIZE", "8"), ("LOCAL_RANK", "1")])).unwrap().unwrap();
+        let r = discover(env(&[("RANK", "3"), ("WORLD_SIZE", "8"), ("LOCAL_RANK", "1")]))
+            .unwrap()
+            .unwrap();
         assert_eq!((r.rank, r.world_size, r.local_rank, r.source), (3, 8, 1, "torchrun"));
     }
 
     #[test]
     fn slurm_openmpi_and_pmi_variables_are_read() {
-        let s = discover(env(&[("SLURM_PROCID", "5"), ("SLURM_NTASKS", "6"), ("SLURM_LOCALID", "2")])).unwrap().unwrap();
+        let s = discover(env(&[
+            ("SLURM_PROCID", "5"),
+            ("SLURM_NTASKS", "6"),
+            ("SLURM_LOCALID", "2"),
+        ]))
+        .unwrap()
+        .unwrap();
         assert_eq!((s.rank, s.world_size, s.local_rank, s.source), (5, 6, 2, "slurm"));
-        let o = discover(env(&[("OMPI_COMM_WORLD_RANK", "1"), ("OMPI_COMM_WORLD_SIZE", "2"), ("OMPI_COMM_WORLD_LOCAL_RANK", "1")]))
+        let o = discover(env(&[
+            ("OMPI_COMM_WORLD_RANK", "1"),
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!((o.rank, o.world_size, o.local_rank, o.source), (1, 2, 1, "openmpi"));
+        let p = discover(env(&[("PMI_RANK", "0"), ("PMI_SIZE", "4"), ("MPI_LOCALRANKID", "0")]))
             .unwrap()
             .unwrap();
-        assert_eq!((o.rank, o.world_size, o.local_rank, o.source), (1, 2, 1, "openmpi"));
-        let p = discover(env(&[("PMI_RANK", "0"), ("PMI_SIZE", "4"), ("MPI_LOCALRANKID", "0")])).unwrap().unwrap();
         assert_eq!((p.rank, p.world_size, p.source), (0, 4, "pmi"));
     }
 
     #[test]
     fn torchrun_wins_over_slurm_when_both_are_set() {
-        let r = discover(env(&[("RANK", "1"), ("WORLD_SIZE", "2"), ("SLURM_PROCID", "0"), ("SLURM_NTASKS", "1")])).unwrap().unwrap();
+        let r = discover(env(&[
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "1"),
+        ]))
+        .unwrap()
+        .unwrap();
         assert_eq!(r.source, "torchrun");
     }
 
     #[test]
     fn malformed_or_inconsistent_variables_are_config_errors() {
-        assert!(matches!(discover(env(&[("RANK", "x"), ("WORLD_SIZE", "2")])), Err(Error::Config(_))));
-        assert!(matches!(discover(env(&[("RANK", "2"), ("WORLD_SIZE", "2")])), Err(Error::Config(_))));
-        assert!(matches!(discover(env(&[("RANK", "0"), ("WORLD_SIZE", "0")])), Err(Error::Config(_))));
+        assert!(matches!(
+            discover(env(&[("RANK", "x"), ("WORLD_SIZE", "2")])),
+            Err(Error::Config(_))
+        ));
+        assert!(matches!(
+            discover(env(&[("RANK", "2"), ("WORLD_SIZE", "2")])),
+            Err(Error::Config(_))
+        ));
+        assert!(matches!(
+            discover(env(&[("RANK", "0"), ("WORLD_SIZE", "0")])),
+            Err(Error::Config(_))
+        ));
         assert_eq!(discover(env(&[])).unwrap(), None);
     }
 
@@ -127,16 +176,30 @@ mod tests {
     fn store_address_comes_from_ferrocomm_store_or_master_vars() {
         assert_eq!(
             store_addr(env(&[("MASTER_ADDR", "10.0.0.1"), ("MASTER_PORT", "29500")])).unwrap(),
-            StoreAddr::Tcp { host: "10.0.0.1".into(), port: 29500 }
+            StoreAddr::Tcp {
+                host: "10.0.0.1".into(),
+                port: 29500
+            }
         );
         assert_eq!(
-            store_addr(env(&[("FERROCOMM_STORE", "file:///tmp/x"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "1")])).unwrap(),
+            store_addr(env(&[
+                ("FERROCOMM_STORE", "file:///tmp/x"),
+                ("MASTER_ADDR", "h"),
+                ("MASTER_PORT", "1")
+            ]))
+            .unwrap(),
             StoreAddr::File("/tmp/x".into())
         );
         assert_eq!(
             store_addr(env(&[("FERROCOMM_STORE", "tcp://[::1]:7")])).unwrap(),
-            StoreAddr::Tcp { host: "::1".into(), port: 7 }
+            StoreAddr::Tcp {
+                host: "::1".into(),
+                port: 7
+            }
         );
-        assert!(matches!(store_addr(env(&[("MASTER_ADDR", "h")])), Err(Error::Config(_))));
+        assert!(matches!(
+            store_addr(env(&[("MASTER_ADDR", "h")])),
+            Err(Error::Config(_))
+        ));
     }
 }

@@ -36,7 +36,9 @@ impl FileStore {
     }
 
     fn write(&self, key: &str, value: &[u8]) -> Result<()> {
-        let tmp = self.dir.join(format!("tmp.{}.{}", std::process::id(), super::auth::random_token()));
+        let tmp = self
+            .dir
+            .join(format!("tmp.{}.{}", std::process::id(), super::auth::random_token()));
         fs::write(&tmp, value).map_err(|e| Error::io(format!("file store write `{key}`"), e))?;
         fs::rename(&tmp, self.path(key)).map_err(|e| Error::io(format!("file store rename `{key}`"), e))
     }
@@ -58,7 +60,12 @@ impl FileStore {
         r
     }
 
-    fn poll_until<R>(&self, timeout: Duration, key_of_wait: &str, mut f: impl FnMut() -> Result<Option<R>>) -> Result<R> {
+    fn poll_until<R>(
+        &self,
+        timeout: Duration,
+        key_of_wait: &str,
+        mut f: impl FnMut() -> Result<Option<R>>,
+    ) -> Result<R> {
         let deadline = Instant::now() + timeout;
         let mut pause = Duration::from_micros(200);
         loop {

@@ -56,12 +56,18 @@ impl Table {
     pub(crate) fn wait_keys(&self, keys: &[&str], deadline: Instant) -> std::result::Result<(), String> {
         let mut m = self.map.lock().unwrap_or_else(|p| p.into_inner());
         loop {
-            let Some(missing) = keys.iter().find(|k| !m.contains_key(**k)) else { return Ok(()) };
+            let Some(missing) = keys.iter().find(|k| !m.contains_key(**k)) else {
+                return Ok(());
+            };
             let now = Instant::now();
             if now >= deadline {
                 return Err((*missing).to_owned());
             }
-            m = self.changed.wait_timeout(m, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+            m = self
+                .changed
+                .wait_timeout(m, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
     }
 
@@ -123,7 +129,9 @@ impl Store for MemoryStore {
         Ok(())
     }
     fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
-        self.table.get(key, Instant::now() + timeout).map_err(|k| timeout_err(&k, timeout))
+        self.table
+            .get(key, Instant::now() + timeout)
+            .map_err(|k| timeout_err(&k, timeout))
     }
     fn add(&self, key: &str, delta: i64) -> Result<i64> {
         self.table.add(key, delta)
@@ -135,7 +143,9 @@ impl Store for MemoryStore {
         Ok(self.table.delete(key))
     }
     fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
-        self.table.wait_keys(keys, Instant::now() + timeout).map_err(|k| timeout_err(&k, timeout))
+        self.table
+            .wait_keys(keys, Instant::now() + timeout)
+            .map_err(|k| timeout_err(&k, timeout))
     }
     fn local_addr_hint(&self) -> Option<IpAddr> {
         Some(IpAddr::from([127, 0, 0, 1]))

@@ -52,7 +52,9 @@ impl TcpStoreServer {
 
     pub fn bind_with_cap(addr: impl ToSocketAddrs, token: &str, max_frame: u32) -> Result<TcpStoreServer> {
         if token.is_empty() {
-            return Err(Error::Config("the TCP store needs a non-empty job token (FERROCOMM_TOKEN)".into()));
+            return Err(Error::Config(
+                "the TCP store needs a non-empty job token (FERROCOMM_TOKEN)".into(),
+            ));
         }
         let listener = TcpListener::bind(addr).map_err(|e| Error::io("bind TCP store", e))?;
         let addr = listener.local_addr().map_err(|e| Error::io("TCP store address", e))?;
@@ -82,15 +84,17 @@ impl TcpStoreServer {
                     }
                     let (table, token, live, conns) = (table.clone(), token.clone(), live.clone(), conns2.clone());
                     live.fetch_add(1, Ordering::AcqRel);
-                    let spawned = std::thread::Builder::new().name("ferrocomm-store-conn".into()).spawn(move || {
-                        if let Err(e) = serve(&stream, &table, &token, max_frame) {
-                            tracing::debug!("store: client dropped: {e}");
-                        }
-                        // The clone kept for `Drop` would hold the socket open: close it here.
-                        let _ = stream.shutdown(Shutdown::Both);
-                        conns.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
-                        live.fetch_sub(1, Ordering::AcqRel);
-                    });
+                    let spawned = std::thread::Builder::new()
+                        .name("ferrocomm-store-conn".into())
+                        .spawn(move || {
+                            if let Err(e) = serve(&stream, &table, &token, max_frame) {
+                                tracing::debug!("store: client dropped: {e}");
+                            }
+                            // The clone kept for `Drop` would hold the socket open: close it here.
+                            let _ = stream.shutdown(Shutdown::Both);
+                            conns.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+                            live.fetch_sub(1, Ordering::AcqRel);
+                        });
                     if spawned.is_err() {
                         tracing::warn!("store: cannot spawn a connection thread");
                     }
@@ -132,7 +136,10 @@ fn server_handshake(mut s: &TcpStream, token: &[u8]) -> Result<()> {
     let mut reply = [0u8; 4 + PROOF_BYTES + NONCE_BYTES];
     s.read_exact(&mut reply).map_err(|e| Error::io("store handshake", e))?;
     if &reply[..4] != MAGIC {
-        return Err(Error::protocol("store handshake", "client is not a ferrocomm store client"));
+        return Err(Error::protocol(
+            "store handshake",
+            "client is not a ferrocomm store client",
+        ));
     }
     let (proof, client_nonce) = reply[4..].split_at(PROOF_BYTES);
     if !auth::verify(token, &nonce, b"client", proof) {
@@ -145,7 +152,8 @@ fn server_handshake(mut s: &TcpStream, token: &[u8]) -> Result<()> {
 }
 
 fn serve(mut s: &TcpStream, table: &Table, token: &[u8], max_frame: u32) -> Result<()> {
-    s.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(|e| Error::io("store socket", e))?;
+    s.set_read_timeout(Some(HANDSHAKE_TIMEOUT))
+        .map_err(|e| Error::io("store socket", e))?;
     server_handshake(s, token)?;
     s.set_read_timeout(None).map_err(|e| Error::io("store socket", e))?;
     s.set_nodelay(true).map_err(|e| Error::io("store socket", e))?;
@@ -154,7 +162,10 @@ fn serve(mut s: &TcpStream, table: &Table, token: &[u8], max_frame: u32) -> Resu
             Ok(r) => r,
             Err(e) => {
                 // Tell the client why, then drop it: its stream may be out of step.
-                let _ = write_frame(&mut s, &Enc::default().u8(status::ERROR).bytes(e.to_string().as_bytes()).0);
+                let _ = write_frame(
+                    &mut s,
+                    &Enc::default().u8(status::ERROR).bytes(e.to_string().as_bytes()).0,
+                );
                 return Err(e);
             }
         };
@@ -205,7 +216,10 @@ fn handle(table: &Table, req: &[u8]) -> Result<Vec<u8>> {
             let n = d.u64()?;
             // Each key costs at least its 4-byte length, so `n` is bounded by the frame size.
             if n > req.len() as u64 / 4 {
-                return Err(Error::protocol("store frame", format!("wait claims {n} keys in a {}-byte frame", req.len())));
+                return Err(Error::protocol(
+                    "store frame",
+                    format!("wait claims {n} keys in a {}-byte frame", req.len()),
+                ));
             }
             let keys = (0..n).map(|_| d.str()).collect::<Result<Vec<_>>>()?;
             let ms = d.u64()?;
@@ -239,11 +253,22 @@ impl TcpStore {
     /// Connects to the server at `addr`, retrying until `timeout` (the server may start after
     /// us), and authenticates with the job `token`.
     pub fn connect(addr: impl ToSocketAddrs, token: &str, timeout: Duration) -> Result<TcpStore> {
-        let addrs: Vec<SocketAddr> = addr.to_socket_addrs().map_err(|e| Error::io("resolve store address", e))?.collect();
-        let server = *addrs.first().ok_or_else(|| Error::Config("store address resolves to nothing".into()))?;
+        let addrs: Vec<SocketAddr> = addr
+            .to_socket_addrs()
+            .map_err(|e| Error::io("resolve store address", e))?
+            .collect();
+        let server = *addrs
+            .first()
+            .ok_or_else(|| Error::Config("store address resolves to nothing".into()))?;
         let first = open_connection(server, token, Instant::now() + timeout)?;
         let local_ip = first.local_addr().ok().map(|a| a.ip());
-        Ok(TcpStore { idle: Mutex::new(vec![first]), server, token: token.to_owned(), local_ip, max_frame: DEFAULT_MAX_FRAME })
+        Ok(TcpStore {
+            idle: Mutex::new(vec![first]),
+            server,
+            token: token.to_owned(),
+            local_ip,
+            max_frame: DEFAULT_MAX_FRAME,
+        })
     }
 
     fn call(&self, req: &[u8], wait: Duration) -> Result<Vec<u8>> {
@@ -261,7 +286,10 @@ impl TcpStore {
             None => {
                 return Err(Error::io(
                     format!("store at {}", self.server),
-                    std::io::Error::new(std::io::ErrorKind::ConnectionAborted, "the store server closed the connection"),
+                    std::io::Error::new(
+                        std::io::ErrorKind::ConnectionAborted,
+                        "the store server closed the connection",
+                    ),
                 ))
             }
         };
@@ -276,7 +304,10 @@ impl TcpStore {
         match d.u8()? {
             status::OK => Ok(d),
             status::TIMEOUT => Err(timeout_err(d.str()?, wait)),
-            status::ERROR => Err(Error::protocol("store server", String::from_utf8_lossy(d.bytes()?).into_owned())),
+            status::ERROR => Err(Error::protocol(
+                "store server",
+                String::from_utf8_lossy(d.bytes()?).into_owned(),
+            )),
             s => Err(Error::protocol("store reply", format!("unknown status {s}"))),
         }
     }
@@ -290,7 +321,9 @@ fn open_connection(server: SocketAddr, token: &str, deadline: Instant) -> Result
             Err(_) => std::thread::sleep(Duration::from_millis(50)),
         }
     };
-    stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(|e| Error::io("store socket", e))?;
+    stream
+        .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
+        .map_err(|e| Error::io("store socket", e))?;
     client_handshake(&mut stream, token.as_bytes())?;
     stream.set_nodelay(true).map_err(|e| Error::io("store socket", e))?;
     Ok(stream)
@@ -310,7 +343,9 @@ fn client_handshake(s: &mut TcpStream, token: &[u8]) -> Result<()> {
     s.write_all(&reply).map_err(io)?;
     let mut verdict = [0u8; 1];
     if s.read_exact(&mut verdict).is_err() || verdict[0] != 1 {
-        return Err(Error::Auth("the store server rejected our job token (check FERROCOMM_TOKEN)".into()));
+        return Err(Error::Auth(
+            "the store server rejected our job token (check FERROCOMM_TOKEN)".into(),
+        ));
     }
     let mut proof = [0u8; PROOF_BYTES];
     s.read_exact(&mut proof).map_err(io)?;
@@ -324,11 +359,18 @@ const QUICK: Duration = Duration::from_secs(0);
 
 impl Store for TcpStore {
     fn set(&self, key: &str, value: &[u8]) -> Result<()> {
-        let r = self.call(&Enc::default().u8(opcode::SET).bytes(key.as_bytes()).bytes(value).0, QUICK)?;
+        let r = self.call(
+            &Enc::default().u8(opcode::SET).bytes(key.as_bytes()).bytes(value).0,
+            QUICK,
+        )?;
         Self::ok(&r, QUICK)?.finish()
     }
     fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
-        let req = Enc::default().u8(opcode::GET).bytes(key.as_bytes()).u64(timeout.as_millis() as u64).0;
+        let req = Enc::default()
+            .u8(opcode::GET)
+            .bytes(key.as_bytes())
+            .u64(timeout.as_millis() as u64)
+            .0;
         let r = self.call(&req, timeout)?;
         let mut d = Self::ok(&r, timeout)?;
         let v = d.bytes()?.to_vec();
@@ -336,12 +378,20 @@ impl Store for TcpStore {
         Ok(v)
     }
     fn add(&self, key: &str, delta: i64) -> Result<i64> {
-        let r = self.call(&Enc::default().u8(opcode::ADD).bytes(key.as_bytes()).u64(delta as u64).0, QUICK)?;
+        let r = self.call(
+            &Enc::default().u8(opcode::ADD).bytes(key.as_bytes()).u64(delta as u64).0,
+            QUICK,
+        )?;
         let mut d = Self::ok(&r, QUICK)?;
         Ok(d.u64()? as i64)
     }
     fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>> {
-        let req = Enc::default().u8(opcode::CAS).bytes(key.as_bytes()).bytes(expected).bytes(desired).0;
+        let req = Enc::default()
+            .u8(opcode::CAS)
+            .bytes(key.as_bytes())
+            .bytes(expected)
+            .bytes(desired)
+            .0;
         let r = self.call(&req, QUICK)?;
         Ok(Self::ok(&r, QUICK)?.bytes()?.to_vec())
     }

@@ -67,7 +67,10 @@ impl<'a> Dec<'a> {
     }
     fn take(&mut self, n: usize) -> Result<&'a [u8]> {
         if self.buf.len() < n {
-            return Err(Error::protocol("store frame", format!("truncated: needed {n} more bytes, {} left", self.buf.len())));
+            return Err(Error::protocol(
+                "store frame",
+                format!("truncated: needed {n} more bytes, {} left", self.buf.len()),
+            ));
         }
         let (a, b) = self.buf.split_at(n);
         self.buf = b;
@@ -92,7 +95,10 @@ impl<'a> Dec<'a> {
         if self.buf.is_empty() {
             Ok(())
         } else {
-            Err(Error::protocol("store frame", format!("{} trailing bytes", self.buf.len())))
+            Err(Error::protocol(
+                "store frame",
+                format!("{} trailing bytes", self.buf.len()),
+            ))
         }
     }
 }

@@ -24,7 +24,11 @@ impl ProcessWatch {
             // SAFETY: signal 0 only checks for existence.
             return unsafe { libc::kill(self.pid as libc::pid_t, 0) } == 0;
         }
-        let mut p = libc::pollfd { fd: self.pidfd, events: libc::POLLIN, revents: 0 };
+        let mut p = libc::pollfd {
+            fd: self.pidfd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
         // SAFETY: one valid pollfd, zero timeout.
         let r = unsafe { libc::poll(&mut p, 1, 0) };
         !(r > 0 && p.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0)

@@ -108,10 +108,13 @@ mod tests {
 
     #[test]
     fn bytes_come_out_in_order_across_wraparound() {
+        #[repr(C, align(64))]
+        struct Mem([u8; CTL_BYTES + 64]);
         let cap = 64usize;
-        let mut mem = vec![0u64; (CTL_BYTES + cap) / 8];
-        let base = mem.as_mut_ptr().cast::<u8>();
-        // SAFETY: `mem` is zeroed, 8-aligned (the test does not need 64) and outlives both ends.
+        let mut mem = Box::new(Mem([0; CTL_BYTES + 64]));
+        let base = mem.0.as_mut_ptr();
+        // SAFETY: `mem` is zeroed, 64-aligned, holds the control block plus `cap` bytes, and
+        // outlives both ends.
         let (mut tx, mut rx) = unsafe { (RingEnd::new(base, cap, true), RingEnd::new(base, cap, false)) };
         let src: Vec<u8> = (0..1000u32).map(|i| (i * 7 % 251) as u8).collect();
         let mut out = vec![0u8; src.len()];

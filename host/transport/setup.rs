@@ -35,7 +35,10 @@ impl Transport {
                 _ => None,
             })
             .collect();
-        Announcer { seg: self.own_seg.clone(), streams }
+        Announcer {
+            seg: self.own_seg.clone(),
+            streams,
+        }
     }
 }
 
@@ -93,11 +96,19 @@ static SEGMENT_COUNTER: AtomicU64 = AtomicU64::new(0);
 
 /// Connects `rank` to every other rank of a communicator of `size`, using `store` (already
 /// prefixed for this communicator). Collective: every rank must call it.
-pub(crate) fn connect_all(rank: usize, size: usize, store: &dyn Store, opts: &TransportOptions, timeout: Duration) -> Result<Transport> {
+pub(crate) fn connect_all(
+    rank: usize,
+    size: usize,
+    store: &dyn Store,
+    opts: &TransportOptions,
+    timeout: Duration,
+) -> Result<Transport> {
     let deadline = Instant::now() + timeout;
     let me = host_identity(rank, opts);
     store.set(&format!("host/{rank}"), me.as_bytes())?;
-    let hosts = (0..size).map(|r| get_str(store, &format!("host/{r}"), deadline)).collect::<Result<Vec<_>>>()?;
+    let hosts = (0..size)
+        .map(|r| get_str(store, &format!("host/{r}"), deadline))
+        .collect::<Result<Vec<_>>>()?;
     let local = |p: usize| hosts[p] == me;
     let any_remote = hosts.iter().any(|h| h != &hosts[0]);
 
@@ -114,7 +125,10 @@ pub(crate) fn connect_all(rank: usize, size: usize, store: &dyn Store, opts: &Tr
         None
     };
     let listener = if (0..size).any(|p| !local(p)) {
-        let ip = opts.bind_addr.or_else(|| store.local_addr_hint()).unwrap_or(IpAddr::from([127, 0, 0, 1]));
+        let ip = opts
+            .bind_addr
+            .or_else(|| store.local_addr_hint())
+            .unwrap_or(IpAddr::from([127, 0, 0, 1]));
         Some(TcpListener::bind((ip, 0)).map_err(|e| Error::io(format!("bind link listener on {ip}"), e))?)
     } else {
         None
@@ -131,9 +145,15 @@ pub(crate) fn connect_all(rank: usize, size: usize, store: &dyn Store, opts: &Tr
         String::new()
     };
 
-    let shm_name = own_seg.as_ref().map(|s| s.name().to_owned()).unwrap_or_else(|| "-".into());
+    let shm_name = own_seg
+        .as_ref()
+        .map(|s| s.name().to_owned())
+        .unwrap_or_else(|| "-".into());
     let tcp_addr = match &listener {
-        Some(l) => l.local_addr().map_err(|e| Error::io("link listener address", e))?.to_string(),
+        Some(l) => l
+            .local_addr()
+            .map_err(|e| Error::io("link listener address", e))?
+            .to_string(),
         None => "-".into(),
     };
     store.set(&format!("endpoint/{rank}"), format!("{shm_name} {tcp_addr}").as_bytes())?;
@@ -146,12 +166,17 @@ pub(crate) fn connect_all(rank: usize, size: usize, store: &dyn Store, opts: &Tr
             .split_once(' ')
             .ok_or_else(|| Error::protocol("transport setup", format!("malformed endpoint of rank {p}: {ep:?}")))?;
         if local(p) {
-            let own = own_seg.clone().ok_or_else(|| Error::protocol("transport setup", "no own segment"))?;
+            let own = own_seg
+                .clone()
+                .ok_or_else(|| Error::protocol("transport setup", "no own segment"))?;
             links[p] = Some(shm_link(rank, p, own, peer_shm, size, opts.shm_ring_bytes)?);
         } else if rank > p {
-            let addr: SocketAddr = peer_tcp
-                .parse()
-                .map_err(|_| Error::protocol("transport setup", format!("rank {p} published no TCP address ({peer_tcp:?})")))?;
+            let addr: SocketAddr = peer_tcp.parse().map_err(|_| {
+                Error::protocol(
+                    "transport setup",
+                    format!("rank {p} published no TCP address ({peer_tcp:?})"),
+                )
+            })?;
             links[p] = Some(Link::Tcp(connect_link(rank, p, addr, secret.as_bytes(), deadline)?));
         }
     }
@@ -159,7 +184,10 @@ pub(crate) fn connect_all(rank: usize, size: usize, store: &dyn Store, opts: &Tr
         let expected = (rank + 1..size).filter(|&p| !local(p)).count();
         for (p, stream) in accept_links(l, expected, secret.as_bytes(), size, deadline)? {
             if links[p].is_some() || p <= rank || local(p) {
-                return Err(Error::protocol("transport setup", format!("unexpected link from rank {p}")));
+                return Err(Error::protocol(
+                    "transport setup",
+                    format!("unexpected link from rank {p}"),
+                ));
             }
             links[p] = Some(Link::Tcp(TcpLink::new(stream)?));
         }
@@ -183,7 +211,14 @@ pub(crate) fn connect_all(rank: usize, size: usize, store: &dyn Store, opts: &Tr
     Ok(Transport { links, own_seg })
 }
 
-fn shm_link(rank: usize, peer: usize, own: Arc<Segment>, peer_name: &str, size: usize, ring_bytes: usize) -> Result<Link> {
+fn shm_link(
+    rank: usize,
+    peer: usize,
+    own: Arc<Segment>,
+    peer_name: &str,
+    size: usize,
+    ring_bytes: usize,
+) -> Result<Link> {
     let peer_seg = Arc::new(Segment::open(peer_name, size, ring_bytes)?);
     // SAFETY: both rings lie inside mappings that the link keeps alive (the Arcs below); each
     // end is used by exactly one rank: we produce into our slot of the peer's segment and
@@ -213,11 +248,15 @@ fn connect_link(rank: usize, peer: usize, addr: SocketAddr, secret: &[u8], deadl
             Err(_) => std::thread::sleep(Duration::from_millis(20)),
         }
     };
-    s.set_read_timeout(Some(left(deadline).max(Duration::from_millis(1)))).map_err(|e| Error::io(ctx(), e))?;
+    s.set_read_timeout(Some(left(deadline).max(Duration::from_millis(1))))
+        .map_err(|e| Error::io(ctx(), e))?;
     let mut challenge = [0u8; 4 + NONCE_BYTES];
     s.read_exact(&mut challenge).map_err(|e| Error::io(ctx(), e))?;
     if &challenge[..4] != LINK_MAGIC {
-        return Err(Error::protocol("link handshake", format!("rank {peer} is not a ferrocomm link")));
+        return Err(Error::protocol(
+            "link handshake",
+            format!("rank {peer} is not a ferrocomm link"),
+        ));
     }
     let mut hello = (rank as u32).to_le_bytes().to_vec();
     hello.extend_from_slice(&bootstrap::proof(secret, &challenge[4..], &(rank as u32).to_le_bytes()));
@@ -227,7 +266,13 @@ fn connect_link(rank: usize, peer: usize, addr: SocketAddr, secret: &[u8], deadl
 }
 
 /// Accepts `expected` authenticated links; returns (peer rank, stream) pairs.
-fn accept_links(l: &TcpListener, expected: usize, secret: &[u8], size: usize, deadline: Instant) -> Result<Vec<(usize, TcpStream)>> {
+fn accept_links(
+    l: &TcpListener,
+    expected: usize,
+    secret: &[u8],
+    size: usize,
+    deadline: Instant,
+) -> Result<Vec<(usize, TcpStream)>> {
     l.set_nonblocking(true).map_err(|e| Error::io("link listener", e))?;
     let mut got = Vec::new();
     while got.len() < expected {
@@ -247,7 +292,8 @@ fn accept_links(l: &TcpListener, expected: usize, secret: &[u8], size: usize, de
             Err(e) => return Err(Error::io("accept link", e)),
         };
         s.set_nonblocking(false).map_err(|e| Error::io("link socket", e))?;
-        s.set_read_timeout(Some(left(deadline).max(Duration::from_millis(1)))).map_err(|e| Error::io("link socket", e))?;
+        s.set_read_timeout(Some(left(deadline).max(Duration::from_millis(1))))
+            .map_err(|e| Error::io("link socket", e))?;
         let nonce = bootstrap::nonce();
         let mut challenge = LINK_MAGIC.to_vec();
         challenge.extend_from_slice(&nonce);

@@ -97,21 +97,36 @@ impl Segment {
         if unsafe { libc::fstat(fd, &mut st) } != 0 || (st.st_size as usize) != len {
             // SAFETY: closing our own fd.
             unsafe { libc::close(fd) };
-            return Err(Error::protocol("shm segment", format!("{name} has size {} bytes, expected {len}", st.st_size)));
+            return Err(Error::protocol(
+                "shm segment",
+                format!("{name} has size {} bytes, expected {len}", st.st_size),
+            ));
         }
         let seg = Self::map(fd, len, cname, false)?;
         // SAFETY: the mapping is at least HEADER_BYTES long.
         let magic = unsafe { (*(seg.base as *const AtomicU64)).load(Ordering::Acquire) };
         let h = seg.header();
         if magic != MAGIC || h.world != world as u64 || h.ring_bytes != ring_bytes as u64 {
-            return Err(Error::protocol("shm segment", format!("{name} has a foreign or different layout")));
+            return Err(Error::protocol(
+                "shm segment",
+                format!("{name} has a foreign or different layout"),
+            ));
         }
         Ok(seg)
     }
 
     fn map(fd: libc::c_int, len: usize, name: CString, owner: bool) -> Result<Segment> {
         // SAFETY: mapping a shared-memory fd of at least `len` bytes; the fd is closed after.
-        let p = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0) };
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            )
+        };
         let err = (p == libc::MAP_FAILED).then(|| Error::last_os("mmap(shm segment)"));
         // SAFETY: our fd; the mapping keeps the memory alive.
         unsafe { libc::close(fd) };
@@ -123,7 +138,12 @@ impl Segment {
                 }
                 Err(e)
             }
-            None => Ok(Segment { base: p.cast(), len, name, owner }),
+            None => Ok(Segment {
+                base: p.cast(),
+                len,
+                name,
+                owner,
+            }),
         }
     }
 
@@ -159,7 +179,10 @@ impl Segment {
         let h = self.header();
         debug_assert!((sender as u64) < h.world);
         // SAFETY: in bounds by the layout computed in `total_len`.
-        unsafe { self.base.add(HEADER_BYTES + sender * ring_stride(h.ring_bytes as usize)) }
+        unsafe {
+            self.base
+                .add(HEADER_BYTES + sender * ring_stride(h.ring_bytes as usize))
+        }
     }
 
     /// Removes the name; existing mappings stay valid. Called once every peer has mapped us, so

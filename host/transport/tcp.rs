@@ -12,7 +12,9 @@ pub(crate) struct TcpLink {
 impl TcpLink {
     pub(crate) fn new(stream: TcpStream) -> Result<TcpLink> {
         stream.set_nodelay(true).map_err(|e| Error::io("set TCP_NODELAY", e))?;
-        stream.set_nonblocking(true).map_err(|e| Error::io("set O_NONBLOCK", e))?;
+        stream
+            .set_nonblocking(true)
+            .map_err(|e| Error::io("set O_NONBLOCK", e))?;
         Ok(TcpLink { stream, closed: None })
     }
 

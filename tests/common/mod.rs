@@ -21,7 +21,13 @@ pub fn run_group_on<R: Send>(backend: &str, n: usize, name: &str, f: impl Fn(&Co
     run_group_with(backend, n, name, options(Duration::from_secs(10)), f)
 }
 
-fn run_group_with<R: Send>(backend: &str, n: usize, name: &str, options: CommOptions, f: impl Fn(&Comm) -> R + Sync) -> Vec<R> {
+fn run_group_with<R: Send>(
+    backend: &str,
+    n: usize,
+    name: &str,
+    options: CommOptions,
+    f: impl Fn(&Comm) -> R + Sync,
+) -> Vec<R> {
     let comms = Comm::new_group(backend, &vec![Device::Cpu; n], name, options).expect("new_group");
     std::thread::scope(|s| {
         let hs: Vec<_> = comms.iter().map(|c| s.spawn(|| f(c))).collect();
@@ -35,7 +41,10 @@ pub fn options(timeout: Duration) -> CommOptions {
 
 /// A fresh seed for this run, printed so a failure can be replayed with FERROCOMM_TEST_SEED.
 pub fn fresh_seed() -> u64 {
-    let seed = std::env::var("FERROCOMM_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(rand::random);
+    let seed = std::env::var("FERROCOMM_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random);
     eprintln!("seed = {seed} (replay with FERROCOMM_TEST_SEED={seed})");
     seed
 }
@@ -91,24 +100,39 @@ macro_rules! float_elem {
                 };
                 $from(x)
             }
-            fn poison() -> Self { $from(-12345.0) }
+            fn poison() -> Self {
+                $from(-12345.0)
+            }
             fn check_reduced(vals: &[Self], op: ReduceOp, got: Self) -> Result<(), String> {
                 let v: Vec<f64> = vals.iter().map(|x| $to(*x)).collect();
                 let n = v.len() as f64;
                 let (want, scale) = match op {
                     ReduceOp::Sum => (v.iter().sum::<f64>(), v.iter().map(|x| x.abs()).sum::<f64>()),
-                    ReduceOp::Avg => (v.iter().sum::<f64>() / n, v.iter().map(|x| x.abs()).sum::<f64>() / n),
-                    ReduceOp::Prod => { let p = v.iter().product::<f64>(); (p, p.abs()) }
+                    ReduceOp::Avg => (
+                        v.iter().sum::<f64>() / n,
+                        v.iter().map(|x| x.abs()).sum::<f64>() / n,
+                    ),
+                    ReduceOp::Prod => {
+                        let p = v.iter().product::<f64>();
+                        (p, p.abs())
+                    }
                     ReduceOp::Min => (v.iter().cloned().fold(f64::INFINITY, f64::min), 0.0),
                     ReduceOp::Max => (v.iter().cloned().fold(f64::NEG_INFINITY, f64::max), 0.0),
-                    ReduceOp::PremulSum(s) => (v.iter().map(|x| x * s).sum::<f64>(), v.iter().map(|x| (x * s).abs()).sum::<f64>()),
+                    ReduceOp::PremulSum(s) => (
+                        v.iter().map(|x| x * s).sum::<f64>(),
+                        v.iter().map(|x| (x * s).abs()).sum::<f64>(),
+                    ),
                     _ => unreachable!(),
                 };
                 // Documented tolerance: each of the n-1 combining steps (and the final scale)
                 // rounds once to the element type: |error| <= eps * (n + 2) * sum|x|.
                 let tol = $eps * (n + 2.0) * scale + 1e-30;
                 let g = $to(got);
-                if (g - want).abs() <= tol { Ok(()) } else { Err(format!("got {g}, want {want} ± {tol} (inputs {v:?}, {op})")) }
+                if (g - want).abs() <= tol {
+                    Ok(())
+                } else {
+                    Err(format!("got {g}, want {want} ± {tol} (inputs {v:?}, {op})"))
+                }
             }
         }
     };
@@ -130,8 +154,14 @@ pub const INT_OPS: [ReduceOp; 9] = [
     ReduceOp::PremulSum(3.0),
 ];
 
-pub const FLOAT_OPS: [ReduceOp; 6] =
-    [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg, ReduceOp::PremulSum(0.5)];
+pub const FLOAT_OPS: [ReduceOp; 6] = [
+    ReduceOp::Sum,
+    ReduceOp::Prod,
+    ReduceOp::Min,
+    ReduceOp::Max,
+    ReduceOp::Avg,
+    ReduceOp::PremulSum(0.5),
+];
 
 pub fn ops_for<T: Element>() -> &'static [ReduceOp] {
     if T::DTYPE.is_float() {

@@ -51,7 +51,10 @@ fn reductions<T: TestElem>(cx: &mut Ctx, algo: &OpOptions) {
         let mut everyone = vec![T::poison(); count * n];
         cx.comm.all_gather(&mut everyone, &buf).unwrap();
         for q in 0..n {
-            assert!(everyone[q * count..(q + 1) * count] == buf[..], "all_reduce results differ between ranks ({op})");
+            assert!(
+                everyone[q * count..(q + 1) * count] == buf[..],
+                "all_reduce results differ between ranks ({op})"
+            );
         }
 
         // reduce: only the root's buffer changes.
@@ -112,19 +115,24 @@ fn movement<T: TestElem>(cx: &mut Ctx, algo: &OpOptions) {
     c.all_gather_v(&mut out, &vin[me], &cnt).unwrap();
     assert!(out == concat(&vin), "all_gather_v");
     let mut outs: Vec<Vec<T>> = cnt.iter().map(|&k| vec![T::poison(); k]).collect();
-    c.all_gather_list(outs.iter_mut().map(|o| &mut o[..]).collect(), &vin[me]).unwrap();
+    c.all_gather_list(outs.iter_mut().map(|o| &mut o[..]).collect(), &vin[me])
+        .unwrap();
     assert!(outs == vin, "all_gather_list");
 
     // all_to_all: block (src -> dst) is inputs[src][dst*count..].
     let a2a = all_inputs::<T>(&mut r, n, count * n, None);
     let mut out = vec![T::poison(); count * n];
     c.all_to_all(&mut out, &a2a[me]).unwrap();
-    let want: Vec<T> = (0..n).flat_map(|src| a2a[src][me * count..(me + 1) * count].to_vec()).collect();
+    let want: Vec<T> = (0..n)
+        .flat_map(|src| a2a[src][me * count..(me + 1) * count].to_vec())
+        .collect();
     assert!(out == want, "all_to_all");
 
     // all_to_all_v: sizes[src][dst] elements go from src to dst.
     let sizes: Vec<Vec<usize>> = (0..n).map(|_| counts(&mut r, n)).collect();
-    let blocks: Vec<Vec<Vec<T>>> = (0..n).map(|src| (0..n).map(|dst| random_vec(&mut r, sizes[src][dst], None)).collect()).collect();
+    let blocks: Vec<Vec<Vec<T>>> = (0..n)
+        .map(|src| (0..n).map(|dst| random_vec(&mut r, sizes[src][dst], None)).collect())
+        .collect();
     let input: Vec<T> = blocks[me].concat();
     let recv_counts: Vec<usize> = (0..n).map(|src| sizes[src][me]).collect();
     let mut out = vec![T::poison(); recv_counts.iter().sum()];
@@ -132,13 +140,20 @@ fn movement<T: TestElem>(cx: &mut Ctx, algo: &OpOptions) {
     let want: Vec<T> = (0..n).flat_map(|src| blocks[src][me].clone()).collect();
     assert!(out == want, "all_to_all_v");
     let mut outs: Vec<Vec<T>> = recv_counts.iter().map(|&k| vec![T::poison(); k]).collect();
-    c.all_to_all_list(outs.iter_mut().map(|o| &mut o[..]).collect(), blocks[me].iter().map(|b| &b[..]).collect())
-        .unwrap();
+    c.all_to_all_list(
+        outs.iter_mut().map(|o| &mut o[..]).collect(),
+        blocks[me].iter().map(|b| &b[..]).collect(),
+    )
+    .unwrap();
     let want: Vec<Vec<T>> = (0..n).map(|src| blocks[src][me].clone()).collect();
     assert!(outs == want, "all_to_all_list");
 
     let root = r.gen_range(0..n);
-    let mut buf = if me == root { inputs[root].clone() } else { vec![T::poison(); count] };
+    let mut buf = if me == root {
+        inputs[root].clone()
+    } else {
+        vec![T::poison(); count]
+    };
     c.broadcast(&mut buf, root).unwrap();
     assert!(buf == inputs[root], "broadcast");
 
@@ -148,7 +163,8 @@ fn movement<T: TestElem>(cx: &mut Ctx, algo: &OpOptions) {
     assert!(out[..] == whole[me * count..(me + 1) * count], "scatter");
 
     let mut gathered = vec![T::poison(); count * n];
-    c.gather((me == root).then_some(&mut gathered[..]), &inputs[me], root).unwrap();
+    c.gather((me == root).then_some(&mut gathered[..]), &inputs[me], root)
+        .unwrap();
     if me == root {
         assert!(gathered == concat(&inputs), "gather");
     }
@@ -167,7 +183,11 @@ fn movement<T: TestElem>(cx: &mut Ctx, algo: &OpOptions) {
         assert!(got == inputs[left], "send/recv ring");
     }
     // A batch with receives listed first, in both directions, plus a message to ourselves.
-    let (mut from_left, mut from_right, mut from_me) = (vec![T::poison(); count], vec![T::poison(); count], vec![T::poison(); count]);
+    let (mut from_left, mut from_right, mut from_me) = (
+        vec![T::poison(); count],
+        vec![T::poison(); count],
+        vec![T::poison(); count],
+    );
     c.batch()
         .recv(&mut from_left, left)
         .recv(&mut from_right, right)
@@ -177,7 +197,10 @@ fn movement<T: TestElem>(cx: &mut Ctx, algo: &OpOptions) {
         .send(&inputs[me], me)
         .issue()
         .unwrap();
-    assert!(from_left == inputs[left] && from_right == inputs[right] && from_me == inputs[me], "batch");
+    assert!(
+        from_left == inputs[left] && from_right == inputs[right] && from_me == inputs[me],
+        "batch"
+    );
 
     c.barrier().unwrap();
     cx.checks += 13;
@@ -192,8 +215,17 @@ fn one_dtype<T: TestElem>(cx: &mut Ctx, algos: &[OpOptions]) {
 
 /// Runs the whole suite on `comm`; returns the number of checked calls.
 pub fn run_all(comm: &Comm, seed: u64) -> usize {
-    let algos = [OpOptions::new().hint("algorithm", "direct"), OpOptions::new().hint("algorithm", "ring"), OpOptions::new()];
-    let mut cx = Ctx { comm, seed, stream: 0, checks: 0 };
+    let algos = [
+        OpOptions::new().hint("algorithm", "direct"),
+        OpOptions::new().hint("algorithm", "ring"),
+        OpOptions::new(),
+    ];
+    let mut cx = Ctx {
+        comm,
+        seed,
+        stream: 0,
+        checks: 0,
+    };
     one_dtype::<f32>(&mut cx, &algos);
     one_dtype::<f64>(&mut cx, &algos);
     one_dtype::<f16>(&mut cx, &algos);

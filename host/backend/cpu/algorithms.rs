@@ -38,7 +38,7 @@ impl Scratch {
 }
 
 /// Splits `buf` into consecutive parts of the given byte lengths.
-fn parts_of<'b>(buf: &'b mut [u8], lens: impl IntoIterator<Item = usize>) -> Vec<&'b mut [u8]> {
+fn parts_of(buf: &mut [u8], lens: impl IntoIterator<Item = usize>) -> Vec<&mut [u8]> {
     let mut rest = buf;
     lens.into_iter()
         .map(|n| {
@@ -51,7 +51,9 @@ fn parts_of<'b>(buf: &'b mut [u8], lens: impl IntoIterator<Item = usize>) -> Vec
 
 /// Byte lengths of `n` balanced blocks of `count` elements.
 fn block_lens(count: usize, n: usize, esize: usize) -> Vec<usize> {
-    (0..n).map(|i| (count / n + usize::from(i < count % n)) * esize).collect()
+    (0..n)
+        .map(|i| (count / n + usize::from(i < count % n)) * esize)
+        .collect()
 }
 
 /// `(&parts[a], &mut parts[b])` for `a != b`.
@@ -68,7 +70,15 @@ fn pair<'p>(parts: &'p mut [&mut [u8]], a: usize, b: usize) -> (&'p [u8], &'p mu
 /// Ring reduce-scatter over `parts` (one per rank): afterwards `parts[rank]` holds the
 /// reduction of every rank's `parts[rank]`. Step s sends block (rank-s-1) to the right and
 /// reduces block (rank-s-2) from the left into ours.
-fn ring_reduce_scatter(e: &mut Engine, ctx: &OpCtx, tag: Tag, parts: &mut [&mut [u8]], dtype: DType, op: ReduceOp, tmp: &mut [u8]) -> Result<()> {
+fn ring_reduce_scatter(
+    e: &mut Engine,
+    ctx: &OpCtx,
+    tag: Tag,
+    parts: &mut [&mut [u8]],
+    dtype: DType,
+    op: ReduceOp,
+    tmp: &mut [u8],
+) -> Result<()> {
     let (n, me) = (e.size, e.rank);
     let (right, left) = ((me + 1) % n, (me + n - 1) % n);
     for s in 0..n - 1 {
@@ -114,7 +124,17 @@ fn fold_in_rank_order(dtype: DType, op: ReduceOp, acc: &mut [u8], slots: &[&mut 
     }
 }
 
-pub(crate) fn all_reduce(e: &mut Engine, s: &mut Scratch, ctx: &OpCtx, tag: Tag, buf: &mut [u8], dtype: DType, op: ReduceOp, algo: Algo) -> Result<()> {
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn all_reduce(
+    e: &mut Engine,
+    s: &mut Scratch,
+    ctx: &OpCtx,
+    tag: Tag,
+    buf: &mut [u8],
+    dtype: DType,
+    op: ReduceOp,
+    algo: Algo,
+) -> Result<()> {
     let n = e.size;
     prologue(dtype, op, buf);
     if n > 1 {
@@ -139,7 +159,18 @@ pub(crate) fn all_reduce(e: &mut Engine, s: &mut Scratch, ctx: &OpCtx, tag: Tag,
     Ok(())
 }
 
-pub(crate) fn reduce(e: &mut Engine, s: &mut Scratch, ctx: &OpCtx, tag: Tag, buf: &mut [u8], dtype: DType, op: ReduceOp, root: usize, algo: Algo) -> Result<()> {
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn reduce(
+    e: &mut Engine,
+    s: &mut Scratch,
+    ctx: &OpCtx,
+    tag: Tag,
+    buf: &mut [u8],
+    dtype: DType,
+    op: ReduceOp,
+    root: usize,
+    algo: Algo,
+) -> Result<()> {
     let (n, me, len) = (e.size, e.rank, buf.len());
     // Non-root buffers stay unchanged: the contribution is scaled in a copy.
     let (work, tmp) = s.two(len * if algo == Algo::Direct && me == root { n } else { 1 }, len);
@@ -159,7 +190,10 @@ pub(crate) fn reduce(e: &mut Engine, s: &mut Scratch, ctx: &OpCtx, tag: Tag, buf
         Algo::Direct => {
             work.copy_from_slice(buf);
             prologue(dtype, op, work);
-            { let x = e.send(root, tag, work); e.exchange(ctx, &mut [x]) }?;
+            {
+                let x = e.send(root, tag, work);
+                e.exchange(ctx, &mut [x])
+            }?;
             return Ok(());
         }
         Algo::Ring => {
@@ -189,7 +223,15 @@ pub(crate) fn reduce(e: &mut Engine, s: &mut Scratch, ctx: &OpCtx, tag: Tag, buf
     Ok(())
 }
 
-pub(crate) fn broadcast(e: &mut Engine, ctx: &OpCtx, tag: Tag, buf: &mut [u8], root: usize, algo: Algo, chunk: usize) -> Result<()> {
+pub(crate) fn broadcast(
+    e: &mut Engine,
+    ctx: &OpCtx,
+    tag: Tag,
+    buf: &mut [u8],
+    root: usize,
+    algo: Algo,
+    chunk: usize,
+) -> Result<()> {
     let (n, me) = (e.size, e.rank);
     if n == 1 {
         return Ok(());
@@ -199,7 +241,10 @@ pub(crate) fn broadcast(e: &mut Engine, ctx: &OpCtx, tag: Tag, buf: &mut [u8], r
             let mut x: Vec<Xfer> = (0..n).filter(|&p| p != me).map(|p| e.send(p, tag, buf)).collect();
             return e.exchange(ctx, &mut x);
         }
-        return { let x = e.recv(root, tag, buf); e.exchange(ctx, &mut [x]) };
+        return {
+            let x = e.recv(root, tag, buf);
+            e.exchange(ctx, &mut [x])
+        };
     }
     // A chain root -> root+1 -> ...: step i receives chunk i while forwarding chunk i-1.
     let pos = (me + n - root) % n;
@@ -207,7 +252,9 @@ pub(crate) fn broadcast(e: &mut Engine, ctx: &OpCtx, tag: Tag, buf: &mut [u8], r
     let last = pos == n - 1;
     let chunks: Vec<Range<usize>> = {
         let count = buf.len().div_ceil(chunk).max(1);
-        (0..count).map(|i| (i * chunk).min(buf.len())..((i + 1) * chunk).min(buf.len())).collect()
+        (0..count)
+            .map(|i| (i * chunk).min(buf.len())..((i + 1) * chunk).min(buf.len()))
+            .collect()
     };
     for i in 0..=chunks.len() {
         let (head, tail) = buf.split_at_mut(chunks.get(i).map_or(buf.len(), |c| c.start));
@@ -229,7 +276,14 @@ pub(crate) fn broadcast(e: &mut Engine, ctx: &OpCtx, tag: Tag, buf: &mut [u8], r
     Ok(())
 }
 
-pub(crate) fn all_gather(e: &mut Engine, ctx: &OpCtx, tag: Tag, input: &[u8], outputs: &mut [&mut [u8]], algo: Algo) -> Result<()> {
+pub(crate) fn all_gather(
+    e: &mut Engine,
+    ctx: &OpCtx,
+    tag: Tag,
+    input: &[u8],
+    outputs: &mut [&mut [u8]],
+    algo: Algo,
+) -> Result<()> {
     outputs[e.rank].copy_from_slice(input);
     if e.size == 1 {
         return Ok(());
@@ -241,12 +295,29 @@ pub(crate) fn all_gather(e: &mut Engine, ctx: &OpCtx, tag: Tag, input: &[u8], ou
 }
 
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn reduce_scatter(e: &mut Engine, s: &mut Scratch, ctx: &OpCtx, tag: Tag, inputs: &[&[u8]], output: &mut [u8], dtype: DType, op: ReduceOp, algo: Algo) -> Result<()> {
+pub(crate) fn reduce_scatter(
+    e: &mut Engine,
+    s: &mut Scratch,
+    ctx: &OpCtx,
+    tag: Tag,
+    inputs: &[&[u8]],
+    output: &mut [u8],
+    dtype: DType,
+    op: ReduceOp,
+    algo: Algo,
+) -> Result<()> {
     let (n, me) = (e.size, e.rank);
     let total: usize = inputs.iter().map(|i| i.len()).sum();
     let largest = inputs.iter().map(|i| i.len()).max().unwrap_or(0);
     // Our contributions, scaled for premul_sum, in one work area.
-    let (work, tmp) = s.two(total, if algo == Algo::Direct { output.len() * n } else { largest });
+    let (work, tmp) = s.two(
+        total,
+        if algo == Algo::Direct {
+            output.len() * n
+        } else {
+            largest
+        },
+    );
     let mut parts = parts_of(work, inputs.iter().map(|i| i.len()));
     for (p, i) in parts.iter_mut().zip(inputs) {
         p.copy_from_slice(i);
@@ -276,7 +347,13 @@ pub(crate) fn reduce_scatter(e: &mut Engine, s: &mut Scratch, ctx: &OpCtx, tag: 
     Ok(())
 }
 
-pub(crate) fn all_to_all(e: &mut Engine, ctx: &OpCtx, tag: Tag, inputs: &[&[u8]], outputs: &mut [&mut [u8]]) -> Result<()> {
+pub(crate) fn all_to_all(
+    e: &mut Engine,
+    ctx: &OpCtx,
+    tag: Tag,
+    inputs: &[&[u8]],
+    outputs: &mut [&mut [u8]],
+) -> Result<()> {
     let me = e.rank;
     outputs[me].copy_from_slice(inputs[me]);
     let mut x = Vec::with_capacity(2 * e.size);
@@ -287,19 +364,39 @@ pub(crate) fn all_to_all(e: &mut Engine, ctx: &OpCtx, tag: Tag, inputs: &[&[u8]]
     e.exchange(ctx, &mut x)
 }
 
-pub(crate) fn scatter(e: &mut Engine, ctx: &OpCtx, tag: Tag, inputs: Option<&[&[u8]]>, output: &mut [u8], root: usize) -> Result<()> {
+pub(crate) fn scatter(
+    e: &mut Engine,
+    ctx: &OpCtx,
+    tag: Tag,
+    inputs: Option<&[&[u8]]>,
+    output: &mut [u8],
+    root: usize,
+) -> Result<()> {
     let me = e.rank;
     match inputs {
         Some(inputs) if me == root => {
             output.copy_from_slice(inputs[me]);
-            let mut x: Vec<Xfer> = (0..e.size).filter(|&p| p != me).map(|p| e.send(p, tag, inputs[p])).collect();
+            let mut x: Vec<Xfer> = (0..e.size)
+                .filter(|&p| p != me)
+                .map(|p| e.send(p, tag, inputs[p]))
+                .collect();
             e.exchange(ctx, &mut x)
         }
-        _ => { let x = e.recv(root, tag, output); e.exchange(ctx, &mut [x]) },
+        _ => {
+            let x = e.recv(root, tag, output);
+            e.exchange(ctx, &mut [x])
+        }
     }
 }
 
-pub(crate) fn gather(e: &mut Engine, ctx: &OpCtx, tag: Tag, input: &[u8], outputs: Option<&mut [&mut [u8]]>, root: usize) -> Result<()> {
+pub(crate) fn gather(
+    e: &mut Engine,
+    ctx: &OpCtx,
+    tag: Tag,
+    input: &[u8],
+    outputs: Option<&mut [&mut [u8]]>,
+    root: usize,
+) -> Result<()> {
     let me = e.rank;
     match outputs {
         Some(outputs) if me == root => {
@@ -310,7 +407,10 @@ pub(crate) fn gather(e: &mut Engine, ctx: &OpCtx, tag: Tag, input: &[u8], output
             }
             e.exchange(ctx, &mut x)
         }
-        _ => { let x = e.send(root, tag, input); e.exchange(ctx, &mut [x]) },
+        _ => {
+            let x = e.send(root, tag, input);
+            e.exchange(ctx, &mut [x])
+        }
     }
 }
 

@@ -45,7 +45,12 @@ fn op_name(code: u8) -> &'static str {
 impl Tag {
     fn describe(&self) -> String {
         let dtype = crate::dtype::DType::from_code(self.dtype).map_or("-", |d| d.name());
-        format!("{} ({} bytes, dtype {dtype}, reduce code {})", op_name(self.op), self.nbytes, self.redop)
+        format!(
+            "{} ({} bytes, dtype {dtype}, reduce code {})",
+            op_name(self.op),
+            self.nbytes,
+            self.redop
+        )
     }
 }
 
@@ -65,7 +70,15 @@ fn decode(h: &[u8; HEADER_BYTES]) -> Option<(Tag, u64)> {
     if word(0..4) as u32 != MAGIC {
         return None;
     }
-    Some((Tag { op: h[4], dtype: h[5], redop: h[6], nbytes: word(16..24) }, word(8..16)))
+    Some((
+        Tag {
+            op: h[4],
+            dtype: h[5],
+            redop: h[6],
+            nbytes: word(16..24),
+        },
+        word(8..16),
+    ))
 }
 
 /// One pending message.
@@ -142,22 +155,51 @@ impl Engine {
     pub(crate) fn send<'b>(&mut self, peer: usize, tag: Tag, data: &'b [u8]) -> Xfer<'b> {
         let seq = self.send_seq[peer];
         self.send_seq[peer] += 1;
-        Xfer::Send { peer, hdr: encode(Tag { nbytes: data.len() as u64, ..tag }, seq), hpos: 0, data, pos: 0 }
+        Xfer::Send {
+            peer,
+            hdr: encode(
+                Tag {
+                    nbytes: data.len() as u64,
+                    ..tag
+                },
+                seq,
+            ),
+            hpos: 0,
+            data,
+            pos: 0,
+        }
     }
 
     /// Expects a message from `peer` of exactly `data.len()` bytes.
     pub(crate) fn recv<'b>(&mut self, peer: usize, tag: Tag, data: &'b mut [u8]) -> Xfer<'b> {
         let seq = self.recv_seq[peer];
         self.recv_seq[peer] += 1;
-        let expect = Tag { nbytes: data.len() as u64, ..tag };
-        Xfer::Recv { peer, expect, seq, hdr: [0; HEADER_BYTES], hpos: 0, data, pos: 0 }
+        let expect = Tag {
+            nbytes: data.len() as u64,
+            ..tag
+        };
+        Xfer::Recv {
+            peer,
+            expect,
+            seq,
+            hdr: [0; HEADER_BYTES],
+            hpos: 0,
+            data,
+            pos: 0,
+        }
     }
 
     /// Advances one message as far as its link allows; returns whether anything moved.
     fn step(link: &mut Link, x: &mut Xfer<'_>, op: &'static str) -> Result<bool> {
         let lost = |peer: usize, reason: String| Error::PeerLost { op, peer, reason };
         match x {
-            Xfer::Send { peer, hdr, hpos, data, pos } => {
+            Xfer::Send {
+                peer,
+                hdr,
+                hpos,
+                data,
+                pos,
+            } => {
                 let mut moved = false;
                 if *hpos < HEADER_BYTES {
                     let n = link.write(&hdr[*hpos..]).map_err(|r| lost(*peer, r))?;
@@ -174,7 +216,15 @@ impl Engine {
                 }
                 Ok(moved)
             }
-            Xfer::Recv { peer, expect, seq, hdr, hpos, data, pos } => {
+            Xfer::Recv {
+                peer,
+                expect,
+                seq,
+                hdr,
+                hpos,
+                data,
+                pos,
+            } => {
                 let mut moved = false;
                 if *hpos < HEADER_BYTES {
                     let n = link.read(&mut hdr[*hpos..]).map_err(|r| lost(*peer, r))?;
@@ -255,11 +305,18 @@ impl Engine {
 
     fn check_stalled(&mut self, ctx: &OpCtx<'_>, xfers: &mut [Xfer<'_>], now: Instant) -> Result<()> {
         if ctx.abort.load(Ordering::Acquire) {
-            return Err(Error::Closed { op: ctx.op, state: "aborted" });
+            return Err(Error::Closed {
+                op: ctx.op,
+                state: "aborted",
+            });
         }
         let first_pending = || xfers.iter().find(|x| !x.done()).map(|x| x.peer());
         if now >= ctx.deadline {
-            return Err(Error::Timeout { op: ctx.op, peer: first_pending(), after: ctx.timeout });
+            return Err(Error::Timeout {
+                op: ctx.op,
+                peer: first_pending(),
+                after: ctx.timeout,
+            });
         }
         let gone = xfers.iter().filter(|x| !x.done()).find_map(|x| {
             let p = x.peer();
@@ -270,7 +327,11 @@ impl Engine {
             // Release, our read an Acquire, so one more sweep sees everything it sent.
             self.sweep(ctx, xfers)?;
             if xfers.iter().any(|x| !x.done() && x.peer() == peer) {
-                return Err(Error::PeerLost { op: ctx.op, peer, reason });
+                return Err(Error::PeerLost {
+                    op: ctx.op,
+                    peer,
+                    reason,
+                });
             }
         }
         Ok(())
@@ -280,13 +341,21 @@ impl Engine {
 fn check_header(op: &'static str, peer: usize, hdr: &[u8; HEADER_BYTES], expect: Tag, seq: u64) -> Result<()> {
     let mismatch = |detail: String| Error::Mismatch { op, peer, detail };
     let Some((got, got_seq)) = decode(hdr) else {
-        return Err(mismatch("received bytes that are not a ferrocomm message header".into()));
+        return Err(mismatch(
+            "received bytes that are not a ferrocomm message header".into(),
+        ));
     };
     if got != expect {
-        return Err(mismatch(format!("it sent {}, this rank expected {}", got.describe(), expect.describe())));
+        return Err(mismatch(format!(
+            "it sent {}, this rank expected {}",
+            got.describe(),
+            expect.describe()
+        )));
     }
     if got_seq != seq {
-        return Err(mismatch(format!("message {got_seq} arrived where message {seq} was expected")));
+        return Err(mismatch(format!(
+            "message {got_seq} arrived where message {seq} was expected"
+        )));
     }
     Ok(())
 }

@@ -31,14 +31,20 @@ impl Tuning {
         if chunk == 0 {
             return Err(Error::Config("FERROCOMM_CPU_CHUNK must be positive".into()));
         }
-        Ok(Tuning { direct_max: env_parse("FERROCOMM_CPU_DIRECT_MAX")?.unwrap_or(64 << 10), chunk })
+        Ok(Tuning {
+            direct_max: env_parse("FERROCOMM_CPU_DIRECT_MAX")?.unwrap_or(64 << 10),
+            chunk,
+        })
     }
 
     fn choose(&self, op: &'static str, bytes: usize, opts: &RunOptions) -> Result<Algo> {
         match opts.hints.get("algorithm").map(String::as_str) {
             Some("direct") => Ok(Algo::Direct),
             Some("ring") => Ok(Algo::Ring),
-            Some(other) => Err(Error::invalid(op, format!("unknown algorithm hint `{other}` (cpu backend: direct, ring)"))),
+            Some(other) => Err(Error::invalid(
+                op,
+                format!("unknown algorithm hint `{other}` (cpu backend: direct, ring)"),
+            )),
             None if bytes <= self.direct_max => Ok(Algo::Direct),
             None => Ok(Algo::Ring),
         }
@@ -69,10 +75,20 @@ pub(crate) fn create(init: &BackendInit) -> Result<Box<dyn Backend>> {
     }
     init.options.transport.validate()?;
     let tuning = Tuning::from_env()?;
-    let t = transport::connect_all(init.rank, init.size, &*init.store, &init.options.transport, init.options.timeout)?;
+    let t = transport::connect_all(
+        init.rank,
+        init.size,
+        &*init.store,
+        &init.options.transport,
+        init.options.timeout,
+    )?;
     let announce = t.announcer();
     Ok(Box::new(CpuBackend {
-        state: Mutex::new(State { engine: Engine::new(init.rank, init.size, t), scratch: Scratch::default(), broken: false }),
+        state: Mutex::new(State {
+            engine: Engine::new(init.rank, init.size, t),
+            scratch: Scratch::default(),
+            broken: false,
+        }),
         abort: Arc::new(AtomicBool::new(false)),
         announce,
         tuning,
@@ -80,7 +96,12 @@ pub(crate) fn create(init: &BackendInit) -> Result<Box<dyn Backend>> {
 }
 
 fn tag(code: u8, dtype: DType, op: Option<ReduceOp>) -> Tag {
-    Tag { op: code, dtype: dtype as u8, redop: op.map_or(0, ReduceOp::code), nbytes: 0 }
+    Tag {
+        op: code,
+        dtype: dtype as u8,
+        redop: op.map_or(0, ReduceOp::code),
+        nbytes: 0,
+    }
 }
 
 impl Backend for CpuBackend {
@@ -92,13 +113,28 @@ impl Backend for CpuBackend {
         let name = op.name();
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         if self.abort.load(Ordering::Acquire) {
-            return Err(Error::Closed { op: name, state: "aborted" });
+            return Err(Error::Closed {
+                op: name,
+                state: "aborted",
+            });
         }
         if st.broken {
-            return Err(Error::Closed { op: name, state: "broken by an earlier failed operation" });
+            return Err(Error::Closed {
+                op: name,
+                state: "broken by an earlier failed operation",
+            });
         }
-        let ctx = OpCtx { op: name, deadline: Instant::now() + opts.timeout, timeout: opts.timeout, abort: &self.abort };
-        let State { engine, scratch, broken } = &mut *st;
+        let ctx = OpCtx {
+            op: name,
+            deadline: Instant::now() + opts.timeout,
+            timeout: opts.timeout,
+            abort: &self.abort,
+        };
+        let State {
+            engine,
+            scratch,
+            broken,
+        } = &mut *st;
         let r = self.dispatch(engine, scratch, &ctx, op, opts);
         if let Err(e) = &r {
             // Argument errors are found before any byte moves; everything else may leave a
@@ -138,7 +174,15 @@ impl CpuBackend {
             Op::Broadcast { buf, root } => {
                 let d = buf.dtype();
                 let a = algo(buf.host_bytes().len())?;
-                algorithms::broadcast(e, ctx, tag(3, d, None), buf.host_bytes_mut(), *root, a, self.tuning.chunk)
+                algorithms::broadcast(
+                    e,
+                    ctx,
+                    tag(3, d, None),
+                    buf.host_bytes_mut(),
+                    *root,
+                    a,
+                    self.tuning.chunk,
+                )
             }
             Op::AllGather { input, outputs } => {
                 let a = algo(input.host_bytes().len() * e.size)?;
@@ -162,8 +206,17 @@ impl CpuBackend {
                 algorithms::scatter(e, ctx, tag(7, d, None), ins.as_deref(), output.host_bytes_mut(), *root)
             }
             Op::Gather { input, outputs, root } => {
-                let mut outs: Option<Vec<&mut [u8]>> = outputs.as_mut().map(|v| v.iter_mut().map(|o| o.host_bytes_mut()).collect());
-                algorithms::gather(e, ctx, tag(8, input.dtype(), None), input.host_bytes(), outs.as_deref_mut(), *root)
+                let mut outs: Option<Vec<&mut [u8]>> = outputs
+                    .as_mut()
+                    .map(|v| v.iter_mut().map(|o| o.host_bytes_mut()).collect());
+                algorithms::gather(
+                    e,
+                    ctx,
+                    tag(8, input.dtype(), None),
+                    input.host_bytes(),
+                    outs.as_deref_mut(),
+                    *root,
+                )
             }
             Op::Barrier => algorithms::barrier(e, ctx, tag(9, DType::U8, None)),
             Op::Batch(list) => {
