@@ -56,7 +56,9 @@ impl TcpStoreServer {
                 "the TCP store needs a non-empty job token (FERROCOMM_TOKEN)".into(),
             ));
         }
-        let listener = TcpListener::bind(addr).map_err(|e| Error::io("bind TCP store", e))?;
+        let listener = TcpListener::bind(addr).map_err(|e| {
+            Error::io("bind TCP store (is another store on this port? set FERROCOMM_STORE=tcp://host:port)", e)
+        })?;
         let addr = listener.local_addr().map_err(|e| Error::io("TCP store address", e))?;
         let stop = Arc::new(AtomicBool::new(false));
         let conns: Arc<Mutex<HashMap<u64, TcpStream>>> = Arc::default();

@@ -37,7 +37,6 @@ fn op_name(code: u8) -> &'static str {
         8 => "gather",
         9 => "barrier",
         10 => "send/recv",
-        11 => "split",
         _ => "unknown",
     }
 }
