@@ -213,41 +213,35 @@ impl Op<'_> {
                 })
             }
         };
-        let parts = |n: usize, what: &str| {
-            if n == size {
-                Ok(())
-            } else {
-                Err(Error::SizeMismatch {
+        // A per-rank list: one part per rank, all of `dtype`, our own part of `own` elements.
+        let per_rank = |what: &str, parts: &[(DType, usize)], dtype: DType, own: usize| {
+            if parts.len() != size {
+                return Err(Error::SizeMismatch {
                     op: name,
                     what: format!("number of {what}"),
                     expected: size,
-                    actual: n,
-                })
+                    actual: parts.len(),
+                });
             }
-        };
-        let same_dtype = |a: DType, b: DType| {
-            if a == b {
-                Ok(())
-            } else {
-                Err(Error::DTypeMismatch {
+            if let Some(&(d, _)) = parts.iter().find(|(d, _)| *d != dtype) {
+                return Err(Error::DTypeMismatch {
                     op: name,
-                    expected: a.name(),
-                    actual: b.name(),
-                })
+                    expected: dtype.name(),
+                    actual: d.name(),
+                });
             }
-        };
-        let same_count = |what: String, expected: usize, actual: usize| {
-            if expected == actual {
-                Ok(())
-            } else {
-                Err(Error::SizeMismatch {
+            if parts[rank].1 != own {
+                return Err(Error::SizeMismatch {
                     op: name,
-                    what,
-                    expected,
-                    actual,
-                })
+                    what: format!("{what}[{rank}] (own slot)"),
+                    expected: own,
+                    actual: parts[rank].1,
+                });
             }
+            Ok(())
         };
+        let shape = |v: &[Buf]| v.iter().map(|b| (b.dtype, b.count())).collect::<Vec<_>>();
+        let shape_mut = |v: &[BufMut]| v.iter().map(|b| (b.dtype, b.count())).collect::<Vec<_>>();
         match self {
             Op::AllReduce { buf, op } => op.check(name, buf.dtype),
             Op::Reduce { buf, op, root } => {
@@ -255,49 +249,21 @@ impl Op<'_> {
                 op.check(name, buf.dtype)
             }
             Op::Broadcast { root, .. } => check_rank(*root),
-            Op::AllGather { input, outputs } => {
-                parts(outputs.len(), "outputs")?;
-                outputs.iter().try_for_each(|o| same_dtype(input.dtype, o.dtype))?;
-                same_count(
-                    format!("outputs[{rank}] (own slot)"),
-                    input.count(),
-                    outputs[rank].count(),
-                )
-            }
+            Op::AllGather { input, outputs } => per_rank("outputs", &shape_mut(outputs), input.dtype, input.count()),
             Op::ReduceScatter { inputs, output, op } => {
-                parts(inputs.len(), "inputs")?;
-                inputs.iter().try_for_each(|i| same_dtype(output.dtype, i.dtype))?;
-                op.check(name, output.dtype)?;
-                same_count(
-                    format!("inputs[{rank}] (own slot)"),
-                    output.count(),
-                    inputs[rank].count(),
-                )
+                per_rank("inputs", &shape(inputs), output.dtype, output.count())?;
+                op.check(name, output.dtype)
             }
             Op::AllToAll { inputs, outputs } => {
-                parts(inputs.len(), "inputs")?;
-                parts(outputs.len(), "outputs")?;
-                let d = inputs[0].dtype;
-                inputs.iter().try_for_each(|i| same_dtype(d, i.dtype))?;
-                outputs.iter().try_for_each(|o| same_dtype(d, o.dtype))?;
-                same_count(
-                    format!("outputs[{rank}] (own slot)"),
-                    inputs[rank].count(),
-                    outputs[rank].count(),
-                )
+                let ins = shape(inputs);
+                let dtype = ins.first().map_or(DType::U8, |p| p.0);
+                per_rank("inputs", &ins, dtype, ins.get(rank).map_or(0, |p| p.1))?;
+                per_rank("outputs", &shape_mut(outputs), dtype, ins[rank].1)
             }
             Op::Scatter { inputs, output, root } => {
                 check_rank(*root)?;
                 match (inputs, rank == *root) {
-                    (Some(inputs), true) => {
-                        parts(inputs.len(), "inputs")?;
-                        inputs.iter().try_for_each(|i| same_dtype(output.dtype, i.dtype))?;
-                        same_count(
-                            format!("inputs[{rank}] (own slot)"),
-                            output.count(),
-                            inputs[rank].count(),
-                        )
-                    }
+                    (Some(inputs), true) => per_rank("inputs", &shape(inputs), output.dtype, output.count()),
                     (None, true) => Err(Error::invalid(name, "the root must pass the input buffer")),
                     (_, false) => Ok(()),
                 }
@@ -305,15 +271,7 @@ impl Op<'_> {
             Op::Gather { input, outputs, root } => {
                 check_rank(*root)?;
                 match (outputs, rank == *root) {
-                    (Some(outputs), true) => {
-                        parts(outputs.len(), "outputs")?;
-                        outputs.iter().try_for_each(|o| same_dtype(input.dtype, o.dtype))?;
-                        same_count(
-                            format!("outputs[{rank}] (own slot)"),
-                            input.count(),
-                            outputs[rank].count(),
-                        )
-                    }
+                    (Some(outputs), true) => per_rank("outputs", &shape_mut(outputs), input.dtype, input.count()),
                     (None, true) => Err(Error::invalid(name, "the root must pass the output buffer")),
                     (_, false) => Ok(()),
                 }

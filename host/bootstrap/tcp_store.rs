@@ -57,7 +57,10 @@ impl TcpStoreServer {
             ));
         }
         let listener = TcpListener::bind(addr).map_err(|e| {
-            Error::io("bind TCP store (is another store on this port? set FERROCOMM_STORE=tcp://host:port)", e)
+            Error::io(
+                "bind TCP store (is another store on this port? set FERROCOMM_STORE=tcp://host:port)",
+                e,
+            )
         })?;
         let addr = listener.local_addr().map_err(|e| Error::io("TCP store address", e))?;
         let stop = Arc::new(AtomicBool::new(false));

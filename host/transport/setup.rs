@@ -76,7 +76,9 @@ fn host_identity(rank: usize, opts: &TransportOptions) -> String {
     let end = name.iter().position(|&b| b == 0).unwrap_or(name.len());
     // Shared memory needs one kernel (boot id) and one PID namespace: liveness checks open a
     // pidfd on the peer's pid, which means nothing across namespaces (containers on one host).
-    let pid_ns = std::fs::read_link("/proc/self/ns/pid").map(|p| p.display().to_string()).unwrap_or_default();
+    let pid_ns = std::fs::read_link("/proc/self/ns/pid")
+        .map(|p| p.display().to_string())
+        .unwrap_or_default();
     let id = format!("{}/{}/{pid_ns}", String::from_utf8_lossy(&name[..end]), boot.trim());
     if opts.force_tcp {
         // Every rank its own "host": all links go over TCP (tests the multi-host path locally).
