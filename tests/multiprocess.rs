@@ -49,6 +49,18 @@ fn child_entry() {
                 }
             }
         }
+        "smoke" => {
+            let comm = new_comm("cpu", Device::Cpu, "mp-smoke", CommOptions::from_env().unwrap()).unwrap();
+            let mut x = [rank as i64 + 1];
+            comm.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+            let n = comm.size() as i64;
+            assert_eq!(x[0], n * (n + 1) / 2);
+            println!("child ok: sum {}", x[0]);
+        }
+        "expect-config-error" => match new_comm("cpu", Device::Cpu, "mp-cfg", CommOptions::from_env().unwrap()) {
+            Err(Error::Config(msg)) => println!("child ok: {msg}"),
+            other => panic!("expected a configuration error, got {other:?}"),
+        },
         "one-rank-fails" => {
             if rank == 1 {
                 println!("rank 1 fails now");
@@ -64,6 +76,27 @@ fn child_command(mode: &str) -> Command {
     let mut c = Command::new(std::env::current_exe().unwrap());
     c.args(["--ignored", "--exact", "child_entry", "--nocapture", "--test-threads=1"])
         .env(MODE, mode);
+    // Each test sets the job environment it means to test; none leaks in from the caller's.
+    const JOB_VARS: [&str; 6] = [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ];
+    const JOB_PREFIXES: [&str; 5] = [
+        "FERROCOMM_TOKEN",
+        "FERROCOMM_STORE",
+        "OMPI_COMM_WORLD_",
+        "PMI_",
+        "SLURM_",
+    ];
+    for (k, _) in std::env::vars() {
+        if JOB_VARS.contains(&k.as_str()) || JOB_PREFIXES.iter().any(|p| k.starts_with(p)) {
+            c.env_remove(k);
+        }
+    }
     c
 }
 
@@ -132,6 +165,56 @@ fn every_collective_four_processes_shared_memory() {
 #[test]
 fn every_collective_three_processes_over_tcp() {
     suite_across_processes(3, &[("FERROCOMM_TRANSPORT", "tcp")]);
+}
+
+/// Starts `n` ranks directly (no launcher) with the given environment; all must succeed.
+fn spawn_ranks(n: usize, mode: &str, envs: &[(&str, String)]) {
+    let children: Vec<Child> = (0..n)
+        .map(|r| {
+            child_command(mode)
+                .envs([
+                    ("RANK", r.to_string()),
+                    ("WORLD_SIZE", n.to_string()),
+                    ("LOCAL_RANK", r.to_string()),
+                ])
+                .envs(envs.iter().map(|(k, v)| (*k, v.as_str())))
+                .stdout(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for (r, c) in children.into_iter().enumerate() {
+        let (status, out) = wait_bounded(c, Duration::from_secs(60));
+        assert!(status.success() && out.contains("child ok"), "rank {r}:\n{out}");
+    }
+}
+
+fn free_port() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port().to_string()
+}
+
+#[test]
+fn rank_zero_hosts_the_store_when_no_launcher_does() {
+    let env = [
+        ("MASTER_ADDR", "127.0.0.1".to_string()),
+        ("MASTER_PORT", free_port()),
+        ("FERROCOMM_TOKEN", ferrocomm::random_token()),
+    ];
+    spawn_ranks(3, "smoke", &env);
+}
+
+#[test]
+fn ranks_can_rendezvous_through_a_file_store() {
+    let dir = std::env::temp_dir().join(format!("ferrocomm-mp-{}", ferrocomm::random_token()));
+    spawn_ranks(3, "smoke", &[("FERROCOMM_STORE", format!("file://{}", dir.display()))]);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn a_tcp_store_without_a_job_token_is_a_configuration_error() {
+    let env = [("MASTER_ADDR", "127.0.0.1".to_string()), ("MASTER_PORT", free_port())];
+    spawn_ranks(1, "expect-config-error", &env);
 }
 
 /// Rank 2 is SIGKILLed while all ranks loop over large all_reduces (timeout 60 s): the other
