@@ -167,27 +167,42 @@ impl Comm {
         if n == 0 {
             return Err(Error::invalid("new_group", "needs at least one device"));
         }
-        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let memory = MemoryStore::new();
+        let store: Arc<dyn Store> = Arc::new(memory.clone());
         let prefix = format!("ferrocomm/{name}/group");
+        // The first real failure; the other ranks then fail with StoreClosed instead of waiting
+        // out their timeout for a rank that will never arrive.
+        let cause: Mutex<Option<Error>> = Mutex::new(None);
         // Joining is collective and blocking, so every rank joins from its own thread.
-        let results: Vec<Result<Comm>> = std::thread::scope(|s| {
+        let results: Vec<Option<Comm>> = std::thread::scope(|s| {
             let handles: Vec<_> = devices
                 .iter()
                 .enumerate()
                 .map(|(rank, &dev)| {
-                    let (store, prefix, options) = (store.clone(), prefix.clone(), options.clone());
-                    s.spawn(move || Comm::create(backend, dev, name, rank, n, store, prefix, options, None))
+                    let (store, prefix, options, memory, cause) =
+                        (store.clone(), prefix.clone(), options.clone(), &memory, &cause);
+                    s.spawn(
+                        move || match Comm::create(backend, dev, name, rank, n, store, prefix, options, None) {
+                            Ok(c) => Some(c),
+                            Err(Error::StoreClosed(_)) => None,
+                            Err(e) => {
+                                memory.fail(&format!("rank {rank} of group `{name}` could not join: {e}"));
+                                cause.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e);
+                                None
+                            }
+                        },
+                    )
                 })
                 .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join()
-                        .unwrap_or_else(|_| Err(Error::invalid("new_group", "a rank's setup panicked")))
-                })
-                .collect()
+            handles.into_iter().map(|h| h.join().ok().flatten()).collect()
         });
-        results.into_iter().collect()
+        if let Some(e) = cause.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            return Err(e);
+        }
+        results
+            .into_iter()
+            .map(|c| c.ok_or_else(|| Error::invalid("new_group", "a rank's setup panicked")))
+            .collect()
     }
 
     pub fn rank(&self) -> usize {

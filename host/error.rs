@@ -57,6 +57,9 @@ pub enum Error {
     /// A store key did not appear in time (a rank never reached the rendezvous).
     #[error("store: key `{key}` did not appear within {after:?}")]
     StoreTimeout { key: String, after: Duration },
+    /// The store ended every wait: a rank of an in-process group could not join.
+    #[error("store closed: {0}")]
+    StoreClosed(String),
     /// A peer process or thread is gone (exited, killed, aborted or dropped its communicator).
     #[error("{op}: lost rank {peer}: {reason}")]
     PeerLost {

@@ -308,3 +308,16 @@ fn users_can_register_their_own_backend() {
     assert_eq!(r, vec![(3, "counting".to_string()); 2]);
     assert_eq!(count.load(Ordering::Relaxed), 4);
 }
+
+#[test]
+fn a_rank_that_cannot_join_fails_the_whole_group_at_once() {
+    let t0 = std::time::Instant::now();
+    let devices = [Device::Cpu, Device::Cuda(0), Device::Cpu];
+    let r = Comm::new_group("cpu", &devices, "half-joined", options(Duration::from_secs(60)));
+    assert!(matches!(r, Err(Error::Unavailable { .. })), "{:?}", r.err());
+    assert!(
+        t0.elapsed() < Duration::from_secs(5),
+        "the other ranks waited {:?}",
+        t0.elapsed()
+    );
+}

@@ -43,6 +43,23 @@ fn parse_counter(op: &'static str, key: &str, v: Option<&Vec<u8>>) -> Result<i64
 pub(crate) struct Table {
     map: Mutex<HashMap<String, Vec<u8>>>,
     changed: Condvar,
+    /// Set by `fail`: every blocking call ends with this reason.
+    failed: Mutex<Option<String>>,
+}
+
+/// Why a blocking store call ended without its keys.
+pub(crate) enum WaitFail {
+    Missing(String),
+    Failed(String),
+}
+
+impl WaitFail {
+    pub(crate) fn into_error(self, after: Duration) -> Error {
+        match self {
+            WaitFail::Missing(key) => timeout_err(&key, after),
+            WaitFail::Failed(reason) => Error::StoreClosed(reason),
+        }
+    }
 }
 
 impl Table {
@@ -53,15 +70,26 @@ impl Table {
     }
 
     /// Waits until every key exists or `deadline` passes; returns the first missing key.
-    pub(crate) fn wait_keys(&self, keys: &[&str], deadline: Instant) -> std::result::Result<(), String> {
+    /// Ends every blocking call, now and later, with `reason`. Lock order: `failed` is never
+    /// held while `map` is taken here, so it cannot invert `wait_keys`' map-then-failed.
+    pub(crate) fn fail(&self, reason: &str) {
+        *self.failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason.to_owned());
+        let _m = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        self.changed.notify_all();
+    }
+
+    pub(crate) fn wait_keys(&self, keys: &[&str], deadline: Instant) -> std::result::Result<(), WaitFail> {
         let mut m = self.map.lock().unwrap_or_else(|p| p.into_inner());
         loop {
             let Some(missing) = keys.iter().find(|k| !m.contains_key(**k)) else {
                 return Ok(());
             };
+            if let Some(reason) = self.failed.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+                return Err(WaitFail::Failed(reason));
+            }
             let now = Instant::now();
             if now >= deadline {
-                return Err((*missing).to_owned());
+                return Err(WaitFail::Missing((*missing).to_owned()));
             }
             m = self
                 .changed
@@ -71,7 +99,7 @@ impl Table {
         }
     }
 
-    pub(crate) fn get(&self, key: &str, deadline: Instant) -> std::result::Result<Vec<u8>, String> {
+    pub(crate) fn get(&self, key: &str, deadline: Instant) -> std::result::Result<Vec<u8>, WaitFail> {
         self.wait_keys(&[key], deadline)?;
         let m = self.map.lock().unwrap_or_else(|p| p.into_inner());
         Ok(m.get(key).cloned().unwrap_or_default())
@@ -121,6 +149,12 @@ impl MemoryStore {
     pub fn new() -> MemoryStore {
         MemoryStore::default()
     }
+
+    /// Ends every current and later blocking call with `Error::StoreClosed(reason)`: how an
+    /// in-process group tells its other ranks that one rank cannot join.
+    pub fn fail(&self, reason: &str) {
+        self.table.fail(reason);
+    }
 }
 
 impl Store for MemoryStore {
@@ -131,7 +165,7 @@ impl Store for MemoryStore {
     fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
         self.table
             .get(key, Instant::now() + timeout)
-            .map_err(|k| timeout_err(&k, timeout))
+            .map_err(|f| f.into_error(timeout))
     }
     fn add(&self, key: &str, delta: i64) -> Result<i64> {
         self.table.add(key, delta)
@@ -145,7 +179,7 @@ impl Store for MemoryStore {
     fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
         self.table
             .wait_keys(keys, Instant::now() + timeout)
-            .map_err(|k| timeout_err(&k, timeout))
+            .map_err(|f| f.into_error(timeout))
     }
     fn local_addr_hint(&self) -> Option<IpAddr> {
         Some(IpAddr::from([127, 0, 0, 1]))

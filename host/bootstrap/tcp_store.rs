@@ -6,7 +6,7 @@
 //! connection of the client that sent it and nothing else.
 
 use super::auth::{self, NONCE_BYTES, PROOF_BYTES};
-use super::store::{timeout_err, Store, Table};
+use super::store::{timeout_err, Store, Table, WaitFail};
 use super::wire::{read_frame, write_frame, Dec, Enc, DEFAULT_MAX_FRAME};
 use crate::error::{Error, Result};
 use std::collections::HashMap;
@@ -196,7 +196,8 @@ fn handle(table: &Table, req: &[u8]) -> Result<Vec<u8>> {
             d.finish()?;
             match table.get(k, deadline_after(ms)) {
                 Ok(v) => ok().bytes(&v).0,
-                Err(key) => timed_out(&key),
+                Err(WaitFail::Missing(key)) => timed_out(&key),
+                Err(WaitFail::Failed(reason)) => Enc::default().u8(status::ERROR).bytes(reason.as_bytes()).0,
             }
         }
         opcode::ADD => {
@@ -231,7 +232,8 @@ fn handle(table: &Table, req: &[u8]) -> Result<Vec<u8>> {
             d.finish()?;
             match table.wait_keys(&keys, deadline_after(ms)) {
                 Ok(()) => ok().0,
-                Err(key) => timed_out(&key),
+                Err(WaitFail::Missing(key)) => timed_out(&key),
+                Err(WaitFail::Failed(reason)) => Enc::default().u8(status::ERROR).bytes(reason.as_bytes()).0,
             }
         }
         other => return Err(Error::protocol("store frame", format!("unknown opcode {other}"))),

@@ -38,16 +38,20 @@ impl Tuning {
     }
 
     fn choose(&self, op: &'static str, bytes: usize, opts: &RunOptions) -> Result<Algo> {
-        match opts.hints.get("algorithm").map(String::as_str) {
-            Some("direct") => Ok(Algo::Direct),
-            Some("ring") => Ok(Algo::Ring),
-            Some(other) => Err(Error::invalid(
-                op,
-                format!("unknown algorithm hint `{other}` (cpu backend: direct, ring)"),
-            )),
-            None if bytes <= self.direct_max => Ok(Algo::Direct),
-            None => Ok(Algo::Ring),
-        }
+        let algo = match opts.hints.get("algorithm").map(String::as_str) {
+            Some("direct") => Algo::Direct,
+            Some("ring") => Algo::Ring,
+            Some(other) => {
+                return Err(Error::invalid(
+                    op,
+                    format!("unknown algorithm hint `{other}` (cpu backend: direct, ring)"),
+                ))
+            }
+            None if bytes <= self.direct_max => Algo::Direct,
+            None => Algo::Ring,
+        };
+        tracing::trace!(op, bytes, ?algo, "cpu algorithm");
+        Ok(algo)
     }
 }
 
