@@ -3,7 +3,7 @@
 //! the communicator with a per-communicator secret that only the (authenticated) store carries.
 
 use super::liveness::ProcessWatch;
-use super::ring::RingEnd;
+use super::ring::{RingEnd, CTL_BYTES};
 use super::shm::{OwnerState, Segment};
 use super::tcp::TcpLink;
 use super::{Link, ShmLink};
@@ -125,7 +125,10 @@ pub(crate) fn connect_all(
             SEGMENT_COUNTER.fetch_add(1, Ordering::Relaxed),
             &bootstrap::random_token()[..12]
         );
-        Some(Arc::new(Segment::create(&name, size, opts.shm_ring_bytes)?))
+        Some(Arc::new(Segment::create(
+            &name,
+            size * ring_stride(opts.shm_ring_bytes),
+        )?))
     } else {
         None
     };
@@ -216,6 +219,17 @@ pub(crate) fn connect_all(
     Ok(Transport { links, own_seg })
 }
 
+/// A rank's segment holds one incoming ring per sender, in rank order.
+fn ring_stride(ring_bytes: usize) -> usize {
+    CTL_BYTES + ring_bytes
+}
+
+fn ring_base(seg: &Segment, sender: usize, ring_bytes: usize) -> *mut u8 {
+    debug_assert!((sender + 1) * ring_stride(ring_bytes) <= seg.payload_len());
+    // SAFETY: in bounds: the segment was created with one ring per rank.
+    unsafe { seg.payload().add(sender * ring_stride(ring_bytes)) }
+}
+
 fn shm_link(
     rank: usize,
     peer: usize,
@@ -224,14 +238,14 @@ fn shm_link(
     size: usize,
     ring_bytes: usize,
 ) -> Result<Link> {
-    let peer_seg = Arc::new(Segment::open(peer_name, size, ring_bytes)?);
+    let peer_seg = Arc::new(Segment::open(peer_name, size * ring_stride(ring_bytes))?);
     // SAFETY: both rings lie inside mappings that the link keeps alive (the Arcs below); each
     // end is used by exactly one rank: we produce into our slot of the peer's segment and
     // consume the peer's slot of ours.
     let (tx, rx) = unsafe {
         (
-            RingEnd::new(peer_seg.ring_base(rank), ring_bytes, true),
-            RingEnd::new(own.ring_base(peer), ring_bytes, false),
+            RingEnd::new(ring_base(&peer_seg, rank, ring_bytes), ring_bytes, true),
+            RingEnd::new(ring_base(&own, peer, ring_bytes), ring_bytes, false),
         )
     };
     let watch = ProcessWatch::open(peer_seg.owner_pid());

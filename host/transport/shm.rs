@@ -1,8 +1,8 @@
-//! POSIX shared-memory segments: one per rank, holding that rank's *incoming* rings (one per
-//! sender) and a small header that tells peers whether the owner is still there.
+//! POSIX shared-memory segments: a header page that tells peers who owns the segment and
+//! whether the owner is still there, then a payload (a rank's incoming rings, a window's
+//! memory and signal pad).
 
 use crate::error::{Error, Result};
-use crate::transport::ring::CTL_BYTES;
 use std::ffi::CString;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -20,8 +20,7 @@ pub(crate) enum OwnerState {
 #[repr(C)]
 struct SegHeader {
     magic: u64,
-    world: u64,
-    ring_bytes: u64,
+    payload_len: u64,
     pid: u64,
     state: AtomicU64,
 }
@@ -39,19 +38,11 @@ pub(crate) struct Segment {
 unsafe impl Send for Segment {}
 unsafe impl Sync for Segment {}
 
-fn ring_stride(ring_bytes: usize) -> usize {
-    CTL_BYTES + ring_bytes
-}
-
 impl Segment {
-    fn total_len(world: usize, ring_bytes: usize) -> usize {
-        HEADER_BYTES + world * ring_stride(ring_bytes)
-    }
-
-    /// Creates and maps a fresh segment for `world` incoming rings of `ring_bytes` each.
-    pub(crate) fn create(name: &str, world: usize, ring_bytes: usize) -> Result<Segment> {
+    /// Creates and maps a fresh, zeroed segment with `payload_len` bytes of payload.
+    pub(crate) fn create(name: &str, payload_len: usize) -> Result<Segment> {
         let cname = CString::new(name).map_err(|_| Error::Config(format!("bad shm name {name}")))?;
-        let len = Self::total_len(world, ring_bytes);
+        let len = HEADER_BYTES + payload_len;
         // SAFETY: plain libc calls with a valid C string; the fd is closed on every path.
         let fd = unsafe { libc::shm_open(cname.as_ptr(), libc::O_CREAT | libc::O_EXCL | libc::O_RDWR, 0o600) };
         if fd < 0 {
@@ -72,8 +63,7 @@ impl Segment {
         if let Ok(s) = &seg {
             // SAFETY: the header lies at the start of our fresh, zeroed mapping.
             let h = unsafe { &mut *(s.base as *mut SegHeader) };
-            h.world = world as u64;
-            h.ring_bytes = ring_bytes as u64;
+            h.payload_len = payload_len as u64;
             h.pid = std::process::id() as u64;
             h.state.store(OwnerState::Live as u64, Ordering::Relaxed);
             // Release: a peer that sees the magic sees the fields above.
@@ -83,15 +73,15 @@ impl Segment {
         seg
     }
 
-    /// Maps a peer's segment created with the same geometry.
-    pub(crate) fn open(name: &str, world: usize, ring_bytes: usize) -> Result<Segment> {
+    /// Maps a peer's segment, which must have `payload_len` bytes of payload.
+    pub(crate) fn open(name: &str, payload_len: usize) -> Result<Segment> {
         let cname = CString::new(name).map_err(|_| Error::Config(format!("bad shm name {name}")))?;
         // SAFETY: plain libc call with a valid C string.
         let fd = unsafe { libc::shm_open(cname.as_ptr(), libc::O_RDWR, 0) };
         if fd < 0 {
             return Err(Error::last_os(format!("shm_open({name}, open)")));
         }
-        let len = Self::total_len(world, ring_bytes);
+        let len = HEADER_BYTES + payload_len;
         // SAFETY: fstat into a zeroed struct.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
         if unsafe { libc::fstat(fd, &mut st) } != 0 || (st.st_size as usize) != len {
@@ -106,7 +96,7 @@ impl Segment {
         // SAFETY: the mapping is at least HEADER_BYTES long.
         let magic = unsafe { (*(seg.base as *const AtomicU64)).load(Ordering::Acquire) };
         let h = seg.header();
-        if magic != MAGIC || h.world != world as u64 || h.ring_bytes != ring_bytes as u64 {
+        if magic != MAGIC || h.payload_len != payload_len as u64 {
             return Err(Error::protocol(
                 "shm segment",
                 format!("{name} has a foreign or different layout"),
@@ -174,15 +164,14 @@ impl Segment {
         self.header().state.store(s as u64, Ordering::Release);
     }
 
-    /// Start of the ring that `sender` writes into this segment.
-    pub(crate) fn ring_base(&self, sender: usize) -> *mut u8 {
-        let h = self.header();
-        debug_assert!((sender as u64) < h.world);
-        // SAFETY: in bounds by the layout computed in `total_len`.
-        unsafe {
-            self.base
-                .add(HEADER_BYTES + sender * ring_stride(h.ring_bytes as usize))
-        }
+    /// Start of the payload (page-aligned).
+    pub(crate) fn payload(&self) -> *mut u8 {
+        // SAFETY: the mapping is HEADER_BYTES + payload_len long.
+        unsafe { self.base.add(HEADER_BYTES) }
+    }
+
+    pub(crate) fn payload_len(&self) -> usize {
+        self.len - HEADER_BYTES
     }
 
     /// Removes the name; existing mappings stay valid. Called once every peer has mapped us, so
