@@ -243,7 +243,11 @@ impl Comm {
     /// Runs `op` synchronously with `opts`.
     pub fn run(&self, op: Op<'_>, opts: &OpOptions) -> Result<()> {
         let (exec, timeout) = self.prepare(&op, opts)?;
-        exec.run(op, timeout, opts)
+        exec.run(crate::work::op_task(op, timeout, opts))
+    }
+
+    pub(crate) fn executor(&self) -> &Arc<Executor> {
+        &self.inner.exec
     }
 
     /// Runs `f` with a [`Scope`] for asynchronous operations on buffers that outlive the scope;

@@ -54,12 +54,19 @@ impl Completion {
     }
 }
 
+/// One unit of work for the backend: a collective, or a window operation.
+pub(crate) type Task<'a> = Box<dyn FnOnce(&dyn Backend) -> Result<()> + Send + 'a>;
+
 struct Job {
-    /// Lifetime erased; see `Executor::submit` for why the borrow outlives the job.
-    op: Op<'static>,
-    timeout: Duration,
-    hints: std::collections::BTreeMap<String, String>,
+    /// Lifetime erased; see `Executor::submit` for why the borrows outlive the job.
+    task: Task<'static>,
     done: Arc<Completion>,
+}
+
+/// The task that runs one operation with its options.
+pub(crate) fn op_task<'a>(mut op: Op<'a>, timeout: Duration, opts: &OpOptions) -> Task<'a> {
+    let hints = opts.hints.clone();
+    Box::new(move |b: &dyn Backend| b.run(&mut op, &RunOptions { timeout, hints: &hints }))
 }
 
 #[derive(Default)]
@@ -93,47 +100,33 @@ impl Executor {
         &*self.backend
     }
 
-    /// Runs `op` to completion in issue order.
-    pub(crate) fn run(self: &Arc<Self>, mut op: Op<'_>, timeout: Duration, opts: &OpOptions) -> Result<()> {
+    /// Runs `task` to completion in issue order.
+    pub(crate) fn run(self: &Arc<Self>, task: Task<'_>) -> Result<()> {
         let q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
         if q.in_flight == 0 {
             // Nothing queued: run here. The worker takes `running` only for a job it dequeued,
             // and in_flight == 0 means there is none, so this cannot wait on the worker.
             let _running = self.running.lock().unwrap_or_else(|p| p.into_inner());
             drop(q);
-            return self.backend.run(
-                &mut op,
-                &RunOptions {
-                    timeout,
-                    hints: &opts.hints,
-                },
-            );
+            return task(&*self.backend);
         }
         drop(q);
-        // SAFETY: we block below until the job has completed, so `op`'s borrows outlive it.
-        let done = unsafe { self.submit(op, timeout, opts) }?;
+        // SAFETY: we block below until the job has completed, so the task's borrows outlive it.
+        let done = unsafe { self.submit(task, "queued operation") }?;
         done.wait(None).unwrap_or(Ok(()))
     }
 
-    /// Queues `op` for the worker thread.
+    /// Queues `task` for the worker thread.
     ///
     /// # Safety
-    /// The buffers `op` borrows must stay valid until the returned completion is finished.
-    pub(crate) unsafe fn submit(
-        self: &Arc<Self>,
-        op: Op<'_>,
-        timeout: Duration,
-        opts: &OpOptions,
-    ) -> Result<Arc<Completion>> {
-        // SAFETY: only the lifetime parameter changes; the caller guarantees the borrows.
-        let op: Op<'static> = unsafe { std::mem::transmute::<Op<'_>, Op<'static>>(op) };
+    /// Everything `task` borrows must stay valid until the returned completion is finished.
+    pub(crate) unsafe fn submit(self: &Arc<Self>, task: Task<'_>, name: &'static str) -> Result<Arc<Completion>> {
+        // SAFETY: only the lifetime changes; the caller guarantees the borrows.
+        let task: Task<'static> = unsafe { std::mem::transmute::<Task<'_>, Task<'static>>(task) };
         let done = Arc::new(Completion::default());
         let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
         if q.shutdown {
-            return Err(Error::Closed {
-                op: op.name(),
-                state: "shut down",
-            });
+            return Err(Error::Closed { op: name, state: "shut down" });
         }
         if q.worker.is_none() {
             let me = Arc::clone(self);
@@ -143,12 +136,7 @@ impl Executor {
                 .map_err(|e| Error::io("spawn communicator worker", e))?;
             q.worker = Some(h);
         }
-        q.jobs.push_back(Job {
-            op,
-            timeout,
-            hints: opts.hints.clone(),
-            done: done.clone(),
-        });
+        q.jobs.push_back(Job { task, done: done.clone() });
         q.in_flight += 1;
         self.wake.notify_all();
         Ok(done)
@@ -156,7 +144,7 @@ impl Executor {
 
     fn work(&self) {
         loop {
-            let mut job = {
+            let job = {
                 let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
                 loop {
                     if let Some(j) = q.jobs.pop_front() {
@@ -168,19 +156,13 @@ impl Executor {
                     q = self.wake.wait(q).unwrap_or_else(|p| p.into_inner());
                 }
             };
+            let Job { task, done } = job;
+            // The task (and the buffers it borrows) is consumed here, before anyone learns the
+            // job is done.
             let r = {
                 let _running = self.running.lock().unwrap_or_else(|p| p.into_inner());
-                self.backend.run(
-                    &mut job.op,
-                    &RunOptions {
-                        timeout: job.timeout,
-                        hints: &job.hints,
-                    },
-                )
+                task(&*self.backend)
             };
-            // Drop the borrowed buffers before anyone learns the job is done.
-            let Job { op, done, .. } = job;
-            drop(op);
             self.queue.lock().unwrap_or_else(|p| p.into_inner()).in_flight -= 1;
             self.wake.notify_all();
             done.finish(r);
@@ -266,19 +248,17 @@ impl<'scope, 'env> Scope<'scope, 'env> {
     /// Validates `op` and queues it; returns its [`Work`].
     pub fn start(&'scope self, op: Op<'scope>, opts: &OpOptions) -> Result<Work<'scope>> {
         let name = op.name();
-        let (exec, timeout) = self.comm.prepare(&op, opts)?;
-        // SAFETY: `op` borrows for 'scope, and `Comm::scope` waits for every pending completion
-        // (also when the scope body panics) before 'scope ends.
-        let done = unsafe { exec.submit(op, timeout, opts) }?;
-        self.pending
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(done.clone());
-        Ok(Work {
-            done,
-            op: name,
-            _scope: PhantomData,
-        })
+        let (_, timeout) = self.comm.prepare(&op, opts)?;
+        self.spawn(op_task(op, timeout, opts), name)
+    }
+
+    /// Queues a task that borrows data for 'scope.
+    pub(crate) fn spawn(&'scope self, task: Task<'scope>, name: &'static str) -> Result<Work<'scope>> {
+        // SAFETY: the task borrows for 'scope, and `Comm::scope` waits for every pending
+        // completion (also when the scope body panics) before 'scope ends.
+        let done = unsafe { self.comm.executor().submit(task, name) }?;
+        self.pending.lock().unwrap_or_else(|p| p.into_inner()).push(done.clone());
+        Ok(Work { done, op: name, _scope: PhantomData })
     }
 
     pub(crate) fn wait_all(&self) {

@@ -11,12 +11,12 @@ mod setup;
 mod shm;
 mod tcp;
 
-pub(crate) use setup::{connect_all, Announcer, Transport};
-pub(crate) use shm::OwnerState;
+pub(crate) use liveness::ProcessWatch;
+pub(crate) use setup::{connect_all, host_identity, Announcer, Transport};
+pub(crate) use shm::{OwnerState, Segment};
+pub(crate) use tcp::{accept_authenticated, dial};
 
-use liveness::ProcessWatch;
 use ring::RingEnd;
-use shm::Segment;
 use std::collections::VecDeque;
 use std::sync::Arc;
 use tcp::TcpLink;

@@ -5,18 +5,15 @@
 use super::liveness::ProcessWatch;
 use super::ring::{RingEnd, CTL_BYTES};
 use super::shm::{OwnerState, Segment};
-use super::tcp::TcpLink;
+use super::tcp::{accept_authenticated, dial, TcpLink};
 use super::{Link, ShmLink};
-use crate::bootstrap::{self, Store, NONCE_BYTES, PROOF_BYTES};
+use crate::bootstrap::{self, Store};
 use crate::error::{Error, Result};
 use crate::options::TransportOptions;
-use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-const LINK_MAGIC: &[u8; 4] = b"FCL1";
 
 /// All links of one rank, indexed by peer rank.
 pub(crate) struct Transport {
@@ -68,7 +65,7 @@ impl Announcer {
     }
 }
 
-fn host_identity(rank: usize, opts: &TransportOptions) -> String {
+pub(crate) fn host_identity(rank: usize, opts: &TransportOptions) -> String {
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
     let mut name = [0u8; 256];
     // SAFETY: gethostname writes at most `len` bytes into our buffer.
@@ -185,12 +182,12 @@ pub(crate) fn connect_all(
                     format!("rank {p} published no TCP address ({peer_tcp:?})"),
                 )
             })?;
-            links[p] = Some(Link::Tcp(connect_link(rank, p, addr, secret.as_bytes(), deadline)?));
+            links[p] = Some(Link::Tcp(TcpLink::new(dial(rank, p, addr, secret.as_bytes(), deadline)?)?));
         }
     }
     if let Some(l) = &listener {
         let expected = (rank + 1..size).filter(|&p| !local(p)).count();
-        for (p, stream) in accept_links(l, expected, secret.as_bytes(), size, deadline)? {
+        for (p, stream) in accept_authenticated(l, expected, secret.as_bytes(), size, deadline)? {
             if links[p].is_some() || p <= rank || local(p) {
                 return Err(Error::protocol(
                     "transport setup",
@@ -256,80 +253,4 @@ fn shm_link(
         _own_seg: own,
         watch,
     }))
-}
-
-fn connect_link(rank: usize, peer: usize, addr: SocketAddr, secret: &[u8], deadline: Instant) -> Result<TcpLink> {
-    let ctx = || format!("link to rank {peer} at {addr}");
-    let mut s = loop {
-        match TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
-            Ok(s) => break s,
-            Err(e) if Instant::now() >= deadline => return Err(Error::io(ctx(), e)),
-            Err(_) => std::thread::sleep(Duration::from_millis(20)),
-        }
-    };
-    s.set_read_timeout(Some(left(deadline).max(Duration::from_millis(1))))
-        .map_err(|e| Error::io(ctx(), e))?;
-    let mut challenge = [0u8; 4 + NONCE_BYTES];
-    s.read_exact(&mut challenge).map_err(|e| Error::io(ctx(), e))?;
-    if &challenge[..4] != LINK_MAGIC {
-        return Err(Error::protocol(
-            "link handshake",
-            format!("rank {peer} is not a ferrocomm link"),
-        ));
-    }
-    let mut hello = (rank as u32).to_le_bytes().to_vec();
-    hello.extend_from_slice(&bootstrap::proof(secret, &challenge[4..], &(rank as u32).to_le_bytes()));
-    s.write_all(&hello).map_err(|e| Error::io(ctx(), e))?;
-    s.set_read_timeout(None).map_err(|e| Error::io(ctx(), e))?;
-    TcpLink::new(s)
-}
-
-/// Accepts `expected` authenticated links; returns (peer rank, stream) pairs.
-fn accept_links(
-    l: &TcpListener,
-    expected: usize,
-    secret: &[u8],
-    size: usize,
-    deadline: Instant,
-) -> Result<Vec<(usize, TcpStream)>> {
-    l.set_nonblocking(true).map_err(|e| Error::io("link listener", e))?;
-    let mut got = Vec::new();
-    while got.len() < expected {
-        let mut s = match l.accept() {
-            Ok((s, _)) => s,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                if Instant::now() >= deadline {
-                    return Err(Error::Timeout {
-                        op: "transport setup (accept links)",
-                        peer: None,
-                        after: Duration::ZERO,
-                    });
-                }
-                std::thread::sleep(Duration::from_millis(5));
-                continue;
-            }
-            Err(e) => return Err(Error::io("accept link", e)),
-        };
-        s.set_nonblocking(false).map_err(|e| Error::io("link socket", e))?;
-        s.set_read_timeout(Some(left(deadline).max(Duration::from_millis(1))))
-            .map_err(|e| Error::io("link socket", e))?;
-        let nonce = bootstrap::nonce();
-        let mut challenge = LINK_MAGIC.to_vec();
-        challenge.extend_from_slice(&nonce);
-        if s.write_all(&challenge).is_err() {
-            continue;
-        }
-        let mut hello = [0u8; 4 + PROOF_BYTES];
-        if s.read_exact(&mut hello).is_err() {
-            continue;
-        }
-        let peer = u32::from_le_bytes([hello[0], hello[1], hello[2], hello[3]]) as usize;
-        if peer >= size || !bootstrap::verify(secret, &nonce, &hello[..4], &hello[4..]) {
-            tracing::warn!("link listener: refused a connection that did not prove the communicator secret");
-            continue;
-        }
-        s.set_read_timeout(None).map_err(|e| Error::io("link socket", e))?;
-        got.push((peer, s));
-    }
-    Ok(got)
 }
