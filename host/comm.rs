@@ -2,9 +2,11 @@
 
 use crate::backend::{self, BackendInit};
 use crate::bootstrap::{self, MemoryStore, PrefixStore, Store, TcpStoreServer};
+use crate::dtype::Element;
 use crate::error::{Error, Result};
 use crate::ops::Op;
 use crate::options::{CommOptions, OpOptions};
+use crate::window::{Window, WindowOptions, WindowSpec};
 use crate::work::{Executor, Scope};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
@@ -37,6 +39,7 @@ struct Inner {
     store: Arc<dyn Store>,
     prefix: String,
     splits: AtomicU64,
+    windows: AtomicU64,
     state: AtomicU8,
     /// Rank 0 may host the job's store server; it lives as long as this communicator.
     _server: Option<TcpStoreServer>,
@@ -153,6 +156,7 @@ impl Comm {
                 store,
                 prefix,
                 splits: AtomicU64::new(0),
+                windows: AtomicU64::new(0),
                 state: AtomicU8::new(LIVE),
                 _server: server,
             }),
@@ -316,6 +320,40 @@ impl Comm {
             None,
         )?;
         Ok(Some(c))
+    }
+
+    /// Creates a window of `bytes` per rank with the default options. Collective: every rank
+    /// calls it with the same size.
+    pub fn new_window(&self, bytes: usize) -> Result<Window<'static>> {
+        self.new_window_with(bytes, WindowOptions::default())
+    }
+
+    pub fn new_window_with(&self, bytes: usize, opts: WindowOptions) -> Result<Window<'static>> {
+        self.window(bytes, opts, None)
+    }
+
+    /// Exposes `buf` as this rank's segment of a new window (collective; every rank registers
+    /// the same number of bytes). The buffer stays borrowed until the window is dropped; peers
+    /// reach it through this rank's proxy, never by pointer.
+    pub fn register<'b, T: Element>(&self, buf: &'b mut [T], opts: WindowOptions) -> Result<Window<'b>> {
+        let bytes = std::mem::size_of_val(buf);
+        self.window(bytes, opts, Some(buf.as_mut_ptr().cast()))
+    }
+
+    fn window<'b>(&self, bytes: usize, opts: WindowOptions, registered: Option<*mut u8>) -> Result<Window<'b>> {
+        self.check_live("new_window")?;
+        if opts.signals == 0 {
+            return Err(Error::invalid("new_window", "a window needs at least one signal id"));
+        }
+        let spec = WindowSpec {
+            id: self.inner.windows.fetch_add(1, Ordering::Relaxed),
+            bytes,
+            signals: opts.signals,
+            registered,
+            timeout: self.inner.options.timeout,
+        };
+        let backend = self.inner.exec.backend().new_window(&spec)?;
+        Ok(Window::new(backend, self.clone(), &spec))
     }
 
     /// Completes queued operations and closes this rank. Later operations fail with

@@ -15,10 +15,12 @@ pub enum DType {
     U8 = 6,
     I32 = 7,
     I64 = 8,
+    U32 = 9,
+    U64 = 10,
 }
 
 impl DType {
-    pub const ALL: [DType; 8] = [
+    pub const ALL: [DType; 10] = [
         DType::F32,
         DType::F64,
         DType::F16,
@@ -27,14 +29,16 @@ impl DType {
         DType::U8,
         DType::I32,
         DType::I64,
+        DType::U32,
+        DType::U64,
     ];
 
     pub fn size(self) -> usize {
         match self {
             DType::I8 | DType::U8 => 1,
             DType::F16 | DType::BF16 => 2,
-            DType::F32 | DType::I32 => 4,
-            DType::F64 | DType::I64 => 8,
+            DType::F32 | DType::I32 | DType::U32 => 4,
+            DType::F64 | DType::I64 | DType::U64 => 8,
         }
     }
 
@@ -52,6 +56,8 @@ impl DType {
             DType::U8 => "u8",
             DType::I32 => "i32",
             DType::I64 => "i64",
+            DType::U32 => "u32",
+            DType::U64 => "u64",
         }
     }
 
@@ -83,7 +89,7 @@ macro_rules! element {
         impl Element for $t { const DTYPE: DType = DType::$d; }
     )*};
 }
-element!(f32 => F32, f64 => F64, f16 => F16, bf16 => BF16, i8 => I8, u8 => U8, i32 => I32, i64 => I64);
+element!(f32 => F32, f64 => F64, f16 => F16, bf16 => BF16, i8 => I8, u8 => U8, i32 => I32, i64 => I64, u32 => U32, u64 => U64);
 
 /// Views a slice of elements as bytes.
 pub(crate) fn as_bytes<T: Element>(s: &[T]) -> &[u8] {

@@ -34,6 +34,15 @@ pub enum Error {
     /// A rank argument is outside `0..size`.
     #[error("{op}: rank {rank} is out of range for a communicator of size {size}")]
     InvalidRank { op: &'static str, rank: usize, size: usize },
+    /// A window access outside the window.
+    #[error("{op}: bytes {offset}..{offset}+{len} of rank {rank} are outside the window of {bytes} bytes")]
+    OutOfBounds {
+        op: &'static str,
+        rank: usize,
+        offset: usize,
+        len: usize,
+        bytes: usize,
+    },
     /// `split` was called with a rank list that is malformed or inconsistent across ranks.
     #[error("split: {0}")]
     InvalidSplit(String),

@@ -65,6 +65,7 @@ mod ops;
 mod options;
 mod reduce;
 mod transport;
+mod window;
 mod work;
 
 pub use backend::{backend_factory, backend_names, register_backend, Backend, BackendFactory, BackendInit, RunOptions};
@@ -78,11 +79,15 @@ pub use dtype::{DType, Element, ReduceOp};
 pub use error::{Error, Result};
 pub use ops::{Buf, BufMut, Op, P2p};
 pub use options::{default_timeout, CommOptions, OpOptions, TransportOptions};
+pub use window::{Cmp, Observed, SignalOp, SignalSource, Window, WindowBackend, WindowOptions, WindowSpec};
 pub use work::{Scope, Work};
 
 pub use half::{bf16, f16};
 
 /// The names most programs need.
 pub mod prelude {
-    pub use crate::{new_comm, Collectives, Comm, CommOptions, DType, Device, Element, OpOptions, ReduceOp};
+    pub use crate::{
+        new_comm, Cmp, Collectives, Comm, CommOptions, DType, Device, Element, OpOptions, ReduceOp, SignalOp,
+        SignalSource, Window, WindowOptions,
+    };
 }

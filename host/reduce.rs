@@ -33,7 +33,7 @@ macro_rules! int_arith {
         }
     )*};
 }
-int_arith!(i8, u8, i32, i64);
+int_arith!(i8, u8, i32, i64, u32, u64);
 
 macro_rules! float_arith {
     ($t:ty, $w:ty, $to:expr, $from:expr) => {
@@ -134,6 +134,8 @@ macro_rules! dispatch {
             DType::U8 => $f::<u8>($($arg),*),
             DType::I32 => $f::<i32>($($arg),*),
             DType::I64 => $f::<i64>($($arg),*),
+            DType::U32 => $f::<u32>($($arg),*),
+            DType::U64 => $f::<u64>($($arg),*),
         }
     };
 }

@@ -126,7 +126,10 @@ impl Executor {
         let done = Arc::new(Completion::default());
         let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
         if q.shutdown {
-            return Err(Error::Closed { op: name, state: "shut down" });
+            return Err(Error::Closed {
+                op: name,
+                state: "shut down",
+            });
         }
         if q.worker.is_none() {
             let me = Arc::clone(self);
@@ -136,7 +139,10 @@ impl Executor {
                 .map_err(|e| Error::io("spawn communicator worker", e))?;
             q.worker = Some(h);
         }
-        q.jobs.push_back(Job { task, done: done.clone() });
+        q.jobs.push_back(Job {
+            task,
+            done: done.clone(),
+        });
         q.in_flight += 1;
         self.wake.notify_all();
         Ok(done)
@@ -257,8 +263,15 @@ impl<'scope, 'env> Scope<'scope, 'env> {
         // SAFETY: the task borrows for 'scope, and `Comm::scope` waits for every pending
         // completion (also when the scope body panics) before 'scope ends.
         let done = unsafe { self.comm.executor().submit(task, name) }?;
-        self.pending.lock().unwrap_or_else(|p| p.into_inner()).push(done.clone());
-        Ok(Work { done, op: name, _scope: PhantomData })
+        self.pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(done.clone());
+        Ok(Work {
+            done,
+            op: name,
+            _scope: PhantomData,
+        })
     }
 
     pub(crate) fn wait_all(&self) {

@@ -3,7 +3,6 @@
 
 mod common;
 use common::*;
-use ferrocomm::prelude::*;
 use ferrocomm::Error;
 use std::time::Duration;
 

@@ -6,8 +6,7 @@
 
 mod common;
 use common::*;
-use ferrocomm::prelude::*;
-use ferrocomm::Error;
+use ferrocomm::{Cmp, Error, SignalSource};
 use std::io::Read;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -46,6 +45,30 @@ fn child_entry() {
                         };
                         std::process::exit(code);
                     }
+                }
+            }
+        }
+        "windows" => {
+            let seed = std::env::var("FERROCOMM_TEST_SEED").unwrap().parse().unwrap();
+            let comm = new_comm("cpu", Device::Cpu, "mp-win", CommOptions::from_env().unwrap()).unwrap();
+            let mapped = common::window_suite::run_all(&comm, seed);
+            println!("child ok: windows (mapped directly: {mapped})");
+        }
+        "window-waiter-loses-peer" => {
+            let comm = new_comm("cpu", Device::Cpu, "mp-winkill", CommOptions::from_env().unwrap()).unwrap();
+            let w = comm.new_window(64).unwrap();
+            w.barrier().unwrap();
+            println!("waiting");
+            // Rank 2 never signals: it is killed while everyone waits.
+            match w.wait_signal(0, SignalSource::Rank(2), Cmp::Ge, 1) {
+                Err(Error::PeerLost {
+                    op: "wait_signal",
+                    peer: 2,
+                    ..
+                }) => std::process::exit(3),
+                other => {
+                    println!("rank {rank}: {other:?}");
+                    std::process::exit(4)
                 }
             }
         }
@@ -270,6 +293,74 @@ fn sigkill_in_a_collective_gives_every_other_rank_an_error() {
         let took = killed_at.elapsed();
         let _ = victim.wait();
         eprintln!("{transport}: survivors reported the loss {took:?} after SIGKILL");
+        assert!(took < Duration::from_secs(10), "{transport}: took {took:?}");
+    }
+}
+
+#[test]
+fn window_contract_across_processes_over_shared_memory_and_tcp() {
+    for (n, transport, mapped) in [(3, "auto", true), (2, "tcp", false)] {
+        let seed = fresh_seed().to_string();
+        let env = [
+            ("FERROCOMM_TEST_SEED", seed.as_str()),
+            ("FERROCOMM_TIMEOUT", "60"),
+            ("FERROCOMM_TRANSPORT", transport),
+        ];
+        let (status, out, _) = launch(n, "windows", &env);
+        assert!(status.success(), "{transport}: ranks failed:\n{out}");
+        let want = format!("child ok: windows (mapped directly: {mapped})");
+        assert_eq!(
+            out.lines().filter(|l| l.contains(&want)).count(),
+            n,
+            "{transport}:\n{out}"
+        );
+    }
+}
+
+#[test]
+fn sigkill_gives_window_waiters_peer_lost() {
+    for transport in ["auto", "tcp"] {
+        let token = ferrocomm::random_token();
+        let server = ferrocomm::TcpStoreServer::bind("127.0.0.1:0", &token).unwrap();
+        let port = server.addr().port().to_string();
+        let mut children: Vec<Child> = (0..3)
+            .map(|r| {
+                child_command("window-waiter-loses-peer")
+                    .envs([
+                        ("RANK", r.to_string()),
+                        ("WORLD_SIZE", "3".into()),
+                        ("LOCAL_RANK", r.to_string()),
+                    ])
+                    .envs([
+                        ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", &port),
+                        ("FERROCOMM_TOKEN", &token),
+                    ])
+                    .envs([
+                        ("FERROCOMM_STORE_EXTERNAL", "1"),
+                        ("FERROCOMM_TIMEOUT", "60"),
+                        ("FERROCOMM_TRANSPORT", transport),
+                    ])
+                    .stdout(Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(1500));
+        let mut victim = children.pop().unwrap();
+        // SAFETY: killing our own child.
+        unsafe { libc::kill(victim.id() as i32, libc::SIGKILL) };
+        let killed_at = Instant::now();
+        for (r, c) in children.into_iter().enumerate() {
+            let (status, out) = wait_bounded(c, Duration::from_secs(30));
+            assert_eq!(
+                status.code(),
+                Some(3),
+                "{transport}: rank {r} should get PeerLost from wait_signal:\n{out}"
+            );
+        }
+        let took = killed_at.elapsed();
+        let _ = victim.wait();
         assert!(took < Duration::from_secs(10), "{transport}: took {took:?}");
     }
 }

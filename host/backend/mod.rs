@@ -7,6 +7,7 @@ use crate::bootstrap::Store;
 use crate::error::{Error, Result};
 use crate::ops::Op;
 use crate::options::CommOptions;
+use crate::window::{WindowBackend, WindowSpec};
 use crate::Device;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, OnceLock, RwLock};
@@ -40,6 +41,14 @@ pub trait Backend: Send + Sync {
     fn run(&self, op: &mut Op<'_>, opts: &RunOptions) -> Result<()>;
     fn abort(&self);
     fn finalize(&self) -> Result<()>;
+    /// Builds this rank's part of a window (collective). Backends without windows say so.
+    fn new_window(&self, spec: &WindowSpec) -> Result<Box<dyn WindowBackend>> {
+        let _ = spec;
+        Err(Error::Unavailable {
+            backend: self.name().into(),
+            reason: "this backend has no one-sided windows".into(),
+        })
+    }
 }
 
 /// Creates a backend for one rank.

@@ -182,7 +182,13 @@ pub(crate) fn connect_all(
                     format!("rank {p} published no TCP address ({peer_tcp:?})"),
                 )
             })?;
-            links[p] = Some(Link::Tcp(TcpLink::new(dial(rank, p, addr, secret.as_bytes(), deadline)?)?));
+            links[p] = Some(Link::Tcp(TcpLink::new(dial(
+                rank,
+                p,
+                addr,
+                secret.as_bytes(),
+                deadline,
+            )?)?));
         }
     }
     if let Some(l) = &listener {

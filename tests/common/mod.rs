@@ -2,13 +2,15 @@
 #![allow(dead_code)]
 
 pub mod suite;
+pub mod window_suite;
 
-use ferrocomm::prelude::*;
+pub use ferrocomm::prelude::*;
+pub use ferrocomm::Observed;
 use ferrocomm::{bf16, f16};
 pub use rand::rngs::StdRng;
 pub use rand::{Rng, SeedableRng};
 use std::fmt::Debug;
-use std::time::Duration;
+pub use std::time::Duration;
 
 /// Runs `f(comm)` on each rank of an in-process group of `n`, one thread per rank; returns the
 /// per-rank results in rank order. A panicking rank fails the test.
@@ -87,7 +89,7 @@ macro_rules! int_elem {
         }
     )*};
 }
-int_elem!(i8, u8, i32, i64);
+int_elem!(i8, u8, i32, i64, u32, u64);
 
 macro_rules! float_elem {
     ($t:ty, $eps:expr, $to:expr, $from:expr) => {

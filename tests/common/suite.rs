@@ -234,5 +234,7 @@ pub fn run_all(comm: &Comm, seed: u64) -> usize {
     one_dtype::<u8>(&mut cx, &algos);
     one_dtype::<i32>(&mut cx, &algos);
     one_dtype::<i64>(&mut cx, &algos);
+    one_dtype::<u32>(&mut cx, &algos);
+    one_dtype::<u64>(&mut cx, &algos);
     cx.checks
 }

@@ -3,13 +3,17 @@
 
 mod algorithms;
 mod engine;
+mod proxy;
+mod window;
 
 use super::{Backend, BackendInit, RunOptions};
+use crate::bootstrap::Store;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::ops::{Op, P2p};
-use crate::options::env_parse;
+use crate::options::{env_parse, TransportOptions};
 use crate::transport::{self, OwnerState};
+use crate::window::{WindowBackend, WindowSpec};
 use algorithms::{Algo, Scratch};
 use engine::{Engine, OpCtx, Tag, Xfer};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -68,6 +72,11 @@ pub(crate) struct CpuBackend {
     abort: Arc<AtomicBool>,
     announce: transport::Announcer,
     tuning: Tuning,
+    /// What windows need to set themselves up.
+    rank: usize,
+    size: usize,
+    store: Arc<dyn Store>,
+    transport: TransportOptions,
 }
 
 pub(crate) fn create(init: &BackendInit) -> Result<Box<dyn Backend>> {
@@ -96,6 +105,10 @@ pub(crate) fn create(init: &BackendInit) -> Result<Box<dyn Backend>> {
         abort: Arc::new(AtomicBool::new(false)),
         announce,
         tuning,
+        rank: init.rank,
+        size: init.size,
+        store: init.store.clone(),
+        transport: init.options.transport.clone(),
     }))
 }
 
@@ -158,6 +171,17 @@ impl Backend for CpuBackend {
     fn finalize(&self) -> Result<()> {
         self.announce.announce(OwnerState::Closed);
         Ok(())
+    }
+
+    fn new_window(&self, spec: &WindowSpec) -> Result<Box<dyn WindowBackend>> {
+        let setup = window::Setup {
+            rank: self.rank,
+            size: self.size,
+            store: &self.store,
+            transport: &self.transport,
+            abort: self.abort.clone(),
+        };
+        Ok(Box::new(window::CpuWindow::create(spec, &setup)?))
     }
 }
 

@@ -1,0 +1,459 @@
+//! Windows on the CPU backend. Each rank's segment (data, then the signal pad) lives in POSIX
+//! shared memory, mapped by every rank of the host; other hosts, and every peer of a registered
+//! user buffer, go through the target's proxy (proxy.rs). Waits read the caller's own pad.
+
+use super::proxy::{self, Memory, ProxyConn};
+use crate::bootstrap::{self, PrefixStore, Store};
+use crate::error::{Error, Result};
+use crate::options::TransportOptions;
+use crate::transport::{accept_authenticated, dial, host_identity, OwnerState, ProcessWatch, Segment};
+use crate::window::{Cmp, Observed, SignalOp, SignalSource, WindowBackend, WindowSpec};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// How this rank reaches one peer's segment.
+enum Path {
+    /// Our own segment.
+    Local,
+    /// The peer's segment is mapped here.
+    Mapped {
+        seg: Arc<Segment>,
+        watch: Option<ProcessWatch>,
+    },
+    /// Through the peer's proxy thread.
+    Proxy { conn: Mutex<ProxyConn>, dirty: AtomicBool },
+}
+
+/// Who our proxy serves, and how to stop it.
+struct Server {
+    streams: Vec<TcpStream>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+pub(crate) struct CpuWindow {
+    rank: usize,
+    own: Arc<Segment>,
+    mem: Memory,
+    paths: Vec<Path>,
+    /// Set by our proxy when an origin's connection ends: that origin can no longer signal us.
+    gone: Arc<Vec<AtomicBool>>,
+    abort: Arc<AtomicBool>,
+    server: Mutex<Server>,
+}
+
+// SAFETY: `mem` holds raw pointers into our segment or the registered buffer, both valid until
+// drop; all shared access goes through raw copies and atomics per docs/memory-model.md, and the
+// proxy connections are behind mutexes.
+unsafe impl Send for CpuWindow {}
+unsafe impl Sync for CpuWindow {}
+
+fn round_up(n: usize, to: usize) -> usize {
+    n.div_ceil(to) * to
+}
+
+static WINDOW_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+pub(crate) struct Setup<'a> {
+    pub rank: usize,
+    pub size: usize,
+    pub store: &'a Arc<dyn Store>,
+    pub transport: &'a TransportOptions,
+    pub abort: Arc<AtomicBool>,
+}
+
+impl CpuWindow {
+    /// Collective: builds this rank's part of window `spec`.
+    pub(crate) fn create(spec: &WindowSpec, s: &Setup) -> Result<CpuWindow> {
+        let (rank, size) = (s.rank, s.size);
+        let deadline = Instant::now() + spec.timeout;
+        let left = || deadline.saturating_duration_since(Instant::now());
+        let store = PrefixStore::new(format!("window{}", spec.id), s.store.clone());
+        if let Some(p) = spec.registered {
+            if p as usize % 8 != 0 {
+                return Err(Error::invalid(
+                    "register",
+                    "the buffer must be 8-byte aligned for atomics",
+                ));
+            }
+        }
+        let data_len = if spec.registered.is_some() {
+            0
+        } else {
+            round_up(spec.bytes, 64)
+        };
+        let pad_len = spec.signals * size * 8;
+        let name = format!(
+            "/ferrocomm-win-{}-{rank}-{}-{}",
+            std::process::id(),
+            WINDOW_COUNTER.fetch_add(1, Ordering::Relaxed),
+            &bootstrap::random_token()[..12]
+        );
+        let own = Arc::new(Segment::create(&name, data_len + pad_len)?);
+        let data = spec.registered.unwrap_or(own.payload());
+        // SAFETY: the pad follows the data inside our segment's payload.
+        let pad = unsafe { own.payload().add(data_len) };
+        let mem = Memory {
+            data,
+            bytes: spec.bytes,
+            pad,
+            signals: spec.signals,
+            size,
+        };
+
+        // Round 1: who is where, and does everyone ask for the same window?
+        let host = host_identity(rank, s.transport);
+        let my_spec = format!("{} {} {}", spec.bytes, spec.signals, spec.registered.is_some());
+        store.set(&format!("host/{rank}"), format!("{host}\n{my_spec}").as_bytes())?;
+        let mut hosts = Vec::with_capacity(size);
+        for p in 0..size {
+            let v = String::from_utf8_lossy(&store.get(&format!("host/{p}"), left())?).into_owned();
+            let (h, sp) = v.split_once('\n').unwrap_or((&v, ""));
+            if sp != my_spec {
+                return Err(Error::Mismatch {
+                    op: "new_window",
+                    peer: p,
+                    detail: format!("it asked for (bytes signals registered) = ({sp}), this rank for ({my_spec})"),
+                });
+            }
+            hosts.push(h.to_owned());
+        }
+        // Registered memory is reachable only through its owner's proxy: peers never hold raw
+        // pointers into it, so dropping the window (which joins the proxy) ends all access.
+        let by_proxy = |origin: usize, target: usize| {
+            origin != target && (spec.registered.is_some() || hosts[origin] != hosts[target])
+        };
+        let serves = (0..size).filter(|&o| by_proxy(o, rank)).count();
+        let listener = if serves > 0 {
+            let ip = s
+                .transport
+                .bind_addr
+                .or_else(|| s.store.local_addr_hint())
+                .unwrap_or(IpAddr::from([127, 0, 0, 1]));
+            Some(TcpListener::bind((ip, 0)).map_err(|e| Error::io(format!("bind window proxy on {ip}"), e))?)
+        } else {
+            None
+        };
+        let any_proxy = (0..size).any(|o| (0..size).any(|t| by_proxy(o, t)));
+        let secret = match (any_proxy, rank) {
+            (false, _) => String::new(),
+            (true, 0) => {
+                let t = bootstrap::random_token();
+                store.set("secret", t.as_bytes())?;
+                t
+            }
+            (true, _) => String::from_utf8_lossy(&store.get("secret", left())?).into_owned(),
+        };
+
+        // Round 2: segments and proxy addresses.
+        let addr = match &listener {
+            Some(l) => l
+                .local_addr()
+                .map_err(|e| Error::io("window proxy address", e))?
+                .to_string(),
+            None => "-".into(),
+        };
+        store.set(&format!("ep/{rank}"), format!("{} {addr}", own.name()).as_bytes())?;
+        let mut eps: Vec<(String, Option<SocketAddr>)> = Vec::with_capacity(size);
+        for p in 0..size {
+            let v = String::from_utf8_lossy(&store.get(&format!("ep/{p}"), left())?).into_owned();
+            let (seg, a) = v.split_once(' ').unwrap_or((&v, "-"));
+            eps.push((seg.to_owned(), a.parse().ok()));
+        }
+
+        // Accept our origins on a helper thread while we dial our targets: no order deadlocks.
+        let gone: Arc<Vec<AtomicBool>> = Arc::new((0..size).map(|_| AtomicBool::new(false)).collect());
+        let acceptor = listener.map(|l| {
+            let secret = secret.clone().into_bytes();
+            std::thread::spawn(move || accept_authenticated(&l, serves, &secret, size, deadline))
+        });
+        let mut paths = Vec::with_capacity(size);
+        for (t, (segment, proxy_addr)) in eps.iter().enumerate() {
+            paths.push(if t == rank {
+                Path::Local
+            } else if by_proxy(rank, t) {
+                let addr =
+                    proxy_addr.ok_or_else(|| Error::protocol("window setup", format!("rank {t} runs no proxy")))?;
+                let stream = dial(rank, t, addr, secret.as_bytes(), deadline)?;
+                Path::Proxy {
+                    conn: Mutex::new(ProxyConn::new(stream, t, spec.timeout)?),
+                    dirty: AtomicBool::new(false),
+                }
+            } else {
+                let seg = Arc::new(Segment::open(segment, data_len + pad_len)?);
+                let watch = ProcessWatch::open(seg.owner_pid());
+                Path::Mapped { seg, watch }
+            });
+        }
+        let mut server = Server {
+            streams: Vec::new(),
+            threads: Vec::new(),
+        };
+        if let Some(a) = acceptor {
+            let accepted = a
+                .join()
+                .map_err(|_| Error::protocol("window setup", "proxy acceptor panicked"))??;
+            for (origin, stream) in accepted {
+                if !by_proxy(origin, rank) {
+                    return Err(Error::protocol(
+                        "window setup",
+                        format!("unexpected proxy connection from rank {origin}"),
+                    ));
+                }
+                server
+                    .streams
+                    .push(stream.try_clone().map_err(|e| Error::io("window proxy", e))?);
+                let gone = gone.clone();
+                server
+                    .threads
+                    .push(std::thread::spawn(move || proxy::serve(stream, origin, mem, gone)));
+            }
+        }
+
+        let w = CpuWindow {
+            rank,
+            own,
+            mem,
+            paths,
+            gone,
+            abort: s.abort.clone(),
+            server: Mutex::new(server),
+        };
+        store.set(&format!("ready/{rank}"), b"1")?;
+        let keys: Vec<String> = (0..size).map(|r| format!("ready/{r}")).collect();
+        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let waited = store.wait(&refs, left());
+        w.own.unlink();
+        waited?;
+        Ok(w)
+    }
+
+    fn mapped_data(seg: &Segment) -> *mut u8 {
+        seg.payload()
+    }
+
+    /// Whether `p` can still write to us, and if not, why.
+    fn peer_state(&self, p: usize) -> std::result::Result<(), String> {
+        match &self.paths[p] {
+            Path::Local => Ok(()),
+            Path::Mapped { seg, watch } => match (seg.state(), watch) {
+                (OwnerState::Aborted, _) => Err("peer aborted".into()),
+                (OwnerState::Closed, _) => Err("peer dropped the window".into()),
+                (_, Some(w)) if !w.is_alive() => Err(format!("process {} exited", w.pid())),
+                _ => Ok(()),
+            },
+            Path::Proxy { .. } if self.gone[p].load(Ordering::Acquire) => Err("peer's proxy connection closed".into()),
+            Path::Proxy { .. } => Ok(()),
+        }
+    }
+
+    fn read_signals(&self, id: usize, from: SignalSource, cmp: Cmp, value: u64) -> Option<Observed> {
+        let slot = |src: usize| self.mem.slot(id, src).load(Ordering::Acquire);
+        match from {
+            SignalSource::Rank(r) => {
+                let v = slot(r);
+                cmp.holds(v, value).then_some(Observed {
+                    source: Some(r),
+                    value: v,
+                })
+            }
+            SignalSource::Any => (0..self.mem.size).find_map(|r| {
+                let v = slot(r);
+                cmp.holds(v, value).then_some(Observed {
+                    source: Some(r),
+                    value: v,
+                })
+            }),
+            SignalSource::Sum => {
+                let v = (0..self.mem.size).fold(0u64, |a, r| a.wrapping_add(slot(r)));
+                cmp.holds(v, value).then_some(Observed { source: None, value: v })
+            }
+        }
+    }
+
+    fn word_at<'s>(&'s self, seg: &'s Segment, offset: usize) -> &'s AtomicU64 {
+        let m = Memory {
+            data: Self::mapped_data(seg),
+            ..self.mem
+        };
+        // SAFETY: `Window` checked offset (aligned, in bounds); the mapping lives in `seg`.
+        unsafe { &*(m.word(offset) as *const AtomicU64) }
+    }
+}
+
+impl WindowBackend for CpuWindow {
+    fn put(&self, dst: usize, offset: usize, src: &[u8]) -> Result<()> {
+        let base = match &self.paths[dst] {
+            Path::Local => self.mem.data,
+            Path::Mapped { seg, .. } => Self::mapped_data(seg),
+            Path::Proxy { conn, dirty } => {
+                dirty.store(true, Ordering::Relaxed);
+                return conn.lock().unwrap_or_else(|p| p.into_inner()).put(offset, src);
+            }
+        };
+        // SAFETY: `Window` checked the range against the segment size.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), base.add(offset), src.len()) };
+        Ok(())
+    }
+
+    fn get(&self, src: usize, offset: usize, dst: &mut [u8]) -> Result<()> {
+        let base = match &self.paths[src] {
+            Path::Local => self.mem.data,
+            Path::Mapped { seg, .. } => Self::mapped_data(seg),
+            Path::Proxy { conn, .. } => return conn.lock().unwrap_or_else(|p| p.into_inner()).get(offset, dst),
+        };
+        // SAFETY: as in `put`.
+        unsafe { std::ptr::copy_nonoverlapping(base.add(offset), dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    fn signal(&self, dst: usize, id: usize, op: SignalOp, value: u64) -> Result<()> {
+        match &self.paths[dst] {
+            Path::Local => self.mem.apply_signal(id, self.rank, op, value),
+            Path::Mapped { seg, .. } => {
+                // The peer's pad follows its data in its segment, at the same place as ours.
+                // SAFETY: same layout on every rank (checked at setup); pad inside the mapping.
+                let pad = unsafe { seg.payload().add(self.mem.pad as usize - self.own.payload() as usize) };
+                Memory { pad, ..self.mem }.apply_signal(id, self.rank, op, value)
+            }
+            Path::Proxy { conn, dirty } => {
+                dirty.store(true, Ordering::Relaxed);
+                return conn.lock().unwrap_or_else(|p| p.into_inner()).signal(id, op, value);
+            }
+        }
+        Ok(())
+    }
+
+    fn wait_signal(&self, id: usize, from: SignalSource, cmp: Cmp, value: u64, timeout: Duration) -> Result<Observed> {
+        let deadline = Instant::now() + timeout;
+        let mut spins = 0u32;
+        let mut next_check = Instant::now() + Duration::from_millis(5);
+        loop {
+            if let Some(o) = self.read_signals(id, from, cmp, value) {
+                return Ok(o);
+            }
+            spins = spins.saturating_add(1);
+            if spins < 64 {
+                std::hint::spin_loop();
+                continue;
+            }
+            if spins < 2048 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+            let now = Instant::now();
+            if now < next_check {
+                continue;
+            }
+            next_check = now + Duration::from_millis(5);
+            let peer = match from {
+                SignalSource::Rank(r) => Some(r),
+                _ => None,
+            };
+            if self.abort.load(Ordering::Acquire) {
+                return Err(Error::Closed {
+                    op: "wait_signal",
+                    state: "aborted",
+                });
+            }
+            if now >= deadline {
+                return Err(Error::Timeout {
+                    op: "wait_signal",
+                    peer,
+                    after: timeout,
+                });
+            }
+            let watched: Vec<usize> = peer.map_or_else(|| (0..self.mem.size).collect(), |r| vec![r]);
+            if let Some((p, reason)) = watched
+                .into_iter()
+                .find_map(|p| self.peer_state(p).err().map(|r| (p, r)))
+            {
+                // A peer's last signal may have landed just before it left: look once more.
+                if let Some(o) = self.read_signals(id, from, cmp, value) {
+                    return Ok(o);
+                }
+                return Err(Error::PeerLost {
+                    op: "wait_signal",
+                    peer: p,
+                    reason,
+                });
+            }
+        }
+    }
+
+    fn fetch_add(&self, dst: usize, offset: usize, value: u64) -> Result<u64> {
+        match &self.paths[dst] {
+            Path::Local => Ok(self.mem.word(offset).fetch_add(value, Ordering::AcqRel)),
+            Path::Mapped { seg, .. } => Ok(self.word_at(seg, offset).fetch_add(value, Ordering::AcqRel)),
+            Path::Proxy { conn, .. } => conn.lock().unwrap_or_else(|p| p.into_inner()).fetch_add(offset, value),
+        }
+    }
+
+    fn compare_swap(&self, dst: usize, offset: usize, expected: u64, desired: u64) -> Result<u64> {
+        let cas = |w: &AtomicU64| {
+            w.compare_exchange(expected, desired, Ordering::AcqRel, Ordering::Acquire)
+                .unwrap_or_else(|v| v)
+        };
+        match &self.paths[dst] {
+            Path::Local => Ok(cas(self.mem.word(offset))),
+            Path::Mapped { seg, .. } => Ok(cas(self.word_at(seg, offset))),
+            Path::Proxy { conn, .. } => conn
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .compare_swap(offset, expected, desired),
+        }
+    }
+
+    fn fence(&self) -> Result<()> {
+        // Mapped stores: a release fence orders them; proxy streams are FIFO already.
+        std::sync::atomic::fence(Ordering::Release);
+        Ok(())
+    }
+
+    fn flush(&self) -> Result<()> {
+        std::sync::atomic::fence(Ordering::SeqCst);
+        for p in &self.paths {
+            if let Path::Proxy { conn, dirty } = p {
+                if dirty.swap(false, Ordering::Relaxed) {
+                    conn.lock().unwrap_or_else(|p| p.into_inner()).flush()?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn local_base(&self) -> *mut u8 {
+        self.mem.data
+    }
+
+    fn remote_base(&self, rank: usize) -> Option<*mut u8> {
+        match &self.paths[rank] {
+            Path::Local => Some(self.mem.data),
+            Path::Mapped { seg, .. } => Some(Self::mapped_data(seg)),
+            Path::Proxy { .. } => None,
+        }
+    }
+}
+
+impl Drop for CpuWindow {
+    fn drop(&mut self) {
+        self.own.set_state(OwnerState::Closed);
+        // Stop serving before the memory (maybe a user buffer) goes away.
+        let server = std::mem::replace(
+            &mut *self.server.lock().unwrap_or_else(|p| p.into_inner()),
+            Server {
+                streams: Vec::new(),
+                threads: Vec::new(),
+            },
+        );
+        for s in &server.streams {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+        for t in server.threads {
+            let _ = t.join();
+        }
+    }
+}

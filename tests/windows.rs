@@ -1,0 +1,132 @@
+//! Windows with the ranks as threads of this process: shared memory, the TCP proxy path, and
+//! registered user memory. (Processes: see tests/multiprocess.rs.)
+
+mod common;
+use common::*;
+use ferrocomm::Error;
+use std::time::{Duration, Instant};
+
+fn opts() -> CommOptions {
+    options(Duration::from_secs(30))
+}
+
+fn tcp_opts() -> CommOptions {
+    let mut o = opts();
+    o.transport.force_tcp = true;
+    o
+}
+
+#[test]
+fn window_contract_over_shared_memory() {
+    let seed = fresh_seed();
+    for n in [1, 2, 3, 4] {
+        let mapped = run_group(n, &format!("win-shm{n}"), opts(), |c| {
+            common::window_suite::run_all(c, seed)
+        });
+        assert!(mapped.iter().all(|&m| m), "same-host peers should be mapped directly");
+    }
+}
+
+#[test]
+fn window_contract_over_the_tcp_proxy() {
+    let seed = fresh_seed();
+    let mapped = run_group(3, "win-tcp", tcp_opts(), |c| common::window_suite::run_all(c, seed));
+    assert!(mapped.iter().all(|&m| !m), "peers on 'other hosts' must not be mapped");
+}
+
+#[test]
+fn window_contract_on_registered_user_memory() {
+    let seed = fresh_seed();
+    let n = 3;
+    let r = run_group(n, "win-reg", opts(), |c| {
+        let mut mine = vec![0u64; n * 4096 / 8];
+        {
+            let w = c.register(&mut mine, WindowOptions::default()).unwrap();
+            common::window_suite::run_on(c, &w, seed);
+            assert!(w.remote_ptr((c.rank() + 1) % n).is_none());
+            // A last put to the right neighbour, then the window goes away.
+            w.put((c.rank() + 1) % n, 0, &[c.rank() as u64 + 100]).unwrap();
+            w.barrier().unwrap();
+        }
+        // The buffer is ours again and holds what the window wrote into it.
+        (mine[0], (c.rank() + n - 1) % n)
+    });
+    for (got, left) in r {
+        assert_eq!(got, left as u64 + 100);
+    }
+}
+
+#[test]
+fn windows_of_different_sizes_are_a_mismatch() {
+    let r = run_group(2, "win-mm", options(Duration::from_secs(5)), |c| {
+        c.new_window(1024 * (c.rank() + 1)).map(|_| ())
+    });
+    assert!(
+        r.iter()
+            .all(|x| matches!(x, Err(Error::Mismatch { op: "new_window", .. }))),
+        "{r:?}"
+    );
+}
+
+#[test]
+fn a_waiter_whose_peer_drops_its_window_gets_peer_lost() {
+    for (name, o) in [("drop-shm", opts()), ("drop-tcp", tcp_opts())] {
+        let r = run_group(2, name, o, |c| {
+            let w = c.new_window(64).unwrap();
+            if c.rank() == 1 {
+                drop(w);
+                return None;
+            }
+            let t0 = Instant::now();
+            let e = w.wait_signal(0, SignalSource::Rank(1), Cmp::Ge, 1);
+            Some((e, t0.elapsed()))
+        });
+        let (e, took) = r[0].as_ref().unwrap();
+        assert!(
+            matches!(
+                e,
+                Err(Error::PeerLost {
+                    op: "wait_signal",
+                    peer: 1,
+                    ..
+                })
+            ),
+            "{name}: {e:?}"
+        );
+        assert!(*took < Duration::from_secs(3), "{name}: took {took:?}");
+    }
+}
+
+#[test]
+fn abort_ends_a_window_wait() {
+    let comms = Comm::new_group("cpu", &[Device::Cpu; 2], "win-abort", opts()).unwrap();
+    let wins: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .map(|c| s.spawn(move || c.new_window(64).unwrap()))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    std::thread::scope(|s| {
+        let w0 = &wins[0];
+        let waiter = s.spawn(move || w0.wait_signal(0, SignalSource::Rank(1), Cmp::Ge, 1));
+        std::thread::sleep(Duration::from_millis(100));
+        comms[0].abort();
+        assert!(matches!(
+            waiter.join().unwrap(),
+            Err(Error::Closed { state: "aborted", .. })
+        ));
+    });
+}
+
+#[test]
+fn cmp_holds_is_the_comparison_it_names() {
+    for (a, b) in [(1u64, 2u64), (2, 2), (3, 2)] {
+        assert_eq!(Cmp::Eq.holds(a, b), a == b);
+        assert_eq!(Cmp::Ne.holds(a, b), a != b);
+        assert_eq!(Cmp::Ge.holds(a, b), a >= b);
+        assert_eq!(Cmp::Gt.holds(a, b), a > b);
+        assert_eq!(Cmp::Le.holds(a, b), a <= b);
+        assert_eq!(Cmp::Lt.holds(a, b), a < b);
+    }
+}
