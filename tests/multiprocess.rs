@@ -72,6 +72,15 @@ fn child_entry() {
                 }
             }
         }
+        "two-hosts" => {
+            let seed = std::env::var("FERROCOMM_TEST_SEED").unwrap().parse().unwrap();
+            let comm = new_comm("cpu", Device::Cpu, "mp-hosts", CommOptions::from_env().unwrap()).unwrap();
+            let mut x = vec![rank as f64 + 1.0; 100_000];
+            comm.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+            assert!(x.iter().all(|&v| v == 3.0));
+            let mapped = common::window_suite::run_all(&comm, seed);
+            println!("child ok: two hosts (mapped directly: {mapped})");
+        }
         "smoke" => {
             let comm = new_comm("cpu", Device::Cpu, "mp-smoke", CommOptions::from_env().unwrap()).unwrap();
             let mut x = [rank as i64 + 1];
@@ -362,6 +371,90 @@ fn sigkill_gives_window_waiters_peer_lost() {
         let took = killed_at.elapsed();
         let _ = victim.wait();
         assert!(took < Duration::from_secs(10), "{transport}: took {took:?}");
+    }
+}
+
+/// Two network namespaces joined by a veth pair stand in for two hosts: each rank runs in its
+/// own, rank 0 hosts the store on its veth address, and collectives and windows must work over
+/// TCP links and the window proxy. Needs root (`ip netns`); says so and skips otherwise.
+#[test]
+fn ranks_on_two_hosts_between_network_namespaces() {
+    let tag = &ferrocomm::random_token()[..6];
+    let (a, b) = (format!("fc-a-{tag}"), format!("fc-b-{tag}"));
+    let ip = |args: &str| {
+        Command::new("ip")
+            .args(args.split_whitespace())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 || !ip(&format!("netns add {a}")) {
+        println!("SKIPPED ranks_on_two_hosts_between_network_namespaces: needs root and `ip netns`");
+        return;
+    }
+    struct Cleanup(Vec<String>);
+    impl Drop for Cleanup {
+        fn drop(&mut self) {
+            for ns in &self.0 {
+                let _ = Command::new("ip").args(["netns", "del", ns]).status();
+            }
+        }
+    }
+    let _cleanup = Cleanup(vec![a.clone(), b.clone()]);
+    let (va, vb) = (format!("va{tag}"), format!("vb{tag}"));
+    for cmd in [
+        format!("netns add {b}"),
+        format!("link add {va} type veth peer name {vb}"),
+        format!("link set {va} netns {a}"),
+        format!("link set {vb} netns {b}"),
+        format!("-n {a} addr add 10.77.0.1/24 dev {va}"),
+        format!("-n {b} addr add 10.77.0.2/24 dev {vb}"),
+        format!("-n {a} link set {va} up"),
+        format!("-n {b} link set {vb} up"),
+        format!("-n {a} link set lo up"),
+        format!("-n {b} link set lo up"),
+    ] {
+        assert!(ip(&cmd), "ip {cmd} failed");
+    }
+    let seed = fresh_seed().to_string();
+    let token = ferrocomm::random_token();
+    let child = child_command("two-hosts");
+    let children: Vec<Child> = [&a, &b]
+        .iter()
+        .enumerate()
+        .map(|(r, ns)| {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns.as_str()])
+                .arg(child.get_program())
+                .args(child.get_args());
+            for (k, v) in child.get_envs() {
+                match v {
+                    Some(v) => c.env(k, v),
+                    None => c.env_remove(k),
+                };
+            }
+            c.envs([
+                ("RANK", r.to_string()),
+                ("WORLD_SIZE", "2".into()),
+                ("LOCAL_RANK", "0".into()),
+            ])
+            .envs([
+                ("MASTER_ADDR", "10.77.0.1"),
+                ("MASTER_PORT", "29517"),
+                ("FERROCOMM_TOKEN", &token),
+            ])
+            .envs([("FERROCOMM_TEST_SEED", seed.as_str()), ("FERROCOMM_TIMEOUT", "60")])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap()
+        })
+        .collect();
+    for (r, c) in children.into_iter().enumerate() {
+        let (status, out) = wait_bounded(c, Duration::from_secs(120));
+        assert!(
+            status.success() && out.contains("child ok: two hosts (mapped directly: false)"),
+            "rank {r}:\n{out}"
+        );
     }
 }
 

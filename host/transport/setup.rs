@@ -71,12 +71,21 @@ pub(crate) fn host_identity(rank: usize, opts: &TransportOptions) -> String {
     // SAFETY: gethostname writes at most `len` bytes into our buffer.
     unsafe { libc::gethostname(name.as_mut_ptr().cast(), name.len()) };
     let end = name.iter().position(|&b| b == 0).unwrap_or(name.len());
-    // Shared memory needs one kernel (boot id) and one PID namespace: liveness checks open a
-    // pidfd on the peer's pid, which means nothing across namespaces (containers on one host).
-    let pid_ns = std::fs::read_link("/proc/self/ns/pid")
-        .map(|p| p.display().to_string())
-        .unwrap_or_default();
-    let id = format!("{}/{}/{pid_ns}", String::from_utf8_lossy(&name[..end]), boot.trim());
+    // Shared memory needs one kernel (boot id), one mount namespace (the same /dev/shm) and
+    // one PID namespace (liveness checks open a pidfd on the peer's pid). Ranks in different
+    // namespaces (containers, `ip netns exec`) count as different hosts and use TCP.
+    let ns = |kind: &str| {
+        std::fs::read_link(format!("/proc/self/ns/{kind}"))
+            .map(|p| p.display().to_string())
+            .unwrap_or_default()
+    };
+    let id = format!(
+        "{}/{}/{}/{}",
+        String::from_utf8_lossy(&name[..end]),
+        boot.trim(),
+        ns("mnt"),
+        ns("pid")
+    );
     if opts.force_tcp {
         // Every rank its own "host": all links go over TCP (tests the multi-host path locally).
         format!("{id}#rank{rank}")
