@@ -27,6 +27,12 @@
 //! Across processes, start the program with `ferrocomm-run -n 4 -- prog` (or torchrun, srun,
 //! mpirun) and call [`new_comm`]`("cpu", Device::Cpu, "world", CommOptions::from_env()?)`.
 //!
+//! ## Windows
+//!
+//! [`Comm::new_window`] creates symmetric memory with one-sided [`Window::put`],
+//! [`Window::get`], [`Window::signal`] / [`Window::wait_signal`] and atomics; the ordering
+//! contract is `docs/memory-model.md`.
+//!
 //! ## Asynchronous operations
 //!
 //! [`Comm::scope`] hands out a scope whose calls return a [`Work`]; the scope waits for every

@@ -62,7 +62,8 @@ impl Memory {
 
     /// The u64 at `offset` of the data (8-aligned, in bounds: checked by callers).
     pub(crate) fn word(&self, offset: usize) -> &AtomicU64 {
-        // SAFETY: as stated; the data base is 64-aligned (segment page or checked user buffer).
+        // SAFETY: as stated; the data base is 8-aligned (a segment page, or a user buffer that
+        // `CpuWindow::create` checked).
         unsafe { &*(self.data.add(offset) as *const AtomicU64) }
     }
 

@@ -18,8 +18,9 @@ use std::time::{Duration, Instant};
 enum Path {
     /// Our own segment.
     Local,
-    /// The peer's segment is mapped here.
+    /// The peer's segment is mapped here: `mem` points into `seg`, which keeps it mapped.
     Mapped {
+        mem: Memory,
         seg: Arc<Segment>,
         watch: Option<ProcessWatch>,
     },
@@ -184,7 +185,18 @@ impl CpuWindow {
             } else {
                 let seg = Arc::new(Segment::open(segment, data_len + pad_len)?);
                 let watch = ProcessWatch::open(seg.owner_pid());
-                Path::Mapped { seg, watch }
+                // Every rank lays its segment out alike: data, then the pad.
+                // SAFETY: the pad lies inside the mapping (same sizes, checked by `open`).
+                let pad = unsafe { seg.payload().add(data_len) };
+                Path::Mapped {
+                    mem: Memory {
+                        data: seg.payload(),
+                        pad,
+                        ..mem
+                    },
+                    seg,
+                    watch,
+                }
             });
         }
         let mut server = Server {
@@ -230,15 +242,33 @@ impl CpuWindow {
         Ok(w)
     }
 
-    fn mapped_data(seg: &Segment) -> *mut u8 {
-        seg.payload()
+    /// The memory of `rank` if we can touch it directly (ourselves or a mapped peer).
+    fn direct(&self, rank: usize) -> Option<&Memory> {
+        match &self.paths[rank] {
+            Path::Local => Some(&self.mem),
+            Path::Mapped { mem, .. } => Some(mem),
+            Path::Proxy { .. } => None,
+        }
+    }
+
+    /// The proxy connection to `rank` (only called when `direct` is `None`).
+    fn proxy(&self, rank: usize, writes: bool) -> Result<std::sync::MutexGuard<'_, ProxyConn>> {
+        match &self.paths[rank] {
+            Path::Proxy { conn, dirty } => {
+                if writes {
+                    dirty.store(true, Ordering::Relaxed);
+                }
+                Ok(conn.lock().unwrap_or_else(|p| p.into_inner()))
+            }
+            _ => Err(Error::protocol("window", format!("rank {rank} has no proxy path"))),
+        }
     }
 
     /// Whether `p` can still write to us, and if not, why.
     fn peer_state(&self, p: usize) -> std::result::Result<(), String> {
         match &self.paths[p] {
             Path::Local => Ok(()),
-            Path::Mapped { seg, watch } => match (seg.state(), watch) {
+            Path::Mapped { seg, watch, .. } => match (seg.state(), watch) {
                 (OwnerState::Aborted, _) => Err("peer aborted".into()),
                 (OwnerState::Closed, _) => Err("peer dropped the window".into()),
                 (_, Some(w)) if !w.is_alive() => Err(format!("process {} exited", w.pid())),
@@ -272,58 +302,35 @@ impl CpuWindow {
             }
         }
     }
-
-    fn word_at<'s>(&'s self, seg: &'s Segment, offset: usize) -> &'s AtomicU64 {
-        let m = Memory {
-            data: Self::mapped_data(seg),
-            ..self.mem
-        };
-        // SAFETY: `Window` checked offset (aligned, in bounds); the mapping lives in `seg`.
-        unsafe { &*(m.word(offset) as *const AtomicU64) }
-    }
 }
 
 impl WindowBackend for CpuWindow {
     fn put(&self, dst: usize, offset: usize, src: &[u8]) -> Result<()> {
-        let base = match &self.paths[dst] {
-            Path::Local => self.mem.data,
-            Path::Mapped { seg, .. } => Self::mapped_data(seg),
-            Path::Proxy { conn, dirty } => {
-                dirty.store(true, Ordering::Relaxed);
-                return conn.lock().unwrap_or_else(|p| p.into_inner()).put(offset, src);
-            }
+        let Some(m) = self.direct(dst) else {
+            return self.proxy(dst, true)?.put(offset, src);
         };
         // SAFETY: `Window` checked the range against the segment size.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), base.add(offset), src.len()) };
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), m.data.add(offset), src.len()) };
         Ok(())
     }
 
     fn get(&self, src: usize, offset: usize, dst: &mut [u8]) -> Result<()> {
-        let base = match &self.paths[src] {
-            Path::Local => self.mem.data,
-            Path::Mapped { seg, .. } => Self::mapped_data(seg),
-            Path::Proxy { conn, .. } => return conn.lock().unwrap_or_else(|p| p.into_inner()).get(offset, dst),
+        let Some(m) = self.direct(src) else {
+            return self.proxy(src, false)?.get(offset, dst);
         };
         // SAFETY: as in `put`.
-        unsafe { std::ptr::copy_nonoverlapping(base.add(offset), dst.as_mut_ptr(), dst.len()) };
+        unsafe { std::ptr::copy_nonoverlapping(m.data.add(offset), dst.as_mut_ptr(), dst.len()) };
         Ok(())
     }
 
     fn signal(&self, dst: usize, id: usize, op: SignalOp, value: u64) -> Result<()> {
-        match &self.paths[dst] {
-            Path::Local => self.mem.apply_signal(id, self.rank, op, value),
-            Path::Mapped { seg, .. } => {
-                // The peer's pad follows its data in its segment, at the same place as ours.
-                // SAFETY: same layout on every rank (checked at setup); pad inside the mapping.
-                let pad = unsafe { seg.payload().add(self.mem.pad as usize - self.own.payload() as usize) };
-                Memory { pad, ..self.mem }.apply_signal(id, self.rank, op, value)
+        match self.direct(dst) {
+            Some(m) => {
+                m.apply_signal(id, self.rank, op, value);
+                Ok(())
             }
-            Path::Proxy { conn, dirty } => {
-                dirty.store(true, Ordering::Relaxed);
-                return conn.lock().unwrap_or_else(|p| p.into_inner()).signal(id, op, value);
-            }
+            None => self.proxy(dst, true)?.signal(id, op, value),
         }
-        Ok(())
     }
 
     fn wait_signal(&self, id: usize, from: SignalSource, cmp: Cmp, value: u64, timeout: Duration) -> Result<Observed> {
@@ -385,25 +392,19 @@ impl WindowBackend for CpuWindow {
     }
 
     fn fetch_add(&self, dst: usize, offset: usize, value: u64) -> Result<u64> {
-        match &self.paths[dst] {
-            Path::Local => Ok(self.mem.word(offset).fetch_add(value, Ordering::AcqRel)),
-            Path::Mapped { seg, .. } => Ok(self.word_at(seg, offset).fetch_add(value, Ordering::AcqRel)),
-            Path::Proxy { conn, .. } => conn.lock().unwrap_or_else(|p| p.into_inner()).fetch_add(offset, value),
+        match self.direct(dst) {
+            Some(m) => Ok(m.word(offset).fetch_add(value, Ordering::AcqRel)),
+            None => self.proxy(dst, false)?.fetch_add(offset, value),
         }
     }
 
     fn compare_swap(&self, dst: usize, offset: usize, expected: u64, desired: u64) -> Result<u64> {
-        let cas = |w: &AtomicU64| {
-            w.compare_exchange(expected, desired, Ordering::AcqRel, Ordering::Acquire)
-                .unwrap_or_else(|v| v)
-        };
-        match &self.paths[dst] {
-            Path::Local => Ok(cas(self.mem.word(offset))),
-            Path::Mapped { seg, .. } => Ok(cas(self.word_at(seg, offset))),
-            Path::Proxy { conn, .. } => conn
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .compare_swap(offset, expected, desired),
+        match self.direct(dst) {
+            Some(m) => Ok(m
+                .word(offset)
+                .compare_exchange(expected, desired, Ordering::AcqRel, Ordering::Acquire)
+                .unwrap_or_else(|v| v)),
+            None => self.proxy(dst, false)?.compare_swap(offset, expected, desired),
         }
     }
 
@@ -430,11 +431,7 @@ impl WindowBackend for CpuWindow {
     }
 
     fn remote_base(&self, rank: usize) -> Option<*mut u8> {
-        match &self.paths[rank] {
-            Path::Local => Some(self.mem.data),
-            Path::Mapped { seg, .. } => Some(Self::mapped_data(seg)),
-            Path::Proxy { .. } => None,
-        }
+        self.direct(rank).map(|m| m.data)
     }
 }
 
