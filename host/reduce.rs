@@ -105,21 +105,24 @@ fn read_typed<T: Arith>(bytes: &[u8]) -> std::borrow::Cow<'_, [T]> {
     std::borrow::Cow::Owned(tmp)
 }
 
+/// `acc[i] = f(acc[i], src[i])`, monomorphised per operator so the loop vectorises.
+#[inline(always)]
+fn zip_apply<T: Arith>(acc: &mut [T], src: &[T], f: impl Fn(T, T) -> T) {
+    for (a, b) in acc.iter_mut().zip(src) {
+        *a = f(*a, *b);
+    }
+}
+
 fn combine<T: Arith>(op: ReduceOp, acc: &mut [u8], src: &[u8]) {
     let src = read_typed::<T>(src);
-    with_typed::<T, ()>(acc, |acc| {
-        let f: fn(T, T) -> T = match op {
-            ReduceOp::Sum | ReduceOp::Avg | ReduceOp::PremulSum(_) => T::add,
-            ReduceOp::Prod => T::mul,
-            ReduceOp::Min => T::min,
-            ReduceOp::Max => T::max,
-            ReduceOp::BAnd => T::bitand,
-            ReduceOp::BOr => T::bitor,
-            ReduceOp::BXor => T::bitxor,
-        };
-        for (a, b) in acc.iter_mut().zip(src.iter()) {
-            *a = f(*a, *b);
-        }
+    with_typed::<T, ()>(acc, |acc| match op {
+        ReduceOp::Sum | ReduceOp::Avg | ReduceOp::PremulSum(_) => zip_apply(acc, &src, T::add),
+        ReduceOp::Prod => zip_apply(acc, &src, T::mul),
+        ReduceOp::Min => zip_apply(acc, &src, T::min),
+        ReduceOp::Max => zip_apply(acc, &src, T::max),
+        ReduceOp::BAnd => zip_apply(acc, &src, T::bitand),
+        ReduceOp::BOr => zip_apply(acc, &src, T::bitor),
+        ReduceOp::BXor => zip_apply(acc, &src, T::bitxor),
     });
 }
 

@@ -36,7 +36,9 @@ pub fn parse_size(s: &str) -> Result<usize, String> {
         Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
         _ => (s, 1),
     };
-    num.parse::<usize>().map(|n| n * mult).map_err(|_| format!("bad size {s:?}"))
+    num.parse::<usize>()
+        .map(|n| n * mult)
+        .map_err(|_| format!("bad size {s:?}"))
 }
 
 pub fn parse(argv: &[String]) -> Result<Args, String> {

@@ -26,8 +26,16 @@ fn sizes(a: &Args) -> Vec<usize> {
 }
 
 fn format_row(a: &Args, r: &Row) -> String {
-    let root = if matches!(a.op.as_str(), "reduce" | "broadcast") { a.root as i64 } else { -1 };
-    let redop = if matches!(a.op.as_str(), "all_reduce" | "reduce" | "reduce_scatter") { a.redop.as_str() } else { "none" };
+    let root = if matches!(a.op.as_str(), "reduce" | "broadcast") {
+        a.root as i64
+    } else {
+        -1
+    };
+    let redop = if matches!(a.op.as_str(), "all_reduce" | "reduce" | "reduce_scatter") {
+        a.redop.as_str()
+    } else {
+        "none"
+    };
     format!(
         "{:>12} {:>13} {:>9} {:>7} {:>7} {:>8.2} {:>7.2} {:>7.2} {:>7}",
         r.bytes, r.count, a.dtype, redop, root, r.time_us, r.algbw, r.busbw, r.wrong
@@ -41,7 +49,13 @@ fn sweep<T: ops::BenchElem>(comm: &Comm, a: &Args) -> Result<Vec<Row>> {
     let lead = comm.rank() == 0;
     let progress = lead && std::io::stderr().is_terminal();
     if lead {
-        println!("# ferrocomm-bench {} on backend {}, {} ranks, {}", a.op, comm.backend_name(), comm.size(), a.dtype);
+        println!(
+            "# ferrocomm-bench {} on backend {}, {} ranks, {}",
+            a.op,
+            comm.backend_name(),
+            comm.size(),
+            a.dtype
+        );
         println!("{HEADER}");
     }
     let mut rows = Vec::new();
@@ -82,7 +96,10 @@ fn dispatch(comm: &Comm, a: &Args) -> Result<Vec<Row>> {
 }
 
 fn write_outputs(a: &Args, world: usize, rows: &[Row]) -> Result<()> {
-    let io = |e| Error::Io { context: "write benchmark output".into(), source: e };
+    let io = |e| Error::Io {
+        context: "write benchmark output".into(),
+        source: e,
+    };
     if let Some(p) = &a.json {
         let items: Vec<String> = rows
             .iter()
@@ -114,11 +131,22 @@ fn write_outputs(a: &Args, world: usize, rows: &[Row]) -> Result<()> {
         std::fs::write(p, s).map_err(io)?;
     }
     if let Some(png) = &a.plot {
-        let json = a.json.clone().ok_or_else(|| Error::Config("--plot needs --json (the plot reads it)".into()))?;
+        let json = a
+            .json
+            .clone()
+            .ok_or_else(|| Error::Config("--plot needs --json (the plot reads it)".into()))?;
         let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/plot_bench.py");
-        let ok = Command::new("python3").arg(script).arg("-o").arg(png).arg(&json).status().is_ok_and(|s| s.success());
+        let ok = Command::new("python3")
+            .arg(script)
+            .arg("-o")
+            .arg(png)
+            .arg(&json)
+            .status()
+            .is_ok_and(|s| s.success());
         if !ok {
-            return Err(Error::Config(format!("plotting failed: python3 {script} needs matplotlib")));
+            return Err(Error::Config(format!(
+                "plotting failed: python3 {script} needs matplotlib"
+            )));
         }
     }
     Ok(())
@@ -134,7 +162,12 @@ fn rank_main(a: &Args) -> Result<()> {
 }
 
 fn threads_main(a: &Args) -> Result<()> {
-    let comms = Comm::new_group(&a.backend, &vec![Device::Cpu; a.world], "bench", CommOptions::from_env()?)?;
+    let comms = Comm::new_group(
+        &a.backend,
+        &vec![Device::Cpu; a.world],
+        "bench",
+        CommOptions::from_env()?,
+    )?;
     let rows = std::thread::scope(|s| {
         let hs: Vec<_> = comms.iter().map(|c| s.spawn(move || dispatch(c, a))).collect();
         let mut out = Vec::new();
@@ -150,7 +183,10 @@ fn processes_main(a: &Args) -> Result<()> {
     let token = ferrocomm::random_token();
     let server = ferrocomm::TcpStoreServer::bind("127.0.0.1:0", &token)?;
     let port = server.addr().port().to_string();
-    let exe = std::env::current_exe().map_err(|e| Error::Io { context: "current_exe".into(), source: e })?;
+    let exe = std::env::current_exe().map_err(|e| Error::Io {
+        context: "current_exe".into(),
+        source: e,
+    })?;
     let mut argv = args::to_argv(a);
     for (flag, v) in [("--json", &a.json), ("--csv", &a.csv), ("--plot", &a.plot)] {
         if let Some(p) = v {
@@ -162,12 +198,23 @@ fn processes_main(a: &Args) -> Result<()> {
     for r in 0..a.world {
         let c = Command::new(&exe)
             .args(&argv)
-            .envs([("RANK", r.to_string()), ("WORLD_SIZE", a.world.to_string()), ("LOCAL_RANK", r.to_string())])
-            .envs([("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", &port), ("FERROCOMM_TOKEN", &token)])
+            .envs([
+                ("RANK", r.to_string()),
+                ("WORLD_SIZE", a.world.to_string()),
+                ("LOCAL_RANK", r.to_string()),
+            ])
+            .envs([
+                ("MASTER_ADDR", "127.0.0.1"),
+                ("MASTER_PORT", &port),
+                ("FERROCOMM_TOKEN", &token),
+            ])
             .env("FERROCOMM_STORE_EXTERNAL", "1")
             .stdout(if r == 0 { Stdio::inherit() } else { Stdio::null() })
             .spawn()
-            .map_err(|e| Error::Io { context: "spawn a bench rank".into(), source: e })?;
+            .map_err(|e| Error::Io {
+                context: "spawn a bench rank".into(),
+                source: e,
+            })?;
         children.push(c);
     }
     let mut failed = Vec::new();

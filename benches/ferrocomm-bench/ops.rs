@@ -65,7 +65,11 @@ fn redop(name: &str) -> Result<ReduceOp> {
         "min" => ReduceOp::Min,
         "max" => ReduceOp::Max,
         "avg" => ReduceOp::Avg,
-        other => return Err(Error::Config(format!("--redop {other}: expected sum, prod, min, max or avg"))),
+        other => {
+            return Err(Error::Config(format!(
+                "--redop {other}: expected sum, prod, min, max or avg"
+            )))
+        }
     })
 }
 
@@ -86,7 +90,10 @@ fn fill<T: BenchElem>(buf: &mut [T], r: usize, offset: usize) {
 }
 
 fn wrong<T: BenchElem>(got: &[T], want: impl Fn(usize) -> f64) -> u64 {
-    got.iter().enumerate().filter(|(i, g)| **g != T::from_f64(want(*i))).count() as u64
+    got.iter()
+        .enumerate()
+        .filter(|(i, g)| **g != T::from_f64(want(*i)))
+        .count() as u64
 }
 
 /// State that lives across sizes: the window of the one-sided ops.
@@ -110,7 +117,11 @@ impl<'c> Bench<'c> {
             return Err(Error::Config("--check supports --redop sum, min and max".into()));
         }
         if a.root >= comm.size() {
-            return Err(Error::InvalidRank { op: "bench", rank: a.root, size: comm.size() });
+            return Err(Error::InvalidRank {
+                op: "bench",
+                rank: a.root,
+                size: comm.size(),
+            });
         }
         let window = match a.op.as_str() {
             "put" | "get" | "signal" => Some(comm.new_window(a.max_bytes.max(8))?),
@@ -146,11 +157,29 @@ impl<'c> Bench<'c> {
 
     pub fn row<T: BenchElem>(&mut self, bytes: usize) -> Result<Option<Row>> {
         let (n, me) = (self.comm.size(), self.comm.rank());
-        let Some(count) = count_for(&self.op, bytes, std::mem::size_of::<T>(), n) else { return Ok(None) };
+        let Some(count) = count_for(&self.op, bytes, std::mem::size_of::<T>(), n) else {
+            return Ok(None);
+        };
         let (right, left) = ((me + 1) % n, (me + n - 1) % n);
         let (op, root) = (self.redop, self.root);
-        let mut a = vec![T::default(); count * if matches!(self.op.as_str(), "reduce_scatter" | "all_to_all") { n } else { 1 }];
-        let mut b = vec![T::default(); count * if matches!(self.op.as_str(), "all_gather" | "all_to_all") { n } else { 1 }];
+        let mut a = vec![
+            T::default();
+            count
+                * if matches!(self.op.as_str(), "reduce_scatter" | "all_to_all") {
+                    n
+                } else {
+                    1
+                }
+        ];
+        let mut b = vec![
+            T::default();
+            count
+                * if matches!(self.op.as_str(), "all_gather" | "all_to_all") {
+                    n
+                } else {
+                    1
+                }
+        ];
         fill(&mut a, me, 0);
         let secs = match self.op.as_str() {
             "all_reduce" => self.time(|s| s.comm.all_reduce(&mut a, op))?,
@@ -175,7 +204,8 @@ impl<'c> Bench<'c> {
                     match me {
                         0 => {
                             w.signal(1 % n, 1, SignalOp::Add, 1)?;
-                            w.wait_signal(2, SignalSource::Rank(1 % n), Cmp::Ge, s.epoch).map(|_| ())
+                            w.wait_signal(2, SignalSource::Rank(1 % n), Cmp::Ge, s.epoch)
+                                .map(|_| ())
                         }
                         1 => {
                             w.wait_signal(1, SignalSource::Rank(0), Cmp::Ge, s.epoch)?;
@@ -190,7 +220,14 @@ impl<'c> Bench<'c> {
         };
         let wrong = if self.check { self.verify::<T>(count)? } else { 0 };
         let algbw = bytes as f64 / secs / 1e9;
-        Ok(Some(Row { bytes, count, time_us: secs * 1e6, algbw, busbw: algbw * bus_factor(&self.op, n), wrong }))
+        Ok(Some(Row {
+            bytes,
+            count,
+            time_us: secs * 1e6,
+            algbw,
+            busbw: algbw * bus_factor(&self.op, n),
+            wrong,
+        }))
     }
 
     /// Runs the op once on fresh inputs and counts wrong elements over all ranks.
