@@ -1,0 +1,110 @@
+"""Turns the JSON of scripts/cpu_compare.sh into the collectives section of
+docs/results/cpu.md (between the markers below, replaced on every run) and a plot.
+
+    compare_report.py JSON_DIR CPU_MD PLOT_PNG COMMIT COMMAND
+"""
+import datetime
+import glob
+import json
+import os
+import platform
+import subprocess
+import sys
+
+BEGIN, END = "<!-- collectives:begin -->", "<!-- collectives:end -->"
+
+
+def load(d, tool, op, n):
+    rows = {}
+    for tag in ("small", "large"):
+        path = os.path.join(d, f"{tool}-{op}-{n}-{tag}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                for r in json.load(f)["rows"]:
+                    rows[r["bytes"]] = r
+    return rows
+
+
+def cpu_model():
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        return next(l.split(":", 1)[1].strip() for l in out.splitlines() if l.startswith("Model name"))
+    except Exception:
+        return platform.processor() or "unknown"
+
+
+def main():
+    d, md, png, commit, command = sys.argv[1:6]
+    lines = [BEGIN, "## Collectives against MPICH and Gloo (issue: ferrocomm-bench)", ""]
+    lines += [
+        f"- Machine: {cpu_model()}, {os.cpu_count()} cores, Linux {platform.release()}; no GPU.",
+        f"- Date: {datetime.date.today()}. Commit: `{commit}`. Command: `{command}`.",
+        "- f32, sum. Time = the slowest rank's mean per call; busbw uses the nccl-tests factors.",
+        "  8 B–64 KiB: 2000 iterations (Gloo 200); 256 KiB–64 MiB: 20. Ratios are ferrocomm / peer:",
+        "  time ratio < 1 and busbw ratio > 1 mean ferrocomm is faster.",
+        "",
+    ]
+    verdicts = []
+    for op in ("all_reduce", "all_gather", "all_to_all"):
+        for n in (2, 4):
+            fc, mp, gl = (load(d, t, op, n) for t in ("ferrocomm", "mpich", "gloo"))
+            if not fc:
+                continue
+            lines += [f"### {op}, {n} processes", "",
+                      "| bytes | ferrocomm us | MPICH us | Gloo us | time / MPICH | busbw ferrocomm | busbw MPICH | busbw / MPICH |",
+                      "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            for b in sorted(fc):
+                f, m, g = fc[b], mp.get(b), gl.get(b)
+                tr = f["time_us"] / m["time_us"] if m else float("nan")
+                br = f["busbw"] / m["busbw"] if m and m["busbw"] > 0 else float("nan")
+                gt = f'{g["time_us"]:.1f}' if g else "-"
+                mt = f'{m["time_us"]:.2f}' if m else "-"
+                mb = f'{m["busbw"]:.2f}' if m else "-"
+                lines.append(f'| {b} | {f["time_us"]:.2f} | {mt} | {gt} | {tr:.2f} | {f["busbw"]:.2f} | {mb} | {br:.2f} |')
+            lines.append("")
+            if op == "all_reduce" and n == 2 and mp:
+                small = [fc[b]["time_us"] / mp[b]["time_us"] for b in sorted(fc) if b <= 65536 and b in mp]
+                worst = max(small) if small else float("nan")
+                big = fc.get(64 << 20), mp.get(64 << 20)
+                bw = big[0]["busbw"] / big[1]["busbw"] if all(big) else float("nan")
+                verdicts.append(f"- all_reduce latency, 2 processes, 8 B–64 KiB: worst time ratio to MPICH "
+                                f"{worst:.2f} (goal ≤ 1.0): {'met' if worst <= 1.0 else 'NOT met'}.")
+                verdicts.append(f"- all_reduce bandwidth, 2 processes, 64 MiB: busbw ratio to MPICH "
+                                f"{bw:.2f} (goal ≥ 0.9): {'met' if bw >= 0.9 else 'NOT met'}.")
+    lines[8:8] = ["Goals:", ""] + verdicts + [""]
+    lines += [f"![latency and bus bandwidth](./{os.path.basename(png)})", "", END]
+    section = "\n".join(lines)
+
+    text = open(md).read() if os.path.exists(md) else "# CPU results\n"
+    if BEGIN in text:
+        text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END):]
+    else:
+        text = text.rstrip() + "\n\n" + section + "\n"
+    open(md, "w").write(text)
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    for col, op in enumerate(("all_reduce", "all_gather", "all_to_all")):
+        for tool, style in (("ferrocomm", "-"), ("mpich", "--"), ("gloo", ":")):
+            for n in (2, 4):
+                rows = load(d, tool, op, n)
+                if not rows:
+                    continue
+                x = sorted(rows)
+                axes[0][col].plot(x, [rows[b]["time_us"] for b in x], style, marker=".", label=f"{tool} n={n}")
+                axes[1][col].plot(x, [rows[b]["busbw"] for b in x], style, marker=".", label=f"{tool} n={n}")
+        axes[0][col].set_title(f"{op}: latency (us)")
+        axes[1][col].set_title(f"{op}: bus bandwidth (GB/s)")
+        for row in (0, 1):
+            axes[row][col].set_xscale("log", base=2)
+            axes[row][col].grid(True, which="both", alpha=0.3)
+        axes[0][col].set_yscale("log")
+    axes[1][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+
+
+if __name__ == "__main__":
+    main()

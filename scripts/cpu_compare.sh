@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The standard CPU comparison: ferrocomm against MPICH (MPI_Allreduce / MPI_Allgather /
+# MPI_Alltoall) and Gloo (PyTorch's CPU collectives) at 2 and 4 processes on this host, in one
+# run. Installs what it needs (Debian mpich; torch + matplotlib from PyPI into
+# .toolchain-cache/gloo-venv), writes JSON under target/compare/, the plot
+# docs/results/cpu-collectives.png, and the collectives section of docs/results/cpu.md.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cache=.toolchain-cache
+out=target/compare
+mkdir -p "$cache" "$out" target/peers
+
+if ! command -v mpicc >/dev/null; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mpich libmpich-dev
+fi
+if [ ! -x "$cache/gloo-venv/bin/torchrun" ]; then
+  python3 -m venv "$cache/gloo-venv"
+  "$cache/gloo-venv/bin/pip" install -q torch numpy matplotlib
+fi
+py="$cache/gloo-venv/bin/python"
+cargo build --release --quiet --bin ferrocomm-bench
+mpicc -O2 -Wall -o target/peers/mpi_bench benches/peers/mpi_bench.c
+export OMP_NUM_THREADS=1
+
+# Small sizes need many iterations for a stable mean; large ones few.
+sweeps=("small 8 65536 2 2000 100" "large 262144 67108864 4 20 3")
+for n in 2 4; do
+  for op in all_reduce all_gather all_to_all; do
+    for s in "${sweeps[@]}"; do
+      read -r tag lo hi f it wu <<<"$s"
+      echo "== n=$n $op $tag"
+      target/release/ferrocomm-bench "$op" -b "$lo" -e "$hi" -f "$f" -n "$it" -w "$wu" --world "$n" \
+        --json "$out/ferrocomm-$op-$n-$tag.json" >/dev/null
+      mpiexec -n "$n" target/peers/mpi_bench "$op" "$lo" "$hi" "$f" "$it" "$wu" "$out/mpich-$op-$n-$tag.json" >/dev/null
+      gloo_it=$(( it > 200 ? 200 : it ))
+      "$cache/gloo-venv/bin/torchrun" --standalone --nproc-per-node "$n" benches/peers/gloo_bench.py \
+        "$op" "$lo" "$hi" "$f" "$gloo_it" "$wu" "$out/gloo-$op-$n-$tag.json" >/dev/null 2>&1
+    done
+  done
+done
+
+"$py" scripts/compare_report.py "$out" docs/results/cpu.md docs/results/cpu-collectives.png \
+  "$(git rev-parse --short HEAD)" "./scripts/cpu_compare.sh"
+echo "wrote docs/results/cpu.md and docs/results/cpu-collectives.png"
