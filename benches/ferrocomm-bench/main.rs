@@ -136,17 +136,13 @@ fn write_outputs(a: &Args, world: usize, rows: &[Row]) -> Result<()> {
             .clone()
             .ok_or_else(|| Error::Config("--plot needs --json (the plot reads it)".into()))?;
         let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/plot_bench.py");
-        let ok = Command::new("python3")
-            .arg(script)
-            .arg("-o")
-            .arg(png)
-            .arg(&json)
-            .status()
-            .is_ok_and(|s| s.success());
+        // FERROCOMM_PYTHON picks an interpreter that has matplotlib (scripts/cpu_compare.sh
+        // makes one in .toolchain-cache/gloo-venv).
+        let python = std::env::var("FERROCOMM_PYTHON").unwrap_or_else(|_| "python3".into());
+        let ok = Command::new(&python).arg(script).arg("-o").arg(png).arg(&json).status().is_ok_and(|s| s.success());
         if !ok {
-            return Err(Error::Config(format!(
-                "plotting failed: python3 {script} needs matplotlib"
-            )));
+            let why = format!("plotting failed: {python} {script} needs matplotlib (set FERROCOMM_PYTHON)");
+            return Err(Error::Config(why));
         }
     }
     Ok(())

@@ -1,0 +1,54 @@
+//! ferrocomm-bench runs every op with --check and reports no wrong element; its JSON and CSV
+//! carry one row per size; bad arguments are usage errors.
+
+use std::process::Command;
+
+fn bench(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_ferrocomm-bench")).args(args).output().expect("run ferrocomm-bench")
+}
+
+#[test]
+fn every_op_passes_its_check_across_processes() {
+    let ops = ["all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "put", "get", "signal"];
+    for op in ops {
+        let out = bench(&[op, "-b", "8", "-e", "256K", "-f", "8", "-n", "3", "-w", "1", "--world", "3", "--check"]);
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{op}: {}\n{text}", String::from_utf8_lossy(&out.stderr));
+        let rows: Vec<&str> = text.lines().filter(|l| !l.starts_with('#')).collect();
+        assert!(!rows.is_empty(), "{op}: no rows\n{text}");
+        for r in rows {
+            assert_eq!(r.split_whitespace().last(), Some("0"), "{op}: wrong elements in row {r:?}");
+        }
+    }
+}
+
+#[test]
+fn threads_mode_writes_json_and_csv_rows() {
+    let dir = std::env::temp_dir().join(format!("fc-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (json, csv) = (dir.join("r.json"), dir.join("r.csv"));
+    let out = bench(&[
+        "all_gather", "-b", "64", "-e", "64K", "-f", "4", "-n", "3", "-w", "1", "--world", "2", "--threads", "--check",
+        "--dtype", "bf16", "--json", json.to_str().unwrap(), "--csv", csv.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let j = std::fs::read_to_string(&json).unwrap();
+    assert!(j.starts_with("{\"tool\":\"ferrocomm\"") && j.contains("\"op\":\"all_gather\"") && j.contains("\"dtype\":\"bf16\""));
+    assert_eq!(j.matches("\"bytes\":").count(), 6, "{j}");
+    let c = std::fs::read_to_string(&csv).unwrap();
+    assert_eq!(c.lines().count(), 1 + 6, "{c}");
+    assert!(c.lines().skip(1).all(|l| l.ends_with(",0")), "{c}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn bad_arguments_are_usage_errors_and_graph_needs_a_gpu() {
+    assert_eq!(bench(&[]).status.code(), Some(2));
+    assert_eq!(bench(&["all_reduce", "-b", "1x"]).status.code(), Some(2));
+    assert_eq!(bench(&["all_reduce", "-b", "64", "-e", "8"]).status.code(), Some(2));
+    let g = bench(&["all_reduce", "--graph", "--world", "1"]);
+    assert_eq!(g.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&g.stderr).contains("GPU"));
+    let d = bench(&["all_reduce", "--dtype", "f8", "--world", "1", "--threads"]);
+    assert_eq!(d.status.code(), Some(1));
+}
