@@ -139,7 +139,13 @@ fn write_outputs(a: &Args, world: usize, rows: &[Row]) -> Result<()> {
         // FERROCOMM_PYTHON picks an interpreter that has matplotlib (scripts/cpu_compare.sh
         // makes one in .toolchain-cache/gloo-venv).
         let python = std::env::var("FERROCOMM_PYTHON").unwrap_or_else(|_| "python3".into());
-        let ok = Command::new(&python).arg(script).arg("-o").arg(png).arg(&json).status().is_ok_and(|s| s.success());
+        let ok = Command::new(&python)
+            .arg(script)
+            .arg("-o")
+            .arg(png)
+            .arg(&json)
+            .status()
+            .is_ok_and(|s| s.success());
         if !ok {
             let why = format!("plotting failed: {python} {script} needs matplotlib (set FERROCOMM_PYTHON)");
             return Err(Error::Config(why));
