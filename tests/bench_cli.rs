@@ -4,20 +4,44 @@
 use std::process::Command;
 
 fn bench(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_ferrocomm-bench")).args(args).output().expect("run ferrocomm-bench")
+    Command::new(env!("CARGO_BIN_EXE_ferrocomm-bench"))
+        .args(args)
+        .output()
+        .expect("run ferrocomm-bench")
 }
 
 #[test]
 fn every_op_passes_its_check_across_processes() {
-    let ops = ["all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "put", "get", "signal"];
+    let ops = [
+        "all_reduce",
+        "reduce",
+        "broadcast",
+        "all_gather",
+        "reduce_scatter",
+        "all_to_all",
+        "send_recv",
+        "put",
+        "get",
+        "signal",
+    ];
     for op in ops {
-        let out = bench(&[op, "-b", "8", "-e", "256K", "-f", "8", "-n", "3", "-w", "1", "--world", "3", "--check"]);
+        let out = bench(&[
+            op, "-b", "8", "-e", "256K", "-f", "8", "-n", "3", "-w", "1", "--world", "3", "--check",
+        ]);
         let text = String::from_utf8_lossy(&out.stdout);
-        assert!(out.status.success(), "{op}: {}\n{text}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{op}: {}\n{text}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         let rows: Vec<&str> = text.lines().filter(|l| !l.starts_with('#')).collect();
         assert!(!rows.is_empty(), "{op}: no rows\n{text}");
         for r in rows {
-            assert_eq!(r.split_whitespace().last(), Some("0"), "{op}: wrong elements in row {r:?}");
+            assert_eq!(
+                r.split_whitespace().last(),
+                Some("0"),
+                "{op}: wrong elements in row {r:?}"
+            );
         }
     }
 }
@@ -28,12 +52,35 @@ fn threads_mode_writes_json_and_csv_rows() {
     std::fs::create_dir_all(&dir).unwrap();
     let (json, csv) = (dir.join("r.json"), dir.join("r.csv"));
     let out = bench(&[
-        "all_gather", "-b", "64", "-e", "64K", "-f", "4", "-n", "3", "-w", "1", "--world", "2", "--threads", "--check",
-        "--dtype", "bf16", "--json", json.to_str().unwrap(), "--csv", csv.to_str().unwrap(),
+        "all_gather",
+        "-b",
+        "64",
+        "-e",
+        "64K",
+        "-f",
+        "4",
+        "-n",
+        "3",
+        "-w",
+        "1",
+        "--world",
+        "2",
+        "--threads",
+        "--check",
+        "--dtype",
+        "bf16",
+        "--json",
+        json.to_str().unwrap(),
+        "--csv",
+        csv.to_str().unwrap(),
     ]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let j = std::fs::read_to_string(&json).unwrap();
-    assert!(j.starts_with("{\"tool\":\"ferrocomm\"") && j.contains("\"op\":\"all_gather\"") && j.contains("\"dtype\":\"bf16\""));
+    assert!(
+        j.starts_with("{\"tool\":\"ferrocomm\"")
+            && j.contains("\"op\":\"all_gather\"")
+            && j.contains("\"dtype\":\"bf16\"")
+    );
     assert_eq!(j.matches("\"bytes\":").count(), 6, "{j}");
     let c = std::fs::read_to_string(&csv).unwrap();
     assert_eq!(c.lines().count(), 1 + 6, "{c}");
