@@ -40,6 +40,13 @@ pub(crate) struct ShmLink {
 /// Why a link cannot make progress any more.
 pub(crate) type Gone = String;
 
+/// A peer that can no longer take part: `rank` is the rank at the root of the failure (the
+/// peer itself, or a rank the peer reports it lost).
+pub(crate) struct PeerGone {
+    pub rank: usize,
+    pub reason: String,
+}
+
 impl Link {
     /// Writes as much of `src` as the stream takes now.
     pub(crate) fn write(&mut self, src: &[u8]) -> Result<usize, Gone> {
@@ -68,18 +75,25 @@ impl Link {
         }
     }
 
-    /// Called only when no progress is being made: is the peer still there to make it?
+    /// Called only when no progress is being made: is `peer` still there to make it?
     /// TCP links report loss through read/write errors instead.
-    pub(crate) fn check_peer(&self) -> Result<(), Gone> {
+    pub(crate) fn check_peer(&self, peer: usize) -> Result<(), PeerGone> {
         let Link::Shm(l) = self else { return Ok(()) };
-        match l.peer_seg.state() {
-            OwnerState::Aborted => return Err("peer aborted its communicator".into()),
-            OwnerState::Closed => return Err("peer closed its communicator".into()),
-            OwnerState::Live => {}
-        }
-        match &l.watch {
-            Some(w) if !w.is_alive() => Err(format!("process {} exited", w.pid())),
-            _ => Ok(()),
-        }
+        check_owner(peer, &l.peer_seg, l.watch.as_ref())
+    }
+}
+
+/// The state of a peer's segment and process, as an error naming the root rank.
+pub(crate) fn check_owner(peer: usize, seg: &Segment, watch: Option<&ProcessWatch>) -> Result<(), PeerGone> {
+    let gone = |rank, reason: String| Err(PeerGone { rank, reason });
+    match seg.state() {
+        OwnerState::Aborted => return gone(peer, "peer aborted".into()),
+        OwnerState::Closed => return gone(peer, "peer closed its communicator or window".into()),
+        OwnerState::Lost(r) => return gone(r, format!("rank {peer} failed after losing rank {r}")),
+        OwnerState::Live => {}
+    }
+    match watch {
+        Some(w) if !w.is_alive() => gone(peer, format!("process {} exited", w.pid())),
+        _ => Ok(()),
     }
 }

@@ -12,9 +12,32 @@ const HEADER_BYTES: usize = 4096;
 /// What a segment's owner says about itself; peers read it when they stop making progress.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum OwnerState {
-    Live = 0,
-    Closed = 1,
-    Aborted = 2,
+    Live,
+    Closed,
+    Aborted,
+    /// The owner failed because it lost this rank: peers that wait on the owner report the
+    /// rank at the root of the failure, not the owner.
+    Lost(usize),
+}
+
+impl OwnerState {
+    fn encode(self) -> u64 {
+        match self {
+            OwnerState::Live => 0,
+            OwnerState::Closed => 1,
+            OwnerState::Aborted => 2,
+            OwnerState::Lost(r) => 3 + r as u64,
+        }
+    }
+
+    fn decode(v: u64) -> OwnerState {
+        match v {
+            0 => OwnerState::Live,
+            1 => OwnerState::Closed,
+            2 => OwnerState::Aborted,
+            r => OwnerState::Lost((r - 3) as usize),
+        }
+    }
 }
 
 #[repr(C)]
@@ -65,7 +88,7 @@ impl Segment {
             let h = unsafe { &mut *(s.base as *mut SegHeader) };
             h.payload_len = payload_len as u64;
             h.pid = std::process::id() as u64;
-            h.state.store(OwnerState::Live as u64, Ordering::Relaxed);
+            h.state.store(OwnerState::Live.encode(), Ordering::Relaxed);
             // Release: a peer that sees the magic sees the fields above.
             // SAFETY: same header, viewed as an atomic to publish.
             unsafe { (*(std::ptr::addr_of!(h.magic) as *const AtomicU64)).store(MAGIC, Ordering::Release) };
@@ -151,17 +174,13 @@ impl Segment {
     }
 
     pub(crate) fn state(&self) -> OwnerState {
-        match self.header().state.load(Ordering::Acquire) {
-            0 => OwnerState::Live,
-            1 => OwnerState::Closed,
-            _ => OwnerState::Aborted,
-        }
+        OwnerState::decode(self.header().state.load(Ordering::Acquire))
     }
 
     /// Release: everything we wrote into peers' rings before is visible to a peer that reads
     /// the new state.
     pub(crate) fn set_state(&self, s: OwnerState) {
-        self.header().state.store(s as u64, Ordering::Release);
+        self.header().state.store(s.encode(), Ordering::Release);
     }
 
     /// Start of the payload (page-aligned).

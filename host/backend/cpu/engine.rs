@@ -319,17 +319,17 @@ impl Engine {
         }
         let gone = xfers.iter().filter(|x| !x.done()).find_map(|x| {
             let p = x.peer();
-            self.transport.links[p].check_peer().err().map(|r| (p, r))
+            self.transport.links[p].check_peer(p).err().map(|g| (p, g))
         });
-        if let Some((peer, reason)) = gone {
+        if let Some((peer, g)) = gone {
             // The peer may have written its last bytes just before leaving: its state store is a
             // Release, our read an Acquire, so one more sweep sees everything it sent.
             self.sweep(ctx, xfers)?;
             if xfers.iter().any(|x| !x.done() && x.peer() == peer) {
                 return Err(Error::PeerLost {
                     op: ctx.op,
-                    peer,
-                    reason,
+                    peer: g.rank,
+                    reason: g.reason,
                 });
             }
         }

@@ -158,6 +158,12 @@ impl Backend for CpuBackend {
             // message half sent.
             if !matches!(e, Error::InvalidArgument { .. }) {
                 *broken = true;
+                // Tell peers that wait on us which rank is at the root, so every survivor
+                // reports the lost rank rather than the rank that failed next to it.
+                self.announce.announce(match e {
+                    Error::PeerLost { peer, .. } | Error::Timeout { peer: Some(peer), .. } => OwnerState::Lost(*peer),
+                    _ => OwnerState::Aborted,
+                });
             }
         }
         r

@@ -6,7 +6,9 @@ use super::proxy::{self, Memory, ProxyConn};
 use crate::bootstrap::{self, PrefixStore, Store};
 use crate::error::{Error, Result};
 use crate::options::TransportOptions;
-use crate::transport::{accept_authenticated, dial, host_identity, OwnerState, ProcessWatch, Segment};
+use crate::transport::{
+    accept_authenticated, check_owner, dial, host_identity, OwnerState, PeerGone, ProcessWatch, Segment,
+};
 use crate::window::{Cmp, Observed, SignalOp, SignalSource, WindowBackend, WindowSpec};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -43,6 +45,9 @@ pub(crate) struct CpuWindow {
     gone: Arc<Vec<AtomicBool>>,
     abort: Arc<AtomicBool>,
     server: Mutex<Server>,
+    /// For rate-limiting process probes in `ensure_alive`.
+    born: Instant,
+    last_probe: AtomicU64,
 }
 
 // SAFETY: `mem` holds raw pointers into our segment or the registered buffer, both valid until
@@ -232,6 +237,8 @@ impl CpuWindow {
             gone,
             abort: s.abort.clone(),
             server: Mutex::new(server),
+            born: Instant::now(),
+            last_probe: AtomicU64::new(0),
         };
         store.set(&format!("ready/{rank}"), b"1")?;
         let keys: Vec<String> = (0..size).map(|r| format!("ready/{r}")).collect();
@@ -265,18 +272,46 @@ impl CpuWindow {
     }
 
     /// Whether `p` can still write to us, and if not, why.
-    fn peer_state(&self, p: usize) -> std::result::Result<(), String> {
+    /// Whether `p` can still write to us, and if not, which rank is at the root of it.
+    fn peer_state(&self, p: usize, probe_process: bool) -> std::result::Result<(), PeerGone> {
         match &self.paths[p] {
             Path::Local => Ok(()),
-            Path::Mapped { seg, watch, .. } => match (seg.state(), watch) {
-                (OwnerState::Aborted, _) => Err("peer aborted".into()),
-                (OwnerState::Closed, _) => Err("peer dropped the window".into()),
-                (_, Some(w)) if !w.is_alive() => Err(format!("process {} exited", w.pid())),
-                _ => Ok(()),
-            },
-            Path::Proxy { .. } if self.gone[p].load(Ordering::Acquire) => Err("peer's proxy connection closed".into()),
+            Path::Mapped { seg, watch, .. } => check_owner(p, seg, watch.as_ref().filter(|_| probe_process)),
+            Path::Proxy { .. } if self.gone[p].load(Ordering::Acquire) => Err(PeerGone {
+                rank: p,
+                reason: "its proxy connection closed".into(),
+            }),
             Path::Proxy { .. } => Ok(()),
         }
+    }
+
+    /// Records in our segment that we failed because `rank` was lost, so ranks waiting on us
+    /// report `rank` too; passes the result through.
+    fn note_loss<T>(&self, r: Result<T>) -> Result<T> {
+        // A timed-out wait is not a loss: nothing is half done, and the caller may wait again.
+        if let Err(Error::PeerLost { peer, .. }) = &r {
+            self.own.set_state(OwnerState::Lost(*peer));
+        }
+        r
+    }
+
+    /// Before a one-sided access to a mapped peer: is it still there? The state word is one
+    /// load; the process probe (a syscall) runs at most once a millisecond per window.
+    fn ensure_alive(&self, op: &'static str, rank: usize) -> Result<()> {
+        if !matches!(self.paths[rank], Path::Mapped { .. }) {
+            return Ok(());
+        }
+        let now = self.born.elapsed().as_micros() as u64;
+        let probe = now.saturating_sub(self.last_probe.load(Ordering::Relaxed)) >= 1000;
+        if probe {
+            self.last_probe.store(now, Ordering::Relaxed);
+        }
+        let r = self.peer_state(rank, probe).map_err(|g| Error::PeerLost {
+            op,
+            peer: g.rank,
+            reason: g.reason,
+        });
+        self.note_loss(r)
     }
 
     fn read_signals(&self, id: usize, from: SignalSource, cmp: Cmp, value: u64) -> Option<Observed> {
@@ -306,8 +341,9 @@ impl CpuWindow {
 
 impl WindowBackend for CpuWindow {
     fn put(&self, dst: usize, offset: usize, src: &[u8]) -> Result<()> {
+        self.ensure_alive("put", dst)?;
         let Some(m) = self.direct(dst) else {
-            return self.proxy(dst, true)?.put(offset, src);
+            return self.note_loss(self.proxy(dst, true)?.put(offset, src));
         };
         // SAFETY: `Window` checked the range against the segment size.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), m.data.add(offset), src.len()) };
@@ -315,8 +351,9 @@ impl WindowBackend for CpuWindow {
     }
 
     fn get(&self, src: usize, offset: usize, dst: &mut [u8]) -> Result<()> {
+        self.ensure_alive("get", src)?;
         let Some(m) = self.direct(src) else {
-            return self.proxy(src, false)?.get(offset, dst);
+            return self.note_loss(self.proxy(src, false)?.get(offset, dst));
         };
         // SAFETY: as in `put`.
         unsafe { std::ptr::copy_nonoverlapping(m.data.add(offset), dst.as_mut_ptr(), dst.len()) };
@@ -324,12 +361,13 @@ impl WindowBackend for CpuWindow {
     }
 
     fn signal(&self, dst: usize, id: usize, op: SignalOp, value: u64) -> Result<()> {
+        self.ensure_alive("signal", dst)?;
         match self.direct(dst) {
             Some(m) => {
                 m.apply_signal(id, self.rank, op, value);
                 Ok(())
             }
-            None => self.proxy(dst, true)?.signal(id, op, value),
+            None => self.note_loss(self.proxy(dst, true)?.signal(id, op, value)),
         }
     }
 
@@ -367,44 +405,43 @@ impl WindowBackend for CpuWindow {
                 });
             }
             if now >= deadline {
-                return Err(Error::Timeout {
+                return self.note_loss(Err(Error::Timeout {
                     op: "wait_signal",
                     peer,
                     after: timeout,
-                });
+                }));
             }
             let watched: Vec<usize> = peer.map_or_else(|| (0..self.mem.size).collect(), |r| vec![r]);
-            if let Some((p, reason)) = watched
-                .into_iter()
-                .find_map(|p| self.peer_state(p).err().map(|r| (p, r)))
-            {
+            if let Some(g) = watched.into_iter().find_map(|p| self.peer_state(p, true).err()) {
                 // A peer's last signal may have landed just before it left: look once more.
                 if let Some(o) = self.read_signals(id, from, cmp, value) {
                     return Ok(o);
                 }
-                return Err(Error::PeerLost {
+                return self.note_loss(Err(Error::PeerLost {
                     op: "wait_signal",
-                    peer: p,
-                    reason,
-                });
+                    peer: g.rank,
+                    reason: g.reason,
+                }));
             }
         }
     }
 
     fn fetch_add(&self, dst: usize, offset: usize, value: u64) -> Result<u64> {
+        self.ensure_alive("fetch_add", dst)?;
         match self.direct(dst) {
             Some(m) => Ok(m.word(offset).fetch_add(value, Ordering::AcqRel)),
-            None => self.proxy(dst, false)?.fetch_add(offset, value),
+            None => self.note_loss(self.proxy(dst, false)?.fetch_add(offset, value)),
         }
     }
 
     fn compare_swap(&self, dst: usize, offset: usize, expected: u64, desired: u64) -> Result<u64> {
+        self.ensure_alive("compare_swap", dst)?;
         match self.direct(dst) {
             Some(m) => Ok(m
                 .word(offset)
                 .compare_exchange(expected, desired, Ordering::AcqRel, Ordering::Acquire)
                 .unwrap_or_else(|v| v)),
-            None => self.proxy(dst, false)?.compare_swap(offset, expected, desired),
+            None => self.note_loss(self.proxy(dst, false)?.compare_swap(offset, expected, desired)),
         }
     }
 
