@@ -80,6 +80,12 @@ pub use bootstrap::{
     StoreAddr, TcpStore, TcpStoreServer, DEFAULT_MAX_FRAME,
 };
 pub use collectives::{Batch, Collectives, WithOptions};
+
+/// Entry points for the fuzz targets in `fuzz/` (feature `fuzzing`).
+#[cfg(feature = "fuzzing")]
+pub mod fuzzing {
+    pub use crate::bootstrap::fuzz_one_request as store_request;
+}
 pub use comm::{new_comm, Comm, Device};
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{Error, Result};

@@ -11,6 +11,8 @@ pub use auth::random_token;
 pub use env::{discover, store_addr, RankInfo, StoreAddr};
 pub use file_store::FileStore;
 pub use store::{MemoryStore, PrefixStore, Store};
+#[cfg(feature = "fuzzing")]
+pub use tcp_store::fuzz_one_request;
 pub use tcp_store::{TcpStore, TcpStoreServer};
 pub use wire::DEFAULT_MAX_FRAME;
 
