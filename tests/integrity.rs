@@ -119,11 +119,9 @@ fn load(c: &Comm, w: &Window, seed: u64, ops: u64) -> (u64, u64) {
     }
     // Every counter on every rank must hold exactly the tickets drawn against it.
     w.barrier().unwrap();
-    let mut counters = vec![0u64; n];
     let mut total = 0u64;
     for owner in 0..n {
-        counters[owner] = w.fetch_add(owner, w.bytes() - 8 - 8 * owner, 0).unwrap();
-        total += counters[owner];
+        total += w.fetch_add(owner, w.bytes() - 8 - 8 * owner, 0).unwrap();
     }
     let mut drawn = [tickets];
     c.all_reduce(&mut drawn, ReduceOp::Sum).unwrap();
