@@ -210,3 +210,47 @@ impl Drop for Segment {
         unsafe { libc::munmap(self.base.cast(), self.len) };
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Segments are the CPU backend's inter-process channel: only their owner's uid may map
+    /// them. A forked child that drops to another uid must be refused.
+    #[test]
+    fn a_process_of_another_uid_cannot_open_a_segment() {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            println!("SKIPPED a_process_of_another_uid_cannot_open_a_segment: needs root to switch uid");
+            return;
+        }
+        let name = format!("/ferrocomm-uidtest-{}", std::process::id());
+        let seg = Segment::create(&name, 4096).unwrap();
+        let cname = CString::new(name).unwrap();
+        // After fork the child only makes system calls (no allocation), so forking a
+        // multi-threaded test process is safe here.
+        // SAFETY: fork/setuid/shm_open/_exit on prepared data; the parent reaps the child.
+        let status = unsafe {
+            match libc::fork() {
+                0 => {
+                    let refused = libc::setgid(65534) == 0
+                        && libc::setuid(65534) == 0
+                        && libc::shm_open(cname.as_ptr(), libc::O_RDWR, 0) < 0
+                        && *libc::__errno_location() == libc::EACCES;
+                    libc::_exit(if refused { 0 } else { 1 });
+                }
+                pid if pid > 0 => {
+                    let mut st = 0;
+                    libc::waitpid(pid, &mut st, 0);
+                    st
+                }
+                _ => panic!("fork failed"),
+            }
+        };
+        drop(seg);
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "another uid could open the segment"
+        );
+    }
+}
