@@ -105,30 +105,8 @@ fn child_entry() {
 }
 
 fn child_command(mode: &str) -> Command {
-    let mut c = Command::new(std::env::current_exe().unwrap());
-    c.args(["--ignored", "--exact", "child_entry", "--nocapture", "--test-threads=1"])
-        .env(MODE, mode);
-    // Each test sets the job environment it means to test; none leaks in from the caller's.
-    const JOB_VARS: [&str; 6] = [
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-    ];
-    const JOB_PREFIXES: [&str; 5] = [
-        "FERROCOMM_TOKEN",
-        "FERROCOMM_STORE",
-        "OMPI_COMM_WORLD_",
-        "PMI_",
-        "SLURM_",
-    ];
-    for (k, _) in std::env::vars() {
-        if JOB_VARS.contains(&k.as_str()) || JOB_PREFIXES.iter().any(|p| k.starts_with(p)) {
-            c.env_remove(k);
-        }
-    }
+    let mut c = test_entry_command("child_entry");
+    c.env(MODE, mode);
     c
 }
 
@@ -254,32 +232,15 @@ fn a_tcp_store_without_a_job_token_is_a_configuration_error() {
 #[test]
 fn sigkill_in_a_collective_gives_every_other_rank_an_error() {
     for transport in ["auto", "tcp"] {
-        let token = ferrocomm::random_token();
-        let server = ferrocomm::TcpStoreServer::bind("127.0.0.1:0", &token).unwrap();
-        let port = server.addr().port().to_string();
-        let children: Vec<Child> = (0..3)
-            .map(|r| {
-                child_command("killed-mid-collective")
-                    .envs([
-                        ("RANK", r.to_string()),
-                        ("WORLD_SIZE", "3".into()),
-                        ("LOCAL_RANK", r.to_string()),
-                    ])
-                    .envs([
-                        ("MASTER_ADDR", "127.0.0.1"),
-                        ("MASTER_PORT", &port),
-                        ("FERROCOMM_TOKEN", &token),
-                    ])
-                    .envs([
-                        ("FERROCOMM_STORE_EXTERNAL", "1"),
-                        ("FERROCOMM_TIMEOUT", "60"),
-                        ("FERROCOMM_TRANSPORT", transport),
-                    ])
-                    .stdout(Stdio::piped())
-                    .spawn()
-                    .unwrap()
-            })
-            .collect();
+        let env = [
+            (MODE, "killed-mid-collective"),
+            ("FERROCOMM_TIMEOUT", "60"),
+            ("FERROCOMM_TRANSPORT", transport),
+        ];
+        let DirectJob {
+            server: _server,
+            ranks: children,
+        } = start_direct("child_entry", 3, &env);
         std::thread::sleep(Duration::from_millis(1500));
         // SAFETY: killing our own child.
         unsafe { libc::kill(children[2].id() as i32, libc::SIGKILL) };
@@ -329,32 +290,15 @@ fn window_contract_across_processes_over_shared_memory_and_tcp() {
 #[test]
 fn sigkill_gives_window_waiters_peer_lost() {
     for transport in ["auto", "tcp"] {
-        let token = ferrocomm::random_token();
-        let server = ferrocomm::TcpStoreServer::bind("127.0.0.1:0", &token).unwrap();
-        let port = server.addr().port().to_string();
-        let mut children: Vec<Child> = (0..3)
-            .map(|r| {
-                child_command("window-waiter-loses-peer")
-                    .envs([
-                        ("RANK", r.to_string()),
-                        ("WORLD_SIZE", "3".into()),
-                        ("LOCAL_RANK", r.to_string()),
-                    ])
-                    .envs([
-                        ("MASTER_ADDR", "127.0.0.1"),
-                        ("MASTER_PORT", &port),
-                        ("FERROCOMM_TOKEN", &token),
-                    ])
-                    .envs([
-                        ("FERROCOMM_STORE_EXTERNAL", "1"),
-                        ("FERROCOMM_TIMEOUT", "60"),
-                        ("FERROCOMM_TRANSPORT", transport),
-                    ])
-                    .stdout(Stdio::piped())
-                    .spawn()
-                    .unwrap()
-            })
-            .collect();
+        let env = [
+            (MODE, "window-waiter-loses-peer"),
+            ("FERROCOMM_TIMEOUT", "60"),
+            ("FERROCOMM_TRANSPORT", transport),
+        ];
+        let DirectJob {
+            server: _server,
+            ranks: mut children,
+        } = start_direct("child_entry", 3, &env);
         std::thread::sleep(Duration::from_millis(1500));
         let mut victim = children.pop().unwrap();
         // SAFETY: killing our own child.

@@ -139,11 +139,7 @@ pub(crate) fn connect_all(
         None
     };
     let listener = if (0..size).any(|p| !local(p)) {
-        let ip = opts
-            .bind_addr
-            .or_else(|| store.local_addr_hint())
-            .unwrap_or(IpAddr::from([127, 0, 0, 1]));
-        Some(TcpListener::bind((ip, 0)).map_err(|e| Error::io(format!("bind link listener on {ip}"), e))?)
+        Some(bind_listener(opts, store, "link listener")?)
     } else {
         None
     };
@@ -268,4 +264,14 @@ fn shm_link(
         _own_seg: own,
         watch,
     }))
+}
+
+/// A listener for other ranks on an address they can reach: `FERROCOMM_SOCKET_ADDR`, else the
+/// address this host uses to reach the store, else loopback.
+pub(crate) fn bind_listener(opts: &TransportOptions, store: &dyn Store, what: &str) -> Result<TcpListener> {
+    let ip = opts
+        .bind_addr
+        .or_else(|| store.local_addr_hint())
+        .unwrap_or(IpAddr::from([127, 0, 0, 1]));
+    TcpListener::bind((ip, 0)).map_err(|e| Error::io(format!("bind {what} on {ip}"), e))
 }

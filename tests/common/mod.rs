@@ -176,3 +176,61 @@ pub fn ops_for<T: Element>() -> &'static [ReduceOp] {
 pub fn random_vec<T: TestElem>(r: &mut StdRng, n: usize, op: Option<ReduceOp>) -> Vec<T> {
     (0..n).map(|_| T::random(r, op)).collect()
 }
+
+/// This test binary running only its ignored test `entry`, with none of the caller's job
+/// variables: each test sets the job environment it means to test.
+pub fn test_entry_command(entry: &str) -> std::process::Command {
+    const JOB_VARS: [&str; 6] = [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ];
+    const JOB_PREFIXES: [&str; 5] = ["FERROCOMM_", "OMPI_COMM_WORLD_", "PMI_", "SLURM_", "MPI_LOCALRANKID"];
+    let mut c = std::process::Command::new(std::env::current_exe().expect("test binary"));
+    c.args(["--ignored", "--exact", entry, "--nocapture", "--test-threads=1"]);
+    for (k, _) in std::env::vars() {
+        if JOB_VARS.contains(&k.as_str()) || JOB_PREFIXES.iter().any(|p| k.starts_with(p)) {
+            c.env_remove(k);
+        }
+    }
+    c
+}
+
+/// `n` ranks started straight from this test binary (no launcher), with a store server of
+/// their own.
+pub struct DirectJob {
+    pub server: ferrocomm::TcpStoreServer,
+    pub ranks: Vec<std::process::Child>,
+}
+
+/// Starts `n` ranks of the ignored test `entry` with the launcher variables set and `envs`.
+pub fn start_direct(entry: &str, n: usize, envs: &[(&str, &str)]) -> DirectJob {
+    let token = ferrocomm::random_token();
+    let server = ferrocomm::TcpStoreServer::bind("127.0.0.1:0", &token).expect("store server");
+    let port = server.addr().port().to_string();
+    let ranks = (0..n)
+        .map(|r| {
+            let (r, n) = (r.to_string(), n.to_string());
+            test_entry_command(entry)
+                .envs([
+                    ("RANK", r.as_str()),
+                    ("WORLD_SIZE", n.as_str()),
+                    ("LOCAL_RANK", r.as_str()),
+                ])
+                .envs([
+                    ("MASTER_ADDR", "127.0.0.1"),
+                    ("MASTER_PORT", port.as_str()),
+                    ("FERROCOMM_TOKEN", token.as_str()),
+                ])
+                .env("FERROCOMM_STORE_EXTERNAL", "1")
+                .envs(envs.iter().copied())
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .expect("spawn a rank")
+        })
+        .collect();
+    DirectJob { server, ranks }
+}

@@ -9,9 +9,9 @@
 mod common;
 
 use common::*;
-use ferrocomm::{Error, TcpStoreServer};
+use ferrocomm::Error;
 use std::io::Read;
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 const MODE: &str = "FERROCOMM_FAULT_MODE";
@@ -147,48 +147,15 @@ fn fault_rank() {
     }
 }
 
-struct Job {
-    #[allow(dead_code)] // kept alive for the ranks; dropped on purpose by one test
-    server: TcpStoreServer,
-    ranks: Vec<Child>,
-}
-
-fn start(mode: &str, seed: u64, victim: usize) -> Job {
-    let token = ferrocomm::random_token();
-    let server = TcpStoreServer::bind("127.0.0.1:0", &token).unwrap();
-    let port = server.addr().port().to_string();
-    let ranks = (0..WORLD)
-        .map(|r| {
-            let mut c = Command::new(std::env::current_exe().unwrap());
-            c.args(["--ignored", "--exact", "fault_rank", "--nocapture", "--test-threads=1"]);
-            for (k, _) in std::env::vars().filter(|(k, _)| k.starts_with("FERROCOMM_") || k.starts_with("OMPI_")) {
-                c.env_remove(k);
-            }
-            c.envs([
-                ("RANK", r.to_string()),
-                ("WORLD_SIZE", WORLD.to_string()),
-                ("LOCAL_RANK", r.to_string()),
-            ])
-            .envs([
-                ("MASTER_ADDR", "127.0.0.1"),
-                ("MASTER_PORT", &port),
-                ("FERROCOMM_TOKEN", &token),
-            ])
-            .envs([
-                ("FERROCOMM_STORE_EXTERNAL", "1"),
-                ("FERROCOMM_TIMEOUT", &TIMEOUT_S.to_string()),
-            ])
-            .envs([
-                (MODE, mode),
-                ("FERROCOMM_TEST_SEED", &seed.to_string()),
-                ("FERROCOMM_TEST_VICTIM", &victim.to_string()),
-            ])
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap()
-        })
-        .collect();
-    Job { server, ranks }
+fn start(mode: &str, seed: u64, victim: usize) -> DirectJob {
+    let (seed, victim, timeout) = (seed.to_string(), victim.to_string(), TIMEOUT_S.to_string());
+    let env = [
+        (MODE, mode),
+        ("FERROCOMM_TEST_SEED", seed.as_str()),
+        ("FERROCOMM_TEST_VICTIM", victim.as_str()),
+        ("FERROCOMM_TIMEOUT", timeout.as_str()),
+    ];
+    start_direct("fault_rank", WORLD, &env)
 }
 
 /// Waits for `c` until `deadline`; returns (exit code, stdout, when it ended).

@@ -7,10 +7,10 @@ use crate::bootstrap::{self, PrefixStore, Store};
 use crate::error::{Error, Result};
 use crate::options::TransportOptions;
 use crate::transport::{
-    accept_authenticated, check_owner, dial, host_identity, OwnerState, PeerGone, ProcessWatch, Segment,
+    accept_authenticated, bind_listener, check_owner, dial, host_identity, OwnerState, PeerGone, ProcessWatch, Segment,
 };
 use crate::window::{Cmp, Observed, SignalOp, SignalSource, WindowBackend, WindowSpec};
-use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -133,12 +133,7 @@ impl CpuWindow {
         };
         let serves = (0..size).filter(|&o| by_proxy(o, rank)).count();
         let listener = if serves > 0 {
-            let ip = s
-                .transport
-                .bind_addr
-                .or_else(|| s.store.local_addr_hint())
-                .unwrap_or(IpAddr::from([127, 0, 0, 1]));
-            Some(TcpListener::bind((ip, 0)).map_err(|e| Error::io(format!("bind window proxy on {ip}"), e))?)
+            Some(bind_listener(s.transport, &**s.store, "window proxy")?)
         } else {
             None
         };
