@@ -167,3 +167,21 @@ fn after_a_failed_transfer_the_communicator_refuses_further_operations() {
         done.wait();
     });
 }
+
+#[test]
+fn a_rank_that_failed_and_then_left_still_points_at_the_root_rank() {
+    let comms = Comm::new_group("cpu", &[Device::Cpu; 3], "root-cause", options(Duration::from_secs(30))).unwrap();
+    let mut it = comms.into_iter();
+    let (c0, c1) = (it.next().unwrap(), it.next().unwrap());
+    drop(it); // rank 2 is gone
+    std::thread::scope(|s| {
+        s.spawn(move || {
+            let e = c0.recv(&mut [0u8; 4], 2);
+            assert!(matches!(e, Err(Error::PeerLost { peer: 2, .. })), "{e:?}");
+            drop(c0); // leaves after failing
+        });
+        // Rank 1 only ever waits on rank 0, yet must learn that rank 2 is the cause.
+        let e = c1.recv(&mut [0u8; 4], 0);
+        assert!(matches!(e, Err(Error::PeerLost { peer: 2, .. })), "{e:?}");
+    });
+}

@@ -54,8 +54,10 @@ pub(crate) struct Announcer {
 
 impl Announcer {
     pub(crate) fn announce(&self, state: OwnerState) {
-        if let Some(s) = &self.seg {
-            s.set_state(state);
+        match (&self.seg, state) {
+            (Some(s), OwnerState::Closed) => s.close(),
+            (Some(s), _) => s.set_state(state),
+            (None, _) => {}
         }
         if state != OwnerState::Live {
             for s in &self.streams {

@@ -183,6 +183,16 @@ impl Segment {
         self.header().state.store(s.encode(), Ordering::Release);
     }
 
+    /// Marks a clean exit, unless the owner already recorded a failure (which peers must keep
+    /// seeing: it names the rank at the root).
+    pub(crate) fn close(&self) {
+        let (live, closed) = (OwnerState::Live.encode(), OwnerState::Closed.encode());
+        let _ = self
+            .header()
+            .state
+            .compare_exchange(live, closed, Ordering::Release, Ordering::Relaxed);
+    }
+
     /// Start of the payload (page-aligned).
     pub(crate) fn payload(&self) -> *mut u8 {
         // SAFETY: the mapping is HEADER_BYTES + payload_len long.

@@ -469,7 +469,7 @@ impl WindowBackend for CpuWindow {
 
 impl Drop for CpuWindow {
     fn drop(&mut self) {
-        self.own.set_state(OwnerState::Closed);
+        self.own.close();
         // Stop serving before the memory (maybe a user buffer) goes away.
         let server = std::mem::replace(
             &mut *self.server.lock().unwrap_or_else(|p| p.into_inner()),
