@@ -255,7 +255,8 @@ impl Comm {
     }
 
     /// Runs `f` with a [`Scope`] for asynchronous operations on buffers that outlive the scope;
-    /// returns after every operation started in it has ended.
+    /// returns after every operation started in it has ended. Results reach the caller through
+    /// [`Work::wait`](crate::Work::wait); the error of a `Work` that is never waited for is dropped.
     pub fn scope<'env, F, T>(&self, f: F) -> T
     where
         F: for<'scope> FnOnce(&'scope Scope<'scope, 'env>) -> T,

@@ -203,8 +203,9 @@ impl Executor {
     }
 }
 
-/// An operation in flight. Waiting is optional: the scope it belongs to waits for it anyway.
-#[must_use = "an unwaited Work only reports its error through the scope's end"]
+/// An operation in flight. The scope it belongs to waits for it anyway; only `wait` (or
+/// `wait_timeout`) reports its result.
+#[must_use = "the scope waits for an unwaited Work, but its error is then lost"]
 pub struct Work<'scope> {
     done: Arc<Completion>,
     op: &'static str,
