@@ -279,30 +279,32 @@ impl Comm {
     /// ranks in no group.
     pub fn split(&self, ranks: &[usize], name: &str) -> Result<Option<Comm>> {
         let (me, size) = (self.inner.rank, self.inner.size);
-        let mut seen = vec![false; size];
-        for &r in ranks {
-            if r >= size {
-                return Err(Error::InvalidSplit(format!("rank {r} is out of range for size {size}")));
-            }
-            if std::mem::replace(&mut seen[r], true) {
-                return Err(Error::InvalidSplit(format!("rank {r} is listed twice")));
-            }
-        }
-        if !ranks.is_empty() && !seen[me] {
-            return Err(Error::InvalidSplit(format!(
-                "rank {me} passes a group {ranks:?} that does not contain it"
-            )));
-        }
         let generation = self.inner.splits.fetch_add(1, Ordering::Relaxed);
+        // Everyone exchanges its list before anyone judges them, so a malformed or
+        // inconsistent request fails on every rank at once instead of leaving peers waiting.
         let all: Vec<Vec<usize>> = self.all_gather_object(&ranks.to_vec())?;
         for (r, list) in all.iter().enumerate() {
+            let mut seen = vec![false; size];
             for &q in list {
-                if all.get(q) != Some(list) {
+                if q >= size {
                     return Err(Error::InvalidSplit(format!(
-                        "rank {r} asked for {list:?} but rank {q} asked for {:?}",
-                        all.get(q)
+                        "rank {r} lists rank {q}, out of range for size {size}"
                     )));
                 }
+                if std::mem::replace(&mut seen[q], true) {
+                    return Err(Error::InvalidSplit(format!("rank {r} lists rank {q} twice")));
+                }
+            }
+            if !list.is_empty() && !seen[r] {
+                return Err(Error::InvalidSplit(format!(
+                    "rank {r} passes a group {list:?} that does not contain it"
+                )));
+            }
+            if let Some(&q) = list.iter().find(|&&q| all[q] != *list) {
+                return Err(Error::InvalidSplit(format!(
+                    "rank {r} asked for {list:?} but rank {q} asked for {:?}",
+                    all[q]
+                )));
             }
         }
         let Some(new_rank) = ranks.iter().position(|&r| r == me) else {

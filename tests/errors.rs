@@ -108,12 +108,20 @@ fn ranks_out_of_range_are_invalid_rank_errors() {
 }
 
 #[test]
-fn malformed_splits_are_invalid_split_errors() {
-    let comms = group(3, "badsplit");
-    let c = &comms[0];
-    assert!(matches!(c.split(&[0, 0], "dup"), Err(Error::InvalidSplit(_))));
-    assert!(matches!(c.split(&[0, 3], "range"), Err(Error::InvalidSplit(_))));
-    assert!(matches!(c.split(&[1, 2], "not-me"), Err(Error::InvalidSplit(_))));
+fn malformed_splits_are_invalid_split_errors_on_every_rank() {
+    // One rank's bad list fails the split everywhere, at once.
+    for (case, bad) in [("dup", vec![0, 0]), ("range", vec![0, 3]), ("not-me", vec![1, 2])] {
+        let t0 = std::time::Instant::now();
+        let r = run_group(3, &format!("badsplit-{case}"), options(Duration::from_secs(30)), |c| {
+            let mine = if c.rank() == 0 { bad.clone() } else { vec![] };
+            c.split(&mine, case).map(|o| o.is_some())
+        });
+        assert!(
+            r.iter().all(|x| matches!(x, Err(Error::InvalidSplit(_)))),
+            "{case}: {r:?}"
+        );
+        assert!(t0.elapsed() < Duration::from_secs(5), "{case}: took {:?}", t0.elapsed());
+    }
 }
 
 #[test]
