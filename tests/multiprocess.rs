@@ -7,7 +7,6 @@
 mod common;
 use common::*;
 use ferrocomm::{Cmp, Error, SignalSource};
-use std::io::Read;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -35,7 +34,7 @@ fn child_entry() {
             let mut x = vec![1.0f32; 1 << 20];
             loop {
                 match comm.all_reduce(&mut x, ReduceOp::Sum) {
-                    Ok(()) => println!("looping"),
+                    Ok(()) => println!("waiting"),
                     Err(e) => {
                         println!("rank {rank} error: {e}");
                         let code = if matches!(e, Error::PeerLost { op: "all_reduce", .. }) {
@@ -111,21 +110,12 @@ fn child_command(mode: &str) -> Command {
 }
 
 /// Waits for `c` at most `limit`, killing it if it runs longer; returns (status, stdout).
-fn wait_bounded(mut c: Child, limit: Duration) -> (std::process::ExitStatus, String) {
-    let deadline = Instant::now() + limit;
-    let status = loop {
-        if let Some(s) = c.try_wait().unwrap() {
-            break s;
-        }
-        if Instant::now() > deadline {
-            let _ = c.kill();
-            panic!("child did not finish within {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let mut out = String::new();
-    c.stdout.take().unwrap().read_to_string(&mut out).unwrap();
-    (status, out)
+fn wait_bounded(c: Child, limit: Duration) -> (std::process::ExitStatus, String) {
+    let (status, out, _) = wait_child(c, Instant::now() + limit);
+    (
+        status.unwrap_or_else(|| panic!("child did not finish within {limit:?}:\n{out}")),
+        out,
+    )
 }
 
 fn launch(n: usize, mode: &str, envs: &[(&str, &str)]) -> (std::process::ExitStatus, String, Duration) {
@@ -227,37 +217,35 @@ fn a_tcp_store_without_a_job_token_is_a_configuration_error() {
     spawn_ranks(1, "expect-config-error", &env);
 }
 
-/// Rank 2 is SIGKILLed while all ranks loop over large all_reduces (timeout 60 s): the other
-/// ranks must report the lost peer within seconds, not hang until the timeout.
-#[test]
-fn sigkill_in_a_collective_gives_every_other_rank_an_error() {
+/// Starts 3 ranks in `mode` (timeout 60 s), SIGKILLs rank 2 once they are under way, and
+/// requires both survivors to exit with the code for the expected error within seconds, not
+/// after the timeout. Over shared memory and over TCP.
+fn survivors_report_a_sigkilled_rank(mode: &str, expected: &str) {
     for transport in ["auto", "tcp"] {
         let env = [
-            (MODE, "killed-mid-collective"),
+            (MODE, mode),
             ("FERROCOMM_TIMEOUT", "60"),
             ("FERROCOMM_TRANSPORT", transport),
         ];
         let DirectJob {
             server: _server,
-            ranks: children,
+            ranks: mut children,
         } = start_direct("child_entry", 3, &env);
         std::thread::sleep(Duration::from_millis(1500));
+        let mut victim = children.pop().unwrap();
         // SAFETY: killing our own child.
-        unsafe { libc::kill(children[2].id() as i32, libc::SIGKILL) };
+        unsafe { libc::kill(victim.id() as i32, libc::SIGKILL) };
         let killed_at = Instant::now();
-        let mut it = children.into_iter();
-        let survivors: Vec<Child> = it.by_ref().take(2).collect();
-        let mut victim = it.next().unwrap();
-        for (r, c) in survivors.into_iter().enumerate() {
+        for (r, c) in children.into_iter().enumerate() {
             let (status, out) = wait_bounded(c, Duration::from_secs(30));
             assert_eq!(
                 status.code(),
                 Some(3),
-                "{transport}: rank {r} should report PeerLost in all_reduce:\n{out}"
+                "{transport}: rank {r} should report {expected}:\n{out}"
             );
             assert!(
-                out.contains("looping"),
-                "{transport}: rank {r} was not inside the collective loop yet:\n{out}"
+                out.contains("waiting"),
+                "{transport}: rank {r} was not under way yet:\n{out}"
             );
         }
         let took = killed_at.elapsed();
@@ -265,6 +253,12 @@ fn sigkill_in_a_collective_gives_every_other_rank_an_error() {
         eprintln!("{transport}: survivors reported the loss {took:?} after SIGKILL");
         assert!(took < Duration::from_secs(10), "{transport}: took {took:?}");
     }
+}
+
+/// Rank 2 is SIGKILLed while all ranks loop over large all_reduces.
+#[test]
+fn sigkill_in_a_collective_gives_every_other_rank_an_error() {
+    survivors_report_a_sigkilled_rank("killed-mid-collective", "PeerLost in all_reduce");
 }
 
 #[test]
@@ -287,35 +281,10 @@ fn window_contract_across_processes_over_shared_memory_and_tcp() {
     }
 }
 
+/// Rank 2 is SIGKILLed while the others wait for its signal.
 #[test]
 fn sigkill_gives_window_waiters_peer_lost() {
-    for transport in ["auto", "tcp"] {
-        let env = [
-            (MODE, "window-waiter-loses-peer"),
-            ("FERROCOMM_TIMEOUT", "60"),
-            ("FERROCOMM_TRANSPORT", transport),
-        ];
-        let DirectJob {
-            server: _server,
-            ranks: mut children,
-        } = start_direct("child_entry", 3, &env);
-        std::thread::sleep(Duration::from_millis(1500));
-        let mut victim = children.pop().unwrap();
-        // SAFETY: killing our own child.
-        unsafe { libc::kill(victim.id() as i32, libc::SIGKILL) };
-        let killed_at = Instant::now();
-        for (r, c) in children.into_iter().enumerate() {
-            let (status, out) = wait_bounded(c, Duration::from_secs(30));
-            assert_eq!(
-                status.code(),
-                Some(3),
-                "{transport}: rank {r} should get PeerLost from wait_signal:\n{out}"
-            );
-        }
-        let took = killed_at.elapsed();
-        let _ = victim.wait();
-        assert!(took < Duration::from_secs(10), "{transport}: took {took:?}");
-    }
+    survivors_report_a_sigkilled_rank("window-waiter-loses-peer", "PeerLost from wait_signal");
 }
 
 /// Two network namespaces joined by a veth pair stand in for two hosts: each rank runs in its

@@ -12,7 +12,7 @@ mod shm;
 mod tcp;
 
 pub(crate) use liveness::ProcessWatch;
-pub(crate) use setup::{bind_listener, connect_all, host_identity, Announcer, Transport};
+pub(crate) use setup::{bind_listener, connect_all, host_identity, published_addr, Announcer, Transport};
 pub(crate) use shm::{OwnerState, Segment};
 pub(crate) use tcp::{accept_authenticated, dial};
 

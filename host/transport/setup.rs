@@ -161,13 +161,7 @@ pub(crate) fn connect_all(
         .as_ref()
         .map(|s| s.name().to_owned())
         .unwrap_or_else(|| "-".into());
-    let tcp_addr = match &listener {
-        Some(l) => l
-            .local_addr()
-            .map_err(|e| Error::io("link listener address", e))?
-            .to_string(),
-        None => "-".into(),
-    };
+    let tcp_addr = published_addr(listener.as_ref())?;
     store.set(&format!("endpoint/{rank}"), format!("{shm_name} {tcp_addr}").as_bytes())?;
 
     let mut links: Vec<Option<Link>> = (0..size).map(|_| None).collect();
@@ -276,4 +270,15 @@ pub(crate) fn bind_listener(opts: &TransportOptions, store: &dyn Store, what: &s
         .or_else(|| store.local_addr_hint())
         .unwrap_or(IpAddr::from([127, 0, 0, 1]));
     TcpListener::bind((ip, 0)).map_err(|e| Error::io(format!("bind {what} on {ip}"), e))
+}
+
+/// How a listener's address is published in the store: `-` when there is none.
+pub(crate) fn published_addr(listener: Option<&TcpListener>) -> Result<String> {
+    match listener {
+        Some(l) => Ok(l
+            .local_addr()
+            .map_err(|e| Error::io("listener address", e))?
+            .to_string()),
+        None => Ok("-".into()),
+    }
 }

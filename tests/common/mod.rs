@@ -234,3 +234,29 @@ pub fn start_direct(entry: &str, n: usize, envs: &[(&str, &str)]) -> DirectJob {
         .collect();
     DirectJob { server, ranks }
 }
+
+/// Waits for `c` until `deadline` (killing it then); returns its exit status (`None` if it had
+/// to be killed), its stdout, and when it ended.
+pub fn wait_child(
+    mut c: std::process::Child,
+    deadline: std::time::Instant,
+) -> (Option<std::process::ExitStatus>, String, std::time::Instant) {
+    use std::io::Read;
+    let status = loop {
+        if let Some(s) = c.try_wait().expect("try_wait") {
+            break Some(s);
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = c.kill();
+            let _ = c.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    let ended = std::time::Instant::now();
+    let mut out = String::new();
+    if let Some(mut o) = c.stdout.take() {
+        let _ = o.read_to_string(&mut out);
+    }
+    (status, out, ended)
+}

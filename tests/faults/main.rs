@@ -10,7 +10,6 @@ mod common;
 
 use common::*;
 use ferrocomm::Error;
-use std::io::Read;
 use std::process::Child;
 use std::time::{Duration, Instant};
 
@@ -159,22 +158,9 @@ fn start(mode: &str, seed: u64, victim: usize) -> DirectJob {
 }
 
 /// Waits for `c` until `deadline`; returns (exit code, stdout, when it ended).
-fn finish(mut c: Child, deadline: Instant) -> (Option<i32>, String, Instant) {
-    loop {
-        if let Some(s) = c.try_wait().unwrap() {
-            let mut out = String::new();
-            c.stdout.take().unwrap().read_to_string(&mut out).unwrap();
-            return (s.code(), out, Instant::now());
-        }
-        if Instant::now() > deadline {
-            let _ = c.kill();
-            let _ = c.wait();
-            let mut out = String::new();
-            c.stdout.take().unwrap().read_to_string(&mut out).unwrap();
-            return (None, out, Instant::now());
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
+fn finish(c: Child, deadline: Instant) -> (Option<i32>, String, Instant) {
+    let (status, out, ended) = wait_child(c, deadline);
+    (status.and_then(|s| s.code()), out, ended)
 }
 
 fn trials() -> u64 {

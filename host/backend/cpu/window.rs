@@ -7,7 +7,8 @@ use crate::bootstrap::{self, PrefixStore, Store};
 use crate::error::{Error, Result};
 use crate::options::TransportOptions;
 use crate::transport::{
-    accept_authenticated, bind_listener, check_owner, dial, host_identity, OwnerState, PeerGone, ProcessWatch, Segment,
+    accept_authenticated, bind_listener, check_owner, dial, host_identity, published_addr, OwnerState, PeerGone,
+    ProcessWatch, Segment,
 };
 use crate::window::{Cmp, Observed, SignalOp, SignalSource, WindowBackend, WindowSpec};
 use std::net::{SocketAddr, TcpStream};
@@ -149,13 +150,7 @@ impl CpuWindow {
         };
 
         // Round 2: segments and proxy addresses.
-        let addr = match &listener {
-            Some(l) => l
-                .local_addr()
-                .map_err(|e| Error::io("window proxy address", e))?
-                .to_string(),
-            None => "-".into(),
-        };
+        let addr = published_addr(listener.as_ref())?;
         store.set(&format!("ep/{rank}"), format!("{} {addr}", own.name()).as_bytes())?;
         let mut eps: Vec<(String, Option<SocketAddr>)> = Vec::with_capacity(size);
         for p in 0..size {
