@@ -1,8 +1,95 @@
-// The device code (kernels/*.cu with the device-api headers) is compiled here into an embedded
-// fatbin once the GPU windows land; until then the host crate has no device code to build, and
-// the build only tracks the folders so a kernel added later triggers a rebuild.
+// Compiles kernels/*.cu (with the device-api headers) into one fatbin embedded in the library:
+// SASS for sm_80, sm_90 and sm_100 and PTX for compute_90, so newer GPUs JIT the PTX. nvcc is
+// looked up in CUDA_HOME, on PATH, then in the project's wheel cache
+// (scripts/cuda-toolchain.sh). Without nvcc the crate still builds, and the library compiles
+// the same sources with NVRTC at run time (`cfg(ferrocomm_fatbin)` tells which).
+//
+// ptxas's resource report goes to $OUT_DIR/ptxas-report.txt. A kernel that fails to compile or
+// spills registers fails the build. FERROCOMM_REQUIRE_NVCC=1 makes a missing nvcc an error
+// (the test command sets it so CI cannot pass without compiling the kernels).
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const GENCODE: &[&str] = &[
+    "arch=compute_80,code=sm_80",
+    "arch=compute_90,code=sm_90",
+    "arch=compute_100,code=sm_100",
+    "arch=compute_90,code=compute_90",
+];
+
 fn main() {
     println!("cargo:rerun-if-changed=kernels");
     println!("cargo:rerun-if-changed=device-api");
     println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-env-changed=CUDA_HOME");
+    println!("cargo:rerun-if-env-changed=FERROCOMM_REQUIRE_NVCC");
+    println!("cargo:rustc-check-cfg=cfg(ferrocomm_fatbin)");
+
+    let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
+    let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
+    let sources = kernel_sources(&root.join("kernels"));
+    let unity = out.join("ferrocomm_kernels.cu");
+    let body: String = sources.iter().map(|s| format!("#include \"{}\"\n", s.display())).collect();
+    std::fs::write(&unity, body).expect("write the unity kernel source");
+
+    let Some(nvcc) = find_nvcc(&root) else {
+        if std::env::var("FERROCOMM_REQUIRE_NVCC").as_deref() == Ok("1") {
+            panic!("FERROCOMM_REQUIRE_NVCC=1 but no nvcc: set CUDA_HOME or run scripts/cuda-toolchain.sh");
+        }
+        println!("cargo:warning=no nvcc found: kernels will be compiled with NVRTC at run time");
+        return;
+    };
+    let fatbin = out.join("ferrocomm_kernels.fatbin");
+    let mut cmd = Command::new(&nvcc);
+    cmd.arg("-fatbin")
+        .arg("-std=c++17")
+        .arg("-O3")
+        .arg("-Xptxas")
+        .arg("-v")
+        .arg("-I")
+        .arg(root.join("device-api/include"))
+        .arg("-o")
+        .arg(&fatbin)
+        .arg(&unity);
+    for g in GENCODE {
+        cmd.arg("-gencode").arg(g);
+    }
+    let output = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", nvcc.display()));
+    let log = String::from_utf8_lossy(&output.stderr).into_owned() + &String::from_utf8_lossy(&output.stdout);
+    std::fs::write(out.join("ptxas-report.txt"), &log).expect("write the ptxas report");
+    if !output.status.success() {
+        panic!("nvcc failed to compile the kernels:\n{log}");
+    }
+    let spills: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("spill") && !l.contains(" 0 bytes spill stores, 0 bytes spill loads"))
+        .collect();
+    if !spills.is_empty() {
+        panic!("kernels spill registers (see {}):\n{}", out.join("ptxas-report.txt").display(), spills.join("\n"));
+    }
+    println!("cargo:rustc-cfg=ferrocomm_fatbin");
+}
+
+fn kernel_sources(dir: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map(|rd| rd.filter_map(|e| e.ok().map(|e| e.path())).collect())
+        .unwrap_or_default();
+    v.retain(|p| p.extension().is_some_and(|e| e == "cu"));
+    v.sort();
+    v
+}
+
+fn find_nvcc(root: &Path) -> Option<PathBuf> {
+    let exe = |dir: PathBuf| Some(dir.join("bin/nvcc")).filter(|p| p.is_file());
+    if let Some(home) = std::env::var_os("CUDA_HOME") {
+        return exe(PathBuf::from(home));
+    }
+    if let Some(path) = std::env::var_os("PATH") {
+        if let Some(p) = std::env::split_paths(&path).map(|d| d.join("nvcc")).find(|p| p.is_file()) {
+            return Some(p);
+        }
+    }
+    exe(root.join(".toolchain-cache/cuda-13.0/nvidia/cu13"))
 }

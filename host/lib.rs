@@ -63,6 +63,7 @@ mod backend;
 mod bootstrap;
 mod collectives;
 mod comm;
+mod cuda;
 mod dtype;
 mod error;
 mod log;

@@ -1,0 +1,81 @@
+/* The ABI shared by Rust and device code: plain C structs passed by value to kernels or written
+ * by kernels into host-pinned memory. host/device/abi.rs mirrors them with #[repr(C)], and the
+ * test `abi_layout` compares every size and field offset with this header compiled by a C
+ * compiler. Fixed-width types are spelled out so that NVRTC (no libc headers) reads it too. */
+#ifndef FERROCOMM_ABI_H
+#define FERROCOMM_ABI_H
+
+typedef unsigned long long ferrocomm_u64;
+typedef unsigned int ferrocomm_u32;
+typedef int ferrocomm_i32;
+
+#define FERROCOMM_ABI_VERSION 1
+
+/* What a device wait records when it gives up (ferrocomm_status.code). The first error a
+ * window records stays; later ones are dropped, so the host reports the root cause. */
+#define FERROCOMM_STATUS_OK 0u
+#define FERROCOMM_STATUS_TIMEOUT 1u
+#define FERROCOMM_STATUS_ABORTED 2u
+
+/* The device verb that recorded a status (ferrocomm_status.op). */
+#define FERROCOMM_OP_WAIT_SIGNAL 1u
+#define FERROCOMM_OP_BARRIER 2u
+#define FERROCOMM_OP_FLUSH 3u
+
+/* Signal operations and comparisons, numbered as host/window's SignalOp and Cmp. */
+#define FERROCOMM_SIGNAL_SET 0u
+#define FERROCOMM_SIGNAL_ADD 1u
+#define FERROCOMM_CMP_EQ 0u
+#define FERROCOMM_CMP_NE 1u
+#define FERROCOMM_CMP_GE 2u
+#define FERROCOMM_CMP_GT 3u
+#define FERROCOMM_CMP_LE 4u
+#define FERROCOMM_CMP_LT 5u
+
+/* `wait_signal` source: a rank >= 0, or one of these. */
+#define FERROCOMM_SOURCE_ANY (-1)
+#define FERROCOMM_SOURCE_SUM (-2)
+
+/* A device wait's error record, in host-pinned memory mapped into the device. */
+typedef struct ferrocomm_status {
+  ferrocomm_u32 code;      /* FERROCOMM_STATUS_* */
+  ferrocomm_u32 op;        /* FERROCOMM_OP_* */
+  ferrocomm_i32 peer;      /* the awaited rank, or a FERROCOMM_SOURCE_* value */
+  ferrocomm_u32 signal_id; /* for FERROCOMM_OP_WAIT_SIGNAL */
+  ferrocomm_u64 expected;  /* the value waited for */
+  ferrocomm_u64 observed;  /* the last value seen */
+} ferrocomm_status;
+
+/* One rank's view of a window, passed by value to kernels.
+ *
+ * Every rank's segment is mapped into this process at `base + rank * stride` (symmetric
+ * layout: one multiply-add finds any peer, no table to load). A segment holds, in order:
+ * `data_bytes` of user data at offset 0; the signal pad at `signal_offset`, u64 slots
+ * [signal_id][source_rank]; the barrier slots at `barrier_offset`, u64 [source_rank]; and at
+ * `barrier_offset + size * 8` this rank's barrier epoch, a u64 only its own kernels write. */
+typedef struct ferrocomm_window_handle {
+  ferrocomm_u64 base;           /* device address of rank 0's segment */
+  ferrocomm_u64 stride;         /* bytes between consecutive ranks' segments */
+  ferrocomm_u64 data_bytes;     /* user bytes per rank */
+  ferrocomm_u64 signal_offset;  /* byte offset of the signal pad in every segment */
+  ferrocomm_u64 barrier_offset; /* byte offset of the barrier slots in every segment */
+  ferrocomm_u64 multicast;      /* multicast address of the data, 0 without multicast */
+  ferrocomm_u64 status;         /* ferrocomm_status*: this rank's error record */
+  ferrocomm_u64 abort_flag;     /* const ferrocomm_u32*: nonzero once the comm is aborted */
+  ferrocomm_u64 fifo;           /* proxy queue toward ranks not load/store reachable; 0: none */
+  ferrocomm_u64 timeout_ns;     /* deadline of every device wait */
+  ferrocomm_i32 rank;
+  ferrocomm_i32 size;
+  ferrocomm_u32 signals; /* signal ids per source */
+  ferrocomm_u32 flags;   /* reserved, 0 */
+} ferrocomm_window_handle;
+
+#if defined(__cplusplus) && __cplusplus >= 201103L
+static_assert(sizeof(ferrocomm_status) == 32, "ferrocomm_status is 32 bytes");
+static_assert(sizeof(ferrocomm_window_handle) == 96, "ferrocomm_window_handle is 96 bytes");
+#elif defined(__STDC_VERSION__) && __STDC_VERSION__ >= 201112L
+_Static_assert(sizeof(ferrocomm_status) == 32, "ferrocomm_status is 32 bytes");
+_Static_assert(sizeof(ferrocomm_window_handle) == 96, "ferrocomm_window_handle is 96 bytes");
+#endif
+
+#endif /* FERROCOMM_ABI_H */

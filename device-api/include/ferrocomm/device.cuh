@@ -1,0 +1,31 @@
+// The one header that decides CUDA or HIP. Every other header includes it and tests only the
+// macros it defines; none names a vendor itself.
+#pragma once
+
+#if defined(__HIPCC__) || defined(__HIP_PLATFORM_AMD__)
+#define FERROCOMM_HIP 1
+#include <hip/hip_runtime.h>
+#define FERROCOMM_WARP_SIZE 64
+// A wavefront executes in lockstep; the fence makes each lane's stores visible to the others.
+#define FERROCOMM_SYNC_WARP()                                 \
+  do {                                                        \
+    __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront");   \
+    __builtin_amdgcn_wave_barrier();                          \
+    __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront");   \
+  } while (0)
+#else
+#define FERROCOMM_CUDA 1
+#define FERROCOMM_WARP_SIZE 32
+#define FERROCOMM_SYNC_WARP() __syncwarp()
+#endif
+
+#define FERROCOMM_DEVICE_INLINE __device__ __forceinline__
+#define FERROCOMM_SYNC_BLOCK() __syncthreads()
+
+#include "ferrocomm/abi.h"
+
+namespace ferrocomm {
+using u64 = ferrocomm_u64;
+using u32 = ferrocomm_u32;
+using i32 = ferrocomm_i32;
+}  // namespace ferrocomm

@@ -1,0 +1,69 @@
+// signal (release) and wait_signal (acquire), rules 1 and 2 of docs/memory-model.md.
+#pragma once
+
+namespace ferrocomm {
+
+// The coop syncs before its leader releases, so the whole group's earlier puts are published
+// by the one release (the sync orders them before the leader's store at CTA scope; the
+// system-scope release is cumulative over them).
+template <class Coop>
+FERROCOMM_DEVICE_INLINE void Window::signal(Coop c, i32 peer, u32 id, SignalOp op, u64 value) const {
+  c.sync();
+  if (c.is_leader()) {
+    u64* slot = signal_slot(peer, id, h_.rank);
+    if (op == SignalOp::Set) {
+      store_release(slot, value);
+    } else {
+      add_release(slot, value);
+    }
+  }
+}
+
+template <class Coop>
+FERROCOMM_DEVICE_INLINE void Window::put_signal(Coop c, i32 peer, u64 dst_offset, const void* src, u64 bytes, u32 id,
+                                                SignalOp op, u64 value) const {
+  put(c, peer, dst_offset, src, bytes);
+  signal(c, peer, id, op, value);
+}
+
+// The leader polls with acquire loads until the condition holds, the deadline passes or the
+// communicator fails; then the coop syncs, which carries the leader's acquire to every thread.
+template <class Coop>
+FERROCOMM_DEVICE_INLINE Observed Window::wait_signal(Coop c, u32 id, i32 source, Cmp cmp, u64 value) const {
+  Observed seen{false, source, 0};
+  if (c.is_leader()) {
+    const u64 start = now_ns();
+    for (u32 spin = 0;; ++spin) {
+      if (source >= 0) {
+        seen.value = load_acquire(signal_slot(h_.rank, id, source));
+        if (holds(cmp, seen.value, value)) seen.ok = true;
+      } else if (source == SOURCE_ANY) {
+        for (i32 s = 0; s < h_.size && !seen.ok; ++s) {
+          seen.value = load_acquire(signal_slot(h_.rank, id, s));
+          if (holds(cmp, seen.value, value)) {
+            seen.ok = true;
+            seen.source = s;
+          }
+        }
+      } else {
+        seen.value = 0;
+        for (i32 s = 0; s < h_.size; ++s) seen.value += load_acquire(signal_slot(h_.rank, id, s));
+        seen.source = -1;
+        seen.ok = holds(cmp, seen.value, value);
+      }
+      if (seen.ok) break;
+      // The clock and the flags cost a few loads; look every 32 polls.
+      if ((spin & 31) == 31 && (failed() || now_ns() - start > h_.timeout_ns)) {
+        give_up(FERROCOMM_OP_WAIT_SIGNAL, source, id, value, seen.value);
+        break;
+      }
+    }
+  }
+  const u64 packed = broadcast(c, (static_cast<u64>(seen.ok) << 32) | static_cast<u32>(seen.source));
+  seen.value = broadcast(c, seen.value);
+  seen.ok = (packed >> 32) != 0;
+  seen.source = static_cast<i32>(static_cast<u32>(packed));
+  return seen;
+}
+
+}  // namespace ferrocomm

@@ -1,0 +1,118 @@
+//! The CUDA driver, loaded at run time through cudarc. cudarc panics when it cannot find
+//! libcuda or a symbol, so every entry point of ferrocomm that touches CUDA first calls
+//! [`driver`], which turns an absent driver, an old one or a machine without a GPU into
+//! `Error::Unavailable`.
+
+pub(crate) mod nvrtc;
+
+use crate::error::{Error, Result};
+use cudarc::driver::{sys, CudaContext, DriverError};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// Driver entry points ferrocomm needs beyond the basics (virtual memory management, FD
+/// handles); a driver without them is too old (they arrived in CUDA 10.2 / 11).
+const REQUIRED: &[&str] = &[
+    "cuInit",
+    "cuDeviceGetCount",
+    "cuMemCreate",
+    "cuMemMap",
+    "cuMemSetAccess",
+    "cuMemAddressReserve",
+    "cuMemGetAllocationGranularity",
+    "cuMemExportToShareableHandle",
+    "cuMemImportFromShareableHandle",
+    "cuMemHostAlloc",
+    "cuModuleLoadData",
+];
+
+/// Ok once libcuda is loaded, initialised and sees at least one device.
+pub(crate) fn driver() -> Result<()> {
+    static STATE: OnceLock<std::result::Result<(), String>> = OnceLock::new();
+    STATE
+        .get_or_init(probe)
+        .clone()
+        .map_err(|reason| Error::Unavailable {
+            backend: "device".into(),
+            reason,
+        })
+}
+
+fn probe() -> std::result::Result<(), String> {
+    // SAFETY: only dlopen attempts; nothing is called yet.
+    if !unsafe { sys::is_culib_present() } {
+        return Err(format!(
+            "the CUDA driver (libcuda.so) is not installed; searched {:?}",
+            cudarc::get_lib_name_candidates("cuda")
+        ));
+    }
+    // SAFETY: culib() succeeds now that is_culib_present did; `get` only looks symbols up.
+    let lib = unsafe { sys::culib() };
+    for name in REQUIRED {
+        // SAFETY: the symbol is not called, only looked up.
+        if unsafe { lib.get::<unsafe extern "C" fn()>(name.as_bytes()) }.is_err() {
+            return Err(format!("the CUDA driver is too old: it lacks {name}"));
+        }
+    }
+    // SAFETY: cuInit and cuDeviceGetCount exist (checked above) and take plain values.
+    unsafe {
+        sys::cuInit(0)
+            .result()
+            .map_err(|e| format!("cuInit failed: {}", describe(e)))?;
+        let mut n = 0;
+        sys::cuDeviceGetCount(&mut n)
+            .result()
+            .map_err(|e| format!("cuDeviceGetCount failed: {}", describe(e)))?;
+        if n == 0 {
+            return Err("the CUDA driver sees no GPU".into());
+        }
+    }
+    Ok(())
+}
+
+/// The driver's name and description of an error code.
+pub(crate) fn describe(e: DriverError) -> String {
+    let name = e.error_name().map(|s| s.to_string_lossy().into_owned());
+    let text = e.error_string().map(|s| s.to_string_lossy().into_owned());
+    match (name, text) {
+        (Ok(n), Ok(t)) => format!("{n}: {t}"),
+        _ => format!("{:?}", e.0),
+    }
+}
+
+/// Converts a driver error of `call` into ferrocomm's error.
+pub(crate) fn err(call: &str, e: DriverError) -> Error {
+    Error::Backend {
+        backend: "cuda".into(),
+        call: call.into(),
+        message: describe(e),
+    }
+}
+
+/// Checks the result of a raw driver call.
+pub(crate) fn check(call: &str, r: sys::CUresult) -> Result<()> {
+    r.result().map_err(|e| err(call, e))
+}
+
+/// The primary context of GPU `ordinal`, shared by every rank of this process on that GPU.
+pub(crate) fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
+    driver()?;
+    static CONTEXTS: OnceLock<Mutex<HashMap<usize, Arc<CudaContext>>>> = OnceLock::new();
+    let mut map = CONTEXTS
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    if let Some(ctx) = map.get(&ordinal) {
+        ctx.bind_to_thread().map_err(|e| err("cuCtxSetCurrent", e))?;
+        return Ok(ctx.clone());
+    }
+    let ctx = CudaContext::new(ordinal).map_err(|e| match e.0 {
+        sys::CUresult::CUDA_ERROR_INVALID_DEVICE => Error::Unavailable {
+            backend: "device".into(),
+            reason: format!("there is no CUDA device {ordinal}"),
+        },
+        _ => err("cuDevicePrimaryCtxRetain", e),
+    })?;
+    map.insert(ordinal, ctx.clone());
+    Ok(ctx)
+}
