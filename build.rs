@@ -31,6 +31,15 @@ fn main() {
     let unity = out.join("ferrocomm_kernels.cu");
     let body: String = sources.iter().map(|s| format!("#include \"{}\"\n", s.display())).collect();
     std::fs::write(&unity, body).expect("write the unity kernel source");
+    // The same sources as text, for NVRTC at run time when there is no fatbin.
+    let listing: String = sources
+        .iter()
+        .map(|s| {
+            let name = s.file_name().expect("a file").to_string_lossy();
+            format!("(\"{name}\", include_str!({:?})),\n", s.display().to_string())
+        })
+        .collect();
+    std::fs::write(out.join("kernel_sources.rs"), format!("&[\n{listing}]\n")).expect("write kernel_sources.rs");
 
     let Some(nvcc) = find_nvcc(&root) else {
         if std::env::var("FERROCOMM_REQUIRE_NVCC").as_deref() == Ok("1") {

@@ -64,6 +64,7 @@ mod bootstrap;
 mod collectives;
 mod comm;
 mod cuda;
+pub mod device;
 mod dtype;
 mod error;
 mod log;

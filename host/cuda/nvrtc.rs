@@ -4,6 +4,8 @@
 //! cudarc finds libnvrtc by soname only. To honour `FERROCOMM_NVRTC_PATH` and a toolkit under
 //! `CUDA_HOME` (the PyPI wheels included) the library is first opened here by full path with
 //! RTLD_GLOBAL; the dynamic loader then resolves cudarc's soname lookup to that same copy.
+//! NVRTC itself opens libnvrtc-builtins by soname as well, so that one is preloaded from the
+//! same folder.
 
 use crate::error::{Error, Result};
 use cudarc::nvrtc::sys;
@@ -13,6 +15,16 @@ use std::sync::OnceLock;
 
 /// The sonames of the NVRTC we are built for (CUDA 13), newest first.
 const SONAMES: &[&str] = &["libnvrtc.so.13"];
+/// The builtins library NVRTC 13.0 opens by soname.
+const BUILTINS: &str = "libnvrtc-builtins.so.13.0";
+
+/// dlopen by full path, kept for the life of the process on purpose: NVRTC is never unloaded
+/// under cudarc.
+fn preload(path: &std::path::Path) -> bool {
+    let Ok(c) = CString::new(path.as_os_str().as_encoded_bytes()) else { return false };
+    // SAFETY: dlopen of a NUL-terminated path; the handle is deliberately never closed.
+    !unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) }.is_null()
+}
 
 fn candidates() -> Vec<PathBuf> {
     let mut v = Vec::new();
@@ -38,13 +50,9 @@ pub(crate) fn load() -> Result<()> {
     STATE
         .get_or_init(|| {
             let tried = candidates();
-            for path in tried.iter().filter(|p| p.is_file()) {
-                let Ok(c) = CString::new(path.as_os_str().as_encoded_bytes()) else { continue };
-                // SAFETY: dlopen of a path; the handle is kept for the life of the process on
-                // purpose, so the library is never unloaded under cudarc.
-                let handle = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
-                if !handle.is_null() {
-                    break;
+            if let Some(path) = tried.iter().find(|p| p.is_file() && preload(p)) {
+                if let Some(dir) = path.parent() {
+                    preload(&dir.join(BUILTINS));
                 }
             }
             // SAFETY: only dlopen attempts by cudarc's candidate names.

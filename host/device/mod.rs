@@ -1,0 +1,127 @@
+//! The GPU side: compile kernels that use the device API, load the library's own kernels, and
+//! the ABI structs kernels receive. Everything here needs the CUDA driver at run time and
+//! returns `Error::Unavailable` without it; [`compile_image`] needs only NVRTC (no GPU).
+//!
+//! Kernels are launched with cudarc (re-exported as [`cudarc`]), so ferrocomm's streams and
+//! modules are cudarc's and mix with any cudarc program.
+
+pub mod abi;
+
+pub use abi::{DeviceStatus, WindowHandle};
+pub use cudarc;
+
+use crate::cuda::{self, nvrtc};
+use crate::error::Result;
+use cudarc::driver::CudaModule;
+use cudarc::nvrtc::Ptx;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+macro_rules! header {
+    ($name:literal) => {
+        (
+            concat!("ferrocomm/", $name),
+            include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/device-api/include/ferrocomm/", $name)),
+        )
+    };
+}
+
+/// The device-api headers, by the include name kernels use (`#include "ferrocomm/ferrocomm.cuh"`).
+pub const HEADERS: &[(&str, &str)] = &[
+    header!("abi.h"),
+    header!("device.cuh"),
+    header!("atomics.cuh"),
+    header!("coop.cuh"),
+    header!("window.cuh"),
+    header!("ferrocomm.cuh"),
+    header!("impl/rma.cuh"),
+    header!("impl/signal.cuh"),
+    header!("impl/barrier.cuh"),
+];
+
+/// The library's kernel sources, for NVRTC when the build had no nvcc.
+const KERNEL_SOURCES: &[(&str, &str)] = include!(concat!(env!("OUT_DIR"), "/kernel_sources.rs"));
+
+/// How to compile a kernel source.
+#[derive(Clone, Debug, Default)]
+pub struct CompileOptions {
+    /// Program name in compiler messages (default `kernel.cu`).
+    pub name: Option<String>,
+    /// Target: `sm_90` (a cubin) or `compute_90` (PTX). [`compile`] defaults to the GPU's own.
+    pub arch: Option<String>,
+    /// More NVRTC options, e.g. `-DTILE=128`, `--use_fast_math`.
+    pub options: Vec<String>,
+}
+
+/// Compiles `source` with the device-api headers available and returns the image (cubin for
+/// an `sm_` target, PTX otherwise; PTX for `compute_90` when no target is given). Needs NVRTC
+/// only, not a GPU.
+pub fn compile_image(source: &str, options: &CompileOptions) -> Result<Vec<u8>> {
+    let arch = options.arch.as_deref().unwrap_or("compute_90");
+    let mut opts = vec!["--std=c++17".to_owned(), format!("--gpu-architecture={arch}")];
+    opts.extend(options.options.iter().cloned());
+    let name = options.name.as_deref().unwrap_or("kernel.cu");
+    Ok(match nvrtc::compile(source, name, HEADERS, &opts)? {
+        nvrtc::Image::Cubin(b) | nvrtc::Image::Ptx(b) => b,
+    })
+}
+
+/// Compiles `source` for GPU `ordinal` (its own architecture unless `options.arch` says
+/// otherwise) and loads it there.
+pub fn compile(ordinal: usize, source: &str, options: &CompileOptions) -> Result<Arc<CudaModule>> {
+    let ctx = cuda::context(ordinal)?;
+    let mut options = options.clone();
+    if options.arch.is_none() {
+        let (major, minor) = ctx.compute_capability().map_err(|e| cuda::err("cuDeviceGetAttribute", e))?;
+        options.arch = Some(format!("sm_{major}{minor}"));
+    }
+    let image = compile_image(source, &options)?;
+    ctx.load_module(Ptx::from_binary(image))
+        .map_err(|e| cuda::err("cuModuleLoadData", e))
+}
+
+/// Whether GPU `ordinal` can run ferrocomm's device code (driver, device); the error says why not.
+pub fn available(ordinal: usize) -> Result<()> {
+    cuda::context(ordinal).map(drop)
+}
+
+/// The library's kernels on GPU `ordinal`: the embedded fatbin, or NVRTC's build of the same
+/// sources when the crate was built without nvcc. Loaded once per GPU.
+pub(crate) fn library(ordinal: usize) -> Result<Arc<CudaModule>> {
+    static MODULES: OnceLock<Mutex<HashMap<usize, Arc<CudaModule>>>> = OnceLock::new();
+    let ctx = cuda::context(ordinal)?;
+    let mut map = MODULES.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(m) = map.get(&ordinal) {
+        return Ok(m.clone());
+    }
+    let module = match fatbin() {
+        Some(image) => ctx
+            .load_module(Ptx::from_binary(image.to_vec()))
+            .map_err(|e| cuda::err("cuModuleLoadData(library fatbin)", e))?,
+        None => {
+            let source: String = KERNEL_SOURCES.iter().map(|(_, text)| *text).collect::<Vec<_>>().join("\n");
+            let opts = CompileOptions {
+                name: Some("ferrocomm_kernels.cu".into()),
+                ..Default::default()
+            };
+            compile(ordinal, &source, &opts)?
+        }
+    };
+    map.insert(ordinal, module.clone());
+    Ok(module)
+}
+
+#[cfg(ferrocomm_fatbin)]
+fn fatbin() -> Option<&'static [u8]> {
+    Some(include_bytes!(concat!(env!("OUT_DIR"), "/ferrocomm_kernels.fatbin")))
+}
+
+#[cfg(not(ferrocomm_fatbin))]
+fn fatbin() -> Option<&'static [u8]> {
+    None
+}
+
+/// The names of the library's kernel source files (for diagnostics and tests).
+pub fn kernel_sources() -> impl Iterator<Item = &'static str> {
+    KERNEL_SOURCES.iter().map(|(name, _)| *name)
+}

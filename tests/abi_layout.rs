@@ -1,0 +1,51 @@
+//! The Rust mirrors in ferrocomm::device::abi have the layout of device-api's abi.h as a C
+//! compiler lays it out: every size and field offset is compared.
+
+use ferrocomm::device::{DeviceStatus, WindowHandle};
+use std::mem::{offset_of, size_of};
+use std::process::Command;
+
+macro_rules! fields {
+    ($ty:ty, $c:literal: $($f:ident),+) => {
+        vec![
+            (format!("sizeof({})", $c), size_of::<$ty>()),
+            $((format!("offsetof({}, {})", $c, stringify!($f)), offset_of!($ty, $f)),)+
+        ]
+    };
+}
+
+#[test]
+fn rust_mirrors_match_the_c_header() {
+    let mut rust = fields!(WindowHandle, "ferrocomm_window_handle": base, stride, data_bytes, signal_offset,
+        barrier_offset, multicast, status, abort_flag, fifo, timeout_ns, rank, size, signals, flags);
+    rust.extend(fields!(DeviceStatus, "ferrocomm_status": code, op, peer, signal_id, expected, observed));
+
+    let dir = std::env::temp_dir().join(format!("ferrocomm-abi-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut c = String::from("#include <stdio.h>\n#include <stddef.h>\n#include \"ferrocomm/abi.h\"\nint main(void) {\n");
+    for (expr, _) in &rust {
+        c += &format!("  printf(\"%zu\\n\", (size_t){expr});\n");
+    }
+    c += "  return 0;\n}\n";
+    std::fs::write(dir.join("abi.c"), c).unwrap();
+    let include = concat!(env!("CARGO_MANIFEST_DIR"), "/device-api/include");
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let status = Command::new(&cc)
+        .args(["-std=c11", "-Wall", "-Werror", "-I", include, "-o"])
+        .arg(dir.join("abi"))
+        .arg(dir.join("abi.c"))
+        .status()
+        .unwrap_or_else(|e| panic!("cannot run the C compiler `{cc}`: {e}"));
+    assert!(status.success(), "abi.h does not compile as C11");
+    let out = Command::new(dir.join("abi")).output().unwrap();
+    let c_values: Vec<usize> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| l.parse().unwrap())
+        .collect();
+    std::fs::remove_dir_all(&dir).ok();
+    assert_eq!(c_values.len(), rust.len());
+    for ((expr, r), c) in rust.iter().zip(c_values) {
+        assert_eq!(*r, c, "{expr}: Rust says {r}, C says {c}");
+    }
+}

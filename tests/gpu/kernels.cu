@@ -1,0 +1,98 @@
+// Kernels of the GPU window tests (tests/gpu_windows.rs), compiled at run time through
+// ferrocomm::device::compile, and by scripts/check-kernels.sh with nvcc and hipcc, so every
+// verb is instantiated at thread, warp and block scope on both vendors.
+#include "ferrocomm/ferrocomm.cuh"
+
+using namespace ferrocomm;
+
+// The test pattern: word i of iteration `it` from rank `r`, a mix of a per-run random seed.
+__device__ __forceinline__ u64 pattern(u64 seed, i32 r, u32 it, u64 i) {
+  u64 x = seed ^ (static_cast<u64>(r) << 48) ^ (static_cast<u64>(it) << 32) ^ i;
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// Ring: every iteration, fill `tile` (words u64) with this rank's pattern, put it to the right
+// neighbour at offset 0 with signal 0 = it + 1; wait for the left neighbour's signal, check its
+// tile word by word (mismatches counted into *wrong), then acknowledge on signal 1 so the left
+// neighbour may overwrite. Scratch `tile` is this rank's own device buffer.
+template <class Coop>
+__device__ void ring(Coop c, const ferrocomm_window_handle& h, u64* tile, u64 words, u32 iters, u64 seed,
+                     unsigned long long* wrong) {
+  Window w(h);
+  const i32 right = (w.rank() + 1) % w.size(), left = (w.rank() + w.size() - 1) % w.size();
+  for (u32 it = 0; it < iters; ++it) {
+    for (u64 i = c.thread_rank(); i < words; i += c.size()) tile[i] = pattern(seed, w.rank(), it, i);
+    c.sync();
+    if (it > 0 && !w.wait_signal(c, 1, right, Cmp::Ge, it).ok) return;
+    w.put_signal(c, right, 0, tile, words * 8, 0, SignalOp::Set, it + 1);
+    if (!w.wait_signal(c, 0, left, Cmp::Ge, it + 1).ok) return;
+    const u64* got = w.local_ptr<u64>(0);
+    unsigned long long bad = 0;
+    for (u64 i = c.thread_rank(); i < words; i += c.size()) bad += got[i] != pattern(seed, left, it, i);
+    if (bad) atomicAdd(wrong, bad);
+    w.signal(c, left, 1, SignalOp::Set, it + 1);
+  }
+}
+
+#define RING(scope)                                                                                          \
+  extern "C" __global__ void ring_##scope(ferrocomm_window_handle h, u64* tile, u64 words, u32 iters, u64 seed, \
+                                          unsigned long long* wrong) {                                       \
+    ring(coop_##scope(), h, tile, words, iters, seed, wrong);                                                \
+  }
+RING(thread)
+RING(warp)
+RING(block)
+
+// get: copy `words` u64 from `peer`'s segment into `dst` with the given scope.
+#define GET(scope)                                                                                       \
+  extern "C" __global__ void get_##scope(ferrocomm_window_handle h, i32 peer, u64* dst, u64 words) {     \
+    Window(h).get(coop_##scope(), peer, 0, dst, words * 8);                                              \
+  }
+GET(thread)
+GET(warp)
+GET(block)
+
+// Barrier rounds: in round k every rank stores k + 1 into word `rank` of every peer, meets
+// the others at a barrier, then checks that its own words 0..size all read k + 1.
+extern "C" __global__ void barrier_rounds(ferrocomm_window_handle h, u32 rounds, unsigned long long* wrong) {
+  Window w(h);
+  CoopBlock b = coop_block();
+  for (u32 k = 0; k < rounds; ++k) {
+    if (b.thread_rank() < static_cast<u32>(w.size())) {
+      *w.peer_ptr<u64>(b.thread_rank(), static_cast<u64>(w.rank()) * 8) = k + 1;
+    }
+    if (!w.barrier(b)) return;
+    if (b.thread_rank() < static_cast<u32>(w.size()) && *w.local_ptr<u64>(b.thread_rank() * 8ull) != k + 1) {
+      atomicAdd(wrong, 1ull);
+    }
+    if (!w.barrier(b)) return;
+  }
+}
+
+// A wait nobody satisfies: must end by the handle's deadline with ok = false.
+extern "C" __global__ void wait_forever(ferrocomm_window_handle h, u64* out) {
+  Observed o = Window(h).wait_signal(coop_block(), 0, SOURCE_SUM, Cmp::Ge, ~0ull);
+  if (threadIdx.x == 0) out[0] = o.ok;
+}
+
+// Every thread adds 1 to word 0 of rank 0, `adds` times.
+extern "C" __global__ void fetch_add_storm(ferrocomm_window_handle h, u32 adds) {
+  Window w(h);
+  for (u32 i = 0; i < adds; ++i) w.fetch_add(0, 0, 1);
+}
+
+// Warp-scope wait by ANY and block-scope fence / flush, so every verb is instantiated.
+extern "C" __global__ void wait_any_warp(ferrocomm_window_handle h, u32 id, u64 value, u64* out) {
+  Window w(h);
+  w.fence(coop_warp());
+  w.flush(coop_block());
+  Observed o = w.wait_signal(coop_warp(), id, SOURCE_ANY, Cmp::Ge, value);
+  if (threadIdx.x == 0) {
+    out[0] = o.ok;
+    out[1] = static_cast<u64>(static_cast<unsigned int>(o.source));
+    out[2] = o.value;
+  }
+}
