@@ -68,6 +68,7 @@ pub mod device;
 mod dtype;
 mod error;
 mod log;
+mod memory;
 mod objects;
 mod ops;
 mod options;

@@ -2,6 +2,7 @@
 //! their own backend under a new name.
 
 pub(crate) mod cpu;
+mod device;
 
 use crate::bootstrap::Store;
 use crate::error::{Error, Result};
@@ -59,15 +60,14 @@ fn registry() -> &'static RwLock<HashMap<String, BackendFactory>> {
     R.get_or_init(|| {
         let mut m: HashMap<String, BackendFactory> = HashMap::new();
         m.insert("cpu".into(), Arc::new(cpu::create));
-        // `auto` picks the best backend for the device; host memory means the CPU backend.
+        m.insert("device".into(), Arc::new(device::create));
+        // `auto` picks the best backend for the device: host memory means the CPU backend,
+        // a CUDA device the device backend.
         m.insert(
             "auto".into(),
             Arc::new(|init: &BackendInit| match init.device {
                 Device::Cpu => cpu::create(init),
-                other => Err(Error::Unavailable {
-                    backend: "auto".into(),
-                    reason: format!("no registered backend drives {other:?} yet"),
-                }),
+                Device::Cuda(_) => device::create(init),
             }),
         );
         RwLock::new(m)

@@ -85,6 +85,12 @@ pub fn available(ordinal: usize) -> Result<()> {
     cuda::context(ordinal).map(drop)
 }
 
+/// Whether GPU `ordinal` supports multicast objects (NVLink SHARP: `multimem` loads and
+/// stores), as its driver reports at run time.
+pub fn multicast_supported(ordinal: usize) -> Result<bool> {
+    crate::memory::multicast_supported(ordinal)
+}
+
 /// The library's kernels on GPU `ordinal`: the embedded fatbin, or NVRTC's build of the same
 /// sources when the crate was built without nvcc. Loaded once per GPU.
 pub(crate) fn library(ordinal: usize) -> Result<Arc<CudaModule>> {

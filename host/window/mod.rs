@@ -7,7 +7,10 @@ use crate::comm::Comm;
 use crate::dtype::{as_bytes, as_bytes_mut, Element};
 use crate::error::{Error, Result};
 use crate::work::{Scope, Work};
+use crate::device::WindowHandle;
+use cudarc::driver::CudaStream;
 use std::marker::PhantomData;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// How a signal changes its slot.
@@ -101,6 +104,16 @@ pub trait WindowBackend: Send + Sync {
     fn local_base(&self) -> *mut u8;
     /// `rank`'s segment mapped into this process, where it can be.
     fn remote_base(&self, rank: usize) -> Option<*mut u8>;
+    /// For windows in GPU memory: the handle kernels take and the rank's stream. The bases
+    /// above are then device addresses, never dereferenced on the host.
+    fn device(&self) -> Option<(WindowHandle, Arc<CudaStream>)> {
+        None
+    }
+    /// Waits for the rank's stream and reports an error a kernel recorded (device windows).
+    fn synchronize(&self, timeout: Duration) -> Result<()> {
+        let _ = timeout;
+        Ok(())
+    }
 }
 
 /// One rank's handle on a window. `'buf` is the lifetime of registered user memory
@@ -284,6 +297,9 @@ impl<'buf> Window<'buf> {
     pub fn read_local<T: Element>(&self, offset: usize, dst: &mut [T]) -> Result<()> {
         let dst = as_bytes_mut(dst);
         self.check_range("read_local", self.rank(), offset, dst.len())?;
+        if self.backend.device().is_some() {
+            return self.backend.get(self.rank(), offset, dst);
+        }
         // SAFETY: in bounds of our segment, which lives as long as `self`; copies through raw
         // pointers because peers may write the segment concurrently.
         unsafe { std::ptr::copy_nonoverlapping(self.backend.local_base().add(offset), dst.as_mut_ptr(), dst.len()) };
@@ -294,6 +310,9 @@ impl<'buf> Window<'buf> {
     pub fn write_local<T: Element>(&self, offset: usize, src: &[T]) -> Result<()> {
         let src = as_bytes(src);
         self.check_range("write_local", self.rank(), offset, src.len())?;
+        if self.backend.device().is_some() {
+            return self.backend.put(self.rank(), offset, src);
+        }
         // SAFETY: as in `read_local`.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.backend.local_base().add(offset), src.len()) };
         Ok(())
@@ -301,7 +320,7 @@ impl<'buf> Window<'buf> {
 
     /// This rank's segment (`bytes()` long), valid while the window lives. Peers may write it
     /// at any time: access it with raw-pointer copies or atomics, never as a Rust slice held
-    /// across a signal wait.
+    /// across a signal wait. For a window in GPU memory this is a device address.
     pub fn local_ptr(&self) -> *mut u8 {
         self.backend.local_base()
     }
@@ -314,6 +333,37 @@ impl<'buf> Window<'buf> {
             return None;
         }
         self.backend.remote_base(rank)
+    }
+
+    /// Whether the segments live in GPU memory (the `device` backend).
+    pub fn is_device_memory(&self) -> bool {
+        self.backend.device().is_some()
+    }
+
+    /// The handle a kernel takes by value (`ferrocomm_window_handle`, device-api's `Window`).
+    /// Valid while this window lives: drop the window only after kernels using it finished
+    /// ([`Window::synchronize`]). Fails for windows in host memory.
+    pub fn device_handle(&self) -> Result<WindowHandle> {
+        self.backend
+            .device()
+            .map(|d| d.0)
+            .ok_or_else(|| Error::invalid("device_handle", "this window is in host memory (use the device backend)"))
+    }
+
+    /// The rank's stream: launch kernels that use the window on it, so they are ordered with
+    /// the window's host verbs.
+    pub fn stream(&self) -> Result<Arc<CudaStream>> {
+        self.backend
+            .device()
+            .map(|d| d.1)
+            .ok_or_else(|| Error::invalid("stream", "this window is in host memory (use the device backend)"))
+    }
+
+    /// Waits for the rank's stream and reports the first error a kernel recorded through the
+    /// handle (`Error::Timeout` naming the awaited rank, or `Error::Closed` after an abort),
+    /// then clears it: the window stays usable. A no-op for host windows.
+    pub fn synchronize(&self) -> Result<()> {
+        self.backend.synchronize(self.timeout)
     }
 
     /// `put` as a [`Work`] of `scope`, run in issue order with the communicator's other work.

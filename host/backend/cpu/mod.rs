@@ -86,6 +86,12 @@ pub(crate) fn create(init: &BackendInit) -> Result<Box<dyn Backend>> {
             reason: format!("it runs on host memory, not on {:?}", init.device),
         });
     }
+    Ok(Box::new(create_host(init)?))
+}
+
+/// The CPU engine for a communicator of any device: other backends run their host-memory
+/// operations and their control plane (barriers, small exchanges) on it.
+pub(crate) fn create_host(init: &BackendInit) -> Result<CpuBackend> {
     init.options.transport.validate()?;
     let tuning = Tuning::from_env()?;
     let t = transport::connect_all(
@@ -96,7 +102,7 @@ pub(crate) fn create(init: &BackendInit) -> Result<Box<dyn Backend>> {
         init.options.timeout,
     )?;
     let announce = t.announcer();
-    Ok(Box::new(CpuBackend {
+    Ok(CpuBackend {
         state: Mutex::new(State {
             engine: Engine::new(init.rank, init.size, t),
             scratch: Scratch::default(),
@@ -109,7 +115,7 @@ pub(crate) fn create(init: &BackendInit) -> Result<Box<dyn Backend>> {
         size: init.size,
         store: init.store.clone(),
         transport: init.options.transport.clone(),
-    }))
+    })
 }
 
 fn tag(code: u8, dtype: DType, op: Option<ReduceOp>) -> Tag {
@@ -192,6 +198,11 @@ impl Backend for CpuBackend {
 }
 
 impl CpuBackend {
+    /// A barrier over the communicator, for backends that use this engine as control plane.
+    pub(crate) fn run_barrier(&self, opts: &RunOptions) -> Result<()> {
+        self.run(&mut Op::Barrier, opts)
+    }
+
     fn dispatch(&self, e: &mut Engine, s: &mut Scratch, ctx: &OpCtx, op: &mut Op<'_>, opts: &RunOptions) -> Result<()> {
         let algo = |bytes: usize| self.tuning.choose(ctx.op, bytes, opts);
         match op {

@@ -1,0 +1,415 @@
+//! A window in GPU memory. Each rank's segment is a cuMem allocation; every rank maps all of
+//! them side by side (memory::SymmetricMap), so kernels reach any peer by address. Peers in this
+//! process share the physical handle; peers in other processes of this host receive it as a
+//! file descriptor (transport::fd_passing). Host verbs run on the rank's own stream: copies by
+//! copy engine, signals, waits and atomics by the small kernels of kernels/rma.cu, each
+//! complete when the call returns.
+
+use super::DeviceBackend;
+use crate::backend::RunOptions;
+use crate::cuda;
+use crate::device::abi::{self, DeviceStatus, WindowHandle};
+use crate::error::{Error, Result};
+use crate::memory::symmetric::memset_zero;
+use crate::memory::{Physical, Pinned, SymmetricMap};
+use crate::transport::fd_passing::{fetch_fds, FdServer};
+use crate::transport::host_identity;
+use crate::window::{Cmp, Observed, SignalOp, SignalSource, WindowBackend, WindowSpec};
+use crate::{bootstrap::PrefixStore, Store};
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream, LaunchArgs, LaunchConfig, PushKernelArg};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap};
+use std::os::fd::AsRawFd;
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::{Duration, Instant};
+
+/// Where a rank's segment can be found, published through the store.
+#[derive(Serialize, Deserialize)]
+struct SegmentInfo {
+    host: String,
+    pid: u32,
+    /// The physical handle's value, meaningful inside `pid` only.
+    handle: u64,
+    bytes: usize,
+    /// The Unix socket that hands out the segment's descriptor to other processes.
+    socket: String,
+}
+
+/// Segments of this process's ranks by handle value, so in-process peers map the same memory.
+fn local_segments() -> &'static Mutex<HashMap<u64, Weak<Physical>>> {
+    static M: OnceLock<Mutex<HashMap<u64, Weak<Physical>>>> = OnceLock::new();
+    M.get_or_init(Default::default)
+}
+
+const ALIGN: usize = 256;
+
+fn align_up(x: usize, a: usize) -> usize {
+    x.div_ceil(a) * a
+}
+
+/// The library kernels a window calls.
+struct Kernels {
+    signal: CudaFunction,
+    wait_signal: CudaFunction,
+    fetch_add: CudaFunction,
+    compare_swap: CudaFunction,
+}
+
+pub(crate) struct DeviceWindow {
+    rank: usize,
+    map: SymmetricMap,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    kernels: Kernels,
+    handle: WindowHandle,
+    status: Pinned<DeviceStatus>,
+    /// Results of waits and atomics: ok / source / value.
+    out: Pinned<u64>,
+    _abort_flag: Arc<Pinned<u32>>,
+    /// One host verb at a time: they share `out` and the status record.
+    lock: Mutex<()>,
+    /// The communicator's timeout: the bound of host verbs that do not take their own.
+    timeout: Duration,
+}
+
+impl DeviceWindow {
+    pub(crate) fn create(b: &DeviceBackend, spec: &WindowSpec) -> Result<DeviceWindow> {
+        if spec.registered.is_some() {
+            return Err(Error::invalid(
+                "register",
+                "the device backend allocates window memory on the GPU (new_window); register takes host memory",
+            ));
+        }
+        let (rank, size) = (b.rank, b.size);
+        let ctx = cuda::context(b.ordinal)?;
+        let stream = ctx.new_stream().map_err(|e| cuda::err("cuStreamCreate", e))?;
+        let module = crate::device::library(b.ordinal)?;
+        let f = |name: &str| module.load_function(name).map_err(|e| cuda::err(&format!("cuModuleGetFunction({name})"), e));
+        let kernels = Kernels {
+            signal: f("ferrocomm_signal")?,
+            wait_signal: f("ferrocomm_wait_signal")?,
+            fetch_add: f("ferrocomm_fetch_add")?,
+            compare_swap: f("ferrocomm_compare_swap")?,
+        };
+
+        // Segment layout (abi.h): data, signal pad [id][source], barrier slots [source], epoch.
+        let signal_offset = align_up(spec.bytes, ALIGN);
+        let barrier_offset = align_up(signal_offset + spec.signals * size * 8, ALIGN);
+        let segment_bytes = barrier_offset + (size + 1) * 8;
+        let own = Physical::create(b.ordinal, segment_bytes)?;
+        let own_handle = own.raw_handle();
+        local_segments()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(own_handle, Arc::downgrade(&own));
+        let segments = Self::exchange(b, spec, &own);
+        local_segments()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|_, w| w.strong_count() > 0);
+        let map = SymmetricMap::new(b.ordinal, segments?)?;
+
+        // Fresh pads and barrier slots read zero on every rank before anyone signals.
+        memset_zero(map.addr(rank, 0), map.stride(), stream.cu_stream())?;
+        stream.synchronize().map_err(|e| cuda::err("cuStreamSynchronize", e))?;
+        let hints = BTreeMap::new();
+        b.host.run_barrier(&RunOptions {
+            timeout: spec.timeout,
+            hints: &hints,
+        })?;
+
+        let status = Pinned::zeroed(1)?;
+        let handle = WindowHandle {
+            base: map.base(),
+            stride: map.stride() as u64,
+            data_bytes: spec.bytes as u64,
+            signal_offset: signal_offset as u64,
+            barrier_offset: barrier_offset as u64,
+            multicast: 0,
+            status: status.device_addr(),
+            abort_flag: b.abort_flag.device_addr(),
+            fifo: 0,
+            timeout_ns: spec.timeout.as_nanos().min(u64::MAX as u128) as u64,
+            rank: rank as i32,
+            size: size as i32,
+            signals: spec.signals as u32,
+            flags: 0,
+        };
+        Ok(DeviceWindow {
+            rank,
+            map,
+            ctx,
+            stream,
+            kernels,
+            handle,
+            status,
+            out: Pinned::zeroed(3)?,
+            _abort_flag: b.abort_flag.clone(),
+            lock: Mutex::new(()),
+            timeout: spec.timeout,
+        })
+    }
+
+    /// Publishes our segment and collects every rank's, in rank order.
+    fn exchange(b: &DeviceBackend, spec: &WindowSpec, own: &Arc<Physical>) -> Result<Vec<Arc<Physical>>> {
+        let store = PrefixStore::new(format!("dwindow{}", spec.id), b.store.clone());
+        let server = FdServer::bind()?;
+        let me = SegmentInfo {
+            host: host_identity(b.rank, &b.transport),
+            pid: std::process::id(),
+            handle: own.raw_handle(),
+            bytes: own.bytes(),
+            socket: server.path().to_string_lossy().into_owned(),
+        };
+        let encode = |i: &SegmentInfo| bincode::serialize(i).map_err(|e| Error::protocol("device window", e.to_string()));
+        store.set(&format!("rank{}", b.rank), &encode(&me)?)?;
+        let mut infos = Vec::with_capacity(b.size);
+        for r in 0..b.size {
+            let raw = store.get(&format!("rank{r}"), spec.timeout)?;
+            let info: SegmentInfo = bincode::deserialize(&raw)
+                .map_err(|e| Error::protocol("device window", format!("rank {r}'s segment record: {e}")))?;
+            if info.host != me.host {
+                return Err(Error::Unavailable {
+                    backend: "device".into(),
+                    reason: format!("rank {r} is on another host; device windows need every rank on this host"),
+                });
+            }
+            if info.bytes != me.bytes {
+                return Err(Error::Mismatch {
+                    op: "new_window",
+                    peer: r,
+                    detail: format!("segment of {} bytes, ours has {}", info.bytes, me.bytes),
+                });
+            }
+            infos.push(info);
+        }
+
+        let deadline = Instant::now() + spec.timeout;
+        let clients = infos.iter().filter(|i| i.pid != me.pid).count();
+        let fd = if clients > 0 { Some(own.export()?) } else { None };
+        std::thread::scope(|s| {
+            let serving = fd.as_ref().map(|fd| s.spawn(|| server.serve(&[fd.as_raw_fd()], clients, deadline)));
+            let segments = infos
+                .iter()
+                .enumerate()
+                .map(|(r, info)| {
+                    if r == b.rank {
+                        Ok(own.clone())
+                    } else if info.pid == me.pid {
+                        local_segments()
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .get(&info.handle)
+                            .and_then(Weak::upgrade)
+                            .ok_or_else(|| Error::PeerLost {
+                                op: "new_window",
+                                peer: r,
+                                reason: "its segment was released before we mapped it".into(),
+                            })
+                    } else {
+                        let fds = fetch_fds(std::path::Path::new(&info.socket), 1, deadline)?;
+                        Physical::import(&fds[0], info.bytes)
+                    }
+                })
+                .collect::<Result<Vec<_>>>();
+            let served = serving.map_or(Ok(()), |h| {
+                h.join().unwrap_or_else(|_| Err(Error::protocol("device window", "descriptor server panicked")))
+            });
+            let segments = segments?;
+            served?;
+            Ok(segments)
+        })
+    }
+
+    /// Waits for the stream (bounded: device waits end by their own deadline, so `limit` only
+    /// guards against a kernel that never ends), then turns a recorded device error into ours.
+    fn finish(&self, op: &'static str, limit: Duration) -> Result<()> {
+        let deadline = Instant::now() + limit + Duration::from_secs(1);
+        let mut spins = 0u32;
+        loop {
+            // SAFETY: the stream is live for as long as self.
+            match unsafe { sys::cuStreamQuery(self.stream.cu_stream()) } {
+                sys::CUresult::CUDA_SUCCESS => break,
+                sys::CUresult::CUDA_ERROR_NOT_READY => {
+                    if Instant::now() >= deadline {
+                        return Err(Error::Timeout {
+                            op,
+                            peer: None,
+                            after: limit,
+                        });
+                    }
+                    spins += 1;
+                    if spins < 1000 {
+                        std::hint::spin_loop();
+                    } else {
+                        std::thread::sleep(Duration::from_micros(50));
+                    }
+                }
+                other => return cuda::check("cuStreamQuery", other),
+            }
+        }
+        self.take_status(op, limit)
+    }
+
+    /// Reports and clears the first error a kernel recorded, so the window stays usable.
+    fn take_status(&self, op: &'static str, limit: Duration) -> Result<()> {
+        let s = self.status.read(0);
+        if s.code == abi::STATUS_OK {
+            return Ok(());
+        }
+        self.status.write(0, DeviceStatus::default());
+        let peer = usize::try_from(s.peer).ok();
+        Err(match s.code {
+            abi::STATUS_ABORTED => Error::Closed { op, state: "aborted" },
+            _ => Error::Timeout { op, peer, after: limit },
+        })
+    }
+
+    /// Launches one library kernel as a single thread.
+    fn launch_one(mut b: LaunchArgs<'_>) -> Result<()> {
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (1, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: every library kernel takes exactly the arguments its caller pushes, in order.
+        unsafe { b.launch(cfg) }.map_err(|e| cuda::err("cuLaunchKernel", e))?;
+        Ok(())
+    }
+
+    fn enter(&self) -> Result<std::sync::MutexGuard<'_, ()>> {
+        let g = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        self.ctx.bind_to_thread().map_err(|e| cuda::err("cuCtxSetCurrent", e))?;
+        Ok(g)
+    }
+}
+
+impl WindowBackend for DeviceWindow {
+    fn put(&self, dst: usize, offset: usize, src: &[u8]) -> Result<()> {
+        let _g = self.enter()?;
+        // SAFETY: Window checked the range; the copy completes before `src` is released.
+        cuda::check("cuMemcpyHtoDAsync", unsafe {
+            sys::cuMemcpyHtoDAsync_v2(self.map.addr(dst, offset), src.as_ptr().cast(), src.len(), self.stream.cu_stream())
+        })?;
+        self.finish("put", self.timeout)
+    }
+
+    fn get(&self, src: usize, offset: usize, dst: &mut [u8]) -> Result<()> {
+        let _g = self.enter()?;
+        // SAFETY: Window checked the range; `dst` outlives the synchronised copy.
+        cuda::check("cuMemcpyDtoHAsync", unsafe {
+            sys::cuMemcpyDtoHAsync_v2(dst.as_mut_ptr().cast(), self.map.addr(src, offset), dst.len(), self.stream.cu_stream())
+        })?;
+        self.finish("get", self.timeout)
+    }
+
+    fn signal(&self, dst: usize, id: usize, op: SignalOp, value: u64) -> Result<()> {
+        let _g = self.enter()?;
+        let (peer, id, op) = (dst as i32, id as u32, signal_op(op));
+        let mut b = self.stream.launch_builder(&self.kernels.signal);
+        b.arg(&self.handle).arg(&peer).arg(&id).arg(&op).arg(&value);
+        Self::launch_one(b)?;
+        self.finish("signal", self.timeout)
+    }
+
+    fn wait_signal(&self, id: usize, from: SignalSource, cmp: Cmp, value: u64, timeout: Duration) -> Result<Observed> {
+        let _g = self.enter()?;
+        let mut h = self.handle;
+        h.timeout_ns = timeout.as_nanos().min(u64::MAX as u128) as u64;
+        let source = match from {
+            SignalSource::Rank(r) => r as i32,
+            SignalSource::Any => abi::SOURCE_ANY,
+            SignalSource::Sum => abi::SOURCE_SUM,
+        };
+        let (id, cmp, out) = (id as u32, cmp_code(cmp), self.out.device_addr());
+        let mut b = self.stream.launch_builder(&self.kernels.wait_signal);
+        b.arg(&h).arg(&id).arg(&source).arg(&cmp).arg(&value).arg(&out);
+        Self::launch_one(b)?;
+        self.finish("wait_signal", timeout)?;
+        if self.out.read(0) == 0 {
+            return Err(Error::Timeout {
+                op: "wait_signal",
+                peer: usize::try_from(source).ok(),
+                after: timeout,
+            });
+        }
+        let src = self.out.read(1) as u32 as i32;
+        Ok(Observed {
+            source: usize::try_from(src).ok(),
+            value: self.out.read(2),
+        })
+    }
+
+    fn fetch_add(&self, dst: usize, offset: usize, value: u64) -> Result<u64> {
+        let _g = self.enter()?;
+        let (peer, offset, out) = (dst as i32, offset as u64, self.out.device_addr());
+        let mut b = self.stream.launch_builder(&self.kernels.fetch_add);
+        b.arg(&self.handle).arg(&peer).arg(&offset).arg(&value).arg(&out);
+        Self::launch_one(b)?;
+        self.finish("fetch_add", self.timeout)?;
+        Ok(self.out.read(0))
+    }
+
+    fn compare_swap(&self, dst: usize, offset: usize, expected: u64, desired: u64) -> Result<u64> {
+        let _g = self.enter()?;
+        let (peer, offset, out) = (dst as i32, offset as u64, self.out.device_addr());
+        let mut b = self.stream.launch_builder(&self.kernels.compare_swap);
+        b.arg(&self.handle).arg(&peer).arg(&offset).arg(&expected).arg(&desired).arg(&out);
+        Self::launch_one(b)?;
+        self.finish("compare_swap", self.timeout)?;
+        Ok(self.out.read(0))
+    }
+
+    /// Every host verb is complete when it returns, which already orders it before the next.
+    fn fence(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn flush(&self) -> Result<()> {
+        let _g = self.enter()?;
+        self.finish("flush", self.timeout)
+    }
+
+    fn local_base(&self) -> *mut u8 {
+        self.map.addr(self.rank, 0) as *mut u8
+    }
+
+    fn remote_base(&self, rank: usize) -> Option<*mut u8> {
+        Some(self.map.addr(rank, 0) as *mut u8)
+    }
+
+    fn device(&self) -> Option<(WindowHandle, Arc<CudaStream>)> {
+        Some((self.handle, self.stream.clone()))
+    }
+
+    fn synchronize(&self, timeout: Duration) -> Result<()> {
+        let _g = self.enter()?;
+        self.finish("synchronize", timeout)
+    }
+}
+
+impl Drop for DeviceWindow {
+    fn drop(&mut self) {
+        // Unmapping under a running kernel would fault it; wait (bounded) first.
+        let _ = self.ctx.bind_to_thread();
+        let _ = self.finish("drop", Duration::from_secs(5));
+    }
+}
+
+fn signal_op(op: SignalOp) -> u32 {
+    match op {
+        SignalOp::Set => 0,
+        SignalOp::Add => 1,
+    }
+}
+
+fn cmp_code(c: Cmp) -> u32 {
+    match c {
+        Cmp::Eq => 0,
+        Cmp::Ne => 1,
+        Cmp::Ge => 2,
+        Cmp::Gt => 3,
+        Cmp::Le => 4,
+        Cmp::Lt => 5,
+    }
+}

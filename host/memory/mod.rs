@@ -1,0 +1,10 @@
+//! GPU memory behind windows: physical allocations that can be exported as POSIX file
+//! descriptors, mapped side by side into one virtual range per rank (symmetric layout), and
+//! host-pinned words the device writes and the host reads (error records, abort flags).
+
+pub(crate) mod pinned;
+pub(crate) mod result;
+pub(crate) mod symmetric;
+
+pub(crate) use pinned::Pinned;
+pub(crate) use symmetric::{multicast_supported, Physical, SymmetricMap};

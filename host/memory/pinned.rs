@@ -1,0 +1,75 @@
+//! Host-pinned memory mapped into the device: words a kernel writes and the host reads without
+//! a copy (a device wait's error record) or the host writes and kernels poll (the abort flag).
+
+use crate::cuda::{self, check};
+use crate::error::Result;
+use cudarc::driver::sys;
+
+/// `len` zeroed values of `T` in pinned host memory, with their device address.
+pub(crate) struct Pinned<T: Copy> {
+    host: *mut T,
+    device: sys::CUdeviceptr,
+    len: usize,
+}
+
+// SAFETY: the memory is owned by this value; accesses go through volatile reads and writes.
+unsafe impl<T: Copy + Send> Send for Pinned<T> {}
+// SAFETY: as above; concurrent host access is by volatile word reads/writes only.
+unsafe impl<T: Copy + Send> Sync for Pinned<T> {}
+
+impl<T: Copy> Pinned<T> {
+    /// Needs a current context (cuda::context).
+    pub(crate) fn zeroed(len: usize) -> Result<Pinned<T>> {
+        cuda::driver()?;
+        let bytes = std::mem::size_of::<T>() * len.max(1);
+        let mut p = std::ptr::null_mut();
+        // PORTABLE: usable from every context, so ranks on different GPUs of one process may
+        // share it; DEVICEMAP: it has a device address.
+        // SAFETY: the driver writes the pointer; bytes > 0.
+        check("cuMemHostAlloc", unsafe {
+            sys::cuMemHostAlloc(&mut p, bytes, sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE)
+        })?;
+        // SAFETY: p is a fresh allocation of `bytes`.
+        unsafe { std::ptr::write_bytes(p.cast::<u8>(), 0, bytes) };
+        let mut device = 0;
+        // SAFETY: p is pinned and device-mapped.
+        let r = check("cuMemHostGetDevicePointer", unsafe {
+            sys::cuMemHostGetDevicePointer_v2(&mut device, p, 0)
+        });
+        if let Err(e) = r {
+            // SAFETY: p came from cuMemHostAlloc.
+            unsafe { sys::cuMemFreeHost(p) };
+            return Err(e);
+        }
+        Ok(Pinned {
+            host: p.cast(),
+            device,
+            len,
+        })
+    }
+
+    pub(crate) fn device_addr(&self) -> u64 {
+        self.device
+    }
+
+    /// Reads element `i` as the device last wrote it (volatile: the device writes behind our back).
+    pub(crate) fn read(&self, i: usize) -> T {
+        debug_assert!(i < self.len);
+        // SAFETY: in bounds; volatile because the GPU writes concurrently.
+        unsafe { std::ptr::read_volatile(self.host.add(i)) }
+    }
+
+    pub(crate) fn write(&self, i: usize, v: T) {
+        debug_assert!(i < self.len);
+        // SAFETY: in bounds; volatile because the GPU reads concurrently.
+        unsafe { std::ptr::write_volatile(self.host.add(i), v) };
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl<T: Copy> Drop for Pinned<T> {
+    fn drop(&mut self) {
+        // SAFETY: allocated by cuMemHostAlloc; no kernel uses it once its owner is dropped.
+        unsafe { sys::cuMemFreeHost(self.host.cast()) };
+    }
+}

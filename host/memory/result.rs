@@ -1,0 +1,107 @@
+//! One checked call per driver function of the virtual memory API (cudarc's `sys` layer
+//! underneath). Callers must have passed `cuda::driver()`.
+
+use crate::cuda::check;
+use crate::error::Result;
+use cudarc::driver::sys::{self, CUdeviceptr, CUmemGenericAllocationHandle};
+
+/// The allocation properties of every window segment: pinned device memory on `ordinal`,
+/// exportable as a POSIX file descriptor.
+pub(crate) fn device_prop(ordinal: usize) -> sys::CUmemAllocationProp {
+    // SAFETY: the struct is plain data for which all-zero is the documented default.
+    let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+    prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.requestedHandleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = ordinal as i32;
+    prop
+}
+
+/// # Safety: the driver is loaded.
+pub(crate) unsafe fn granularity(prop: &sys::CUmemAllocationProp) -> Result<usize> {
+    let mut g = 0usize;
+    check(
+        "cuMemGetAllocationGranularity",
+        sys::cuMemGetAllocationGranularity(
+            &mut g,
+            prop,
+            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
+        ),
+    )?;
+    Ok(g)
+}
+
+/// # Safety: `bytes` is a multiple of the granularity of `prop`.
+pub(crate) unsafe fn create(bytes: usize, prop: &sys::CUmemAllocationProp) -> Result<CUmemGenericAllocationHandle> {
+    let mut h = 0;
+    check("cuMemCreate", sys::cuMemCreate(&mut h, bytes, prop, 0))?;
+    Ok(h)
+}
+
+/// # Safety: `h` is a live handle created with a POSIX FD handle type.
+pub(crate) unsafe fn export_fd(h: CUmemGenericAllocationHandle) -> Result<i32> {
+    let mut fd: i32 = -1;
+    check(
+        "cuMemExportToShareableHandle",
+        sys::cuMemExportToShareableHandle(
+            (&mut fd as *mut i32).cast(),
+            h,
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            0,
+        ),
+    )?;
+    Ok(fd)
+}
+
+/// # Safety: `fd` came from `export_fd` in some process of this host.
+pub(crate) unsafe fn import_fd(fd: i32) -> Result<CUmemGenericAllocationHandle> {
+    let mut h = 0;
+    // The driver takes the descriptor's value, passed in the pointer-sized argument.
+    check(
+        "cuMemImportFromShareableHandle",
+        sys::cuMemImportFromShareableHandle(
+            &mut h,
+            fd as isize as *mut std::ffi::c_void,
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+        ),
+    )?;
+    Ok(h)
+}
+
+/// # Safety: `h` is live and no mapping uses it after its last release.
+pub(crate) unsafe fn release(h: CUmemGenericAllocationHandle) -> Result<()> {
+    check("cuMemRelease", sys::cuMemRelease(h))
+}
+
+/// # Safety: `bytes` and `align` are multiples of the granularity.
+pub(crate) unsafe fn reserve(bytes: usize, align: usize) -> Result<CUdeviceptr> {
+    let mut va = 0;
+    check("cuMemAddressReserve", sys::cuMemAddressReserve(&mut va, bytes, align, 0, 0))?;
+    Ok(va)
+}
+
+/// # Safety: `va..va+bytes` is reserved and unmapped; `bytes` is the handle's size.
+pub(crate) unsafe fn map(va: CUdeviceptr, bytes: usize, h: CUmemGenericAllocationHandle) -> Result<()> {
+    check("cuMemMap", sys::cuMemMap(va, bytes, 0, h, 0))
+}
+
+/// Read-write access for GPU `ordinal` to the mapped range `va..va+bytes`.
+/// # Safety: the range is fully mapped.
+pub(crate) unsafe fn allow(va: CUdeviceptr, bytes: usize, ordinal: usize) -> Result<()> {
+    // SAFETY: plain data; zero is a valid start.
+    let mut desc: sys::CUmemAccessDesc = std::mem::zeroed();
+    desc.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    desc.location.id = ordinal as i32;
+    desc.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    check("cuMemSetAccess", sys::cuMemSetAccess(va, bytes, &desc, 1))
+}
+
+/// # Safety: the range was mapped by `map` and nothing uses it any more.
+pub(crate) unsafe fn unmap(va: CUdeviceptr, bytes: usize) -> Result<()> {
+    check("cuMemUnmap", sys::cuMemUnmap(va, bytes))
+}
+
+/// # Safety: the range came from `reserve` and is unmapped.
+pub(crate) unsafe fn free_range(va: CUdeviceptr, bytes: usize) -> Result<()> {
+    check("cuMemAddressFree", sys::cuMemAddressFree(va, bytes))
+}

@@ -1,0 +1,165 @@
+//! Symmetric windows on the GPU: every rank allocates its segment as physical memory
+//! (cuMemCreate, exportable as a POSIX fd), and every rank maps all segments side by side into
+//! one virtual range of its own, rank r at `base + r * stride`. A device handle then reaches
+//! any peer with one multiply-add, in one process (ranks share the physical handles) or across
+//! processes (handles travel as fds, transport::fd_passing).
+
+use super::result;
+use crate::cuda::{self, check};
+use crate::error::{Error, Result};
+use cudarc::driver::sys::{self, CUdeviceptr, CUmemGenericAllocationHandle};
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::sync::Arc;
+
+/// The allocation granularity of GPU `ordinal` for window segments.
+pub(crate) fn granularity(ordinal: usize) -> Result<usize> {
+    cuda::driver()?;
+    // SAFETY: the driver is loaded.
+    unsafe { result::granularity(&result::device_prop(ordinal)) }
+}
+
+/// Whether GPU `ordinal` supports multicast objects (NVLink SHARP, sm_90 and later with
+/// NVSwitch); read from the driver at run time.
+pub(crate) fn multicast_supported(ordinal: usize) -> Result<bool> {
+    let ctx = cuda::context(ordinal)?;
+    let v = ctx
+        .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED)
+        .map_err(|e| cuda::err("cuDeviceGetAttribute(MULTICAST_SUPPORTED)", e))?;
+    Ok(v != 0)
+}
+
+/// One physical allocation (a rank's segment), released when the last owner drops it.
+pub(crate) struct Physical {
+    handle: CUmemGenericAllocationHandle,
+    bytes: usize,
+}
+
+// SAFETY: a generic allocation handle is a process-wide value with no thread affinity.
+unsafe impl Send for Physical {}
+// SAFETY: as above; `Physical` has no interior mutability.
+unsafe impl Sync for Physical {}
+
+impl Physical {
+    /// `bytes` rounded up to the granularity of `ordinal`.
+    pub(crate) fn create(ordinal: usize, bytes: usize) -> Result<Arc<Physical>> {
+        let g = granularity(ordinal)?;
+        let bytes = bytes.div_ceil(g).max(1) * g;
+        // SAFETY: bytes is a multiple of the granularity of this prop.
+        let handle = unsafe { result::create(bytes, &result::device_prop(ordinal)) }?;
+        Ok(Arc::new(Physical { handle, bytes }))
+    }
+
+    pub(crate) fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// The driver's handle value: a key for sharing within this process, never a capability.
+    pub(crate) fn raw_handle(&self) -> u64 {
+        self.handle
+    }
+
+    /// A descriptor another process imports with [`Physical::import`].
+    pub(crate) fn export(&self) -> Result<OwnedFd> {
+        // SAFETY: the handle is live and was created exportable as a POSIX fd.
+        let fd = unsafe { result::export_fd(self.handle) }?;
+        // SAFETY: the driver returned a fresh descriptor that we now own.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    pub(crate) fn import(fd: &OwnedFd, bytes: usize) -> Result<Arc<Physical>> {
+        use std::os::fd::AsRawFd;
+        cuda::driver()?;
+        // SAFETY: the fd came from export() of a peer on this host (fd_passing checked its uid).
+        let handle = unsafe { result::import_fd(fd.as_raw_fd()) }?;
+        Ok(Arc::new(Physical { handle, bytes }))
+    }
+}
+
+impl Drop for Physical {
+    fn drop(&mut self) {
+        // SAFETY: mappings hold their own reference (cuMemMap) so releasing here only frees
+        // the memory once it is unmapped everywhere.
+        if let Err(e) = unsafe { result::release(self.handle) } {
+            tracing::warn!("releasing a window segment: {e}");
+        }
+    }
+}
+
+/// Every rank's segment mapped into this process: segment r at `base + r * stride`, readable
+/// and writable by GPU `ordinal`. Unmapped on drop.
+pub(crate) struct SymmetricMap {
+    base: CUdeviceptr,
+    stride: usize,
+    total: usize,
+    count: usize,
+    _segments: Vec<Arc<Physical>>,
+}
+
+// SAFETY: a device address range is a process-wide value; the map is immutable after creation.
+unsafe impl Send for SymmetricMap {}
+// SAFETY: as above.
+unsafe impl Sync for SymmetricMap {}
+
+impl SymmetricMap {
+    /// Maps `segments` (all of one size, a granularity multiple) for GPU `ordinal`.
+    pub(crate) fn new(ordinal: usize, segments: Vec<Arc<Physical>>) -> Result<SymmetricMap> {
+        let stride = segments.first().map(|s| s.bytes).unwrap_or(0);
+        if stride == 0 || segments.iter().any(|s| s.bytes != stride) {
+            return Err(Error::invalid("new_window", "window segments differ in size across ranks"));
+        }
+        let g = granularity(ordinal)?;
+        let total = stride * segments.len();
+        // SAFETY: total and g are granularity multiples.
+        let base = unsafe { result::reserve(total, g) }?;
+        let mut map = SymmetricMap {
+            base,
+            stride,
+            total,
+            count: 0,
+            _segments: Vec::new(),
+        };
+        for seg in &segments {
+            // SAFETY: the slot is reserved and unmapped, its size the segment's.
+            unsafe { result::map(base + (map.count * stride) as u64, stride, seg.handle) }?;
+            map.count += 1;
+        }
+        // SAFETY: the whole range is mapped now.
+        unsafe { result::allow(base, total, ordinal) }?;
+        map._segments = segments;
+        Ok(map)
+    }
+
+    pub(crate) fn base(&self) -> CUdeviceptr {
+        self.base
+    }
+
+    pub(crate) fn stride(&self) -> usize {
+        self.stride
+    }
+
+    /// The device address of byte `offset` of `rank`'s segment.
+    pub(crate) fn addr(&self, rank: usize, offset: usize) -> CUdeviceptr {
+        self.base + (rank * self.stride + offset) as u64
+    }
+}
+
+impl Drop for SymmetricMap {
+    fn drop(&mut self) {
+        // SAFETY: the slots 0..count were mapped by new(); the caller synchronised the stream
+        // that used them before dropping.
+        unsafe {
+            for i in 0..self.count {
+                let _ = result::unmap(self.base + (i * self.stride) as u64, self.stride);
+            }
+            if let Err(e) = result::free_range(self.base, self.total) {
+                tracing::warn!("freeing a window's address range: {e}");
+            }
+        }
+    }
+}
+
+/// Zeroes `bytes` at `addr` on `stream` (used for fresh signal pads and barrier slots).
+pub(crate) fn memset_zero(addr: CUdeviceptr, bytes: usize, stream: sys::CUstream) -> Result<()> {
+    // SAFETY: the caller passes a mapped range and a live stream.
+    check("cuMemsetD8Async", unsafe { sys::cuMemsetD8Async(addr, 0, bytes, stream) })
+}
