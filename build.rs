@@ -29,7 +29,10 @@ fn main() {
     let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
     let sources = kernel_sources(&root.join("kernels"));
     let unity = out.join("ferrocomm_kernels.cu");
-    let body: String = sources.iter().map(|s| format!("#include \"{}\"\n", s.display())).collect();
+    let body: String = sources
+        .iter()
+        .map(|s| format!("#include \"{}\"\n", s.display()))
+        .collect();
     std::fs::write(&unity, body).expect("write the unity kernel source");
     // The same sources as text, for NVRTC at run time when there is no fatbin.
     let listing: String = sources
@@ -76,7 +79,11 @@ fn main() {
         .filter(|l| l.contains("spill") && !l.contains(" 0 bytes spill stores, 0 bytes spill loads"))
         .collect();
     if !spills.is_empty() {
-        panic!("kernels spill registers (see {}):\n{}", out.join("ptxas-report.txt").display(), spills.join("\n"));
+        panic!(
+            "kernels spill registers (see {}):\n{}",
+            out.join("ptxas-report.txt").display(),
+            spills.join("\n")
+        );
     }
     println!("cargo:rustc-cfg=ferrocomm_fatbin");
 }
@@ -96,7 +103,10 @@ fn find_nvcc(root: &Path) -> Option<PathBuf> {
         return exe(PathBuf::from(home));
     }
     if let Some(path) = std::env::var_os("PATH") {
-        if let Some(p) = std::env::split_paths(&path).map(|d| d.join("nvcc")).find(|p| p.is_file()) {
+        if let Some(p) = std::env::split_paths(&path)
+            .map(|d| d.join("nvcc"))
+            .find(|p| p.is_file())
+        {
             return Some(p);
         }
     }

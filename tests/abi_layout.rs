@@ -22,7 +22,8 @@ fn rust_mirrors_match_the_c_header() {
 
     let dir = std::env::temp_dir().join(format!("ferrocomm-abi-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let mut c = String::from("#include <stdio.h>\n#include <stddef.h>\n#include \"ferrocomm/abi.h\"\nint main(void) {\n");
+    let mut c =
+        String::from("#include <stdio.h>\n#include <stddef.h>\n#include \"ferrocomm/abi.h\"\nint main(void) {\n");
     for (expr, _) in &rust {
         c += &format!("  printf(\"%zu\\n\", (size_t){expr});\n");
     }

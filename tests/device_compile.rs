@@ -46,11 +46,23 @@ fn ptx_names_every_kernel_and_uses_system_scope_orderings() {
         return;
     }
     let ptx = String::from_utf8(compile_image(TEST_KERNELS, &CompileOptions::default()).unwrap()).unwrap();
-    for k in ["ring_thread", "ring_warp", "ring_block", "get_block", "barrier_rounds", "wait_forever"] {
+    for k in [
+        "ring_thread",
+        "ring_warp",
+        "ring_block",
+        "get_block",
+        "barrier_rounds",
+        "wait_forever",
+    ] {
         assert!(ptx.contains(&format!(".entry {k}(")), "kernel {k} missing from the PTX");
     }
     // The contract's mapping (docs/memory-model.md): release signals, acquire waits, timers.
-    for insn in ["st.release.sys.global.u64", "ld.acquire.sys.global.u64", "%globaltimer", "atom.acq_rel.sys.global.add.u64"] {
+    for insn in [
+        "st.release.sys.global.u64",
+        "ld.acquire.sys.global.u64",
+        "%globaltimer",
+        "atom.acq_rel.sys.global.add.u64",
+    ] {
         assert!(ptx.contains(insn), "{insn} missing from the PTX");
     }
     assert!(!ptx.contains("trap;"), "device code must never trap");

@@ -20,7 +20,11 @@ fn gpu_or_skip() -> bool {
     match device::available(0) {
         Ok(()) => true,
         Err(e) => {
-            assert_ne!(std::env::var("FERROCOMM_REQUIRE_GPU").as_deref(), Ok("1"), "FERROCOMM_REQUIRE_GPU=1 but {e}");
+            assert_ne!(
+                std::env::var("FERROCOMM_REQUIRE_GPU").as_deref(),
+                Ok("1"),
+                "FERROCOMM_REQUIRE_GPU=1 but {e}"
+            );
             eprintln!("SKIPPED: no usable GPU: {e}");
             false
         }
@@ -91,15 +95,35 @@ fn ring(c: &Comm, scope: &str, threads: u32, words: usize, iters: u32, seed: u64
     let tile = stream.alloc_zeros::<u64>(words).unwrap();
     let wrong = stream.alloc_zeros::<u64>(1).unwrap();
     let words64 = words as u64;
-    launch!(stream, &format!("ring_{scope}"), 1, threads, &h, &tile, &words64, &iters, &seed, &wrong);
-    w.synchronize().unwrap_or_else(|e| panic!("ring_{scope} rank {}: {e}", c.rank()));
-    assert_eq!(stream.clone_dtoh(&wrong).unwrap()[0], 0, "ring_{scope}: words differed inside the kernel");
+    launch!(
+        stream,
+        &format!("ring_{scope}"),
+        1,
+        threads,
+        &h,
+        &tile,
+        &words64,
+        &iters,
+        &seed,
+        &wrong
+    );
+    w.synchronize()
+        .unwrap_or_else(|e| panic!("ring_{scope} rank {}: {e}", c.rank()));
+    assert_eq!(
+        stream.clone_dtoh(&wrong).unwrap()[0],
+        0,
+        "ring_{scope}: words differed inside the kernel"
+    );
     // The host reads the last tile from the left neighbour and checks it independently.
     let left = (c.rank() + c.size() - 1) % c.size();
     let mut got = vec![0u64; words];
     w.read_local(0, &mut got).unwrap();
     for (i, g) in got.iter().enumerate() {
-        assert_eq!(*g, pattern(seed, left, iters - 1, i as u64), "ring_{scope}: word {i} from rank {left}");
+        assert_eq!(
+            *g,
+            pattern(seed, left, iters - 1, i as u64),
+            "ring_{scope}: word {i} from rank {left}"
+        );
     }
     w.barrier().unwrap();
 }
@@ -141,7 +165,11 @@ fn gpu_get_reads_every_peer() {
                 w.synchronize().unwrap();
                 let got = stream.clone_dtoh(&dst).unwrap();
                 for (i, g) in got.iter().enumerate() {
-                    assert_eq!(*g, pattern(seed, peer, 7, i as u64), "get_{scope} from {peer}: word {i}");
+                    assert_eq!(
+                        *g,
+                        pattern(seed, peer, 7, i as u64),
+                        "get_{scope} from {peer}: word {i}"
+                    );
                 }
             }
         }
@@ -163,7 +191,11 @@ fn gpu_device_barrier_orders_every_round() {
             let rounds = 200u32;
             launch!(stream, "barrier_rounds", 1, 64, &h, &rounds, &wrong);
             w.synchronize().unwrap();
-            assert_eq!(stream.clone_dtoh(&wrong).unwrap()[0], 0, "a rank read a word before the barrier");
+            assert_eq!(
+                stream.clone_dtoh(&wrong).unwrap()[0],
+                0,
+                "a rank read a word before the barrier"
+            );
         });
     }
 }
@@ -205,14 +237,20 @@ fn gpu_a_device_wait_times_out_and_the_window_stays_usable() {
         launch!(stream, "wait_forever", 1, 128, &h, &out);
         let err = w.synchronize().unwrap_err();
         assert!(matches!(err, Error::Timeout { op: "synchronize", .. }), "{err}");
-        assert!(t0.elapsed() < Duration::from_secs(5), "the device wait overran its 50 ms deadline");
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "the device wait overran its 50 ms deadline"
+        );
         assert_eq!(stream.clone_dtoh(&out).unwrap()[0], 0, "the wait reported success");
         // The host verb times out the same way, naming the awaited rank.
         let peer = 1 - c.rank();
         let err = w
             .wait_signal_timeout(3, SignalSource::Rank(peer), Cmp::Ge, 1, Duration::from_millis(50))
             .unwrap_err();
-        assert!(matches!(err, Error::Timeout { peer: Some(p), .. } if p == peer), "{err}");
+        assert!(
+            matches!(err, Error::Timeout { peer: Some(p), .. } if p == peer),
+            "{err}"
+        );
         // Still usable: a signal round trip works afterwards.
         c.barrier().unwrap();
         w.signal(peer, 5, SignalOp::Add, 1).unwrap();
@@ -227,7 +265,13 @@ fn gpu_abort_ends_a_device_wait() {
     if !gpu_or_skip() {
         return;
     }
-    let comms = Comm::new_group("device", &[Device::Cuda(0)], "gpu-abort", options(Duration::from_secs(60))).unwrap();
+    let comms = Comm::new_group(
+        "device",
+        &[Device::Cuda(0)],
+        "gpu-abort",
+        options(Duration::from_secs(60)),
+    )
+    .unwrap();
     let c = &comms[0];
     let w = c.new_window(64).unwrap();
     let t0 = Instant::now();
@@ -281,7 +325,13 @@ fn without_a_gpu_the_device_backend_is_unavailable() {
     }
     let err = Comm::new_group("device", &[Device::Cuda(0)], "nogpu", options(Duration::from_secs(5))).unwrap_err();
     assert!(matches!(err, Error::Unavailable { .. }), "{err}");
-    let err = Comm::new_group("auto", &[Device::Cuda(0)], "nogpu-auto", options(Duration::from_secs(5))).unwrap_err();
+    let err = Comm::new_group(
+        "auto",
+        &[Device::Cuda(0)],
+        "nogpu-auto",
+        options(Duration::from_secs(5)),
+    )
+    .unwrap_err();
     assert!(matches!(err, Error::Unavailable { .. }), "{err}");
     let err = Comm::new_group("device", &[Device::Cpu], "cpu-dev", options(Duration::from_secs(5))).unwrap_err();
     assert!(err.to_string().contains("CUDA"), "{err}");

@@ -29,13 +29,10 @@ const REQUIRED: &[&str] = &[
 /// Ok once libcuda is loaded, initialised and sees at least one device.
 pub(crate) fn driver() -> Result<()> {
     static STATE: OnceLock<std::result::Result<(), String>> = OnceLock::new();
-    STATE
-        .get_or_init(probe)
-        .clone()
-        .map_err(|reason| Error::Unavailable {
-            backend: "device".into(),
-            reason,
-        })
+    STATE.get_or_init(probe).clone().map_err(|reason| Error::Unavailable {
+        backend: "device".into(),
+        reason,
+    })
 }
 
 fn probe() -> std::result::Result<(), String> {

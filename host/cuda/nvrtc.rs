@@ -21,7 +21,9 @@ const BUILTINS: &str = "libnvrtc-builtins.so.13.0";
 /// dlopen by full path, kept for the life of the process on purpose: NVRTC is never unloaded
 /// under cudarc.
 fn preload(path: &std::path::Path) -> bool {
-    let Ok(c) = CString::new(path.as_os_str().as_encoded_bytes()) else { return false };
+    let Ok(c) = CString::new(path.as_os_str().as_encoded_bytes()) else {
+        return false;
+    };
     // SAFETY: dlopen of a NUL-terminated path; the handle is deliberately never closed.
     !unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) }.is_null()
 }
@@ -113,7 +115,10 @@ pub(crate) fn compile(source: &str, name: &str, headers: &[(&str, &str)], option
     let src = cstring("the source", source)?;
     let cname = cstring("the program name", name)?;
     let header_texts: Vec<CString> = headers.iter().map(|h| cstring(h.0, h.1)).collect::<Result<_>>()?;
-    let header_names: Vec<CString> = headers.iter().map(|h| cstring("a header name", h.0)).collect::<Result<_>>()?;
+    let header_names: Vec<CString> = headers
+        .iter()
+        .map(|h| cstring("a header name", h.0))
+        .collect::<Result<_>>()?;
     let text_ptrs: Vec<*const c_char> = header_texts.iter().map(|c| c.as_ptr()).collect();
     let name_ptrs: Vec<*const c_char> = header_names.iter().map(|c| c.as_ptr()).collect();
     let opts: Vec<CString> = options.iter().map(|o| cstring("an option", o)).collect::<Result<_>>()?;

@@ -21,7 +21,11 @@ macro_rules! header {
     ($name:literal) => {
         (
             concat!("ferrocomm/", $name),
-            include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/device-api/include/ferrocomm/", $name)),
+            include_str!(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/device-api/include/ferrocomm/",
+                $name
+            )),
         )
     };
 }
@@ -72,7 +76,9 @@ pub fn compile(ordinal: usize, source: &str, options: &CompileOptions) -> Result
     let ctx = cuda::context(ordinal)?;
     let mut options = options.clone();
     if options.arch.is_none() {
-        let (major, minor) = ctx.compute_capability().map_err(|e| cuda::err("cuDeviceGetAttribute", e))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| cuda::err("cuDeviceGetAttribute", e))?;
         options.arch = Some(format!("sm_{major}{minor}"));
     }
     let image = compile_image(source, &options)?;
@@ -96,7 +102,10 @@ pub fn multicast_supported(ordinal: usize) -> Result<bool> {
 pub(crate) fn library(ordinal: usize) -> Result<Arc<CudaModule>> {
     static MODULES: OnceLock<Mutex<HashMap<usize, Arc<CudaModule>>>> = OnceLock::new();
     let ctx = cuda::context(ordinal)?;
-    let mut map = MODULES.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
+    let mut map = MODULES
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
     if let Some(m) = map.get(&ordinal) {
         return Ok(m.clone());
     }
@@ -105,7 +114,11 @@ pub(crate) fn library(ordinal: usize) -> Result<Arc<CudaModule>> {
             .load_module(Ptx::from_binary(image.to_vec()))
             .map_err(|e| cuda::err("cuModuleLoadData(library fatbin)", e))?,
         None => {
-            let source: String = KERNEL_SOURCES.iter().map(|(_, text)| *text).collect::<Vec<_>>().join("\n");
+            let source: String = KERNEL_SOURCES
+                .iter()
+                .map(|(_, text)| *text)
+                .collect::<Vec<_>>()
+                .join("\n");
             let opts = CompileOptions {
                 name: Some("ferrocomm_kernels.cu".into()),
                 ..Default::default()

@@ -27,7 +27,11 @@ impl<T: Copy> Pinned<T> {
         // share it; DEVICEMAP: it has a device address.
         // SAFETY: the driver writes the pointer; bytes > 0.
         check("cuMemHostAlloc", unsafe {
-            sys::cuMemHostAlloc(&mut p, bytes, sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE)
+            sys::cuMemHostAlloc(
+                &mut p,
+                bytes,
+                sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE,
+            )
         })?;
         // SAFETY: p is a fresh allocation of `bytes`.
         unsafe { std::ptr::write_bytes(p.cast::<u8>(), 0, bytes) };

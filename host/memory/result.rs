@@ -76,7 +76,10 @@ pub(crate) unsafe fn release(h: CUmemGenericAllocationHandle) -> Result<()> {
 /// # Safety: `bytes` and `align` are multiples of the granularity.
 pub(crate) unsafe fn reserve(bytes: usize, align: usize) -> Result<CUdeviceptr> {
     let mut va = 0;
-    check("cuMemAddressReserve", sys::cuMemAddressReserve(&mut va, bytes, align, 0, 0))?;
+    check(
+        "cuMemAddressReserve",
+        sys::cuMemAddressReserve(&mut va, bytes, align, 0, 0),
+    )?;
     Ok(va)
 }
 

@@ -105,7 +105,10 @@ impl SymmetricMap {
     pub(crate) fn new(ordinal: usize, segments: Vec<Arc<Physical>>) -> Result<SymmetricMap> {
         let stride = segments.first().map(|s| s.bytes).unwrap_or(0);
         if stride == 0 || segments.iter().any(|s| s.bytes != stride) {
-            return Err(Error::invalid("new_window", "window segments differ in size across ranks"));
+            return Err(Error::invalid(
+                "new_window",
+                "window segments differ in size across ranks",
+            ));
         }
         let g = granularity(ordinal)?;
         let total = stride * segments.len();
@@ -161,5 +164,7 @@ impl Drop for SymmetricMap {
 /// Zeroes `bytes` at `addr` on `stream` (used for fresh signal pads and barrier slots).
 pub(crate) fn memset_zero(addr: CUdeviceptr, bytes: usize, stream: sys::CUstream) -> Result<()> {
     // SAFETY: the caller passes a mapped range and a live stream.
-    check("cuMemsetD8Async", unsafe { sys::cuMemsetD8Async(addr, 0, bytes, stream) })
+    check("cuMemsetD8Async", unsafe {
+        sys::cuMemsetD8Async(addr, 0, bytes, stream)
+    })
 }

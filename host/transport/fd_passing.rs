@@ -82,7 +82,10 @@ impl FdServer {
     /// refused and do not count. Fails if the clients have not all come by `deadline`.
     pub(crate) fn serve(&self, fds: &[RawFd], clients: usize, deadline: Instant) -> Result<()> {
         if fds.len() > MAX_FDS {
-            return Err(Error::invalid("fd passing", format!("{} descriptors exceed {MAX_FDS}", fds.len())));
+            return Err(Error::invalid(
+                "fd passing",
+                format!("{} descriptors exceed {MAX_FDS}", fds.len()),
+            ));
         }
         let mut served = 0;
         while served < clients {
@@ -157,12 +160,17 @@ fn send_fds(sock: &UnixStream, fds: &[RawFd]) -> Result<()> {
 pub(crate) fn fetch_fds(path: &Path, count: usize, deadline: Instant) -> Result<Vec<OwnedFd>> {
     let ctx = || format!("fetch descriptors from {}", path.display());
     if count == 0 || count > MAX_FDS {
-        return Err(Error::invalid("fd passing", format!("cannot receive {count} descriptors")));
+        return Err(Error::invalid(
+            "fd passing",
+            format!("cannot receive {count} descriptors"),
+        ));
     }
     let mut sock = loop {
         match UnixStream::connect(path) {
             Ok(s) => break s,
-            Err(e) if Instant::now() < deadline && matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ECONNREFUSED)) => {
+            Err(e)
+                if Instant::now() < deadline && matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ECONNREFUSED)) =>
+            {
                 std::thread::sleep(Duration::from_millis(1));
             }
             Err(e) => return Err(Error::io(ctx(), e)),
@@ -171,7 +179,9 @@ pub(crate) fn fetch_fds(path: &Path, count: usize, deadline: Instant) -> Result<
     if peer_uid(&sock)? != own_uid() {
         return Err(Error::Auth(format!("{}: the server runs as another user", ctx())));
     }
-    let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(1));
     sock.set_read_timeout(Some(left)).map_err(|e| Error::io(ctx(), e))?;
 
     let mut byte = [0u8; 1];
@@ -308,7 +318,12 @@ mod tests {
                 for (i, b) in path.as_bytes().iter().enumerate() {
                     addr.sun_path[i] = *b as _;
                 }
-                if libc::connect(s, (&addr as *const libc::sockaddr_un).cast(), size_of::<libc::sockaddr_un>() as _) != 0 {
+                if libc::connect(
+                    s,
+                    (&addr as *const libc::sockaddr_un).cast(),
+                    size_of::<libc::sockaddr_un>() as _,
+                ) != 0
+                {
                     libc::_exit(4);
                 }
                 let mut b = [9u8; 1];

@@ -4,10 +4,10 @@
 
 use crate::collectives::Collectives;
 use crate::comm::Comm;
+use crate::device::WindowHandle;
 use crate::dtype::{as_bytes, as_bytes_mut, Element};
 use crate::error::{Error, Result};
 use crate::work::{Scope, Work};
-use crate::device::WindowHandle;
 use cudarc::driver::CudaStream;
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -344,10 +344,12 @@ impl<'buf> Window<'buf> {
     /// Valid while this window lives: drop the window only after kernels using it finished
     /// ([`Window::synchronize`]). Fails for windows in host memory.
     pub fn device_handle(&self) -> Result<WindowHandle> {
-        self.backend
-            .device()
-            .map(|d| d.0)
-            .ok_or_else(|| Error::invalid("device_handle", "this window is in host memory (use the device backend)"))
+        self.backend.device().map(|d| d.0).ok_or_else(|| {
+            Error::invalid(
+                "device_handle",
+                "this window is in host memory (use the device backend)",
+            )
+        })
     }
 
     /// The rank's stream: launch kernels that use the window on it, so they are ordered with

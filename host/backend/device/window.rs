@@ -84,7 +84,11 @@ impl DeviceWindow {
         let ctx = cuda::context(b.ordinal)?;
         let stream = ctx.new_stream().map_err(|e| cuda::err("cuStreamCreate", e))?;
         let module = crate::device::library(b.ordinal)?;
-        let f = |name: &str| module.load_function(name).map_err(|e| cuda::err(&format!("cuModuleGetFunction({name})"), e));
+        let f = |name: &str| {
+            module
+                .load_function(name)
+                .map_err(|e| cuda::err(&format!("cuModuleGetFunction({name})"), e))
+        };
         let kernels = Kernels {
             signal: f("ferrocomm_signal")?,
             wait_signal: f("ferrocomm_wait_signal")?,
@@ -161,7 +165,8 @@ impl DeviceWindow {
             bytes: own.bytes(),
             socket: server.path().to_string_lossy().into_owned(),
         };
-        let encode = |i: &SegmentInfo| bincode::serialize(i).map_err(|e| Error::protocol("device window", e.to_string()));
+        let encode =
+            |i: &SegmentInfo| bincode::serialize(i).map_err(|e| Error::protocol("device window", e.to_string()));
         store.set(&format!("rank{}", b.rank), &encode(&me)?)?;
         let mut infos = Vec::with_capacity(b.size);
         for r in 0..b.size {
@@ -188,7 +193,9 @@ impl DeviceWindow {
         let clients = infos.iter().filter(|i| i.pid != me.pid).count();
         let fd = if clients > 0 { Some(own.export()?) } else { None };
         std::thread::scope(|s| {
-            let serving = fd.as_ref().map(|fd| s.spawn(|| server.serve(&[fd.as_raw_fd()], clients, deadline)));
+            let serving = fd
+                .as_ref()
+                .map(|fd| s.spawn(|| server.serve(&[fd.as_raw_fd()], clients, deadline)));
             let segments = infos
                 .iter()
                 .enumerate()
@@ -213,7 +220,8 @@ impl DeviceWindow {
                 })
                 .collect::<Result<Vec<_>>>();
             let served = serving.map_or(Ok(()), |h| {
-                h.join().unwrap_or_else(|_| Err(Error::protocol("device window", "descriptor server panicked")))
+                h.join()
+                    .unwrap_or_else(|_| Err(Error::protocol("device window", "descriptor server panicked")))
             });
             let segments = segments?;
             served?;
@@ -289,7 +297,12 @@ impl WindowBackend for DeviceWindow {
         let _g = self.enter()?;
         // SAFETY: Window checked the range; the copy completes before `src` is released.
         cuda::check("cuMemcpyHtoDAsync", unsafe {
-            sys::cuMemcpyHtoDAsync_v2(self.map.addr(dst, offset), src.as_ptr().cast(), src.len(), self.stream.cu_stream())
+            sys::cuMemcpyHtoDAsync_v2(
+                self.map.addr(dst, offset),
+                src.as_ptr().cast(),
+                src.len(),
+                self.stream.cu_stream(),
+            )
         })?;
         self.finish("put", self.timeout)
     }
@@ -298,7 +311,12 @@ impl WindowBackend for DeviceWindow {
         let _g = self.enter()?;
         // SAFETY: Window checked the range; `dst` outlives the synchronised copy.
         cuda::check("cuMemcpyDtoHAsync", unsafe {
-            sys::cuMemcpyDtoHAsync_v2(dst.as_mut_ptr().cast(), self.map.addr(src, offset), dst.len(), self.stream.cu_stream())
+            sys::cuMemcpyDtoHAsync_v2(
+                dst.as_mut_ptr().cast(),
+                self.map.addr(src, offset),
+                dst.len(),
+                self.stream.cu_stream(),
+            )
         })?;
         self.finish("get", self.timeout)
     }
@@ -354,7 +372,12 @@ impl WindowBackend for DeviceWindow {
         let _g = self.enter()?;
         let (peer, offset, out) = (dst as i32, offset as u64, self.out.device_addr());
         let mut b = self.stream.launch_builder(&self.kernels.compare_swap);
-        b.arg(&self.handle).arg(&peer).arg(&offset).arg(&expected).arg(&desired).arg(&out);
+        b.arg(&self.handle)
+            .arg(&peer)
+            .arg(&offset)
+            .arg(&expected)
+            .arg(&desired)
+            .arg(&out);
         Self::launch_one(b)?;
         self.finish("compare_swap", self.timeout)?;
         Ok(self.out.read(0))
