@@ -3,6 +3,7 @@
 //! threads with `--threads`); rank 0 prints the table and writes `--json` / `--csv`.
 
 mod args;
+mod gpu;
 mod ops;
 
 use args::Args;
@@ -249,6 +250,8 @@ fn main() {
             backend: a.backend.clone(),
             reason: "--graph captures CUDA graphs and needs a GPU backend".into(),
         })
+    } else if a.op.starts_with("device_") {
+        gpu::run(&a)
     } else if ferrocomm::discover(|k| std::env::var(k).ok()).ok().flatten().is_some() {
         rank_main(&a)
     } else if a.threads {

@@ -140,6 +140,14 @@ fn fatbin() -> Option<&'static [u8]> {
     None
 }
 
+/// A kernel of the library (kernels/*.cu, e.g. `ferrocomm_put_blocks`) loaded on GPU `ordinal`,
+/// for benchmarks and for programs that launch the library's verbs on their own streams.
+pub fn library_function(ordinal: usize, name: &str) -> Result<cudarc::driver::CudaFunction> {
+    library(ordinal)?
+        .load_function(name)
+        .map_err(|e| cuda::err(&format!("cuModuleGetFunction({name})"), e))
+}
+
 /// The names of the library's kernel source files (for diagnostics and tests).
 pub fn kernel_sources() -> impl Iterator<Item = &'static str> {
     KERNEL_SOURCES.iter().map(|(name, _)| *name)

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Builds the x86-64 bundle for a GPU machine that has no cargo: the test binaries with GPU
+# tests, the fused_put_signal example and ferrocomm-bench, plus run.sh, into .gpu-bundle/.
+# On the GPU machine: `bash .gpu-bundle/run.sh OUTDIR` runs every GPU test (a missing GPU
+# fails them there: FERROCOMM_REQUIRE_GPU=1), the example, and the device benchmarks, and
+# writes logs and tables under OUTDIR.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CUDA_HOME=$(scripts/cuda-toolchain.sh)
+export CUDA_HOME FERROCOMM_REQUIRE_NVCC=1
+
+rm -rf .gpu-bundle && mkdir -p .gpu-bundle
+cargo build --release --bins --examples
+cargo test --release --no-run --message-format=json --test gpu_windows --test device_compile 2>/dev/null |
+  python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
+        print(m["target"]["name"], m["executable"])' |
+  while read -r name exe; do cp "$exe" ".gpu-bundle/$name"; done
+cp target/release/ferrocomm-bench target/release/examples/fused_put_signal .gpu-bundle/
+git rev-parse --short HEAD > .gpu-bundle/COMMIT
+
+cat > .gpu-bundle/run.sh <<'RUN'
+#!/usr/bin/env bash
+# Runs the GPU suite from the bundle; logs go to ${1:-$OUT}.
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+out=${1:-${OUT:-/tmp/ferrocomm-gpu}}
+mkdir -p "$out"
+export FERROCOMM_REQUIRE_GPU=1 FERROCOMM_REQUIRE_NVRTC=1
+if [[ -z "${FERROCOMM_NVRTC_PATH:-}" ]]; then
+  nvrtc=$( (ls /usr/local/cuda/lib64/libnvrtc.so.13 2>/dev/null;
+            find / -name libnvrtc.so.13 -not -path '/proc/*' 2>/dev/null) | head -1)
+  [[ -n "$nvrtc" ]] && export FERROCOMM_NVRTC_PATH=$nvrtc
+fi
+{ echo "commit $(cat "$here/COMMIT")"; date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader;
+  echo "nvrtc ${FERROCOMM_NVRTC_PATH:-not found}"; } | tee "$out/machine.txt"
+status=0
+for t in device_compile gpu_windows; do
+  (cd "$here" && timeout 300 "./$t" --test-threads=1 2>&1) | tee "$out/$t.log" | grep -E "^test |test result|panicked" || status=1
+  grep -q "test result: ok" "$out/$t.log" || status=1
+done
+timeout 60 "$here/fused_put_signal" 2>&1 | tee "$out/fused_put_signal.log" || status=1
+timeout 120 "$here/ferrocomm-bench" device_put -b 64K -e 1G -f 4 -n 20 -w 5 2>&1 | tee "$out/device_put.txt" || status=1
+timeout 60 "$here/ferrocomm-bench" device_pingpong -n 10000 2>&1 | tee "$out/device_pingpong.txt" || status=1
+echo "gpu suite exit status $status"
+exit $status
+RUN
+chmod +x .gpu-bundle/run.sh
+du -sh .gpu-bundle
