@@ -33,6 +33,13 @@
 //! [`Window::get`], [`Window::signal`] / [`Window::wait_signal`] and atomics; the ordering
 //! contract is `docs/memory-model.md`.
 //!
+//! ## GPU windows
+//!
+//! The `device` backend ([`Device::Cuda`]) allocates windows in GPU memory; kernels take
+//! [`Window::device_handle`] by value and use the device API of `device-api/`. See [`device`]
+//! for compiling kernels with NVRTC. Without a CUDA driver or GPU it returns
+//! `Error::Unavailable`.
+//!
 //! ## Asynchronous operations
 //!
 //! [`Comm::scope`] hands out a scope whose calls return a [`Work`]; the scope waits for every
@@ -52,6 +59,8 @@
 //! | `FERROCOMM_CPU_DIRECT_MAX` | largest per-rank message sent directly, bytes (64 KiB) |
 //! | `FERROCOMM_CPU_CHUNK` | broadcast pipelining chunk, bytes (256 KiB) |
 //! | `FERROCOMM_LOG` | log filter, e.g. `debug` |
+//! | `FERROCOMM_NVRTC_PATH` | libnvrtc.so.13 (or its folder) for run-time kernel compilation |
+//! | `CUDA_HOME` | CUDA root: nvcc at build time, NVRTC at run time |
 //!
 //! ## Threads and clean-up
 //!
