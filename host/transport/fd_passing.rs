@@ -124,6 +124,17 @@ impl Drop for FdServer {
     }
 }
 
+/// A message header over one byte (`iov`) and a control buffer of `space` bytes.
+fn header(iov: &mut libc::iovec, control: &mut [u64], space: usize) -> libc::msghdr {
+    // SAFETY: zeroed msghdr is a valid empty header; we fill the fields we use.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = space as _;
+    msg
+}
+
 fn send_fds(sock: &UnixStream, fds: &[RawFd]) -> Result<()> {
     let mut byte = [GRANTED];
     let mut iov = libc::iovec {
@@ -134,12 +145,7 @@ fn send_fds(sock: &UnixStream, fds: &[RawFd]) -> Result<()> {
     // SAFETY: CMSG_SPACE only computes a size.
     let space = unsafe { libc::CMSG_SPACE(payload as u32) } as usize;
     let mut control = vec![0u64; space.div_ceil(8)];
-    // SAFETY: zeroed msghdr is a valid empty header; we fill the fields we use.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = space as _;
+    let msg = header(&mut iov, &mut control, space);
     // SAFETY: the control buffer holds one header of CMSG_LEN(payload) bytes (CMSG_SPACE
     // reserved it); CMSG_FIRSTHDR points into it and CMSG_DATA has room for `fds`.
     unsafe {
@@ -192,12 +198,7 @@ pub(crate) fn fetch_fds(path: &Path, count: usize, deadline: Instant) -> Result<
     // SAFETY: CMSG_SPACE only computes a size.
     let space = unsafe { libc::CMSG_SPACE((MAX_FDS * size_of::<RawFd>()) as u32) } as usize;
     let mut control = vec![0u64; space.div_ceil(8)];
-    // SAFETY: zeroed msghdr is a valid empty header; we fill the fields we use.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = space as _;
+    let mut msg = header(&mut iov, &mut control, space);
     // SAFETY: the buffers outlive the call; MSG_CMSG_CLOEXEC keeps received fds private.
     let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
     if n < 0 {
