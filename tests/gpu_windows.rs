@@ -9,7 +9,7 @@ mod common;
 use common::*;
 use ferrocomm::device::cudarc::driver::{CudaModule, LaunchConfig, PushKernelArg};
 use ferrocomm::device::{self, CompileOptions};
-use ferrocomm::{Error, Window};
+use ferrocomm::Error;
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
@@ -286,10 +286,6 @@ fn gpu_abort_ends_a_device_wait() {
     assert!(t0.elapsed() < Duration::from_secs(10));
 }
 
-fn window_of(c: &Comm, words: usize) -> Window<'static> {
-    c.new_window(words * 8).unwrap()
-}
-
 /// Entry of the two-process test (run by gpu_ring_across_two_processes).
 #[test]
 #[ignore]
@@ -297,7 +293,7 @@ fn gpu_two_process_rank() {
     let c = new_comm("device", Device::Cuda(0), "gpu-2proc", options(Duration::from_secs(60))).unwrap();
     let seed: u64 = std::env::var("GPU_TEST_SEED").unwrap().parse().unwrap();
     ring(&c, "block", 256, 1 << 14, 100, seed);
-    let w = window_of(&c, 4096);
+    let w = c.new_window(4096 * 8).unwrap();
     common::window_suite::run_on(&c, &w, seed);
     println!("rank {} ok", c.rank());
 }

@@ -147,8 +147,3 @@ pub fn library_function(ordinal: usize, name: &str) -> Result<cudarc::driver::Cu
         .load_function(name)
         .map_err(|e| cuda::err(&format!("cuModuleGetFunction({name})"), e))
 }
-
-/// The names of the library's kernel source files (for diagnostics and tests).
-pub fn kernel_sources() -> impl Iterator<Item = &'static str> {
-    KERNEL_SOURCES.iter().map(|(name, _)| *name)
-}

@@ -3,6 +3,7 @@
 //! here over a Unix socket with SCM_RIGHTS. Both ends check SO_PEERCRED: a process of another
 //! user is refused before any descriptor moves. The socket lives in a fresh 0700 directory.
 
+use super::accept::accept_until;
 use crate::error::{Error, Result};
 use std::io::{Read, Write};
 use std::mem::size_of;
@@ -89,29 +90,20 @@ impl FdServer {
         }
         let mut served = 0;
         while served < clients {
-            match self.listener.accept() {
-                Ok((mut sock, _)) => {
-                    let _ = sock.set_nonblocking(false);
-                    let _ = sock.set_write_timeout(Some(Duration::from_secs(5)));
-                    if peer_uid(&sock)? != own_uid() {
-                        let _ = sock.write_all(&[REFUSED]);
-                        continue;
-                    }
-                    send_fds(&sock, fds)?;
-                    served += 1;
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    if Instant::now() >= deadline {
-                        return Err(Error::Timeout {
-                            op: "fd passing: serve",
-                            peer: None,
-                            after: Duration::ZERO,
-                        });
-                    }
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-                Err(e) => return Err(Error::io("accept on the descriptor socket", e)),
+            let (mut sock, _) = accept_until(
+                || self.listener.accept(),
+                deadline,
+                "fd passing: serve",
+                "accept on the descriptor socket",
+            )?;
+            let _ = sock.set_nonblocking(false);
+            let _ = sock.set_write_timeout(Some(Duration::from_secs(5)));
+            if peer_uid(&sock)? != own_uid() {
+                let _ = sock.write_all(&[REFUSED]);
+                continue;
             }
+            send_fds(&sock, fds)?;
+            served += 1;
         }
         Ok(())
     }

@@ -5,6 +5,7 @@
 //! - other hosts: a TCP connection;
 //! - a rank to itself: an in-memory queue.
 
+mod accept;
 pub(crate) mod fd_passing;
 mod liveness;
 mod ring;

@@ -1,5 +1,6 @@
 //! TCP links between ranks on different hosts: one non-blocking stream per peer pair.
 
+use super::accept::accept_until;
 use crate::bootstrap::{self, NONCE_BYTES, PROOF_BYTES};
 use crate::error::{Error, Result};
 use std::io::{ErrorKind, Read, Write};
@@ -94,21 +95,7 @@ pub(crate) fn accept_authenticated(
     l.set_nonblocking(true).map_err(|e| Error::io("link listener", e))?;
     let mut got = Vec::new();
     while got.len() < expected {
-        let mut s = match l.accept() {
-            Ok((s, _)) => s,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                if Instant::now() >= deadline {
-                    return Err(Error::Timeout {
-                        op: "transport setup (accept links)",
-                        peer: None,
-                        after: Duration::ZERO,
-                    });
-                }
-                std::thread::sleep(Duration::from_millis(5));
-                continue;
-            }
-            Err(e) => return Err(Error::io("accept link", e)),
-        };
+        let (mut s, _) = accept_until(|| l.accept(), deadline, "transport setup (accept links)", "accept link")?;
         s.set_nonblocking(false).map_err(|e| Error::io("link socket", e))?;
         s.set_read_timeout(Some(left(deadline).max(Duration::from_millis(1))))
             .map_err(|e| Error::io("link socket", e))?;
