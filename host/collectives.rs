@@ -2,10 +2,11 @@
 //! (synchronous: each call returns when done) and by `&Scope` (asynchronous: each call returns a
 //! [`Work`]). Both check the same arguments and build the same [`Op`].
 
+use crate::buffer::{InputBuffer, OutputBuffer};
 use crate::comm::Comm;
-use crate::dtype::{Element, ReduceOp};
+use crate::dtype::ReduceOp;
 use crate::error::Result;
-use crate::ops::{equal_counts, split_counts, split_counts_mut, Buf, BufMut, Op, P2p};
+use crate::ops::{equal_counts, Op, P2p};
 use crate::options::OpOptions;
 use crate::work::{Scope, Work};
 
@@ -32,156 +33,194 @@ pub trait Collectives<'a>: Sized {
     }
 
     /// Reduces `buf` across ranks in place; every rank gets the result.
-    fn all_reduce<T: Element>(&self, buf: &'a mut [T], op: ReduceOp) -> Result<Self::Output> {
+    fn all_reduce<B: OutputBuffer<'a>>(&self, buf: B, op: ReduceOp) -> Result<Self::Output> {
         self.call(Op::AllReduce {
-            buf: BufMut::new(buf),
+            buf: buf.into_buf_mut(),
             op,
         })
     }
 
     /// Reduces into `root`'s `buf`; other ranks' buffers are unchanged.
-    fn reduce<T: Element>(&self, buf: &'a mut [T], op: ReduceOp, root: usize) -> Result<Self::Output> {
+    fn reduce<B: OutputBuffer<'a>>(&self, buf: B, op: ReduceOp, root: usize) -> Result<Self::Output> {
         self.call(Op::Reduce {
-            buf: BufMut::new(buf),
+            buf: buf.into_buf_mut(),
             op,
             root,
         })
     }
 
     /// Copies `root`'s `buf` to every rank's `buf`.
-    fn broadcast<T: Element>(&self, buf: &'a mut [T], root: usize) -> Result<Self::Output> {
+    fn broadcast<B: OutputBuffer<'a>>(&self, buf: B, root: usize) -> Result<Self::Output> {
         self.call(Op::Broadcast {
-            buf: BufMut::new(buf),
+            buf: buf.into_buf_mut(),
             root,
         })
     }
 
     /// `output` (size × input) receives every rank's `input` in rank order.
-    fn all_gather<T: Element>(&self, output: &'a mut [T], input: &'a [T]) -> Result<Self::Output> {
-        let counts = equal_counts("all_gather", output.len(), self.comm().size())?;
+    fn all_gather<O, I>(&self, output: O, input: I) -> Result<Self::Output>
+    where
+        O: OutputBuffer<'a>,
+        I: InputBuffer<'a, Elem = O::Elem>,
+    {
+        let output = output.into_buf_mut();
+        let counts = equal_counts("all_gather", output.count(), self.comm().size())?;
         self.call(Op::AllGather {
-            input: Buf::new(input),
-            outputs: split_counts_mut("all_gather", output, &counts)?,
+            input: input.into_buf(),
+            outputs: output.split("all_gather", &counts)?,
         })
     }
 
     /// `outputs[r]` receives rank r's `input`.
-    fn all_gather_list<T: Element>(&self, outputs: Vec<&'a mut [T]>, input: &'a [T]) -> Result<Self::Output> {
+    fn all_gather_list<O, I>(&self, outputs: Vec<O>, input: I) -> Result<Self::Output>
+    where
+        O: OutputBuffer<'a>,
+        I: InputBuffer<'a, Elem = O::Elem>,
+    {
         self.call(Op::AllGather {
-            input: Buf::new(input),
-            outputs: outputs.into_iter().map(BufMut::new).collect(),
+            input: input.into_buf(),
+            outputs: outputs.into_iter().map(O::into_buf_mut).collect(),
         })
     }
 
     /// Rank r contributes `counts[r]` elements; `output` holds them all in rank order.
-    fn all_gather_v<T: Element>(&self, output: &'a mut [T], input: &'a [T], counts: &[usize]) -> Result<Self::Output> {
+    fn all_gather_v<O, I>(&self, output: O, input: I, counts: &[usize]) -> Result<Self::Output>
+    where
+        O: OutputBuffer<'a>,
+        I: InputBuffer<'a, Elem = O::Elem>,
+    {
         self.call(Op::AllGather {
-            input: Buf::new(input),
-            outputs: split_counts_mut("all_gather_v", output, counts)?,
+            input: input.into_buf(),
+            outputs: output.into_buf_mut().split("all_gather_v", counts)?,
         })
     }
 
     /// `input` (size × output) is reduced across ranks; rank r gets block r.
-    fn reduce_scatter<T: Element>(&self, output: &'a mut [T], input: &'a [T], op: ReduceOp) -> Result<Self::Output> {
-        let counts = equal_counts("reduce_scatter", input.len(), self.comm().size())?;
+    fn reduce_scatter<O, I>(&self, output: O, input: I, op: ReduceOp) -> Result<Self::Output>
+    where
+        O: OutputBuffer<'a>,
+        I: InputBuffer<'a, Elem = O::Elem>,
+    {
+        let input = input.into_buf();
+        let counts = equal_counts("reduce_scatter", input.count(), self.comm().size())?;
         self.call(Op::ReduceScatter {
-            inputs: split_counts("reduce_scatter", input, &counts)?,
-            output: BufMut::new(output),
+            inputs: input.split("reduce_scatter", &counts)?,
+            output: output.into_buf_mut(),
             op,
         })
     }
 
     /// Rank r gets the reduction of every rank's `inputs[r]`.
-    fn reduce_scatter_list<T: Element>(
-        &self,
-        output: &'a mut [T],
-        inputs: Vec<&'a [T]>,
-        op: ReduceOp,
-    ) -> Result<Self::Output> {
+    fn reduce_scatter_list<O, I>(&self, output: O, inputs: Vec<I>, op: ReduceOp) -> Result<Self::Output>
+    where
+        O: OutputBuffer<'a>,
+        I: InputBuffer<'a, Elem = O::Elem>,
+    {
         self.call(Op::ReduceScatter {
-            inputs: inputs.into_iter().map(Buf::new).collect(),
-            output: BufMut::new(output),
+            inputs: inputs.into_iter().map(I::into_buf).collect(),
+            output: output.into_buf_mut(),
             op,
         })
     }
 
     /// Like `reduce_scatter` with block r of `counts[r]` elements.
-    fn reduce_scatter_v<T: Element>(
-        &self,
-        output: &'a mut [T],
-        input: &'a [T],
-        counts: &[usize],
-        op: ReduceOp,
-    ) -> Result<Self::Output> {
+    fn reduce_scatter_v<O, I>(&self, output: O, input: I, counts: &[usize], op: ReduceOp) -> Result<Self::Output>
+    where
+        O: OutputBuffer<'a>,
+        I: InputBuffer<'a, Elem = O::Elem>,
+    {
         self.call(Op::ReduceScatter {
-            inputs: split_counts("reduce_scatter_v", input, counts)?,
-            output: BufMut::new(output),
+            inputs: input.into_buf().split("reduce_scatter_v", counts)?,
+            output: output.into_buf_mut(),
             op,
         })
     }
 
     /// Block r of `input` goes to rank r; block r of `output` comes from rank r (equal blocks).
-    fn all_to_all<T: Element>(&self, output: &'a mut [T], input: &'a [T]) -> Result<Self::Output> {
+    fn all_to_all<O, I>(&self, output: O, input: I) -> Result<Self::Output>
+    where
+        O: OutputBuffer<'a>,
+        I: InputBuffer<'a, Elem = O::Elem>,
+    {
         let size = self.comm().size();
+        let (input, output) = (input.into_buf(), output.into_buf_mut());
         let (ic, oc) = (
-            equal_counts("all_to_all", input.len(), size)?,
-            equal_counts("all_to_all", output.len(), size)?,
+            equal_counts("all_to_all", input.count(), size)?,
+            equal_counts("all_to_all", output.count(), size)?,
         );
         self.call(Op::AllToAll {
-            inputs: split_counts("all_to_all", input, &ic)?,
-            outputs: split_counts_mut("all_to_all", output, &oc)?,
+            inputs: input.split("all_to_all", &ic)?,
+            outputs: output.split("all_to_all", &oc)?,
         })
     }
 
-    fn all_to_all_list<T: Element>(&self, outputs: Vec<&'a mut [T]>, inputs: Vec<&'a [T]>) -> Result<Self::Output> {
+    fn all_to_all_list<O, I>(&self, outputs: Vec<O>, inputs: Vec<I>) -> Result<Self::Output>
+    where
+        O: OutputBuffer<'a>,
+        I: InputBuffer<'a, Elem = O::Elem>,
+    {
         self.call(Op::AllToAll {
-            inputs: inputs.into_iter().map(Buf::new).collect(),
-            outputs: outputs.into_iter().map(BufMut::new).collect(),
+            inputs: inputs.into_iter().map(I::into_buf).collect(),
+            outputs: outputs.into_iter().map(O::into_buf_mut).collect(),
         })
     }
 
     /// Block sizes per peer: `input_counts[r]` elements go to rank r, `output_counts[r]` come
     /// from it.
-    fn all_to_all_v<T: Element>(
+    fn all_to_all_v<O, I>(
         &self,
-        output: &'a mut [T],
-        input: &'a [T],
+        output: O,
+        input: I,
         output_counts: &[usize],
         input_counts: &[usize],
-    ) -> Result<Self::Output> {
+    ) -> Result<Self::Output>
+    where
+        O: OutputBuffer<'a>,
+        I: InputBuffer<'a, Elem = O::Elem>,
+    {
         self.call(Op::AllToAll {
-            inputs: split_counts("all_to_all_v", input, input_counts)?,
-            outputs: split_counts_mut("all_to_all_v", output, output_counts)?,
+            inputs: input.into_buf().split("all_to_all_v", input_counts)?,
+            outputs: output.into_buf_mut().split("all_to_all_v", output_counts)?,
         })
     }
 
     /// `root`'s `input` (size × output, `None` elsewhere) is split; rank r gets block r.
-    fn scatter<T: Element>(&self, output: &'a mut [T], input: Option<&'a [T]>, root: usize) -> Result<Self::Output> {
+    fn scatter<O, I>(&self, output: O, input: Option<I>, root: usize) -> Result<Self::Output>
+    where
+        O: OutputBuffer<'a>,
+        I: InputBuffer<'a, Elem = O::Elem>,
+    {
         let inputs = match input {
             Some(i) if self.comm().rank() == root => {
-                let counts = equal_counts("scatter", i.len(), self.comm().size())?;
-                Some(split_counts("scatter", i, &counts)?)
+                let i = i.into_buf();
+                let counts = equal_counts("scatter", i.count(), self.comm().size())?;
+                Some(i.split("scatter", &counts)?)
             }
             _ => None,
         };
         self.call(Op::Scatter {
             inputs,
-            output: BufMut::new(output),
+            output: output.into_buf_mut(),
             root,
         })
     }
 
     /// Every rank's `input` lands in block r of `root`'s `output` (`None` elsewhere).
-    fn gather<T: Element>(&self, output: Option<&'a mut [T]>, input: &'a [T], root: usize) -> Result<Self::Output> {
+    fn gather<O, I>(&self, output: Option<O>, input: I, root: usize) -> Result<Self::Output>
+    where
+        O: OutputBuffer<'a>,
+        I: InputBuffer<'a, Elem = O::Elem>,
+    {
         let outputs = match output {
             Some(o) if self.comm().rank() == root => {
-                let counts = equal_counts("gather", o.len(), self.comm().size())?;
-                Some(split_counts_mut("gather", o, &counts)?)
+                let o = o.into_buf_mut();
+                let counts = equal_counts("gather", o.count(), self.comm().size())?;
+                Some(o.split("gather", &counts)?)
             }
             _ => None,
         };
         self.call(Op::Gather {
-            input: Buf::new(input),
+            input: input.into_buf(),
             outputs,
             root,
         })
@@ -192,16 +231,16 @@ pub trait Collectives<'a>: Sized {
     }
 
     /// Sends `buf` to `peer`, which must call `recv` (or a batch recv) for it.
-    fn send<T: Element>(&self, buf: &'a [T], peer: usize) -> Result<Self::Output> {
+    fn send<I: InputBuffer<'a>>(&self, buf: I, peer: usize) -> Result<Self::Output> {
         self.call(Op::Batch(vec![P2p::Send {
-            buf: Buf::new(buf),
+            buf: buf.into_buf(),
             peer,
         }]))
     }
 
-    fn recv<T: Element>(&self, buf: &'a mut [T], peer: usize) -> Result<Self::Output> {
+    fn recv<O: OutputBuffer<'a>>(&self, buf: O, peer: usize) -> Result<Self::Output> {
         self.call(Op::Batch(vec![P2p::Recv {
-            buf: BufMut::new(buf),
+            buf: buf.into_buf_mut(),
             peer,
         }]))
     }
@@ -223,16 +262,16 @@ pub struct Batch<'a, 'c, C: Collectives<'a>> {
 }
 
 impl<'a, C: Collectives<'a>> Batch<'a, '_, C> {
-    pub fn send<T: Element>(mut self, buf: &'a [T], peer: usize) -> Self {
+    pub fn send<I: InputBuffer<'a>>(mut self, buf: I, peer: usize) -> Self {
         self.list.push(P2p::Send {
-            buf: Buf::new(buf),
+            buf: buf.into_buf(),
             peer,
         });
         self
     }
-    pub fn recv<T: Element>(mut self, buf: &'a mut [T], peer: usize) -> Self {
+    pub fn recv<O: OutputBuffer<'a>>(mut self, buf: O, peer: usize) -> Self {
         self.list.push(P2p::Recv {
-            buf: BufMut::new(buf),
+            buf: buf.into_buf_mut(),
             peer,
         });
         self

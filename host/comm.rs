@@ -4,7 +4,7 @@ use crate::backend::{self, BackendInit};
 use crate::bootstrap::{self, MemoryStore, PrefixStore, Store, TcpStoreServer};
 use crate::dtype::Element;
 use crate::error::{Error, Result};
-use crate::ops::Op;
+use crate::ops::{Location, Op};
 use crate::options::{CommOptions, OpOptions};
 use crate::window::{Window, WindowOptions, WindowSpec};
 use crate::work::{Executor, Scope};
@@ -241,6 +241,17 @@ impl Comm {
     pub(crate) fn prepare(&self, op: &Op<'_>, opts: &OpOptions) -> Result<(&Arc<Executor>, Duration)> {
         self.check_live(op.name())?;
         op.validate(self.inner.rank, self.inner.size)?;
+        if let Some(Location::Cuda(ordinal)) = op.location()? {
+            if self.inner.device != Device::Cuda(ordinal) {
+                return Err(Error::invalid(
+                    op.name(),
+                    format!(
+                        "a buffer on CUDA device {ordinal} given to a communicator of {:?}",
+                        self.inner.device
+                    ),
+                ));
+            }
+        }
         Ok((&self.inner.exec, opts.timeout.unwrap_or(self.inner.options.timeout)))
     }
 

@@ -70,6 +70,7 @@
 
 mod backend;
 mod bootstrap;
+mod buffer;
 mod collectives;
 mod comm;
 mod cuda;
@@ -98,10 +99,11 @@ pub use collectives::{Batch, Collectives, WithOptions};
 pub mod fuzzing {
     pub use crate::bootstrap::fuzz_one_request as store_request;
 }
+pub use buffer::{InputBuffer, OutputBuffer};
 pub use comm::{new_comm, Comm, Device};
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{Error, Result};
-pub use ops::{Buf, BufMut, Op, P2p};
+pub use ops::{Buf, BufMut, DeviceBytes, Location, Op, P2p};
 pub use options::{default_timeout, CommOptions, OpOptions, TransportOptions};
 pub use window::{Cmp, Observed, SignalOp, SignalSource, Window, WindowBackend, WindowOptions, WindowSpec};
 pub use work::{Scope, Work};

@@ -6,90 +6,229 @@
 use crate::dtype::{as_bytes, as_bytes_mut, DType, Element, ReduceOp};
 use crate::error::{Error, Result};
 
-/// A read-only buffer of one element type. Host memory today; device memory joins as another
-/// location without changing the shape of `Op`.
+/// Where a buffer's bytes live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Location {
+    Host,
+    /// Memory of CUDA device `ordinal` (a device pointer; ranks in one process may share it).
+    Cuda(usize),
+}
+
+/// Bytes in device memory: a device pointer, never dereferenced on the host.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceBytes {
+    pub ordinal: usize,
+    pub ptr: u64,
+    pub len: usize,
+}
+
+impl DeviceBytes {
+    fn split_at(self, at: usize) -> (DeviceBytes, DeviceBytes) {
+        let head = DeviceBytes { len: at, ..self };
+        let tail = DeviceBytes {
+            ptr: self.ptr + at as u64,
+            len: self.len - at,
+            ..self
+        };
+        (head, tail)
+    }
+}
+
+#[derive(Debug)]
+enum Bytes<'a> {
+    Host(&'a [u8]),
+    Device(DeviceBytes),
+}
+
+#[derive(Debug)]
+enum BytesMut<'a> {
+    Host(&'a mut [u8]),
+    Device(DeviceBytes),
+}
+
+/// A read-only buffer of one element type, in host or device memory.
 #[derive(Debug)]
 pub struct Buf<'a> {
-    bytes: &'a [u8],
+    bytes: Bytes<'a>,
     dtype: DType,
 }
 
-/// A writable buffer of one element type.
+/// A writable buffer of one element type, in host or device memory.
 #[derive(Debug)]
 pub struct BufMut<'a> {
-    bytes: &'a mut [u8],
+    bytes: BytesMut<'a>,
     dtype: DType,
 }
+
+const DEVICE_ON_HOST: &str = "host_bytes called on a device buffer; backends check Op::location first";
 
 impl<'a> Buf<'a> {
     pub fn new<T: Element>(s: &'a [T]) -> Self {
         Buf {
-            bytes: as_bytes(s),
+            bytes: Bytes::Host(as_bytes(s)),
             dtype: T::DTYPE,
+        }
+    }
+    /// A buffer in device memory (see [`crate::device::DeviceSlice`] for the safe way in).
+    pub(crate) fn device(bytes: DeviceBytes, dtype: DType) -> Self {
+        Buf {
+            bytes: Bytes::Device(bytes),
+            dtype,
         }
     }
     pub fn dtype(&self) -> DType {
         self.dtype
     }
+    pub fn byte_len(&self) -> usize {
+        match &self.bytes {
+            Bytes::Host(b) => b.len(),
+            Bytes::Device(d) => d.len,
+        }
+    }
     pub fn count(&self) -> usize {
-        self.bytes.len() / self.dtype.size()
+        self.byte_len() / self.dtype.size()
+    }
+    pub fn location(&self) -> Location {
+        match &self.bytes {
+            Bytes::Host(_) => Location::Host,
+            Bytes::Device(d) => Location::Cuda(d.ordinal),
+        }
+    }
+    /// The device pointer, for a buffer in device memory.
+    pub fn device_bytes(&self) -> Option<DeviceBytes> {
+        match &self.bytes {
+            Bytes::Host(_) => None,
+            Bytes::Device(d) => Some(*d),
+        }
     }
     /// The host bytes of the buffer.
+    ///
+    /// # Panics
+    /// If the buffer is in device memory: a backend checks [`Op::location`] before it reads.
     pub fn host_bytes(&self) -> &[u8] {
-        self.bytes
+        match &self.bytes {
+            Bytes::Host(b) => b,
+            Bytes::Device(_) => panic!("{DEVICE_ON_HOST}"),
+        }
+    }
+    /// Consecutive parts of `counts` elements, which must cover the buffer exactly.
+    pub(crate) fn split(self, op: &'static str, counts: &[usize]) -> Result<Vec<Buf<'a>>> {
+        check_total(op, self.count(), counts)?;
+        let (dtype, size) = (self.dtype, self.dtype.size());
+        let mut parts = Vec::with_capacity(counts.len());
+        match self.bytes {
+            Bytes::Host(mut rest) => {
+                for &c in counts {
+                    let (a, b) = rest.split_at(c * size);
+                    rest = b;
+                    parts.push(Buf {
+                        bytes: Bytes::Host(a),
+                        dtype,
+                    });
+                }
+            }
+            Bytes::Device(mut rest) => {
+                for &c in counts {
+                    let (a, b) = rest.split_at(c * size);
+                    rest = b;
+                    parts.push(Buf::device(a, dtype));
+                }
+            }
+        }
+        Ok(parts)
     }
 }
 
 impl<'a> BufMut<'a> {
     pub fn new<T: Element>(s: &'a mut [T]) -> Self {
         BufMut {
-            bytes: as_bytes_mut(s),
+            bytes: BytesMut::Host(as_bytes_mut(s)),
             dtype: T::DTYPE,
+        }
+    }
+    pub(crate) fn device(bytes: DeviceBytes, dtype: DType) -> Self {
+        BufMut {
+            bytes: BytesMut::Device(bytes),
+            dtype,
         }
     }
     pub fn dtype(&self) -> DType {
         self.dtype
     }
+    pub fn byte_len(&self) -> usize {
+        match &self.bytes {
+            BytesMut::Host(b) => b.len(),
+            BytesMut::Device(d) => d.len,
+        }
+    }
     pub fn count(&self) -> usize {
-        self.bytes.len() / self.dtype.size()
+        self.byte_len() / self.dtype.size()
     }
+    pub fn location(&self) -> Location {
+        match &self.bytes {
+            BytesMut::Host(_) => Location::Host,
+            BytesMut::Device(d) => Location::Cuda(d.ordinal),
+        }
+    }
+    pub fn device_bytes(&self) -> Option<DeviceBytes> {
+        match &self.bytes {
+            BytesMut::Host(_) => None,
+            BytesMut::Device(d) => Some(*d),
+        }
+    }
+    /// # Panics
+    /// If the buffer is in device memory (see [`Buf::host_bytes`]).
     pub fn host_bytes(&self) -> &[u8] {
-        self.bytes
+        match &self.bytes {
+            BytesMut::Host(b) => b,
+            BytesMut::Device(_) => panic!("{DEVICE_ON_HOST}"),
+        }
     }
+    /// # Panics
+    /// If the buffer is in device memory (see [`Buf::host_bytes`]).
     pub fn host_bytes_mut(&mut self) -> &mut [u8] {
-        self.bytes
+        match &mut self.bytes {
+            BytesMut::Host(b) => b,
+            BytesMut::Device(_) => panic!("{DEVICE_ON_HOST}"),
+        }
     }
-}
-
-/// Splits `s` into consecutive parts of `counts` elements; the counts must cover `s` exactly.
-pub(crate) fn split_counts<'a, T: Element>(op: &'static str, s: &'a [T], counts: &[usize]) -> Result<Vec<Buf<'a>>> {
-    check_total(op, s.len(), counts)?;
-    let mut rest = s;
-    Ok(counts
-        .iter()
-        .map(|&c| {
-            let (a, b) = rest.split_at(c);
-            rest = b;
-            Buf::new(a)
-        })
-        .collect())
-}
-
-pub(crate) fn split_counts_mut<'a, T: Element>(
-    op: &'static str,
-    s: &'a mut [T],
-    counts: &[usize],
-) -> Result<Vec<BufMut<'a>>> {
-    check_total(op, s.len(), counts)?;
-    let mut rest = s;
-    Ok(counts
-        .iter()
-        .map(|&c| {
-            let (a, b) = std::mem::take(&mut rest).split_at_mut(c);
-            rest = b;
-            BufMut::new(a)
-        })
-        .collect())
+    /// A read-only view of the same bytes (an in-place operation's input).
+    pub fn as_buf(&self) -> Buf<'_> {
+        let bytes = match &self.bytes {
+            BytesMut::Host(b) => Bytes::Host(b),
+            BytesMut::Device(d) => Bytes::Device(*d),
+        };
+        Buf {
+            bytes,
+            dtype: self.dtype,
+        }
+    }
+    /// Consecutive parts of `counts` elements, which must cover the buffer exactly.
+    pub(crate) fn split(self, op: &'static str, counts: &[usize]) -> Result<Vec<BufMut<'a>>> {
+        check_total(op, self.count(), counts)?;
+        let (dtype, size) = (self.dtype, self.dtype.size());
+        let mut parts = Vec::with_capacity(counts.len());
+        match self.bytes {
+            BytesMut::Host(mut rest) => {
+                for &c in counts {
+                    let (a, b) = std::mem::take(&mut rest).split_at_mut(c * size);
+                    rest = b;
+                    parts.push(BufMut {
+                        bytes: BytesMut::Host(a),
+                        dtype,
+                    });
+                }
+            }
+            BytesMut::Device(mut rest) => {
+                for &c in counts {
+                    let (a, b) = rest.split_at(c * size);
+                    rest = b;
+                    parts.push(BufMut::device(a, dtype));
+                }
+            }
+        }
+        Ok(parts)
+    }
 }
 
 fn check_total(op: &'static str, len: usize, counts: &[usize]) -> Result<()> {
@@ -195,6 +334,56 @@ impl Op<'_> {
                 [P2p::Recv { .. }] => "recv",
                 _ => "batch_p2p",
             },
+        }
+    }
+
+    /// Where the operation's buffers live (`None` for an operation without buffers); an error
+    /// if they are not all in one place.
+    pub fn location(&self) -> Result<Option<Location>> {
+        let mut seen: Vec<Location> = Vec::new();
+        self.for_each_location(&mut |l| seen.push(l));
+        let first = seen.first().copied();
+        if let Some(other) = seen.iter().find(|&&l| Some(l) != first) {
+            return Err(Error::invalid(
+                self.name(),
+                format!(
+                    "buffers in {:?} and {other:?} memory: all of an operation's buffers must be in one place",
+                    first.unwrap_or(Location::Host)
+                ),
+            ));
+        }
+        Ok(first)
+    }
+
+    fn for_each_location(&self, f: &mut dyn FnMut(Location)) {
+        let mut ins = |v: &[Buf]| v.iter().for_each(|b| f(b.location()));
+        match self {
+            Op::AllReduce { buf, .. } | Op::Reduce { buf, .. } | Op::Broadcast { buf, .. } => f(buf.location()),
+            Op::AllGather { input, outputs } => {
+                f(input.location());
+                outputs.iter().for_each(|b| f(b.location()));
+            }
+            Op::ReduceScatter { inputs, output, .. } => {
+                ins(inputs);
+                f(output.location());
+            }
+            Op::AllToAll { inputs, outputs } => {
+                ins(inputs);
+                outputs.iter().for_each(|b| f(b.location()));
+            }
+            Op::Scatter { inputs, output, .. } => {
+                inputs.iter().for_each(|v| ins(v));
+                f(output.location());
+            }
+            Op::Gather { input, outputs, .. } => {
+                f(input.location());
+                outputs.iter().flatten().for_each(|b| f(b.location()));
+            }
+            Op::Barrier => {}
+            Op::Batch(v) => v.iter().for_each(|p| match p {
+                P2p::Send { buf, .. } => f(buf.location()),
+                P2p::Recv { buf, .. } => f(buf.location()),
+            }),
         }
     }
 

@@ -104,7 +104,10 @@ fn ranks_out_of_range_are_invalid_rank_errors() {
         c.scatter(&mut [0i32], Some(&[1, 2][..]), 3),
         Err(Error::InvalidRank { .. })
     ));
-    assert!(matches!(c.gather(None, &[1i32], 3), Err(Error::InvalidRank { .. })));
+    assert!(matches!(
+        c.gather(None::<&mut [i32]>, &[1i32], 3),
+        Err(Error::InvalidRank { .. })
+    ));
 }
 
 #[test]

@@ -6,9 +6,11 @@
 //! modules are cudarc's and mix with any cudarc program.
 
 pub mod abi;
+mod slice;
 
 pub use abi::{DeviceStatus, WindowHandle};
 pub use cudarc;
+pub use slice::{DeviceSlice, DeviceSliceMut};
 
 use crate::cuda::{self, nvrtc};
 use crate::error::Result;

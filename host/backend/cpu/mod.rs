@@ -10,7 +10,7 @@ use super::{Backend, BackendInit, RunOptions};
 use crate::bootstrap::Store;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
-use crate::ops::{Op, P2p};
+use crate::ops::{Location, Op, P2p};
 use crate::options::{env_parse, TransportOptions};
 use crate::transport::{self, OwnerState};
 use crate::window::{WindowBackend, WindowSpec};
@@ -134,6 +134,12 @@ impl Backend for CpuBackend {
 
     fn run(&self, op: &mut Op<'_>, opts: &RunOptions) -> Result<()> {
         let name = op.name();
+        if let Some(Location::Cuda(ordinal)) = op.location()? {
+            return Err(Error::invalid(
+                name,
+                format!("the cpu backend works on host memory; this buffer is on CUDA device {ordinal}"),
+            ));
+        }
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         if self.abort.load(Ordering::Acquire) {
             return Err(Error::Closed {

@@ -1,0 +1,74 @@
+//! What the collective calls accept as buffers: host slices (and vectors and arrays) or views of
+//! device memory. Each converts into the untyped [`Buf`] / [`BufMut`] of an [`crate::Op`].
+
+use crate::device::{DeviceSlice, DeviceSliceMut};
+use crate::dtype::Element;
+use crate::ops::{Buf, BufMut};
+
+/// A buffer a collective reads.
+pub trait InputBuffer<'a> {
+    type Elem: Element;
+    fn into_buf(self) -> Buf<'a>;
+}
+
+/// A buffer a collective writes (or reads and writes, for in-place operations).
+pub trait OutputBuffer<'a> {
+    type Elem: Element;
+    fn into_buf_mut(self) -> BufMut<'a>;
+}
+
+impl<'a, T: Element> InputBuffer<'a> for &'a [T] {
+    type Elem = T;
+    fn into_buf(self) -> Buf<'a> {
+        Buf::new(self)
+    }
+}
+
+impl<'a, T: Element> InputBuffer<'a> for &'a Vec<T> {
+    type Elem = T;
+    fn into_buf(self) -> Buf<'a> {
+        Buf::new(self)
+    }
+}
+
+impl<'a, T: Element, const N: usize> InputBuffer<'a> for &'a [T; N] {
+    type Elem = T;
+    fn into_buf(self) -> Buf<'a> {
+        Buf::new(self)
+    }
+}
+
+impl<'a, T: Element> InputBuffer<'a> for DeviceSlice<'a, T> {
+    type Elem = T;
+    fn into_buf(self) -> Buf<'a> {
+        Buf::device(self.bytes(), T::DTYPE)
+    }
+}
+
+impl<'a, T: Element> OutputBuffer<'a> for &'a mut [T] {
+    type Elem = T;
+    fn into_buf_mut(self) -> BufMut<'a> {
+        BufMut::new(self)
+    }
+}
+
+impl<'a, T: Element> OutputBuffer<'a> for &'a mut Vec<T> {
+    type Elem = T;
+    fn into_buf_mut(self) -> BufMut<'a> {
+        BufMut::new(self)
+    }
+}
+
+impl<'a, T: Element, const N: usize> OutputBuffer<'a> for &'a mut [T; N] {
+    type Elem = T;
+    fn into_buf_mut(self) -> BufMut<'a> {
+        BufMut::new(self)
+    }
+}
+
+impl<'a, T: Element> OutputBuffer<'a> for DeviceSliceMut<'a, T> {
+    type Elem = T;
+    fn into_buf_mut(self) -> BufMut<'a> {
+        BufMut::device(self.bytes(), T::DTYPE)
+    }
+}
