@@ -110,7 +110,7 @@ pub fn new_comm(backend: &str, device: Device, name: &str, options: CommOptions)
         }
     };
     let prefix = format!("ferrocomm/{name}/{}", next_generation(name, rank));
-    Comm::create(backend, device, name, rank, size, store, prefix, options, server)
+    Comm::create(backend, device, name, rank, size, store, prefix, options, server, None)
 }
 
 impl Comm {
@@ -125,6 +125,7 @@ impl Comm {
         prefix: String,
         options: CommOptions,
         server: Option<TcpStoreServer>,
+        split_from: Option<(&dyn crate::Backend, &[usize])>,
     ) -> Result<Comm> {
         if size == 0 || rank >= size {
             return Err(Error::InvalidRank {
@@ -135,14 +136,19 @@ impl Comm {
         }
         let factory = backend::backend_factory(backend)?;
         let scoped: Arc<dyn Store> = Arc::new(PrefixStore::new(prefix.clone(), store.clone()));
-        let b = factory(&BackendInit {
+        let init = BackendInit {
             rank,
             size,
             store: scoped,
             name,
             device,
             options: &options,
-        })?;
+        };
+        let native = split_from.and_then(|(parent, group)| parent.split(group, Some(&init)));
+        let b = match native {
+            Some(child) => child?.ok_or_else(|| Error::InvalidSplit("the backend made no sub-communicator".into()))?,
+            None => factory(&init)?,
+        };
         tracing::debug!(name, backend, rank, size, "communicator ready");
         Ok(Comm {
             inner: Arc::new(Inner {
@@ -185,8 +191,8 @@ impl Comm {
                 .map(|(rank, &dev)| {
                     let (store, prefix, options, memory, cause) =
                         (store.clone(), prefix.clone(), options.clone(), &memory, &cause);
-                    s.spawn(
-                        move || match Comm::create(backend, dev, name, rank, n, store, prefix, options, None) {
+                    s.spawn(move || {
+                        match Comm::create(backend, dev, name, rank, n, store, prefix, options, None, None) {
                             Ok(c) => Some(c),
                             Err(Error::StoreClosed(_)) => None,
                             Err(e) => {
@@ -194,8 +200,8 @@ impl Comm {
                                 cause.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e);
                                 None
                             }
-                        },
-                    )
+                        }
+                    })
                 })
                 .collect();
             handles.into_iter().map(|h| h.join().ok().flatten()).collect()
@@ -318,8 +324,13 @@ impl Comm {
                 )));
             }
         }
+        let parent = self.inner.exec.backend();
         let Some(new_rank) = ranks.iter().position(|&r| r == me) else {
-            return Ok(None);
+            // A backend that splits natively needs every parent rank in the call.
+            return match parent.split(&[], None) {
+                Some(Err(e)) => Err(e),
+                _ => Ok(None),
+            };
         };
         let prefix = format!("{}/split{generation}/{}", self.inner.prefix, ranks[0]);
         let c = Comm::create(
@@ -332,6 +343,7 @@ impl Comm {
             prefix,
             self.inner.options.clone(),
             None,
+            Some((parent, ranks)),
         )?;
         Ok(Some(c))
     }

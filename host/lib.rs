@@ -106,7 +106,7 @@ pub use error::{Error, Result};
 pub use ops::{Buf, BufMut, DeviceBytes, Location, Op, P2p};
 pub use options::{default_timeout, CommOptions, OpOptions, TransportOptions};
 pub use window::{Cmp, Observed, SignalOp, SignalSource, Window, WindowBackend, WindowOptions, WindowSpec};
-pub use work::{Scope, Work};
+pub use work::{Fence, FenceSlot, Scope, Work};
 
 pub use half::{bf16, f16};
 

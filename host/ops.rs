@@ -69,6 +69,12 @@ impl<'a> Buf<'a> {
             dtype: T::DTYPE,
         }
     }
+    pub(crate) fn from_host_bytes(bytes: &'a [u8], dtype: DType) -> Self {
+        Buf {
+            bytes: Bytes::Host(bytes),
+            dtype,
+        }
+    }
     /// A buffer in device memory (see [`crate::device::DeviceSlice`] for the safe way in).
     pub(crate) fn device(bytes: DeviceBytes, dtype: DType) -> Self {
         Buf {
@@ -144,6 +150,12 @@ impl<'a> BufMut<'a> {
         BufMut {
             bytes: BytesMut::Host(as_bytes_mut(s)),
             dtype: T::DTYPE,
+        }
+    }
+    pub(crate) fn from_host_bytes(bytes: &'a mut [u8], dtype: DType) -> Self {
+        BufMut {
+            bytes: BytesMut::Host(bytes),
+            dtype,
         }
     }
     pub(crate) fn device(bytes: DeviceBytes, dtype: DType) -> Self {
@@ -356,33 +368,49 @@ impl Op<'_> {
     }
 
     fn for_each_location(&self, f: &mut dyn FnMut(Location)) {
-        let mut ins = |v: &[Buf]| v.iter().for_each(|b| f(b.location()));
+        let f = std::cell::RefCell::new(f);
+        self.for_each_buffer(&mut |b| (f.borrow_mut())(b.location()), &mut |b| {
+            (f.borrow_mut())(b.location())
+        });
+    }
+
+    /// The larger of the bytes this rank reads and the bytes it writes: the message size that
+    /// algorithm choices go by.
+    pub fn message_bytes(&self) -> usize {
+        let (mut read, mut written) = (0, 0);
+        self.for_each_buffer(&mut |b| read += b.byte_len(), &mut |b| written += b.byte_len());
+        read.max(written)
+    }
+
+    /// Visits every buffer in a fixed order: inputs with `input`, outputs (also in-place ones)
+    /// with `output`.
+    pub(crate) fn for_each_buffer(&self, input: &mut dyn FnMut(&Buf), output: &mut dyn FnMut(&BufMut)) {
         match self {
-            Op::AllReduce { buf, .. } | Op::Reduce { buf, .. } | Op::Broadcast { buf, .. } => f(buf.location()),
-            Op::AllGather { input, outputs } => {
-                f(input.location());
-                outputs.iter().for_each(|b| f(b.location()));
+            Op::AllReduce { buf, .. } | Op::Reduce { buf, .. } | Op::Broadcast { buf, .. } => output(buf),
+            Op::AllGather { input: i, outputs } => {
+                input(i);
+                outputs.iter().for_each(output);
             }
-            Op::ReduceScatter { inputs, output, .. } => {
-                ins(inputs);
-                f(output.location());
+            Op::ReduceScatter { inputs, output: o, .. } => {
+                inputs.iter().for_each(&mut *input);
+                output(o);
             }
             Op::AllToAll { inputs, outputs } => {
-                ins(inputs);
-                outputs.iter().for_each(|b| f(b.location()));
+                inputs.iter().for_each(input);
+                outputs.iter().for_each(output);
             }
-            Op::Scatter { inputs, output, .. } => {
-                inputs.iter().for_each(|v| ins(v));
-                f(output.location());
+            Op::Scatter { inputs, output: o, .. } => {
+                inputs.iter().flatten().for_each(input);
+                output(o);
             }
-            Op::Gather { input, outputs, .. } => {
-                f(input.location());
-                outputs.iter().flatten().for_each(|b| f(b.location()));
+            Op::Gather { input: i, outputs, .. } => {
+                input(i);
+                outputs.iter().flatten().for_each(output);
             }
             Op::Barrier => {}
             Op::Batch(v) => v.iter().for_each(|p| match p {
-                P2p::Send { buf, .. } => f(buf.location()),
-                P2p::Recv { buf, .. } => f(buf.location()),
+                P2p::Send { buf, .. } => input(buf),
+                P2p::Recv { buf, .. } => output(buf),
             }),
         }
     }

@@ -16,11 +16,48 @@ use std::marker::PhantomData;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
+/// Device-side completion of an asynchronous operation that a backend left running on a GPU
+/// stream after its host part returned.
+pub trait Fence: Send + Sync {
+    /// Whether the device work has finished.
+    fn is_complete(&self) -> Result<bool>;
+    /// Makes `stream` (raw `CUstream`, 0 = legacy default) wait for the work; the host does not
+    /// block.
+    fn stream_wait(&self, stream: u64) -> Result<()>;
+}
+
+/// Where a backend leaves the [`Fence`] of an asynchronous operation.
+#[derive(Default)]
+pub struct FenceSlot(Mutex<Option<Box<dyn Fence>>>);
+
+impl FenceSlot {
+    pub fn set(&self, fence: Box<dyn Fence>) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(fence);
+    }
+
+    fn is_complete(&self) -> Result<bool> {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map_or(Ok(true), |f| f.is_complete())
+    }
+
+    /// Makes the calling thread's current stream wait for the fence, if there is one.
+    fn stream_wait(&self) -> Result<()> {
+        match self.0.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+            Some(f) => f.stream_wait(crate::cuda::stream::current()),
+            None => Ok(()),
+        }
+    }
+}
+
 /// The outcome of one operation, filled in once.
 #[derive(Default)]
 pub(crate) struct Completion {
     result: Mutex<Option<Result<()>>>,
     done: Condvar,
+    fence: FenceSlot,
 }
 
 impl Completion {
@@ -54,8 +91,9 @@ impl Completion {
     }
 }
 
-/// One unit of work for the backend: a collective, or a window operation.
-pub(crate) type Task<'a> = Box<dyn FnOnce(&dyn Backend) -> Result<()> + Send + 'a>;
+/// One unit of work for the backend: a collective, or a window operation. The slot is where an
+/// asynchronous operation may leave its device fence.
+pub(crate) type Task<'a> = Box<dyn FnOnce(&dyn Backend, Option<&FenceSlot>) -> Result<()> + Send + 'a>;
 
 struct Job {
     /// Lifetime erased; see `Executor::submit` for why the borrows outlive the job.
@@ -64,9 +102,21 @@ struct Job {
 }
 
 /// The task that runs one operation with its options.
+/// The stream is the issuing thread's current one, read now: the task may run on the worker.
 pub(crate) fn op_task<'a>(mut op: Op<'a>, timeout: Duration, opts: &OpOptions) -> Task<'a> {
     let hints = opts.hints.clone();
-    Box::new(move |b: &dyn Backend| b.run(&mut op, &RunOptions { timeout, hints: &hints }))
+    let stream = crate::cuda::stream::current();
+    Box::new(move |b: &dyn Backend, fence: Option<&FenceSlot>| {
+        b.run(
+            &mut op,
+            &RunOptions {
+                timeout,
+                hints: &hints,
+                stream,
+                fence,
+            },
+        )
+    })
 }
 
 #[derive(Default)]
@@ -108,7 +158,7 @@ impl Executor {
             // and in_flight == 0 means there is none, so this cannot wait on the worker.
             let _running = self.running.lock().unwrap_or_else(|p| p.into_inner());
             drop(q);
-            return task(&*self.backend);
+            return task(&*self.backend, None);
         }
         drop(q);
         // SAFETY: we block below until the job has completed, so the task's borrows outlive it.
@@ -167,7 +217,7 @@ impl Executor {
             // job is done.
             let r = {
                 let _running = self.running.lock().unwrap_or_else(|p| p.into_inner());
-                task(&*self.backend)
+                task(&*self.backend, Some(&done.fence))
             };
             self.queue.lock().unwrap_or_else(|p| p.into_inner()).in_flight -= 1;
             self.wake.notify_all();
@@ -214,8 +264,11 @@ pub struct Work<'scope> {
 
 impl Work<'_> {
     /// Blocks until the operation ends (it ends by itself within its timeout).
+    /// An operation a GPU backend left running on its own stream is then ordered before later
+    /// work on the calling thread's current stream (the host does not wait for the GPU).
     pub fn wait(self) -> Result<()> {
-        self.done.wait(None).unwrap_or(Ok(()))
+        self.done.wait(None).unwrap_or(Ok(()))?;
+        self.done.fence.stream_wait()
     }
 
     /// Blocks at most `limit`; `Error::Timeout` if the operation is still running then (it
@@ -225,11 +278,14 @@ impl Work<'_> {
             op: self.op,
             peer: None,
             after: limit,
-        }))
+        }))?;
+        self.done.fence.stream_wait()
     }
 
+    /// Whether the operation has finished, on the device too (a failed device query counts as
+    /// finished: `wait` reports it).
     pub fn is_completed(&self) -> bool {
-        self.done.is_done()
+        self.done.is_done() && self.done.fence.is_complete().unwrap_or(true)
     }
 }
 
@@ -278,6 +334,9 @@ impl<'scope, 'env> Scope<'scope, 'env> {
     pub(crate) fn wait_all(&self) {
         for c in self.pending.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
             let _ = c.wait(None);
+            // Device buffers borrowed by the scope are in use until the GPU passes the fence;
+            // order the current stream after it, as `Work::wait` would.
+            let _ = c.fence.stream_wait();
         }
     }
 }

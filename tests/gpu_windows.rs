@@ -321,6 +321,7 @@ fn without_a_gpu_the_device_backend_is_unavailable() {
     }
     let err = Comm::new_group("device", &[Device::Cuda(0)], "nogpu", options(Duration::from_secs(5))).unwrap_err();
     assert!(matches!(err, Error::Unavailable { .. }), "{err}");
+    // `auto` tries device, NCCL and CPU in turn and says why each one cannot run.
     let err = Comm::new_group(
         "auto",
         &[Device::Cuda(0)],
@@ -329,6 +330,11 @@ fn without_a_gpu_the_device_backend_is_unavailable() {
     )
     .unwrap_err();
     assert!(matches!(err, Error::Unavailable { .. }), "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains("device: ") && text.contains("nccl: ") && text.contains("cpu: "),
+        "{text}"
+    );
     let err = Comm::new_group("device", &[Device::Cpu], "cpu-dev", options(Duration::from_secs(5))).unwrap_err();
     assert!(err.to_string().contains("CUDA"), "{err}");
 }

@@ -3,12 +3,16 @@
 
 pub(crate) mod cpu;
 mod device;
+mod nccl;
+
+pub(crate) use nccl::library::{nccl as nccl_library, version_string as nccl_version_string};
 
 use crate::bootstrap::Store;
 use crate::error::{Error, Result};
 use crate::ops::Op;
 use crate::options::CommOptions;
 use crate::window::{WindowBackend, WindowSpec};
+use crate::work::FenceSlot;
 use crate::Device;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, OnceLock, RwLock};
@@ -29,6 +33,24 @@ pub struct BackendInit<'a> {
 pub struct RunOptions<'a> {
     pub timeout: Duration,
     pub hints: &'a BTreeMap<String, String>,
+    /// The issuing thread's current CUDA stream (raw `CUstream`, 0 = the legacy default
+    /// stream). A synchronous operation on device buffers is enqueued on it.
+    pub stream: u64,
+    /// Set for an asynchronous operation: a GPU backend may run it on its own stream and leave
+    /// an event here; `Work::wait` then makes the waiter's stream wait for it.
+    pub fence: Option<&'a FenceSlot>,
+}
+
+impl<'a> RunOptions<'a> {
+    /// Options for a synchronous operation on the default stream.
+    pub fn new(timeout: Duration, hints: &'a BTreeMap<String, String>) -> Self {
+        RunOptions {
+            timeout,
+            hints,
+            stream: 0,
+            fence: None,
+        }
+    }
 }
 
 /// A communication backend for one rank.
@@ -42,6 +64,15 @@ pub trait Backend: Send + Sync {
     fn run(&self, op: &mut Op<'_>, opts: &RunOptions) -> Result<()>;
     fn abort(&self);
     fn finalize(&self) -> Result<()>;
+    /// Makes the backend of a sub-communicator from this one (as `ncclCommSplit` does), or
+    /// `None` to have it built from the registry like any new communicator. Collective over
+    /// every rank of this backend: `group` lists this rank's group as parent ranks in new-rank
+    /// order (empty for none), and `init` describes the new rank (`None` for none).
+    #[allow(clippy::type_complexity)]
+    fn split(&self, group: &[usize], init: Option<&BackendInit>) -> Option<Result<Option<Box<dyn Backend>>>> {
+        let _ = (group, init);
+        None
+    }
     /// Builds this rank's part of a window (collective). Backends without windows say so.
     fn new_window(&self, spec: &WindowSpec) -> Result<Box<dyn WindowBackend>> {
         let _ = spec;
@@ -61,16 +92,34 @@ fn registry() -> &'static RwLock<HashMap<String, BackendFactory>> {
         let mut m: HashMap<String, BackendFactory> = HashMap::new();
         m.insert("cpu".into(), Arc::new(cpu::create));
         m.insert("device".into(), Arc::new(device::create));
-        // `auto` picks the best backend for the device: host memory means the CPU backend,
-        // a CUDA device the device backend.
-        m.insert(
-            "auto".into(),
-            Arc::new(|init: &BackendInit| match init.device {
-                Device::Cpu => cpu::create(init),
-                Device::Cuda(_) => device::create(init),
-            }),
-        );
+        m.insert("nccl".into(), Arc::new(nccl::create));
+        m.insert("auto".into(), Arc::new(auto));
         RwLock::new(m)
+    })
+}
+
+/// `auto`: host memory means the CPU backend; a CUDA device the device backend, else NCCL,
+/// else the CPU backend, the first that this machine can run (the CPU backend refuses a CUDA
+/// device, so that is an `Unavailable` error listing every backend's reason). Ranks decide
+/// alike when their machines are alike; mixed jobs name a backend.
+fn auto(init: &BackendInit) -> Result<Box<dyn Backend>> {
+    let mut why = Vec::new();
+    type Create = fn(&BackendInit) -> Result<Box<dyn Backend>>;
+    let order: [(&str, Create); 3] = [("device", device::create), ("nccl", nccl::create), ("cpu", cpu::create)];
+    let skip = if init.device == Device::Cpu { 2 } else { 0 };
+    for (name, create) in order.into_iter().skip(skip) {
+        match create(init) {
+            Ok(b) => {
+                tracing::info!(backend = name, passed_over = ?why, "auto backend");
+                return Ok(b);
+            }
+            Err(Error::Unavailable { reason, .. }) => why.push(format!("{name}: {reason}")),
+            Err(e) => return Err(e),
+        }
+    }
+    Err(Error::Unavailable {
+        backend: "auto".into(),
+        reason: why.join("; "),
     })
 }
 

@@ -4,6 +4,7 @@
 //! `Error::Unavailable`.
 
 pub(crate) mod nvrtc;
+pub(crate) mod stream;
 
 use crate::error::{Error, Result};
 use cudarc::driver::{sys, CudaContext, DriverError};

@@ -8,9 +8,36 @@
 pub mod abi;
 mod slice;
 
+pub use crate::cuda::stream::CurrentStream;
 pub use abi::{DeviceStatus, WindowHandle};
 pub use cudarc;
 pub use slice::{DeviceSlice, DeviceSliceMut};
+
+/// The NCCL library ferrocomm found (the search of the `nccl` backend: `FERROCOMM_NCCL_PATH`,
+/// the dynamic loader's path, `CUDA_HOME`, the `nvidia-nccl-cu1x` wheels).
+#[derive(Clone, Debug)]
+pub struct NcclLibrary {
+    /// `2.21.5`.
+    pub version: String,
+    pub path: std::path::PathBuf,
+}
+
+/// Loads NCCL (no GPU needed) and says which one; `Error::Unavailable` lists what was tried.
+pub fn nccl_library() -> Result<NcclLibrary> {
+    let lib = crate::backend::nccl_library()?;
+    Ok(NcclLibrary {
+        version: crate::backend::nccl_version_string(lib.version),
+        path: lib.path.clone(),
+    })
+}
+
+/// Makes `stream` the calling thread's current stream while the guard lives: synchronous
+/// operations on device buffers are enqueued on it (and may be captured into a CUDA graph
+/// there), and `Work::wait` orders it after asynchronous ones. Without a guard the current
+/// stream is the legacy default stream.
+pub fn use_stream(stream: &cudarc::driver::CudaStream) -> CurrentStream<'_> {
+    crate::cuda::stream::set_current(stream)
+}
 
 use crate::cuda::{self, nvrtc};
 use crate::error::Result;

@@ -377,7 +377,7 @@ impl<'buf> Window<'buf> {
         src: &'s [T],
     ) -> Result<Work<'s>> {
         self.check_range("put", dst, offset, std::mem::size_of_val(src))?;
-        scope.spawn(Box::new(move |_| self.put(dst, offset, src)), "put")
+        scope.spawn(Box::new(move |_, _| self.put(dst, offset, src)), "put")
     }
 
     /// `get` as a [`Work`] of `scope`.
@@ -389,7 +389,7 @@ impl<'buf> Window<'buf> {
         dst: &'s mut [T],
     ) -> Result<Work<'s>> {
         self.check_range("get", src, offset, std::mem::size_of_val(dst))?;
-        scope.spawn(Box::new(move |_| self.get(src, offset, dst)), "get")
+        scope.spawn(Box::new(move |_, _| self.get(src, offset, dst)), "get")
     }
 
     /// `signal` as a [`Work`] of `scope` (after the scope's earlier puts).
@@ -403,6 +403,6 @@ impl<'buf> Window<'buf> {
     ) -> Result<Work<'s>> {
         self.check_rank("signal", dst)?;
         self.check_signal("signal", id)?;
-        scope.spawn(Box::new(move |_| self.signal(dst, id, op, value)), "signal")
+        scope.spawn(Box::new(move |_, _| self.signal(dst, id, op, value)), "signal")
     }
 }

@@ -3,17 +3,23 @@
 //! creation, run on the CPU engine underneath; device collectives arrive with their own
 //! kernels, and NCCL behind them.
 
+mod route;
+mod stage;
 mod window;
 
 use super::cpu::{self, CpuBackend};
+use super::nccl::NcclBackend;
 use super::{Backend, BackendInit, RunOptions};
+use crate::bootstrap::PrefixStore;
 use crate::bootstrap::Store;
 use crate::error::{Error, Result};
 use crate::memory::Pinned;
+use crate::ops::Location;
 use crate::ops::Op;
 use crate::options::TransportOptions;
 use crate::window::{WindowBackend, WindowSpec};
 use crate::Device;
+use route::{Policy, Route};
 use std::sync::Arc;
 
 pub(crate) struct DeviceBackend {
@@ -26,6 +32,9 @@ pub(crate) struct DeviceBackend {
     /// docs/memory-model.md rule 5: one pinned word per communicator that every device spin
     /// loop polls; `abort` stores 1.
     abort_flag: Arc<Pinned<u32>>,
+    /// NCCL for collectives on device buffers, where every rank has it and a GPU of its own.
+    nccl: Option<NcclBackend>,
+    policy: Policy,
 }
 
 pub(crate) fn create(init: &BackendInit) -> Result<Box<dyn Backend>> {
@@ -38,7 +47,11 @@ pub(crate) fn create(init: &BackendInit) -> Result<Box<dyn Backend>> {
     crate::cuda::context(ordinal)?;
     crate::device::library(ordinal)?;
     let abort_flag = Arc::new(Pinned::zeroed(1)?);
+    let nccl = join_nccl(init, ordinal)?;
+    let policy = Policy::new(nccl.is_some(), |k| std::env::var(k).ok())?;
     Ok(Box::new(DeviceBackend {
+        nccl,
+        policy,
         ordinal,
         rank: init.rank,
         size: init.size,
@@ -49,23 +62,78 @@ pub(crate) fn create(init: &BackendInit) -> Result<Box<dyn Backend>> {
     }))
 }
 
+/// NCCL joins only if every rank can load it and no two ranks share a GPU (NCCL refuses
+/// that); the ranks agree through the store first, so that nobody waits in an NCCL init that a
+/// peer never enters. Without NCCL the backend works on, by its own path.
+fn join_nccl(init: &BackendInit, ordinal: usize) -> Result<Option<NcclBackend>> {
+    let mine: std::result::Result<String, String> = match std::env::var("FERROCOMM_NCCL").as_deref() {
+        Ok("0") => Err("disabled by FERROCOMM_NCCL=0".into()),
+        _ => super::nccl::library::nccl()
+            .map_err(|e| e.to_string())
+            .and_then(|_| gpu_identity(ordinal)),
+    };
+    let key = |r: usize| format!("device/nccl/{r}");
+    let value = match &mine {
+        Ok(id) => format!("1{id}"),
+        Err(why) => format!("0{why}"),
+    };
+    init.store.set(&key(init.rank), value.as_bytes())?;
+    let mut gpus = std::collections::HashSet::new();
+    let mut reason = None;
+    for r in 0..init.size {
+        let v = String::from_utf8_lossy(&init.store.get(&key(r), init.options.timeout)?).into_owned();
+        match v.split_at_checked(1) {
+            Some(("1", id)) if gpus.insert(id.to_owned()) => {}
+            Some(("1", _)) => reason = reason.or(Some(format!("rank {r} shares a GPU with another rank"))),
+            Some((_, why)) => reason = reason.or(Some(format!("rank {r}: {why}"))),
+            None => reason = reason.or(Some(format!("rank {r} published nothing"))),
+        }
+    }
+    if let Some(why) = reason {
+        tracing::debug!(reason = %why, "device backend without NCCL: collectives on device buffers use its own path");
+        return Ok(None);
+    }
+    let scoped: Arc<dyn Store> = Arc::new(PrefixStore::new("nccl", init.store.clone()));
+    let nccl_init = BackendInit { store: scoped, ..*init };
+    NcclBackend::create(&nccl_init, false).map(Some)
+}
+
+/// The GPU's UUID (ordinals differ between processes with different CUDA_VISIBLE_DEVICES).
+fn gpu_identity(ordinal: usize) -> std::result::Result<String, String> {
+    let ctx = crate::cuda::context(ordinal).map_err(|e| e.to_string())?;
+    let uuid = ctx.uuid().map_err(crate::cuda::describe)?;
+    Ok(uuid.bytes.iter().map(|b| format!("{:02x}", *b as u8)).collect())
+}
+
 impl Backend for DeviceBackend {
     fn name(&self) -> &'static str {
         "device"
     }
 
-    /// Operations on host buffers run on the CPU engine (same semantics, same oracle).
+    /// Operations on host buffers (and barriers) run on the CPU engine (same semantics, same
+    /// oracle); on device buffers, through NCCL or the backend's own path (see `route`).
     fn run(&self, op: &mut Op<'_>, opts: &RunOptions) -> Result<()> {
-        self.host.run(op, opts)
+        if !matches!(op.location()?, Some(Location::Cuda(_))) {
+            return self.host.run(op, opts);
+        }
+        match (self.policy.choose(op, opts.hints)?, &self.nccl) {
+            (Route::Nccl, Some(nccl)) => nccl.run_device(op, opts),
+            _ => stage::run(&self.host, op, opts),
+        }
     }
 
     fn abort(&self) {
         self.abort_flag.write(0, 1);
+        if let Some(n) = &self.nccl {
+            n.abort();
+        }
         self.host.abort();
     }
 
     fn finalize(&self) -> Result<()> {
-        self.host.finalize()
+        let r = self.nccl.as_ref().map_or(Ok(()), |n| n.finalize());
+        self.host.finalize()?;
+        r
     }
 
     fn new_window(&self, spec: &WindowSpec) -> Result<Box<dyn WindowBackend>> {

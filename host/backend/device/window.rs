@@ -117,10 +117,7 @@ impl DeviceWindow {
         memset_zero(map.addr(rank, 0), map.stride(), stream.cu_stream())?;
         stream.synchronize().map_err(|e| cuda::err("cuStreamSynchronize", e))?;
         let hints = BTreeMap::new();
-        b.host.run_barrier(&RunOptions {
-            timeout: spec.timeout,
-            hints: &hints,
-        })?;
+        b.host.run_barrier(&RunOptions::new(spec.timeout, &hints))?;
 
         let status = Pinned::zeroed(1)?;
         let handle = WindowHandle {

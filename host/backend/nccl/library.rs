@@ -91,7 +91,6 @@ macro_rules! api {
 }
 
 api! {
-    ncclGetVersion: fn(*mut c_int) -> c_int;
     ncclGetUniqueId: fn(*mut UniqueId) -> c_int;
     ncclGetErrorString: fn(c_int) -> *const c_char;
     ncclGetLastError: fn(CommPtr) -> *const c_char;
@@ -131,7 +130,11 @@ impl std::fmt::Debug for Nccl {
 
 /// `2.21.5` for 22105 (and the pre-2.9 encoding, `major * 1000 + minor * 100 + patch`).
 pub(crate) fn version_string(code: c_int) -> String {
-    let (major, rest) = if code >= 10000 { (code / 10000, code % 10000) } else { (code / 1000, code % 1000) };
+    let (major, rest) = if code >= 10000 {
+        (code / 10000, code % 10000)
+    } else {
+        (code / 1000, code % 1000)
+    };
     format!("{major}.{}.{}", rest / 100, rest % 100)
 }
 
@@ -152,7 +155,11 @@ pub(crate) fn nccl() -> Result<&'static Nccl> {
 pub(crate) fn candidates(env: impl Fn(&str) -> Option<std::ffi::OsString>) -> Vec<PathBuf> {
     const NAMES: [&str; 2] = ["libnccl.so.2", "libnccl.so"];
     if let Some(p) = env("FERROCOMM_NCCL_PATH").map(PathBuf::from) {
-        return if p.is_dir() { NAMES.iter().map(|n| p.join(n)).collect() } else { vec![p] };
+        return if p.is_dir() {
+            NAMES.iter().map(|n| p.join(n)).collect()
+        } else {
+            vec![p]
+        };
     }
     // Bare names: the dynamic loader's own search (LD_LIBRARY_PATH, ld.so.cache).
     let mut out: Vec<PathBuf> = NAMES.iter().map(PathBuf::from).collect();
@@ -186,11 +193,17 @@ fn python_site_dirs(env: &impl Fn(&str) -> Option<std::ffi::OsString>) -> Vec<Pa
         .unwrap_or_default();
     sites.push(PathBuf::from("/usr/lib/python3/dist-packages"));
     for prefix in prefixes {
-        let Ok(entries) = std::fs::read_dir(prefix.join("lib")) else { continue };
+        let Ok(entries) = std::fs::read_dir(prefix.join("lib")) else {
+            continue;
+        };
         let mut pythons: Vec<PathBuf> = entries
             .flatten()
             .map(|e| e.path())
-            .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("python3")))
+            .filter(|p| {
+                p.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with("python3"))
+            })
             .collect();
         pythons.sort();
         for py in pythons {
@@ -240,9 +253,7 @@ fn open_one(path: &Path) -> std::result::Result<Nccl, String> {
             version_string(MIN_VERSION)
         ));
     }
-    let api = Api::resolve(&lib).map_err(|name| {
-        format!("NCCL {} lacks {name}", version_string(version))
-    })?;
+    let api = Api::resolve(&lib).map_err(|name| format!("NCCL {} lacks {name}", version_string(version)))?;
     Ok(Nccl {
         api,
         version,
@@ -293,4 +304,93 @@ unsafe fn cstr(p: *const c_char) -> String {
     }
     // SAFETY: the caller passes a NUL-terminated string.
     unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::ffi::OsString;
+
+    fn env_of(pairs: &[(&str, &Path)]) -> impl Fn(&str) -> Option<OsString> {
+        let v: Vec<(String, OsString)> = pairs
+            .iter()
+            .map(|(k, p)| (k.to_string(), p.as_os_str().into()))
+            .collect();
+        move |k| v.iter().find(|(n, _)| n == k).map(|(_, p)| p.clone())
+    }
+
+    #[test]
+    fn versions_print_in_both_encodings() {
+        assert_eq!(version_string(23203), "2.32.3");
+        assert_eq!(version_string(21800), "2.18.0");
+        assert_eq!(version_string(2804), "2.8.4");
+    }
+
+    #[test]
+    fn an_explicit_path_is_the_only_candidate() {
+        let dir = std::env::temp_dir().join(format!("ferrocomm-nccl-dir-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let c = candidates(env_of(&[("FERROCOMM_NCCL_PATH", &dir)]));
+        assert_eq!(c, vec![dir.join("libnccl.so.2"), dir.join("libnccl.so")]);
+        let file = dir.join("libnccl.so.2");
+        assert_eq!(candidates(env_of(&[("FERROCOMM_NCCL_PATH", &file)])), vec![file]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_wheel_folder_of_a_virtual_environment_is_searched() {
+        let venv = std::env::temp_dir().join(format!("ferrocomm-nccl-venv-{}", std::process::id()));
+        let lib = venv.join("lib/python3.12/site-packages/nvidia/nccl/lib");
+        std::fs::create_dir_all(&lib).unwrap();
+        std::fs::write(lib.join("libnccl.so.2"), b"").unwrap();
+        let c = candidates(env_of(&[("VIRTUAL_ENV", &venv)]));
+        assert_eq!(&c[..2], &[PathBuf::from("libnccl.so.2"), PathBuf::from("libnccl.so")]);
+        assert!(c.contains(&lib.join("libnccl.so.2")), "{c:?}");
+        std::fs::remove_dir_all(&venv).unwrap();
+    }
+
+    #[test]
+    fn missing_files_and_other_libraries_are_refused_with_the_reason() {
+        let missing = PathBuf::from("/nonexistent/libnccl.so.2");
+        let e = open(&[missing]).unwrap_err();
+        assert!(
+            e.contains("/nonexistent/libnccl.so.2") && e.contains("FERROCOMM_NCCL_PATH"),
+            "{e}"
+        );
+        // A real shared library that is not NCCL.
+        let e = open(&[PathBuf::from("libc.so.6")]).unwrap_err();
+        assert!(e.contains("not an NCCL library"), "{e}");
+    }
+
+    /// With the library the test command installs (FERROCOMM_NCCL_PATH), the real entry points:
+    /// version, unique ids (no GPU needed), error texts.
+    #[test]
+    fn the_installed_nccl_loads_and_answers() {
+        let Some(path) = std::env::var_os("FERROCOMM_NCCL_PATH") else {
+            assert!(
+                std::env::var_os("FERROCOMM_REQUIRE_NCCL").is_none(),
+                "FERROCOMM_NCCL_PATH unset"
+            );
+            eprintln!("SKIPPED: FERROCOMM_NCCL_PATH is not set");
+            return;
+        };
+        let n = open(&candidates(env_of(&[("FERROCOMM_NCCL_PATH", Path::new(&path))]))).unwrap();
+        assert!(n.version >= MIN_VERSION, "{n:?}");
+        let (a, b) = (n.unique_id().unwrap(), n.unique_id().unwrap());
+        assert_ne!(a.0, b.0, "two unique ids are equal");
+        assert_ne!(a.0, [0; 128]);
+        let text = n.describe(4, std::ptr::null_mut());
+        assert!(
+            text.contains("invalid argument") && text.contains("ncclResult 4"),
+            "{text}"
+        );
+        let e = n
+            .check("ncclAllReduce", 4, std::ptr::null_mut())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("nccl") && e.contains("ncclAllReduce") && e.contains("invalid argument"),
+            "{e}"
+        );
+    }
 }

@@ -1,0 +1,133 @@
+//! Which path the device backend takes for a collective on device buffers: NCCL, or its own.
+//!
+//! NCCL is used when every rank could load it and sits on a GPU of its own (NCCL refuses two
+//! ranks on one GPU), for messages of at least `FERROCOMM_NCCL_THRESHOLD` bytes (default 0:
+//! all of them, since the own path is, for now, the staged host copy). Per operation, the hint
+//! `route` = `nccl` or `device` overrides the size rule; `nccl` without NCCL falls back to the
+//! own path, because the device backend never fails for want of NCCL.
+
+use crate::error::{Error, Result};
+use crate::ops::Op;
+use std::collections::BTreeMap;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Route {
+    Nccl,
+    Own,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Policy {
+    nccl_present: bool,
+    threshold: usize,
+}
+
+/// `1024`, `64K`, `4M`, `1G` (powers of 1024).
+pub(crate) fn parse_bytes(s: &str) -> Option<usize> {
+    let s = s.trim();
+    let (digits, unit) = match s.char_indices().find(|(_, c)| !c.is_ascii_digit()) {
+        Some((i, _)) => s.split_at(i),
+        None => (s, ""),
+    };
+    let scale: usize = match unit.to_ascii_uppercase().as_str() {
+        "" | "B" => 1,
+        "K" | "KB" | "KIB" => 1 << 10,
+        "M" | "MB" | "MIB" => 1 << 20,
+        "G" | "GB" | "GIB" => 1 << 30,
+        _ => return None,
+    };
+    digits.parse::<usize>().ok()?.checked_mul(scale)
+}
+
+impl Policy {
+    pub(crate) fn new(nccl_present: bool, env: impl Fn(&str) -> Option<String>) -> Result<Policy> {
+        let threshold = match env("FERROCOMM_NCCL_THRESHOLD") {
+            None => 0,
+            Some(v) => parse_bytes(&v).ok_or_else(|| {
+                Error::Config(format!(
+                    "FERROCOMM_NCCL_THRESHOLD={v:?}: expected bytes such as 65536 or 64K"
+                ))
+            })?,
+        };
+        Ok(Policy {
+            nccl_present,
+            threshold,
+        })
+    }
+
+    pub(crate) fn choose(&self, op: &Op<'_>, hints: &BTreeMap<String, String>) -> Result<Route> {
+        let bytes = op.message_bytes();
+        let wanted = match hints.get("route").map(String::as_str) {
+            Some("nccl") => Route::Nccl,
+            Some("device") => Route::Own,
+            Some(other) => {
+                return Err(Error::invalid(
+                    op.name(),
+                    format!("hint route={other:?}: expected \"nccl\" or \"device\""),
+                ))
+            }
+            None if bytes >= self.threshold => Route::Nccl,
+            None => Route::Own,
+        };
+        let route = if self.nccl_present { wanted } else { Route::Own };
+        tracing::debug!(
+            op = op.name(),
+            bytes,
+            ?route,
+            nccl_present = self.nccl_present,
+            "device backend route"
+        );
+        Ok(route)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::BufMut;
+    use crate::ReduceOp;
+
+    fn policy(nccl: bool, threshold: Option<&str>) -> Policy {
+        let t = threshold.map(str::to_owned);
+        Policy::new(nccl, |k| (k == "FERROCOMM_NCCL_THRESHOLD").then(|| t.clone()).flatten()).unwrap()
+    }
+
+    #[test]
+    fn size_threshold_and_hints_pick_the_route() {
+        let mut small = [0f32; 16];
+        let mut big = [0f32; 4096];
+        let small = Op::AllReduce {
+            buf: BufMut::new(&mut small),
+            op: ReduceOp::Sum,
+        };
+        let big = Op::AllReduce {
+            buf: BufMut::new(&mut big),
+            op: ReduceOp::Sum,
+        };
+        let none = BTreeMap::new();
+        let p = policy(true, Some("1K"));
+        assert_eq!(p.choose(&small, &none).unwrap(), Route::Own);
+        assert_eq!(p.choose(&big, &none).unwrap(), Route::Nccl);
+        let force = |v: &str| BTreeMap::from([("route".to_string(), v.to_string())]);
+        assert_eq!(p.choose(&small, &force("nccl")).unwrap(), Route::Nccl);
+        assert_eq!(p.choose(&big, &force("device")).unwrap(), Route::Own);
+        assert!(p.choose(&big, &force("fastest")).is_err());
+        // Without NCCL every route is the own one, whatever the hint.
+        let p = policy(false, None);
+        assert_eq!(p.choose(&big, &force("nccl")).unwrap(), Route::Own);
+        // Default threshold: NCCL for everything.
+        assert_eq!(policy(true, None).choose(&small, &none).unwrap(), Route::Nccl);
+    }
+
+    #[test]
+    fn thresholds_parse_with_units_and_bad_ones_are_refused() {
+        assert_eq!(parse_bytes("65536"), Some(65536));
+        assert_eq!(parse_bytes("64K"), Some(65536));
+        assert_eq!(parse_bytes("4MiB"), Some(4 << 20));
+        assert_eq!(parse_bytes("1g"), Some(1 << 30));
+        assert_eq!(parse_bytes("lots"), None);
+        assert_eq!(parse_bytes("12Q"), None);
+        let e = Policy::new(true, |_| Some("lots".into())).unwrap_err();
+        assert!(e.to_string().contains("FERROCOMM_NCCL_THRESHOLD"), "{e}");
+    }
+}

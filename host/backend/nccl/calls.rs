@@ -1,0 +1,322 @@
+//! An [`Op`] on device buffers as NCCL calls, issued inside one group on one stream.
+//!
+//! Collectives whose per-rank parts are equal and contiguous map onto NCCL's own collective;
+//! every other shape (v-forms, lists, scatter, gather, all-to-all) becomes grouped
+//! broadcasts, reduces or send/receive pairs, which NCCL runs concurrently.
+
+use super::comm::NcclComm;
+use super::library::{CommPtr, Stream, SCALAR_HOST_IMMEDIATE};
+use crate::dtype::{DType, ReduceOp};
+use crate::error::{Error, Result};
+use crate::ops::{Buf, BufMut, DeviceBytes, Op, P2p};
+use half::{bf16, f16};
+use std::ffi::{c_int, c_void};
+
+pub(crate) fn dtype(d: DType) -> c_int {
+    match d {
+        DType::I8 => 0,
+        DType::U8 => 1,
+        DType::I32 => 2,
+        DType::U32 => 3,
+        DType::I64 => 4,
+        DType::U64 => 5,
+        DType::F16 => 6,
+        DType::F32 => 7,
+        DType::F64 => 8,
+        DType::BF16 => 9,
+    }
+}
+
+/// NCCL's reduction for `op`; premul_sum makes a per-call operator, destroyed by the caller.
+pub(crate) enum RedOp {
+    Builtin(c_int),
+    PreMul(c_int),
+}
+
+impl RedOp {
+    fn code(&self) -> c_int {
+        match self {
+            RedOp::Builtin(c) | RedOp::PreMul(c) => *c,
+        }
+    }
+}
+
+fn redop(nccl: &NcclComm, comm: CommPtr, name: &'static str, op: ReduceOp, d: DType) -> Result<RedOp> {
+    let unsupported = || Error::UnsupportedReduce {
+        op: name,
+        reduce: format!("{op} (on the nccl backend)"),
+        dtype: d.name(),
+    };
+    Ok(RedOp::Builtin(match op {
+        ReduceOp::Sum => 0,
+        ReduceOp::Prod => 1,
+        ReduceOp::Max => 2,
+        ReduceOp::Min => 3,
+        ReduceOp::Avg => 4,
+        ReduceOp::PremulSum(s) => {
+            // The scalar in the element type, read from host memory during the call.
+            let mut scalar = [0u8; 8];
+            match d {
+                DType::F32 => scalar[..4].copy_from_slice(&(s as f32).to_ne_bytes()),
+                DType::F64 => scalar.copy_from_slice(&s.to_ne_bytes()),
+                DType::F16 => scalar[..2].copy_from_slice(&f16::from_f64(s).to_ne_bytes()),
+                DType::BF16 => scalar[..2].copy_from_slice(&bf16::from_f64(s).to_ne_bytes()),
+                _ => return Err(unsupported()),
+            }
+            let mut out = 0;
+            // SAFETY: NCCL reads the scalar now (host immediate) and writes the operator.
+            let r = unsafe {
+                (nccl.lib.api.ncclRedOpCreatePreMulSum)(
+                    &mut out,
+                    scalar.as_mut_ptr().cast(),
+                    dtype(d),
+                    SCALAR_HOST_IMMEDIATE,
+                    comm,
+                )
+            };
+            nccl.lib.check("ncclRedOpCreatePreMulSum", r, comm)?;
+            return Ok(RedOp::PreMul(out));
+        }
+        // NCCL has no bitwise reductions.
+        ReduceOp::BAnd | ReduceOp::BOr | ReduceOp::BXor => return Err(unsupported()),
+    }))
+}
+
+fn dev(b: &Buf) -> DeviceBytes {
+    b.device_bytes().expect("checked by the backend: device buffers only")
+}
+
+fn dev_mut(b: &BufMut) -> DeviceBytes {
+    b.device_bytes().expect("checked by the backend: device buffers only")
+}
+
+fn ptr(d: DeviceBytes) -> *mut c_void {
+    d.ptr as *mut c_void
+}
+
+/// Whether `parts` are `n` equal blocks laid out back to back.
+fn contiguous(parts: &[DeviceBytes]) -> bool {
+    let first = parts[0];
+    parts
+        .iter()
+        .enumerate()
+        .all(|(i, p)| p.len == first.len && p.ptr == first.ptr + (i * first.len) as u64)
+}
+
+/// Issues `op` on `stream` as one NCCL group. Returns after the calls are enqueued (and, in
+/// nonblocking mode, accepted).
+pub(crate) fn issue(
+    nccl: &NcclComm,
+    op: &Op<'_>,
+    rank: usize,
+    stream: Stream,
+    timeout: std::time::Duration,
+) -> Result<()> {
+    let name = op.name();
+    let api = &nccl.lib.api;
+    // Operators made for this call; destroyed once the group is enqueued.
+    let mut made: Vec<c_int> = Vec::new();
+    let r = nccl.with(name, |c| {
+        let check = |call: &str, r: c_int| nccl.lib.check(call, r, c);
+        // SAFETY (every call below): device pointers of the operation's buffers, which the
+        // caller borrows for the call and which stay valid in stream order; counts in
+        // elements of the declared dtype, as validated by `Op::validate`.
+        unsafe {
+            check("ncclGroupStart", (api.ncclGroupStart)())?;
+            let body = (|| -> Result<()> {
+                match op {
+                    Op::AllReduce { buf, op } => {
+                        let (b, d) = (dev_mut(buf), buf.dtype());
+                        let o = redop(nccl, c, name, *op, d)?;
+                        if let RedOp::PreMul(x) = o {
+                            made.push(x)
+                        }
+                        check(
+                            "ncclAllReduce",
+                            (api.ncclAllReduce)(ptr(b), ptr(b), buf.count(), dtype(d), o.code(), c, stream),
+                        )
+                    }
+                    Op::Reduce { buf, op, root } => {
+                        let (b, d) = (dev_mut(buf), buf.dtype());
+                        let o = redop(nccl, c, name, *op, d)?;
+                        if let RedOp::PreMul(x) = o {
+                            made.push(x)
+                        }
+                        check(
+                            "ncclReduce",
+                            (api.ncclReduce)(
+                                ptr(b),
+                                ptr(b),
+                                buf.count(),
+                                dtype(d),
+                                o.code(),
+                                *root as c_int,
+                                c,
+                                stream,
+                            ),
+                        )
+                    }
+                    Op::Broadcast { buf, root } => {
+                        let b = dev_mut(buf);
+                        check(
+                            "ncclBroadcast",
+                            (api.ncclBroadcast)(
+                                ptr(b),
+                                ptr(b),
+                                buf.count(),
+                                dtype(buf.dtype()),
+                                *root as c_int,
+                                c,
+                                stream,
+                            ),
+                        )
+                    }
+                    Op::AllGather { input, outputs } => {
+                        let outs: Vec<DeviceBytes> = outputs.iter().map(dev_mut).collect();
+                        let d = dtype(input.dtype());
+                        if contiguous(&outs) && outs[0].len == input.byte_len() {
+                            return check(
+                                "ncclAllGather",
+                                (api.ncclAllGather)(ptr(dev(input)), ptr(outs[0]), input.count(), d, c, stream),
+                            );
+                        }
+                        for (r, (o, b)) in outs.iter().zip(outputs).enumerate() {
+                            let src = if r == rank { ptr(dev(input)) } else { ptr(*o) };
+                            check(
+                                "ncclBroadcast",
+                                (api.ncclBroadcast)(src, ptr(*o), b.count(), d, r as c_int, c, stream),
+                            )?;
+                        }
+                        Ok(())
+                    }
+                    Op::ReduceScatter { inputs, output, op } => {
+                        let ins: Vec<DeviceBytes> = inputs.iter().map(dev).collect();
+                        let d = output.dtype();
+                        let o = redop(nccl, c, name, *op, d)?;
+                        if let RedOp::PreMul(x) = o {
+                            made.push(x)
+                        }
+                        if contiguous(&ins) && ins[0].len == output.byte_len() {
+                            return check(
+                                "ncclReduceScatter",
+                                (api.ncclReduceScatter)(
+                                    ptr(ins[0]),
+                                    ptr(dev_mut(output)),
+                                    output.count(),
+                                    dtype(d),
+                                    o.code(),
+                                    c,
+                                    stream,
+                                ),
+                            );
+                        }
+                        for (r, (i, b)) in ins.iter().zip(inputs).enumerate() {
+                            // The receive buffer matters at the root only.
+                            let dst = if r == rank { ptr(dev_mut(output)) } else { ptr(*i) };
+                            check(
+                                "ncclReduce",
+                                (api.ncclReduce)(ptr(*i), dst, b.count(), dtype(d), o.code(), r as c_int, c, stream),
+                            )?;
+                        }
+                        Ok(())
+                    }
+                    Op::AllToAll { inputs, outputs } => {
+                        for (r, (i, o)) in inputs.iter().zip(outputs).enumerate() {
+                            check(
+                                "ncclSend",
+                                (api.ncclSend)(ptr(dev(i)), i.count(), dtype(i.dtype()), r as c_int, c, stream),
+                            )?;
+                            check(
+                                "ncclRecv",
+                                (api.ncclRecv)(ptr(dev_mut(o)), o.count(), dtype(o.dtype()), r as c_int, c, stream),
+                            )?;
+                        }
+                        Ok(())
+                    }
+                    Op::Scatter { inputs, output, root } => {
+                        if let Some(inputs) = inputs.as_ref().filter(|_| rank == *root) {
+                            for (r, i) in inputs.iter().enumerate() {
+                                check(
+                                    "ncclSend",
+                                    (api.ncclSend)(ptr(dev(i)), i.count(), dtype(i.dtype()), r as c_int, c, stream),
+                                )?;
+                            }
+                        }
+                        check(
+                            "ncclRecv",
+                            (api.ncclRecv)(
+                                ptr(dev_mut(output)),
+                                output.count(),
+                                dtype(output.dtype()),
+                                *root as c_int,
+                                c,
+                                stream,
+                            ),
+                        )
+                    }
+                    Op::Gather { input, outputs, root } => {
+                        check(
+                            "ncclSend",
+                            (api.ncclSend)(
+                                ptr(dev(input)),
+                                input.count(),
+                                dtype(input.dtype()),
+                                *root as c_int,
+                                c,
+                                stream,
+                            ),
+                        )?;
+                        if let Some(outputs) = outputs.as_ref().filter(|_| rank == *root) {
+                            for (r, o) in outputs.iter().enumerate() {
+                                check(
+                                    "ncclRecv",
+                                    (api.ncclRecv)(ptr(dev_mut(o)), o.count(), dtype(o.dtype()), r as c_int, c, stream),
+                                )?;
+                            }
+                        }
+                        Ok(())
+                    }
+                    Op::Batch(list) => list.iter().try_for_each(|p| match p {
+                        P2p::Send { buf, peer } => check(
+                            "ncclSend",
+                            (api.ncclSend)(
+                                ptr(dev(buf)),
+                                buf.count(),
+                                dtype(buf.dtype()),
+                                *peer as c_int,
+                                c,
+                                stream,
+                            ),
+                        ),
+                        P2p::Recv { buf, peer } => check(
+                            "ncclRecv",
+                            (api.ncclRecv)(
+                                ptr(dev_mut(buf)),
+                                buf.count(),
+                                dtype(buf.dtype()),
+                                *peer as c_int,
+                                c,
+                                stream,
+                            ),
+                        ),
+                    }),
+                    Op::Barrier => Err(Error::invalid(name, "a barrier has no buffers; the backend runs it")),
+                }
+            })();
+            // The group is always closed, also after an error inside it.
+            let end = (api.ncclGroupEnd)();
+            body?;
+            Ok(end)
+        }
+    });
+    let settled = r.and_then(|end| nccl.settle("ncclGroupEnd", end, timeout));
+    let _ = nccl.with(name, |c| {
+        for x in made {
+            // SAFETY: operators made above on this communicator; NCCL keeps them alive for
+            // the work already enqueued.
+            unsafe { (api.ncclRedOpDestroy)(x, c) };
+        }
+        Ok(())
+    });
+    settled
+}
