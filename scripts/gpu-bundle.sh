@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Builds the x86-64 bundle for a GPU machine that has no cargo: the test binaries with GPU
 # tests, the fused_put_signal example and ferrocomm-bench, plus run.sh, into .gpu-bundle/.
+# NCCL is not carried (its library is over 300 MB): run.sh uses the machine's own, found by
+# ferrocomm's search (FERROCOMM_NCCL_PATH, the loader's path, the nvidia-nccl wheels).
 # On the GPU machine: `bash .gpu-bundle/run.sh OUTDIR` runs every GPU test (a missing GPU
 # fails them there: FERROCOMM_REQUIRE_GPU=1), the example, and the device benchmarks, and
 # writes logs and tables under OUTDIR.
@@ -11,7 +13,7 @@ export CUDA_HOME FERROCOMM_REQUIRE_NVCC=1
 
 rm -rf .gpu-bundle && mkdir -p .gpu-bundle
 cargo build --release --bins --examples
-cargo test --release --no-run --message-format=json --test gpu_windows --test device_compile 2>/dev/null |
+cargo test --release --no-run --message-format=json --test gpu_windows --test gpu_nccl --test nccl --test device_compile 2>/dev/null |
   python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)
@@ -34,16 +36,21 @@ if [[ -z "${FERROCOMM_NVRTC_PATH:-}" ]]; then
             find / -name libnvrtc.so.13 -not -path '/proc/*' 2>/dev/null) | head -1)
   [[ -n "$nvrtc" ]] && export FERROCOMM_NVRTC_PATH=$nvrtc
 fi
+if [[ -z "${FERROCOMM_NCCL_PATH:-}" ]]; then
+  nccl=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null)
+  [[ -n "$nccl" ]] && export FERROCOMM_NCCL_PATH=$nccl
+fi
 { echo "commit $(cat "$here/COMMIT")"; date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader;
-  echo "nvrtc ${FERROCOMM_NVRTC_PATH:-not found}"; } | tee "$out/machine.txt"
+  echo "nvrtc ${FERROCOMM_NVRTC_PATH:-not found}"; echo "nccl ${FERROCOMM_NCCL_PATH:-searched by ferrocomm}"; } | tee "$out/machine.txt"
 status=0
-for t in device_compile gpu_windows; do
+for t in device_compile nccl gpu_windows gpu_nccl; do
   (cd "$here" && timeout 300 "./$t" --test-threads=1 2>&1) | tee "$out/$t.log" | grep -E "^test |test result|panicked" || status=1
   grep -q "test result: ok" "$out/$t.log" || status=1
 done
 timeout 60 "$here/fused_put_signal" 2>&1 | tee "$out/fused_put_signal.log" || status=1
 timeout 120 "$here/ferrocomm-bench" device_put -b 64K -e 1G -f 4 -n 20 -w 5 2>&1 | tee "$out/device_put.txt" || status=1
 timeout 60 "$here/ferrocomm-bench" device_pingpong -n 10000 2>&1 | tee "$out/device_pingpong.txt" || status=1
+timeout 120 "$here/ferrocomm-bench" nccl_all_reduce -b 8 -e 256M -f 4 -n 200 -w 20 2>&1 | tee "$out/nccl_all_reduce.txt" || status=1
 echo "gpu suite exit status $status"
 exit $status
 RUN

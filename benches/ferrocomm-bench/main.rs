@@ -4,6 +4,7 @@
 
 mod args;
 mod gpu;
+mod nccl_direct;
 mod ops;
 
 use args::Args;
@@ -252,6 +253,8 @@ fn main() {
         })
     } else if a.op.starts_with("device_") {
         gpu::run(&a)
+    } else if a.op == "nccl_all_reduce" {
+        nccl_direct::run(&a)
     } else if ferrocomm::discover(|k| std::env::var(k).ok()).ok().flatten().is_some() {
         rank_main(&a)
     } else if a.threads {

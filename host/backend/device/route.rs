@@ -3,8 +3,9 @@
 //! NCCL is used when every rank could load it and sits on a GPU of its own (NCCL refuses two
 //! ranks on one GPU), for messages of at least `FERROCOMM_NCCL_THRESHOLD` bytes (default 0:
 //! all of them, since the own path is, for now, the staged host copy). Per operation, the hint
-//! `route` = `nccl` or `device` overrides the size rule; `nccl` without NCCL falls back to the
-//! own path, because the device backend never fails for want of NCCL.
+//! `route` = `nccl` or `device` overrides the size rule; `nccl` without NCCL (or for a bitwise
+//! reduction, which NCCL lacks) falls back to the own path: the device backend never fails for
+//! want of NCCL.
 
 use crate::error::{Error, Result};
 use crate::ops::Op;
@@ -69,7 +70,11 @@ impl Policy {
             None if bytes >= self.threshold => Route::Nccl,
             None => Route::Own,
         };
-        let route = if self.nccl_present { wanted } else { Route::Own };
+        let route = if self.nccl_present && nccl_supports(op) {
+            wanted
+        } else {
+            Route::Own
+        };
         tracing::debug!(
             op = op.name(),
             bytes,
@@ -79,6 +84,15 @@ impl Policy {
         );
         Ok(route)
     }
+}
+
+/// NCCL has no bitwise reductions; those take the own path whatever the hint.
+fn nccl_supports(op: &Op<'_>) -> bool {
+    let reduce = match op {
+        Op::AllReduce { op, .. } | Op::Reduce { op, .. } | Op::ReduceScatter { op, .. } => Some(*op),
+        _ => None,
+    };
+    !reduce.is_some_and(|r| r.is_bitwise())
 }
 
 #[cfg(test)]
@@ -115,8 +129,14 @@ mod tests {
         // Without NCCL every route is the own one, whatever the hint.
         let p = policy(false, None);
         assert_eq!(p.choose(&big, &force("nccl")).unwrap(), Route::Own);
-        // Default threshold: NCCL for everything.
+        // Default threshold: NCCL for everything it can do.
         assert_eq!(policy(true, None).choose(&small, &none).unwrap(), Route::Nccl);
+        let mut bits = [0u32; 4];
+        let bits = Op::AllReduce {
+            buf: BufMut::new(&mut bits),
+            op: ReduceOp::BXor,
+        };
+        assert_eq!(policy(true, None).choose(&bits, &force("nccl")).unwrap(), Route::Own);
     }
 
     #[test]

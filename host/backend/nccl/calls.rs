@@ -61,7 +61,13 @@ fn redop(nccl: &NcclComm, comm: CommPtr, name: &'static str, op: ReduceOp, d: DT
                 DType::F64 => scalar.copy_from_slice(&s.to_ne_bytes()),
                 DType::F16 => scalar[..2].copy_from_slice(&f16::from_f64(s).to_ne_bytes()),
                 DType::BF16 => scalar[..2].copy_from_slice(&bf16::from_f64(s).to_ne_bytes()),
-                _ => return Err(unsupported()),
+                // Integers scale by the scalar converted to the element type, as on the CPU.
+                DType::I8 => scalar[..1].copy_from_slice(&(s as i8).to_ne_bytes()),
+                DType::U8 => scalar[..1].copy_from_slice(&(s as u8).to_ne_bytes()),
+                DType::I32 => scalar[..4].copy_from_slice(&(s as i32).to_ne_bytes()),
+                DType::U32 => scalar[..4].copy_from_slice(&(s as u32).to_ne_bytes()),
+                DType::I64 => scalar.copy_from_slice(&(s as i64).to_ne_bytes()),
+                DType::U64 => scalar.copy_from_slice(&(s as u64).to_ne_bytes()),
             }
             let mut out = 0;
             // SAFETY: NCCL reads the scalar now (host immediate) and writes the operator.
