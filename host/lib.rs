@@ -40,6 +40,13 @@
 //! for compiling kernels with NVRTC. Without a CUDA driver or GPU it returns
 //! `Error::Unavailable`.
 //!
+//! ## Device buffers and NCCL
+//!
+//! Collectives take host slices or [`device::DeviceSlice`] / [`device::DeviceSliceMut`] views
+//! of GPU memory. On device buffers a synchronous call is enqueued on the thread's current
+//! stream ([`device::use_stream`]); the `nccl` backend runs them through libnccl, loaded at
+//! run time, and the `device` backend hands them to NCCL where it can.
+//!
 //! ## Asynchronous operations
 //!
 //! [`Comm::scope`] hands out a scope whose calls return a [`Work`]; the scope waits for every
@@ -61,6 +68,9 @@
 //! | `FERROCOMM_LOG` | log filter, e.g. `debug` |
 //! | `FERROCOMM_NVRTC_PATH` | libnvrtc.so.13 (or its folder) for run-time kernel compilation |
 //! | `CUDA_HOME` | CUDA root: nvcc at build time, NVRTC at run time |
+//! | `FERROCOMM_NCCL_PATH` | libnccl.so.2 (or its folder); when set, the only place searched |
+//! | `FERROCOMM_NCCL` | `0`: the device backend does not use NCCL |
+//! | `FERROCOMM_NCCL_THRESHOLD` | smallest message the device backend sends to NCCL, bytes (0) |
 //!
 //! ## Threads and clean-up
 //!
