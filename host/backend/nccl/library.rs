@@ -362,6 +362,40 @@ mod tests {
         assert!(e.contains("not an NCCL library"), "{e}");
     }
 
+    /// Builds a shared library exporting `body` with the C compiler (as the ABI test does).
+    fn c_library(name: &str, body: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("ferrocomm-fake-nccl-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (src, lib) = (dir.join("lib.c"), dir.join("libnccl.so.2"));
+        std::fs::write(&src, body).unwrap();
+        let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+        let ok = std::process::Command::new(cc)
+            .args(["-shared", "-fPIC", "-o"])
+            .arg(&lib)
+            .arg(&src)
+            .status()
+            .unwrap();
+        assert!(ok.success(), "cc failed");
+        lib
+    }
+
+    #[test]
+    fn too_old_and_incomplete_libraries_are_refused_by_version_and_symbol() {
+        let old = c_library("old", "int ncclGetVersion(int *v) { *v = 21703; return 0; }\n");
+        let e = open(&[old.clone()]).unwrap_err();
+        assert!(e.contains("NCCL 2.17.3 is too old") && e.contains("2.18.0"), "{e}");
+        // New enough by its version, but without the rest of the API.
+        let partial = c_library("partial", "int ncclGetVersion(int *v) { *v = 22203; return 0; }\n");
+        let e = open(&[partial.clone()]).unwrap_err();
+        assert!(e.contains("NCCL 2.22.3 lacks ncclGetUniqueId"), "{e}");
+        let broken = c_library("broken", "int ncclGetVersion(int *v) { return 3; }\n");
+        let e = open(&[broken.clone()]).unwrap_err();
+        assert!(e.contains("ncclGetVersion returned 3"), "{e}");
+        for lib in [old, partial, broken] {
+            std::fs::remove_dir_all(lib.parent().unwrap()).unwrap();
+        }
+    }
+
     /// With the library the test command installs (FERROCOMM_NCCL_PATH), the real entry points:
     /// version, unique ids (no GPU needed), error texts.
     #[test]
