@@ -77,9 +77,14 @@ impl Event {
     /// An event recorded on `stream` now.
     pub(crate) fn record_on(stream: u64) -> Result<Event> {
         let e = Event::new()?;
-        // SAFETY: both handles are live.
-        check("cuEventRecord", unsafe { sys::cuEventRecord(e.0, raw(stream)) })?;
+        e.record(stream)?;
         Ok(e)
+    }
+
+    /// Records the event (again) behind the work enqueued on `stream` so far.
+    pub(crate) fn record(&self, stream: u64) -> Result<()> {
+        // SAFETY: both handles are live.
+        check("cuEventRecord", unsafe { sys::cuEventRecord(self.0, raw(stream)) })
     }
 
     pub(crate) fn is_complete(&self) -> Result<bool> {

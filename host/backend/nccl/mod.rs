@@ -152,11 +152,10 @@ impl NcclBackend {
             // Recorded into the graph; replays are bounded by the stream's user, not here.
             return Ok(());
         }
-        let done = Event::record_on(stream)?;
         if is_barrier {
             // A barrier returns once every rank reached it and this rank's earlier GPU work on
             // the stream is done.
-            let r = done.wait("barrier", opts.timeout);
+            let r = Event::record_on(stream)?.wait("barrier", opts.timeout);
             if r.is_err() {
                 self.comm.abort();
             }
@@ -165,8 +164,7 @@ impl NcclBackend {
         if let Some(slot) = opts.fence {
             slot.set(Box::new(EventFence(Event::record_on(stream)?)));
         }
-        self.watchdog.track(name, done, opts.timeout);
-        Ok(())
+        self.watchdog.track(name, stream, opts.timeout)
     }
 }
 

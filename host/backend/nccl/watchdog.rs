@@ -25,6 +25,9 @@ struct Pending {
 #[derive(Default)]
 struct State {
     pending: VecDeque<Pending>,
+    /// Retired events, reused: creating one per operation would cost more than the rest of
+    /// ferrocomm's per-call work.
+    free: Vec<Event>,
     failure: Option<Error>,
     failed: bool,
     shutdown: bool,
@@ -55,9 +58,15 @@ impl Watchdog {
         })
     }
 
-    /// Watches `event` (recorded behind `op`) until it completes or `timeout` passes.
-    pub(crate) fn track(&self, op: &'static str, event: Event, timeout: Duration) {
+    /// Records an event on `stream` behind the work enqueued so far and watches it until it
+    /// completes or `timeout` passes.
+    pub(crate) fn track(&self, op: &'static str, stream: u64, timeout: Duration) -> Result<()> {
         let mut st = self.shared.state.lock().unwrap_or_else(|p| p.into_inner());
+        let event = match st.free.pop() {
+            Some(e) => e,
+            None => Event::new()?,
+        };
+        event.record(stream)?;
         st.pending.push_back(Pending {
             event,
             op,
@@ -65,6 +74,7 @@ impl Watchdog {
             timeout,
         });
         self.shared.wake.notify_all();
+        Ok(())
     }
 
     /// The failure that aborted the communicator: the first caller gets the cause, later ones
@@ -121,7 +131,9 @@ fn watch(shared: &Shared, comm: &NcclComm, ctx: &CudaContext) {
 fn check_front(st: &mut State) -> Result<()> {
     while let Some(p) = st.pending.front() {
         if p.event.is_complete()? {
-            st.pending.pop_front();
+            if let Some(done) = st.pending.pop_front() {
+                st.free.push(done.event);
+            }
             continue;
         }
         if Instant::now() >= p.deadline {
