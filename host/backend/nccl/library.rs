@@ -382,14 +382,14 @@ mod tests {
     #[test]
     fn too_old_and_incomplete_libraries_are_refused_by_version_and_symbol() {
         let old = c_library("old", "int ncclGetVersion(int *v) { *v = 21703; return 0; }\n");
-        let e = open(&[old.clone()]).unwrap_err();
+        let e = open(std::slice::from_ref(&old)).unwrap_err();
         assert!(e.contains("NCCL 2.17.3 is too old") && e.contains("2.18.0"), "{e}");
         // New enough by its version, but without the rest of the API.
         let partial = c_library("partial", "int ncclGetVersion(int *v) { *v = 22203; return 0; }\n");
-        let e = open(&[partial.clone()]).unwrap_err();
+        let e = open(std::slice::from_ref(&partial)).unwrap_err();
         assert!(e.contains("NCCL 2.22.3 lacks ncclGetUniqueId"), "{e}");
         let broken = c_library("broken", "int ncclGetVersion(int *v) { return 3; }\n");
-        let e = open(&[broken.clone()]).unwrap_err();
+        let e = open(std::slice::from_ref(&broken)).unwrap_err();
         assert!(e.contains("ncclGetVersion returned 3"), "{e}");
         for lib in [old, partial, broken] {
             std::fs::remove_dir_all(lib.parent().unwrap()).unwrap();
