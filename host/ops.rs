@@ -352,15 +352,18 @@ impl Op<'_> {
     /// Where the operation's buffers live (`None` for an operation without buffers); an error
     /// if they are not all in one place.
     pub fn location(&self) -> Result<Option<Location>> {
-        let mut seen: Vec<Location> = Vec::new();
-        self.for_each_location(&mut |l| seen.push(l));
-        let first = seen.first().copied();
-        if let Some(other) = seen.iter().find(|&&l| Some(l) != first) {
+        // No allocation: this runs on every call of every backend.
+        let (mut first, mut other) = (None, None);
+        self.for_each_location(&mut |l| match first {
+            None => first = Some(l),
+            Some(f) if f != l => other = other.or(Some(l)),
+            Some(_) => {}
+        });
+        if let (Some(first), Some(other)) = (first, other) {
             return Err(Error::invalid(
                 self.name(),
                 format!(
-                    "buffers in {:?} and {other:?} memory: all of an operation's buffers must be in one place",
-                    first.unwrap_or(Location::Host)
+                    "buffers in {first:?} and {other:?} memory: all of an operation's buffers must be in one place"
                 ),
             ));
         }

@@ -28,6 +28,20 @@ pub trait Store: Send + Sync {
     }
 }
 
+/// Publishes `value` as `{key}/{rank}` and returns every rank's value, in rank order (ours
+/// included): the store's all-gather for set-up data.
+pub(crate) fn all_gather(
+    store: &dyn Store,
+    key: &str,
+    rank: usize,
+    size: usize,
+    value: &[u8],
+    timeout: Duration,
+) -> Result<Vec<Vec<u8>>> {
+    store.set(&format!("{key}/{rank}"), value)?;
+    (0..size).map(|r| store.get(&format!("{key}/{r}"), timeout)).collect()
+}
+
 fn parse_counter(op: &'static str, key: &str, v: Option<&Vec<u8>>) -> Result<i64> {
     match v {
         None => Ok(0),

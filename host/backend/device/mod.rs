@@ -72,16 +72,22 @@ fn join_nccl(init: &BackendInit, ordinal: usize) -> Result<Option<NcclBackend>> 
             .map_err(|e| e.to_string())
             .and_then(|_| gpu_identity(ordinal)),
     };
-    let key = |r: usize| format!("device/nccl/{r}");
     let value = match &mine {
         Ok(id) => format!("1{id}"),
         Err(why) => format!("0{why}"),
     };
-    init.store.set(&key(init.rank), value.as_bytes())?;
+    let all = crate::bootstrap::all_gather(
+        &*init.store,
+        "device/nccl",
+        init.rank,
+        init.size,
+        value.as_bytes(),
+        init.options.timeout,
+    )?;
     let mut gpus = std::collections::HashSet::new();
     let mut reason = None;
-    for r in 0..init.size {
-        let v = String::from_utf8_lossy(&init.store.get(&key(r), init.options.timeout)?).into_owned();
+    for (r, v) in all.iter().enumerate() {
+        let v = String::from_utf8_lossy(v);
         match v.split_at_checked(1) {
             Some(("1", id)) if gpus.insert(id.to_owned()) => {}
             Some(("1", _)) => reason = reason.or(Some(format!("rank {r} shares a GPU with another rank"))),

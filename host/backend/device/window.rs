@@ -15,7 +15,7 @@ use crate::memory::{Physical, Pinned, SymmetricMap};
 use crate::transport::fd_passing::{fetch_fds, FdServer};
 use crate::transport::host_identity;
 use crate::window::{Cmp, Observed, SignalOp, SignalSource, WindowBackend, WindowSpec};
-use crate::{bootstrap::PrefixStore, Store};
+use crate::bootstrap::PrefixStore;
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream, LaunchArgs, LaunchConfig, PushKernelArg};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
@@ -164,11 +164,10 @@ impl DeviceWindow {
         };
         let encode =
             |i: &SegmentInfo| bincode::serialize(i).map_err(|e| Error::protocol("device window", e.to_string()));
-        store.set(&format!("rank{}", b.rank), &encode(&me)?)?;
+        let all = crate::bootstrap::all_gather(&store, "rank", b.rank, b.size, &encode(&me)?, spec.timeout)?;
         let mut infos = Vec::with_capacity(b.size);
-        for r in 0..b.size {
-            let raw = store.get(&format!("rank{r}"), spec.timeout)?;
-            let info: SegmentInfo = bincode::deserialize(&raw)
+        for (r, raw) in all.iter().enumerate() {
+            let info: SegmentInfo = bincode::deserialize(raw)
                 .map_err(|e| Error::protocol("device window", format!("rank {r}'s segment record: {e}")))?;
             if info.host != me.host {
                 return Err(Error::Unavailable {

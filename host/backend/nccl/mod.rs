@@ -78,6 +78,9 @@ impl NcclBackend {
         // that will never come.
         let ready = prerequisites(init.device);
         let id = exchange_id(init, ready.as_ref().map(|r| r.0).map_err(|e| e.to_string()))?;
+        // Every rank says whether it can join before anyone enters the init, which would
+        // otherwise wait out its timeout for a rank that never comes.
+        agree(init, ready.as_ref().map(drop).map_err(|e| e.to_string()))?;
         let (lib, ordinal, ctx) = ready?;
         let comm = Arc::new(NcclComm::init(lib, init.size, id, init.rank, timeout)?);
         tracing::debug!(rank = init.rank, size = init.size, nccl = ?lib, "NCCL communicator ready");
@@ -162,7 +165,10 @@ impl NcclBackend {
             return r;
         }
         if let Some(slot) = opts.fence {
-            slot.set(Box::new(EventFence(Event::record_on(stream)?)));
+            slot.set(Box::new(EventFence {
+                event: Event::record_on(stream)?,
+                ctx: self.ctx.clone(),
+            }));
         }
         self.watchdog.track(name, stream, opts.timeout)
     }
@@ -199,15 +205,50 @@ fn exchange_id(init: &BackendInit, lib: std::result::Result<&'static library::Nc
     }
 }
 
-/// The event behind an asynchronous operation.
-struct EventFence(Event);
+/// Publishes whether this rank can join and checks every other rank's answer. A rank that
+/// cannot join reports its own reason (to its caller) without waiting for the others.
+fn agree(init: &BackendInit, mine: std::result::Result<(), String>) -> Result<()> {
+    let Ok(()) = mine else {
+        let why = mine.err().unwrap_or_default();
+        return init
+            .store
+            .set(&format!("nccl/ready/{}", init.rank), format!("0{why}").as_bytes());
+    };
+    let all = crate::bootstrap::all_gather(
+        &*init.store,
+        "nccl/ready",
+        init.rank,
+        init.size,
+        b"1",
+        init.options.timeout,
+    )?;
+    match all.iter().enumerate().find(|(_, v)| v.first() != Some(&b'1')) {
+        Some((r, v)) => Err(Error::Unavailable {
+            backend: "nccl".into(),
+            reason: format!(
+                "rank {r} cannot join: {}",
+                String::from_utf8_lossy(v.get(1..).unwrap_or_default())
+            ),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// The event behind an asynchronous operation. Waiters may be threads that never touched
+/// CUDA, so the GPU's context is made current first.
+struct EventFence {
+    event: Event,
+    ctx: Arc<CudaContext>,
+}
 
 impl Fence for EventFence {
     fn is_complete(&self) -> Result<bool> {
-        self.0.is_complete()
+        self.ctx.bind_to_thread().map_err(|e| cuda::err("cuCtxSetCurrent", e))?;
+        self.event.is_complete()
     }
     fn stream_wait(&self, stream: u64) -> Result<()> {
-        self.0.make_wait(stream)
+        self.ctx.bind_to_thread().map_err(|e| cuda::err("cuCtxSetCurrent", e))?;
+        self.event.make_wait(stream)
     }
 }
 
