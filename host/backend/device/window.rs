@@ -7,6 +7,7 @@
 
 use super::DeviceBackend;
 use crate::backend::RunOptions;
+use crate::bootstrap::PrefixStore;
 use crate::cuda;
 use crate::device::abi::{self, DeviceStatus, WindowHandle};
 use crate::error::{Error, Result};
@@ -15,7 +16,6 @@ use crate::memory::{Physical, Pinned, SymmetricMap};
 use crate::transport::fd_passing::{fetch_fds, FdServer};
 use crate::transport::host_identity;
 use crate::window::{Cmp, Observed, SignalOp, SignalSource, WindowBackend, WindowSpec};
-use crate::bootstrap::PrefixStore;
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream, LaunchArgs, LaunchConfig, PushKernelArg};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
