@@ -122,6 +122,9 @@ impl Backend for DeviceBackend {
         if !matches!(op.location()?, Some(Location::Cuda(_))) {
             return self.host.run(op, opts);
         }
+        // The issuing thread, or the worker for an asynchronous call, may not have the GPU's
+        // context current yet.
+        crate::cuda::context(self.ordinal)?;
         match (self.policy.choose(op, opts.hints)?, &self.nccl) {
             (Route::Nccl, Some(nccl)) => nccl.run_device(op, opts),
             _ => stage::run(&self.host, op, opts),
