@@ -70,7 +70,8 @@
 //! | `CUDA_HOME` | CUDA root: nvcc at build time, NVRTC at run time |
 //! | `FERROCOMM_NCCL_PATH` | libnccl.so.2 (or its folder); when set, the only place searched |
 //! | `FERROCOMM_NCCL` | `0`: the device backend does not use NCCL |
-//! | `FERROCOMM_NCCL_THRESHOLD` | smallest message the device backend sends to NCCL, bytes (0) |
+//! | `FERROCOMM_NCCL_THRESHOLD` | smallest message the device backend sends to NCCL when it has its own kernel, bytes (256K) |
+//! | `FERROCOMM_DEVICE_ONESHOT_MAX` | largest all_reduce of the device backend's one-shot kernel, bytes (1M) |
 //!
 //! ## Threads and clean-up
 //!

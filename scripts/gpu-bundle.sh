@@ -13,7 +13,7 @@ export CUDA_HOME FERROCOMM_REQUIRE_NVCC=1
 
 rm -rf .gpu-bundle && mkdir -p .gpu-bundle
 cargo build --release --bins --examples
-cargo test --release --no-run --message-format=json --test gpu_windows --test gpu_nccl --test nccl --test device_compile 2>/dev/null |
+cargo test --release --no-run --message-format=json --test gpu_windows --test gpu_nccl --test gpu_collectives --test nccl --test device_compile 2>/dev/null |
   python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)
@@ -43,7 +43,7 @@ fi
 { echo "commit $(cat "$here/COMMIT")"; date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader;
   echo "nvrtc ${FERROCOMM_NVRTC_PATH:-not found}"; echo "nccl ${FERROCOMM_NCCL_PATH:-searched by ferrocomm}"; } | tee "$out/machine.txt"
 status=0
-for t in device_compile nccl gpu_windows gpu_nccl; do
+for t in device_compile nccl gpu_windows gpu_nccl gpu_collectives; do
   (cd "$here" && timeout 300 "./$t" --test-threads=1 2>&1) | tee "$out/$t.log" | grep -E "^test |test result|panicked" || status=1
   grep -q "test result: ok" "$out/$t.log" || status=1
 done

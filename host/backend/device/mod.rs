@@ -3,6 +3,7 @@
 //! creation, run on the CPU engine underneath; device collectives arrive with their own
 //! kernels, and NCCL behind them.
 
+mod collectives;
 mod route;
 mod stage;
 mod window;
@@ -34,7 +35,10 @@ pub(crate) struct DeviceBackend {
     abort_flag: Arc<Pinned<u32>>,
     /// NCCL for collectives on device buffers, where every rank has it and a GPU of its own.
     nccl: Option<NcclBackend>,
+    /// ferrocomm's own collective kernels, where every rank is on this host.
+    own: Option<collectives::OwnCollectives>,
     policy: Policy,
+    timeout: std::time::Duration,
 }
 
 pub(crate) fn create(init: &BackendInit) -> Result<Box<dyn Backend>> {
@@ -49,9 +53,11 @@ pub(crate) fn create(init: &BackendInit) -> Result<Box<dyn Backend>> {
     let abort_flag = Arc::new(Pinned::zeroed(1)?);
     let nccl = join_nccl(init, ordinal)?;
     let policy = Policy::new(nccl.is_some(), |k| std::env::var(k).ok())?;
-    Ok(Box::new(DeviceBackend {
+    let mut backend = DeviceBackend {
         nccl,
+        own: None,
         policy,
+        timeout: init.options.timeout,
         ordinal,
         rank: init.rank,
         size: init.size,
@@ -59,7 +65,16 @@ pub(crate) fn create(init: &BackendInit) -> Result<Box<dyn Backend>> {
         store: init.store.clone(),
         transport: init.options.transport.clone(),
         abort_flag,
-    }))
+    };
+    backend.own = match collectives::OwnCollectives::create(&backend, init.options.timeout) {
+        Ok(own) => Some(own),
+        Err(Error::Unavailable { reason, .. }) => {
+            tracing::debug!(%reason, "device backend without its own collective kernels");
+            None
+        }
+        Err(e) => return Err(e),
+    };
+    Ok(Box::new(backend))
 }
 
 /// NCCL joins only if every rank can load it and no two ranks share a GPU (NCCL refuses
@@ -125,8 +140,10 @@ impl Backend for DeviceBackend {
         // The issuing thread, or the worker for an asynchronous call, may not have the GPU's
         // context current yet.
         crate::cuda::context(self.ordinal)?;
-        match (self.policy.choose(op, opts.hints)?, &self.nccl) {
-            (Route::Nccl, Some(nccl)) => nccl.run_device(op, opts),
+        let own = self.own.as_ref().filter(|k| k.supports(op));
+        match (self.policy.choose(op, opts.hints, own.is_some())?, &self.nccl, own) {
+            (Route::Nccl, Some(nccl), _) => nccl.run_device(op, opts),
+            (_, _, Some(kernels)) => kernels.run(op, opts.stream, opts.timeout),
             _ => stage::run(&self.host, op, opts),
         }
     }
@@ -141,6 +158,7 @@ impl Backend for DeviceBackend {
 
     fn finalize(&self) -> Result<()> {
         let r = self.nccl.as_ref().map_or(Ok(()), |n| n.finalize());
+        let r = r.and(self.own.as_ref().map_or(Ok(()), |k| k.check("finalize", self.timeout)));
         self.host.finalize()?;
         r
     }

@@ -1,11 +1,12 @@
 //! Which path the device backend takes for a collective on device buffers: NCCL, or its own.
 //!
 //! NCCL is used when every rank could load it and sits on a GPU of its own (NCCL refuses two
-//! ranks on one GPU), for messages of at least `FERROCOMM_NCCL_THRESHOLD` bytes (default 0:
-//! all of them, since the own path is, for now, the staged host copy). Per operation, the hint
-//! `route` = `nccl` or `device` overrides the size rule; `nccl` without NCCL (or for a bitwise
-//! reduction, which NCCL lacks) falls back to the own path: the device backend never fails for
-//! want of NCCL.
+//! ranks on one GPU). Where the backend has a kernel of its own for the operation (one-shot
+//! all_reduce), NCCL takes only messages of at least `FERROCOMM_NCCL_THRESHOLD` bytes (256 KiB
+//! by default); every other operation goes to NCCL at any size, since the own path for it is
+//! the staged host copy. Per operation, the hint `route` = `nccl` or `device` overrides the
+//! size rule; `nccl` without NCCL (or for a bitwise reduction, which NCCL lacks) falls back to
+//! the own path: the device backend never fails for want of NCCL.
 
 use crate::error::{Error, Result};
 use crate::ops::Op;
@@ -43,7 +44,7 @@ pub(crate) fn parse_bytes(s: &str) -> Option<usize> {
 impl Policy {
     pub(crate) fn new(nccl_present: bool, env: impl Fn(&str) -> Option<String>) -> Result<Policy> {
         let threshold = match env("FERROCOMM_NCCL_THRESHOLD") {
-            None => 0,
+            None => 256 << 10,
             Some(v) => parse_bytes(&v).ok_or_else(|| {
                 Error::Config(format!(
                     "FERROCOMM_NCCL_THRESHOLD={v:?}: expected bytes such as 65536 or 64K"
@@ -56,7 +57,8 @@ impl Policy {
         })
     }
 
-    pub(crate) fn choose(&self, op: &Op<'_>, hints: &BTreeMap<String, String>) -> Result<Route> {
+    /// `own_kernel`: the backend has a kernel of its own for `op`.
+    pub(crate) fn choose(&self, op: &Op<'_>, hints: &BTreeMap<String, String>, own_kernel: bool) -> Result<Route> {
         let bytes = op.message_bytes();
         let wanted = match hints.get("route").map(String::as_str) {
             Some("nccl") => Route::Nccl,
@@ -67,8 +69,8 @@ impl Policy {
                     format!("hint route={other:?}: expected \"nccl\" or \"device\""),
                 ))
             }
-            None if bytes >= self.threshold => Route::Nccl,
-            None => Route::Own,
+            None if own_kernel && bytes < self.threshold => Route::Own,
+            None => Route::Nccl,
         };
         let route = if self.nccl_present && nccl_supports(op) {
             wanted
@@ -119,24 +121,28 @@ mod tests {
             op: ReduceOp::Sum,
         };
         let none = BTreeMap::new();
-        let p = policy(true, Some("1K"));
-        assert_eq!(p.choose(&small, &none).unwrap(), Route::Own);
-        assert_eq!(p.choose(&big, &none).unwrap(), Route::Nccl);
         let force = |v: &str| BTreeMap::from([("route".to_string(), v.to_string())]);
-        assert_eq!(p.choose(&small, &force("nccl")).unwrap(), Route::Nccl);
-        assert_eq!(p.choose(&big, &force("device")).unwrap(), Route::Own);
-        assert!(p.choose(&big, &force("fastest")).is_err());
+        // With an own kernel: below the threshold it runs, from the threshold NCCL does.
+        let p = policy(true, Some("1K"));
+        assert_eq!(p.choose(&small, &none, true).unwrap(), Route::Own);
+        assert_eq!(p.choose(&big, &none, true).unwrap(), Route::Nccl);
+        assert_eq!(p.choose(&small, &force("nccl"), true).unwrap(), Route::Nccl);
+        assert_eq!(p.choose(&big, &force("device"), true).unwrap(), Route::Own);
+        assert!(p.choose(&big, &force("fastest"), true).is_err());
+        // Without an own kernel, NCCL at any size.
+        assert_eq!(p.choose(&small, &none, false).unwrap(), Route::Nccl);
         // Without NCCL every route is the own one, whatever the hint.
         let p = policy(false, None);
-        assert_eq!(p.choose(&big, &force("nccl")).unwrap(), Route::Own);
-        // Default threshold: NCCL for everything it can do.
-        assert_eq!(policy(true, None).choose(&small, &none).unwrap(), Route::Nccl);
+        assert_eq!(p.choose(&big, &force("nccl"), false).unwrap(), Route::Own);
+        // Default threshold 256 KiB.
+        let p = policy(true, None);
+        assert_eq!(p.choose(&big, &none, true).unwrap(), Route::Own);
         let mut bits = [0u32; 4];
         let bits = Op::AllReduce {
             buf: BufMut::new(&mut bits),
             op: ReduceOp::BXor,
         };
-        assert_eq!(policy(true, None).choose(&bits, &force("nccl")).unwrap(), Route::Own);
+        assert_eq!(p.choose(&bits, &force("nccl"), false).unwrap(), Route::Own);
     }
 
     #[test]

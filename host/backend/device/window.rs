@@ -227,7 +227,7 @@ impl DeviceWindow {
 
     /// Waits for the stream (bounded: device waits end by their own deadline, so `limit` only
     /// guards against a kernel that never ends), then turns a recorded device error into ours.
-    fn finish(&self, op: &'static str, limit: Duration) -> Result<()> {
+    pub(crate) fn finish(&self, op: &'static str, limit: Duration) -> Result<()> {
         let deadline = Instant::now() + limit + Duration::from_secs(1);
         let mut spins = 0u32;
         loop {
@@ -256,7 +256,7 @@ impl DeviceWindow {
     }
 
     /// Reports and clears the first error a kernel recorded, so the window stays usable.
-    fn take_status(&self, op: &'static str, limit: Duration) -> Result<()> {
+    pub(crate) fn take_status(&self, op: &'static str, limit: Duration) -> Result<()> {
         let s = self.status.read(0);
         if s.code == abi::STATUS_OK {
             return Ok(());

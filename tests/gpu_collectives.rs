@@ -1,0 +1,185 @@
+//! The device backend's own all_reduce kernel (one-shot) with every rank on GPU 0 in this
+//! process — NCCL cannot serve ranks that share a GPU, so these calls take the own kernel:
+//! f32 / f16 / bf16 × sum / min / max / avg × world sizes 2, 3, 4, 8 × sizes from one element
+//! to the window's 1 MiB, against a host reference; every rank's result bitwise equal; graph
+//! capture and replays with fresh inputs. Skips with a reason without a GPU;
+//! FERROCOMM_REQUIRE_GPU=1 turns a skip into a failure.
+
+mod common;
+
+use common::*;
+use ferrocomm::device::cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DevicePtr};
+use ferrocomm::device::{self, DeviceSliceMut};
+use ferrocomm::{bf16, f16};
+use std::sync::{Arc, Barrier};
+
+fn gpu_or_skip() -> bool {
+    match device::available(0) {
+        Ok(()) => true,
+        Err(e) => {
+            assert_ne!(
+                std::env::var("FERROCOMM_REQUIRE_GPU").as_deref(),
+                Ok("1"),
+                "FERROCOMM_REQUIRE_GPU=1 but {e}"
+            );
+            eprintln!("SKIPPED: no usable GPU: {e}");
+            false
+        }
+    }
+}
+
+fn bytes_of<T: Element>(v: &[T]) -> &[u8] {
+    // SAFETY: ferrocomm's element types are plain numbers.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), std::mem::size_of_val(v)) }
+}
+
+fn from_bytes<T: Element + Default + Clone>(b: &[u8]) -> Vec<T> {
+    let mut v = vec![T::default(); b.len() / std::mem::size_of::<T>()];
+    // SAFETY: `v` has exactly `b.len()` bytes.
+    unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), v.as_mut_ptr().cast(), b.len()) };
+    v
+}
+
+fn view<T: Element>(mem: &mut CudaSlice<u8>, s: &Arc<CudaStream>) -> DeviceSliceMut<'static, T> {
+    let n = mem.len() / std::mem::size_of::<T>();
+    let (ptr, _sync) = mem.device_ptr(s);
+    // SAFETY: `mem` holds n elements of T on GPU 0 and outlives every call that uses the view
+    // (each test keeps it until after the stream is synchronised).
+    unsafe { DeviceSliceMut::from_raw(0, ptr, n) }.unwrap()
+}
+
+/// All ranks run `sizes` all_reduces of `T` under every op; each result is checked against the
+/// host reduction of the inputs, and all ranks must agree bit for bit.
+fn sweep<T: TestElem + Clone>(world: usize, seed: u64, sizes: &[usize]) {
+    let comms = Comm::new_group(
+        "device",
+        &vec![Device::Cuda(0); world],
+        &format!("own-{world}-{:?}", T::DTYPE),
+        options(Duration::from_secs(60)),
+    )
+    .unwrap();
+    let results: Vec<Vec<Vec<u8>>> = std::thread::scope(|sc| {
+        let hs: Vec<_> = comms
+            .iter()
+            .map(|c| {
+                sc.spawn(move || {
+                    let s = CudaContext::new(0).unwrap().new_stream().unwrap();
+                    let _current = device::use_stream(&s);
+                    let mut out = Vec::new();
+                    for (k, &n) in sizes.iter().enumerate() {
+                        for &op in &[ReduceOp::Sum, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg] {
+                            let x: Vec<T> = random_vec(&mut rng(seed ^ k as u64, c.rank() as u64), n, Some(op));
+                            let mut mem = s.clone_htod(bytes_of(&x)).unwrap();
+                            c.all_reduce(view::<T>(&mut mem, &s), op).unwrap();
+                            let got = s.clone_dtoh(&mem).unwrap();
+                            s.synchronize().unwrap();
+                            out.push(got);
+                        }
+                    }
+                    c.finalize().unwrap();
+                    out
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let mut i = 0;
+    for (k, &n) in sizes.iter().enumerate() {
+        for &op in &[ReduceOp::Sum, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg] {
+            for r in 1..world {
+                assert_eq!(results[r][i], results[0][i], "rank {r} differs from rank 0: n={n} {op}");
+            }
+            let inputs: Vec<Vec<T>> = (0..world)
+                .map(|r| random_vec(&mut rng(seed ^ k as u64, r as u64), n, Some(op)))
+                .collect();
+            let got: Vec<T> = from_bytes(&results[0][i]);
+            for e in 0..n {
+                let vals: Vec<T> = inputs.iter().map(|v| v[e]).collect();
+                if let Err(why) = T::check_reduced(&vals, op, got[e]) {
+                    panic!("world {world}, {:?}, n={n}, {op}, element {e}: {why}", T::DTYPE);
+                }
+            }
+            i += 1;
+        }
+    }
+}
+
+const SIZES: &[usize] = &[1, 7, 8, 1000, 4099, 65_539, 262_144];
+
+#[test]
+fn gpu_one_shot_all_reduce_matches_the_host_reference() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let seed = fresh_seed();
+    for world in [2, 3, 4, 8] {
+        sweep::<f32>(world, seed, SIZES);
+        sweep::<f16>(world, seed, SIZES);
+        sweep::<bf16>(world, seed, SIZES);
+    }
+}
+
+/// The largest message the window holds (1 MiB of f32), and one more element, which the
+/// device backend must still get right (by NCCL or its staged path).
+#[test]
+fn gpu_one_shot_all_reduce_at_and_past_the_window_size() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let seed = fresh_seed();
+    sweep::<f32>(2, seed, &[(1 << 20) / 4, (1 << 20) / 4 + 1]);
+}
+
+/// A captured all_reduce replayed with fresh inputs each time: the kernel takes a new epoch on
+/// every replay, so each result is that replay's reduction.
+#[test]
+fn gpu_one_shot_all_reduce_replays_from_a_cuda_graph() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let world = 4;
+    let n = 3000;
+    let seed = fresh_seed();
+    let comms = Comm::new_group(
+        "device",
+        &[Device::Cuda(0); 4],
+        "own-graph",
+        options(Duration::from_secs(60)),
+    )
+    .unwrap();
+    let round_inputs = |round: u64, r: usize| -> Vec<f32> { random_vec(&mut rng(seed ^ round, r as u64), n, None) };
+    let captured = Barrier::new(world);
+    std::thread::scope(|sc| {
+        for c in &comms {
+            let (captured, round_inputs) = (&captured, &round_inputs);
+            sc.spawn(move || {
+                let s = CudaContext::new(0).unwrap().new_stream().unwrap();
+                let _current = device::use_stream(&s);
+                let mut mem = s.alloc_zeros::<u8>(n * 4).unwrap();
+                let graph = {
+                    let buf = view::<f32>(&mut mem, &s);
+                    s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+                        .unwrap();
+                    c.all_reduce(buf, ReduceOp::Sum).unwrap();
+                    s.end_capture(sys::CUgraphInstantiate_flags(0))
+                        .unwrap()
+                        .expect("a captured graph")
+                };
+                captured.wait();
+                for round in 0..100u64 {
+                    let x = round_inputs(round, c.rank());
+                    s.memcpy_htod(bytes_of(&x), &mut mem).unwrap();
+                    graph.launch().unwrap();
+                    let got: Vec<f32> = from_bytes(&s.clone_dtoh(&mem).unwrap());
+                    s.synchronize().unwrap();
+                    for e in (0..n).step_by(97) {
+                        let vals: Vec<f32> = (0..world).map(|r| round_inputs(round, r)[e]).collect();
+                        if let Err(why) = f32::check_reduced(&vals, ReduceOp::Sum, got[e]) {
+                            panic!("rank {} replay {round} element {e}: {why}", c.rank());
+                        }
+                    }
+                }
+            });
+        }
+    });
+}
