@@ -34,11 +34,6 @@ pub(crate) struct OwnCollectives {
     max_bytes: usize,
 }
 
-// SAFETY: the functions and the counter allocation are plain device handles, used under the
-// communicator's one-operation-at-a-time order.
-unsafe impl Send for OwnCollectives {}
-unsafe impl Sync for OwnCollectives {}
-
 fn suffix(dtype: DType, op: ReduceOp) -> Option<&'static str> {
     Some(match (dtype, op) {
         (DType::F32, ReduceOp::Sum) => "f32_sum",
