@@ -13,21 +13,6 @@ use ferrocomm::device::{self, DeviceSliceMut};
 use ferrocomm::{bf16, f16};
 use std::sync::{Arc, Barrier};
 
-fn gpu_or_skip() -> bool {
-    match device::available(0) {
-        Ok(()) => true,
-        Err(e) => {
-            assert_ne!(
-                std::env::var("FERROCOMM_REQUIRE_GPU").as_deref(),
-                Ok("1"),
-                "FERROCOMM_REQUIRE_GPU=1 but {e}"
-            );
-            eprintln!("SKIPPED: no usable GPU: {e}");
-            false
-        }
-    }
-}
-
 fn bytes_of<T: Element>(v: &[T]) -> &[u8] {
     // SAFETY: ferrocomm's element types are plain numbers.
     unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), std::mem::size_of_val(v)) }

@@ -18,17 +18,6 @@ fn require_gpu() -> bool {
     std::env::var("FERROCOMM_REQUIRE_GPU").as_deref() == Ok("1")
 }
 
-fn gpu_or_skip() -> bool {
-    match device::available(0) {
-        Ok(()) => true,
-        Err(e) => {
-            assert!(!require_gpu(), "FERROCOMM_REQUIRE_GPU=1 but {e}");
-            eprintln!("SKIPPED: no usable GPU: {e}");
-            false
-        }
-    }
-}
-
 fn nccl_or_skip() -> bool {
     if !gpu_or_skip() {
         return false;

@@ -16,21 +16,6 @@ use std::time::Instant;
 const KERNELS: &str = include_str!("gpu/kernels.cu");
 
 /// True when a GPU is here; otherwise prints why the test skips (or fails, if one is required).
-fn gpu_or_skip() -> bool {
-    match device::available(0) {
-        Ok(()) => true,
-        Err(e) => {
-            assert_ne!(
-                std::env::var("FERROCOMM_REQUIRE_GPU").as_deref(),
-                Ok("1"),
-                "FERROCOMM_REQUIRE_GPU=1 but {e}"
-            );
-            eprintln!("SKIPPED: no usable GPU: {e}");
-            false
-        }
-    }
-}
-
 fn module() -> Arc<CudaModule> {
     static M: OnceLock<Arc<CudaModule>> = OnceLock::new();
     M.get_or_init(|| device::compile(0, KERNELS, &CompileOptions::default()).expect("compile tests/gpu/kernels.cu"))

@@ -12,6 +12,23 @@ pub use rand::{Rng, SeedableRng};
 use std::fmt::Debug;
 pub use std::time::Duration;
 
+/// Whether GPU 0 is usable; prints why a test skips when it is not. FERROCOMM_REQUIRE_GPU=1
+/// turns the skip into a failure.
+pub fn gpu_or_skip() -> bool {
+    match ferrocomm::device::available(0) {
+        Ok(()) => true,
+        Err(e) => {
+            assert_ne!(
+                std::env::var("FERROCOMM_REQUIRE_GPU").as_deref(),
+                Ok("1"),
+                "FERROCOMM_REQUIRE_GPU=1 but {e}"
+            );
+            eprintln!("SKIPPED: no usable GPU: {e}");
+            false
+        }
+    }
+}
+
 /// Runs `f(comm)` on each rank of an in-process group of `n`, one thread per rank; returns the
 /// per-rank results in rank order. A panicking rank fails the test.
 pub fn run_group<R: Send>(n: usize, name: &str, options: CommOptions, f: impl Fn(&Comm) -> R + Sync) -> Vec<R> {

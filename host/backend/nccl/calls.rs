@@ -124,9 +124,19 @@ pub(crate) fn issue(
     let mut made: Vec<c_int> = Vec::new();
     let r = nccl.with(name, |c| {
         let check = |call: &str, r: c_int| nccl.lib.check(call, r, c);
-        // SAFETY (every call below): device pointers of the operation's buffers, which the
-        // caller borrows for the call and which stay valid in stream order; counts in
+        // SAFETY (send, recv, and every call below): device pointers of the operation's buffers,
+        // which the caller borrows for the call and which stay valid in stream order; counts in
         // elements of the declared dtype, as validated by `Op::validate`.
+        let send = |b: &Buf, peer: usize| {
+            check("ncclSend", unsafe {
+                (api.ncclSend)(ptr(dev(b)), b.count(), dtype(b.dtype()), peer as c_int, c, stream)
+            })
+        };
+        let recv = |b: &BufMut, peer: usize| {
+            check("ncclRecv", unsafe {
+                (api.ncclRecv)(ptr(dev_mut(b)), b.count(), dtype(b.dtype()), peer as c_int, c, stream)
+            })
+        };
         unsafe {
             check("ncclGroupStart", (api.ncclGroupStart)())?;
             let body = (|| -> Result<()> {
@@ -228,83 +238,31 @@ pub(crate) fn issue(
                     }
                     Op::AllToAll { inputs, outputs } => {
                         for (r, (i, o)) in inputs.iter().zip(outputs).enumerate() {
-                            check(
-                                "ncclSend",
-                                (api.ncclSend)(ptr(dev(i)), i.count(), dtype(i.dtype()), r as c_int, c, stream),
-                            )?;
-                            check(
-                                "ncclRecv",
-                                (api.ncclRecv)(ptr(dev_mut(o)), o.count(), dtype(o.dtype()), r as c_int, c, stream),
-                            )?;
+                            send(i, r)?;
+                            recv(o, r)?;
                         }
                         Ok(())
                     }
                     Op::Scatter { inputs, output, root } => {
                         if let Some(inputs) = inputs.as_ref().filter(|_| rank == *root) {
                             for (r, i) in inputs.iter().enumerate() {
-                                check(
-                                    "ncclSend",
-                                    (api.ncclSend)(ptr(dev(i)), i.count(), dtype(i.dtype()), r as c_int, c, stream),
-                                )?;
+                                send(i, r)?;
                             }
                         }
-                        check(
-                            "ncclRecv",
-                            (api.ncclRecv)(
-                                ptr(dev_mut(output)),
-                                output.count(),
-                                dtype(output.dtype()),
-                                *root as c_int,
-                                c,
-                                stream,
-                            ),
-                        )
+                        recv(output, *root)
                     }
                     Op::Gather { input, outputs, root } => {
-                        check(
-                            "ncclSend",
-                            (api.ncclSend)(
-                                ptr(dev(input)),
-                                input.count(),
-                                dtype(input.dtype()),
-                                *root as c_int,
-                                c,
-                                stream,
-                            ),
-                        )?;
+                        send(input, *root)?;
                         if let Some(outputs) = outputs.as_ref().filter(|_| rank == *root) {
                             for (r, o) in outputs.iter().enumerate() {
-                                check(
-                                    "ncclRecv",
-                                    (api.ncclRecv)(ptr(dev_mut(o)), o.count(), dtype(o.dtype()), r as c_int, c, stream),
-                                )?;
+                                recv(o, r)?;
                             }
                         }
                         Ok(())
                     }
                     Op::Batch(list) => list.iter().try_for_each(|p| match p {
-                        P2p::Send { buf, peer } => check(
-                            "ncclSend",
-                            (api.ncclSend)(
-                                ptr(dev(buf)),
-                                buf.count(),
-                                dtype(buf.dtype()),
-                                *peer as c_int,
-                                c,
-                                stream,
-                            ),
-                        ),
-                        P2p::Recv { buf, peer } => check(
-                            "ncclRecv",
-                            (api.ncclRecv)(
-                                ptr(dev_mut(buf)),
-                                buf.count(),
-                                dtype(buf.dtype()),
-                                *peer as c_int,
-                                c,
-                                stream,
-                            ),
-                        ),
+                        P2p::Send { buf, peer } => send(buf, *peer),
+                        P2p::Recv { buf, peer } => recv(buf, *peer),
                     }),
                     Op::Barrier => Err(Error::invalid(name, "a barrier has no buffers; the backend runs it")),
                 }

@@ -364,7 +364,7 @@ mod tests {
 
     /// Builds a shared library exporting `body` with the C compiler (as the ABI test does).
     fn c_library(name: &str, body: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("ferrocomm-fake-nccl-{name}-{}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!("ferrocomm-cc-nccl-{name}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let (src, lib) = (dir.join("lib.c"), dir.join("libnccl.so.2"));
         std::fs::write(&src, body).unwrap();
