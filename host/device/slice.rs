@@ -55,29 +55,6 @@ impl<'a, T: Element> DeviceSlice<'a, T> {
     pub unsafe fn from_raw(ordinal: usize, ptr: u64, len: usize) -> Result<Self> {
         Self::checked(ordinal, ptr, len)
     }
-
-    fn checked(ordinal: usize, ptr: u64, len: usize) -> Result<Self> {
-        Ok(DeviceSlice {
-            bytes: raw::<T>(ordinal, ptr, len)?,
-            _borrow: PhantomData,
-        })
-    }
-
-    pub fn len(&self) -> usize {
-        self.bytes.len / std::mem::size_of::<T>()
-    }
-    pub fn is_empty(&self) -> bool {
-        self.bytes.len == 0
-    }
-    pub fn ordinal(&self) -> usize {
-        self.bytes.ordinal
-    }
-    pub fn device_ptr(&self) -> u64 {
-        self.bytes.ptr
-    }
-    pub(crate) fn bytes(&self) -> DeviceBytes {
-        self.bytes
-    }
 }
 
 impl<'a, T: Element> DeviceSliceMut<'a, T> {
@@ -96,27 +73,37 @@ impl<'a, T: Element> DeviceSliceMut<'a, T> {
     pub unsafe fn from_raw(ordinal: usize, ptr: u64, len: usize) -> Result<Self> {
         Self::checked(ordinal, ptr, len)
     }
-
-    fn checked(ordinal: usize, ptr: u64, len: usize) -> Result<Self> {
-        Ok(DeviceSliceMut {
-            bytes: raw::<T>(ordinal, ptr, len)?,
-            _borrow: PhantomData,
-        })
-    }
-
-    pub fn len(&self) -> usize {
-        self.bytes.len / std::mem::size_of::<T>()
-    }
-    pub fn is_empty(&self) -> bool {
-        self.bytes.len == 0
-    }
-    pub fn ordinal(&self) -> usize {
-        self.bytes.ordinal
-    }
-    pub fn device_ptr(&self) -> u64 {
-        self.bytes.ptr
-    }
-    pub(crate) fn bytes(&self) -> DeviceBytes {
-        self.bytes
-    }
 }
+
+/// What both views share: construction from checked raw parts and the accessors.
+macro_rules! common {
+    ($view:ident) => {
+        impl<'a, T: Element> $view<'a, T> {
+            fn checked(ordinal: usize, ptr: u64, len: usize) -> Result<Self> {
+                Ok($view {
+                    bytes: raw::<T>(ordinal, ptr, len)?,
+                    _borrow: PhantomData,
+                })
+            }
+            /// Elements.
+            pub fn len(&self) -> usize {
+                self.bytes.len / std::mem::size_of::<T>()
+            }
+            pub fn is_empty(&self) -> bool {
+                self.bytes.len == 0
+            }
+            /// The GPU the memory is on.
+            pub fn ordinal(&self) -> usize {
+                self.bytes.ordinal
+            }
+            pub fn device_ptr(&self) -> u64 {
+                self.bytes.ptr
+            }
+            pub(crate) fn bytes(&self) -> DeviceBytes {
+                self.bytes
+            }
+        }
+    };
+}
+common!(DeviceSlice);
+common!(DeviceSliceMut);
