@@ -1,4 +1,4 @@
-//! The device backend's own collective kernels (kernels/allreduce.cu) on device buffers.
+//! The device backend's own collective kernels (kernels/oneshot.cu) on device buffers.
 //!
 //! Every rank of a device communicator holds one window for them, made when the communicator
 //! is (so nothing is allocated during a CUDA graph capture), and a per-block epoch counter in
@@ -19,7 +19,7 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::time::Duration;
 
-/// kernels/allreduce.cu's FERROCOMM_COLL_MAX_BLOCKS: blocks per launch, and half the signal ids.
+/// kernels/oneshot.cu's FERROCOMM_COLL_MAX_BLOCKS: blocks per launch, and half the signal ids.
 const MAX_BLOCKS: usize = 16;
 const THREADS: u32 = 256;
 /// Bytes of one block's share before another block helps.
