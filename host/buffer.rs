@@ -45,6 +45,14 @@ impl<'a, T: Element> InputBuffer<'a> for DeviceSlice<'a, T> {
     }
 }
 
+/// A writable view reads as well.
+impl<'a, T: Element> InputBuffer<'a> for DeviceSliceMut<'a, T> {
+    type Elem = T;
+    fn into_buf(self) -> Buf<'a> {
+        Buf::device(self.bytes(), T::DTYPE)
+    }
+}
+
 impl<'a, T: Element> OutputBuffer<'a> for &'a mut [T] {
     type Elem = T;
     fn into_buf_mut(self) -> BufMut<'a> {

@@ -1,8 +1,8 @@
-//! The device backend's own all_reduce kernel (one-shot) with every rank on GPU 0 in this
-//! process — NCCL cannot serve ranks that share a GPU, so these calls take the own kernel:
-//! f32 / f16 / bf16 × sum / min / max / avg × world sizes 2, 3, 4, 8 × sizes from one element
-//! to the window's 1 MiB, against a host reference; every rank's result bitwise equal; graph
-//! capture and replays with fresh inputs. Skips with a reason without a GPU;
+//! The device backend's own one-shot kernels with every rank on GPU 0 in this process — NCCL
+//! cannot serve ranks that share a GPU, so these calls take the own kernels: all_reduce and
+//! reduce_scatter for f32 / f16 / bf16 × sum / min / max / avg, and all_gather, × world sizes
+//! 2, 3, 4, 8 × sizes from one element to the window's 1 MiB, against a host reference; every
+//! rank's all_reduce result bitwise equal; graph capture and replays with fresh inputs. Skips with a reason without a GPU;
 //! FERROCOMM_REQUIRE_GPU=1 turns a skip into a failure.
 
 mod common;
@@ -167,4 +167,73 @@ fn gpu_one_shot_all_reduce_replays_from_a_cuda_graph() {
             });
         }
     });
+}
+
+/// all_gather (exact copies) and reduce_scatter (block `rank` of the reduction) on the kernels.
+fn gather_and_scatter<T: TestElem + Clone>(world: usize, seed: u64, sizes: &[usize]) {
+    let comms = Comm::new_group(
+        "device",
+        &vec![Device::Cuda(0); world],
+        &format!("own-ag-rs-{world}-{:?}", T::DTYPE),
+        options(Duration::from_secs(60)),
+    )
+    .unwrap();
+    let ops = [ReduceOp::Sum, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg];
+    let input = |k: usize, r: usize, len: usize, op: Option<ReduceOp>| -> Vec<T> {
+        random_vec(&mut rng(seed ^ (k as u64) << 8, r as u64), len, op)
+    };
+    std::thread::scope(|sc| {
+        for c in &comms {
+            sc.spawn(move || {
+                let (me, s) = (c.rank(), CudaContext::new(0).unwrap().new_stream().unwrap());
+                let _current = device::use_stream(&s);
+                for (k, &n) in sizes.iter().enumerate() {
+                    // all_gather: rank r's n elements land in block r of everyone's output.
+                    let mine = input(k, me, n, None);
+                    let mut src = s.clone_htod(bytes_of(&mine)).unwrap();
+                    let mut dst = s.clone_htod(bytes_of(&vec![T::poison(); n * world])).unwrap();
+                    c.all_gather(view::<T>(&mut dst, &s), view::<T>(&mut src, &s)).unwrap();
+                    let got: Vec<T> = from_bytes(&s.clone_dtoh(&dst).unwrap());
+                    s.synchronize().unwrap();
+                    let want: Vec<T> = (0..world).flat_map(|r| input(k, r, n, None)).collect();
+                    assert!(got == want, "rank {me}: all_gather of {n} {:?} differs", T::DTYPE);
+                    // reduce_scatter: block `me` of the reduction of every rank's world × n input.
+                    for &op in &ops {
+                        let all = input(k + 1000, me, n * world, Some(op));
+                        let mut src = s.clone_htod(bytes_of(&all)).unwrap();
+                        let mut dst = s.clone_htod(bytes_of(&vec![T::poison(); n])).unwrap();
+                        c.reduce_scatter(view::<T>(&mut dst, &s), view::<T>(&mut src, &s), op)
+                            .unwrap();
+                        let got: Vec<T> = from_bytes(&s.clone_dtoh(&dst).unwrap());
+                        s.synchronize().unwrap();
+                        let inputs: Vec<Vec<T>> = (0..world).map(|r| input(k + 1000, r, n * world, Some(op))).collect();
+                        for e in 0..n {
+                            let vals: Vec<T> = inputs.iter().map(|v| v[me * n + e]).collect();
+                            if let Err(why) = T::check_reduced(&vals, op, got[e]) {
+                                panic!(
+                                    "rank {me}, reduce_scatter {:?} n={n} {op}, element {e}: {why}",
+                                    T::DTYPE
+                                );
+                            }
+                        }
+                    }
+                }
+                c.finalize().unwrap();
+            });
+        }
+    });
+}
+
+#[test]
+fn gpu_one_shot_all_gather_and_reduce_scatter_match_the_host_reference() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let seed = fresh_seed();
+    for world in [2, 3, 4, 8] {
+        let sizes = [1, 5, 8, 1000, 4099, (1 << 17) / world];
+        gather_and_scatter::<f32>(world, seed, &sizes);
+        gather_and_scatter::<f16>(world, seed, &sizes);
+        gather_and_scatter::<bf16>(world, seed, &sizes);
+    }
 }

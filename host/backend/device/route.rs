@@ -2,7 +2,7 @@
 //!
 //! NCCL is used when every rank could load it and sits on a GPU of its own (NCCL refuses two
 //! ranks on one GPU). Where the backend has a kernel of its own for the operation (one-shot
-//! all_reduce), NCCL takes only messages of at least `FERROCOMM_NCCL_THRESHOLD` bytes (256 KiB
+//! all_reduce, all_gather, reduce_scatter), NCCL takes only messages of at least `FERROCOMM_NCCL_THRESHOLD` bytes (256 KiB
 //! by default); every other operation goes to NCCL at any size, since the own path for it is
 //! the staged host copy. Per operation, the hint `route` = `nccl` or `device` overrides the
 //! size rule; `nccl` without NCCL (or for a bitwise reduction, which NCCL lacks) falls back to
