@@ -1,5 +1,5 @@
 // One-shot collectives on a window (the device backend's own path for small messages):
-// all_reduce, all_gather, reduce_scatter.
+// all_reduce, all_gather, reduce_scatter, all_to_all.
 //
 // Each rank copies its input into its own segment, signals every peer, waits for every peer's
 // signal, then reads what it needs from every segment: all_reduce and reduce_scatter reduce in
@@ -236,6 +236,25 @@ FERROCOMM_DEVICE_INLINE void all_gather(const ferrocomm_window_handle& h, const 
   end(w, counters, s);
 }
 
+// Block r of `out` = block `rank` of rank r's `in` (size blocks of n_bytes each).
+FERROCOMM_DEVICE_INLINE void all_to_all(const ferrocomm_window_handle& h, const void* in, void* out, u64 n_bytes,
+                                        u64* counters, u32 vectors) {
+  using Byte = unsigned char;
+  const Window w(h);
+  const Share sh = share_of<16>(n_bytes, vectors);
+  Step s;
+  if (!begin(w, counters, s)) return;
+  for (i32 r = 0; r < w.size(); ++r) {
+    copy_share(w.local_ptr<Byte>(0) + r * n_bytes, static_cast<const Byte*>(in) + r * n_bytes, sh);
+  }
+  if (!exchange(w, s)) return;
+  const u64 mine = static_cast<u64>(w.rank()) * n_bytes;
+  for (i32 r = 0; r < w.size(); ++r) {
+    copy_share(static_cast<Byte*>(out) + r * n_bytes, w.peer_ptr<const Byte>(r, 0) + mine, sh);
+  }
+  end(w, counters, s);
+}
+
 // out (n elements) = the reduction over ranks of block `rank` of their `in` (size x n).
 template <class E, u32 OP>
 FERROCOMM_DEVICE_INLINE void reduce_scatter(const ferrocomm_window_handle& h, const void* in, void* out, u64 n,
@@ -272,6 +291,12 @@ FERROCOMM_DEVICE_INLINE void reduce_scatter(const ferrocomm_window_handle& h, co
       ferrocomm_window_handle h, const void* in, void* out, u64 n, u64* counters, u32 vectors) {      \
     reduce_scatter<E, OP>(h, in, out, n, counters, vectors);                                            \
   }
+
+extern "C" __global__ void __launch_bounds__(256, 1)
+    ferrocomm_alltoall_oneshot(ferrocomm_window_handle h, const void* in, void* out, u64 n_bytes, u64* counters,
+                               u32 vectors) {
+  all_to_all(h, in, out, n_bytes, counters, vectors);
+}
 
 extern "C" __global__ void __launch_bounds__(256, 1)
     ferrocomm_allgather_oneshot(ferrocomm_window_handle h, const void* in, void* out, u64 n_bytes, u64* counters,

@@ -126,6 +126,7 @@ fn the_library_kernels_compile_with_nvrtc_as_the_fallback_does() {
         "ferrocomm_signal".to_string(),
         "ferrocomm_wait_signal".into(),
         "ferrocomm_allgather_oneshot".into(),
+        "ferrocomm_alltoall_oneshot".into(),
     ];
     for d in ["f32", "f16", "bf16"] {
         for op in ["sum", "min", "max", "avg"] {

@@ -1,6 +1,7 @@
 //! The device backend's own one-shot kernels with every rank on GPU 0 in this process — NCCL
 //! cannot serve ranks that share a GPU, so these calls take the own kernels: all_reduce and
-//! reduce_scatter for f32 / f16 / bf16 × sum / min / max / avg, and all_gather, × world sizes
+//! reduce_scatter for f32 / f16 / bf16 × sum / min / max / avg, all_gather and all_to_all, ×
+//! world sizes
 //! 2, 3, 4, 8 × sizes from one element to the window's 1 MiB, against a host reference; every
 //! rank's all_reduce result bitwise equal; graph capture and replays with fresh inputs. Skips with a reason without a GPU;
 //! FERROCOMM_REQUIRE_GPU=1 turns a skip into a failure.
@@ -169,7 +170,8 @@ fn gpu_one_shot_all_reduce_replays_from_a_cuda_graph() {
     });
 }
 
-/// all_gather (exact copies) and reduce_scatter (block `rank` of the reduction) on the kernels.
+/// all_gather and all_to_all (exact copies) and reduce_scatter (block `rank` of the
+/// reduction) on the kernels.
 fn gather_and_scatter<T: TestElem + Clone>(world: usize, seed: u64, sizes: &[usize]) {
     let comms = Comm::new_group(
         "device",
@@ -197,6 +199,21 @@ fn gather_and_scatter<T: TestElem + Clone>(world: usize, seed: u64, sizes: &[usi
                     s.synchronize().unwrap();
                     let want: Vec<T> = (0..world).flat_map(|r| input(k, r, n, None)).collect();
                     assert!(got == want, "rank {me}: all_gather of {n} {:?} differs", T::DTYPE);
+                    // all_to_all: block r of our output is block `me` of rank r's input.
+                    let blocks = input(k + 2000, me, n * world, None);
+                    let mut src = s.clone_htod(bytes_of(&blocks)).unwrap();
+                    let mut dst = s.clone_htod(bytes_of(&vec![T::poison(); n * world])).unwrap();
+                    c.all_to_all(view::<T>(&mut dst, &s), view::<T>(&mut src, &s)).unwrap();
+                    let got: Vec<T> = from_bytes(&s.clone_dtoh(&dst).unwrap());
+                    s.synchronize().unwrap();
+                    let want: Vec<T> = (0..world)
+                        .flat_map(|r| input(k + 2000, r, n * world, None)[me * n..(me + 1) * n].to_vec())
+                        .collect();
+                    assert!(
+                        got == want,
+                        "rank {me}: all_to_all of {n} {:?} per peer differs",
+                        T::DTYPE
+                    );
                     // reduce_scatter: block `me` of the reduction of every rank's world × n input.
                     for &op in &ops {
                         let all = input(k + 1000, me, n * world, Some(op));
@@ -225,7 +242,7 @@ fn gather_and_scatter<T: TestElem + Clone>(world: usize, seed: u64, sizes: &[usi
 }
 
 #[test]
-fn gpu_one_shot_all_gather_and_reduce_scatter_match_the_host_reference() {
+fn gpu_one_shot_all_gather_all_to_all_and_reduce_scatter_match_the_host_reference() {
     if !gpu_or_skip() {
         return;
     }

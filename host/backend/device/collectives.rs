@@ -1,5 +1,5 @@
 //! The device backend's own collective kernels (kernels/oneshot.cu: all_reduce, all_gather,
-//! reduce_scatter) on device buffers.
+//! reduce_scatter, all_to_all) on device buffers.
 //!
 //! Every rank of a device communicator holds one window for them, made when the communicator
 //! is (so nothing is allocated during a CUDA graph capture), and a per-block epoch counter in
@@ -33,6 +33,7 @@ pub(crate) struct OwnCollectives {
     all_reduce: HashMap<&'static str, CudaFunction>,
     reduce_scatter: HashMap<&'static str, CudaFunction>,
     all_gather: CudaFunction,
+    all_to_all: CudaFunction,
     /// The largest message the window takes.
     max_bytes: usize,
 }
@@ -95,19 +96,21 @@ impl OwnCollectives {
             }
         }
         let all_gather = load("ferrocomm_allgather_oneshot".into())?;
+        let all_to_all = load("ferrocomm_alltoall_oneshot".into())?;
         Ok(OwnCollectives {
             window,
             counters,
             all_reduce,
             reduce_scatter,
             all_gather,
+            all_to_all,
             max_bytes,
         })
     }
 
     /// The kernel for `op` and its arguments (input, output, count, per-rank bytes), if one
-    /// here runs it: all_reduce, and all_gather / reduce_scatter with equal, back-to-back
-    /// parts, whose per-rank data fit the window.
+    /// here runs it: all_reduce, and all_gather / reduce_scatter / all_to_all with equal,
+    /// back-to-back parts, whose per-rank data fit the window.
     fn plan(&self, op: &Op<'_>) -> Option<(&CudaFunction, Launch)> {
         let fits = |bytes: usize| bytes <= self.max_bytes;
         match op {
@@ -129,6 +132,14 @@ impl OwnCollectives {
                 // Our segment holds every block of our input.
                 let whole = o.len.checked_mul(inputs.len())?;
                 fits(whole).then_some((f, Launch::new(input, o.ptr, output.count(), o.len, true)))
+            }
+            Op::AllToAll { inputs, outputs } => {
+                let len = outputs.first()?.byte_len();
+                let input = back_to_back(inputs.iter().map(|i| i.device_bytes()), len)?;
+                let output = back_to_back(outputs.iter().map(|o| o.device_bytes()), len)?;
+                // Our segment holds every block of our input.
+                let whole = len.checked_mul(inputs.len())?;
+                fits(whole).then_some((&self.all_to_all, Launch::new(input, output, len, len, true)))
             }
             _ => None,
         }
