@@ -1,10 +1,10 @@
 //! The device backend's own one-shot kernels with every rank on GPU 0 in this process — NCCL
 //! cannot serve ranks that share a GPU, so these calls take the own kernels: all_reduce and
 //! reduce_scatter for f32 / f16 / bf16 × sum / min / max / avg, all_gather and all_to_all, ×
-//! world sizes
-//! 2, 3, 4, 8 × sizes from one element to the window's 1 MiB, against a host reference; every
-//! rank's all_reduce result bitwise equal; graph capture and replays with fresh inputs. Skips with a reason without a GPU;
-//! FERROCOMM_REQUIRE_GPU=1 turns a skip into a failure.
+//! world sizes 2, 3, 4, 8 × sizes from one element to the window's 1 MiB, against a host
+//! reference; every rank's all_reduce result bitwise equal; graph capture and replays with
+//! fresh inputs. Skips with a reason without a GPU; FERROCOMM_REQUIRE_GPU=1 turns a skip into
+//! a failure.
 
 mod common;
 
