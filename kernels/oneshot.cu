@@ -201,6 +201,18 @@ FERROCOMM_DEVICE_INLINE void end(const Window& w, u64* counters, const Step& s) 
   if (threadIdx.x == 0) counters[blockIdx.x] = s.epoch;
 }
 
+// out[i] = the reduction of element `base + i` over every rank's segment, over the share.
+template <class E, u32 OP>
+FERROCOMM_DEVICE_INLINE void reduce_share(const Window& w, u64 base, void* out, Share sh) {
+  using Raw = typename E::Raw;
+  constexpr u64 V = 16 / sizeof(Raw);
+  Raw* dst = static_cast<Raw*>(out);
+  for (u64 g = sh.lo / V + threadIdx.x; g < sh.vhi / V; g += blockDim.x) {
+    reinterpret_cast<uint4*>(dst)[g] = reduce_vec<E, OP>(w, base, g);
+  }
+  for (u64 i = sh.vhi + threadIdx.x; i < sh.hi; i += blockDim.x) dst[i] = reduce_one<E, OP>(w, base, i);
+}
+
 // out = the reduction of every rank's `in` (n elements; in == out allowed).
 template <class E, u32 OP>
 FERROCOMM_DEVICE_INLINE void all_reduce(const ferrocomm_window_handle& h, const void* in, void* out, u64 n,
@@ -213,11 +225,7 @@ FERROCOMM_DEVICE_INLINE void all_reduce(const ferrocomm_window_handle& h, const 
   if (!begin(w, counters, s)) return;
   copy_share(w.local_ptr<Raw>(0), static_cast<const Raw*>(in), sh);
   if (!exchange(w, s)) return;
-  Raw* dst = static_cast<Raw*>(out);
-  for (u64 g = sh.lo / V + threadIdx.x; g < sh.vhi / V; g += blockDim.x) {
-    reinterpret_cast<uint4*>(dst)[g] = reduce_vec<E, OP>(w, 0, g);
-  }
-  for (u64 i = sh.vhi + threadIdx.x; i < sh.hi; i += blockDim.x) dst[i] = reduce_one<E, OP>(w, 0, i);
+  reduce_share<E, OP>(w, 0, out, sh);
   end(w, counters, s);
 }
 
@@ -270,12 +278,7 @@ FERROCOMM_DEVICE_INLINE void reduce_scatter(const ferrocomm_window_handle& h, co
     copy_share(w.local_ptr<Raw>(0) + r * n, static_cast<const Raw*>(in) + r * n, sh);
   }
   if (!exchange(w, s)) return;
-  const u64 base = static_cast<u64>(w.rank()) * n;
-  Raw* dst = static_cast<Raw*>(out);
-  for (u64 g = sh.lo / V + threadIdx.x; g < sh.vhi / V; g += blockDim.x) {
-    reinterpret_cast<uint4*>(dst)[g] = reduce_vec<E, OP>(w, base, g);
-  }
-  for (u64 i = sh.vhi + threadIdx.x; i < sh.hi; i += blockDim.x) dst[i] = reduce_one<E, OP>(w, base, i);
+  reduce_share<E, OP>(w, static_cast<u64>(w.rank()) * n, out, sh);
   end(w, counters, s);
 }
 

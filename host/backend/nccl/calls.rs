@@ -27,27 +27,22 @@ pub(crate) fn dtype(d: DType) -> c_int {
     }
 }
 
-/// NCCL's reduction for `op`; premul_sum makes a per-call operator, destroyed by the caller.
-pub(crate) enum RedOp {
-    Builtin(c_int),
-    PreMul(c_int),
-}
-
-impl RedOp {
-    fn code(&self) -> c_int {
-        match self {
-            RedOp::Builtin(c) | RedOp::PreMul(c) => *c,
-        }
-    }
-}
-
-fn redop(nccl: &NcclComm, comm: CommPtr, name: &'static str, op: ReduceOp, d: DType) -> Result<RedOp> {
+/// NCCL's reduction for `op`. premul_sum makes a per-call operator, recorded in `made` for the
+/// caller to destroy once the group is enqueued.
+fn redop(
+    nccl: &NcclComm,
+    comm: CommPtr,
+    name: &'static str,
+    op: ReduceOp,
+    d: DType,
+    made: &mut Vec<c_int>,
+) -> Result<c_int> {
     let unsupported = || Error::UnsupportedReduce {
         op: name,
         reduce: format!("{op} (on the nccl backend)"),
         dtype: d.name(),
     };
-    Ok(RedOp::Builtin(match op {
+    Ok(match op {
         ReduceOp::Sum => 0,
         ReduceOp::Prod => 1,
         ReduceOp::Max => 2,
@@ -81,11 +76,12 @@ fn redop(nccl: &NcclComm, comm: CommPtr, name: &'static str, op: ReduceOp, d: DT
                 )
             };
             nccl.lib.check("ncclRedOpCreatePreMulSum", r, comm)?;
-            return Ok(RedOp::PreMul(out));
+            made.push(out);
+            out
         }
         // NCCL has no bitwise reductions.
         ReduceOp::BAnd | ReduceOp::BOr | ReduceOp::BXor => return Err(unsupported()),
-    }))
+    })
 }
 
 fn dev(b: &Buf) -> DeviceBytes {
@@ -143,33 +139,18 @@ pub(crate) fn issue(
                 match op {
                     Op::AllReduce { buf, op } => {
                         let (b, d) = (dev_mut(buf), buf.dtype());
-                        let o = redop(nccl, c, name, *op, d)?;
-                        if let RedOp::PreMul(x) = o {
-                            made.push(x)
-                        }
+                        let o = redop(nccl, c, name, *op, d, &mut made)?;
                         check(
                             "ncclAllReduce",
-                            (api.ncclAllReduce)(ptr(b), ptr(b), buf.count(), dtype(d), o.code(), c, stream),
+                            (api.ncclAllReduce)(ptr(b), ptr(b), buf.count(), dtype(d), o, c, stream),
                         )
                     }
                     Op::Reduce { buf, op, root } => {
                         let (b, d) = (dev_mut(buf), buf.dtype());
-                        let o = redop(nccl, c, name, *op, d)?;
-                        if let RedOp::PreMul(x) = o {
-                            made.push(x)
-                        }
+                        let o = redop(nccl, c, name, *op, d, &mut made)?;
                         check(
                             "ncclReduce",
-                            (api.ncclReduce)(
-                                ptr(b),
-                                ptr(b),
-                                buf.count(),
-                                dtype(d),
-                                o.code(),
-                                *root as c_int,
-                                c,
-                                stream,
-                            ),
+                            (api.ncclReduce)(ptr(b), ptr(b), buf.count(), dtype(d), o, *root as c_int, c, stream),
                         )
                     }
                     Op::Broadcast { buf, root } => {
@@ -208,10 +189,7 @@ pub(crate) fn issue(
                     Op::ReduceScatter { inputs, output, op } => {
                         let ins: Vec<DeviceBytes> = inputs.iter().map(dev).collect();
                         let d = output.dtype();
-                        let o = redop(nccl, c, name, *op, d)?;
-                        if let RedOp::PreMul(x) = o {
-                            made.push(x)
-                        }
+                        let o = redop(nccl, c, name, *op, d, &mut made)?;
                         if contiguous(&ins) && ins[0].len == output.byte_len() {
                             return check(
                                 "ncclReduceScatter",
@@ -220,7 +198,7 @@ pub(crate) fn issue(
                                     ptr(dev_mut(output)),
                                     output.count(),
                                     dtype(d),
-                                    o.code(),
+                                    o,
                                     c,
                                     stream,
                                 ),
@@ -231,7 +209,7 @@ pub(crate) fn issue(
                             let dst = if r == rank { ptr(dev_mut(output)) } else { ptr(*i) };
                             check(
                                 "ncclReduce",
-                                (api.ncclReduce)(ptr(*i), dst, b.count(), dtype(d), o.code(), r as c_int, c, stream),
+                                (api.ncclReduce)(ptr(*i), dst, b.count(), dtype(d), o, r as c_int, c, stream),
                             )?;
                         }
                         Ok(())
