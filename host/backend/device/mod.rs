@@ -1,7 +1,8 @@
 //! The `device` backend: windows in GPU memory that kernels drive (device-api), with the same
 //! host verbs as CPU windows. Collectives on host buffers, and the control plane of window
-//! creation, run on the CPU engine underneath; device collectives arrive with their own
-//! kernels, and NCCL behind them.
+//! creation, run on the CPU engine underneath; collectives on device buffers go to NCCL, to
+//! ferrocomm's one-shot kernels (collectives.rs) or through the host (stage.rs), as route.rs
+//! decides.
 
 mod collectives;
 mod route;
@@ -11,12 +12,10 @@ mod window;
 use super::cpu::{self, CpuBackend};
 use super::nccl::NcclBackend;
 use super::{Backend, BackendInit, RunOptions};
-use crate::bootstrap::PrefixStore;
-use crate::bootstrap::Store;
+use crate::bootstrap::{PrefixStore, Store};
 use crate::error::{Error, Result};
 use crate::memory::Pinned;
-use crate::ops::Location;
-use crate::ops::Op;
+use crate::ops::{Location, Op};
 use crate::options::TransportOptions;
 use crate::window::{WindowBackend, WindowSpec};
 use crate::Device;
