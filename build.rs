@@ -43,6 +43,15 @@ fn main() {
         })
         .collect();
     std::fs::write(out.join("kernel_sources.rs"), format!("&[\n{listing}]\n")).expect("write kernel_sources.rs");
+    // Their shared headers (kernels/*.cuh), by the name they are included with.
+    let headers: String = kernel_files(&root.join("kernels"), "cuh")
+        .iter()
+        .map(|s| {
+            let name = s.file_name().expect("a file").to_string_lossy();
+            format!("(\"{name}\", include_str!({:?})),\n", s.display().to_string())
+        })
+        .collect();
+    std::fs::write(out.join("kernel_headers.rs"), format!("&[\n{headers}]\n")).expect("write kernel_headers.rs");
 
     let Some(nvcc) = find_nvcc(&root) else {
         if std::env::var("FERROCOMM_REQUIRE_NVCC").as_deref() == Ok("1") {
@@ -60,6 +69,8 @@ fn main() {
         .arg("-v")
         .arg("-I")
         .arg(root.join("device-api/include"))
+        .arg("-I")
+        .arg(root.join("kernels"))
         .arg("-o")
         .arg(&fatbin)
         .arg(&unity);
@@ -89,10 +100,14 @@ fn main() {
 }
 
 fn kernel_sources(dir: &Path) -> Vec<PathBuf> {
+    kernel_files(dir, "cu")
+}
+
+fn kernel_files(dir: &Path, extension: &str) -> Vec<PathBuf> {
     let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
         .map(|rd| rd.filter_map(|e| e.ok().map(|e| e.path())).collect())
         .unwrap_or_default();
-    v.retain(|p| p.extension().is_some_and(|e| e == "cu"));
+    v.retain(|p| p.extension().is_some_and(|e| e == extension));
     v.sort();
     v
 }

@@ -34,6 +34,6 @@ fi
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 for src in kernels/*.cu tests/gpu/kernels.cu; do
-  hipcc --genco --offload-arch=gfx90a -std=c++17 -O3 -Werror -I device-api/include "$src" -o "$out/$(basename "$src").hsaco"
+  hipcc --genco --offload-arch=gfx90a -std=c++17 -O3 -Werror -I device-api/include -I kernels "$src" -o "$out/$(basename "$src").hsaco"
   echo "hipcc gfx90a: $src ok"
 done

@@ -105,32 +105,18 @@ fn the_library_kernels_compile_with_nvrtc_as_the_fallback_does() {
     if !nvrtc_or_skip() {
         return;
     }
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
-    let mut files: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|x| x == "cu"))
-        .collect();
-    files.sort();
-    let source: String = files
-        .iter()
-        .map(|p| std::fs::read_to_string(p).unwrap())
-        .collect::<Vec<_>>()
-        .join("\n");
-    let opts = CompileOptions {
-        name: Some("ferrocomm_kernels.cu".into()),
-        ..Default::default()
-    };
-    let ptx = String::from_utf8(compile_image(&source, &opts).unwrap_or_else(|e| panic!("{e}"))).unwrap();
+    let ptx =
+        String::from_utf8(ferrocomm::device::library_image("compute_90").unwrap_or_else(|e| panic!("{e}"))).unwrap();
     let mut wanted = vec![
         "ferrocomm_signal".to_string(),
         "ferrocomm_wait_signal".into(),
         "ferrocomm_allgather_oneshot".into(),
-        "ferrocomm_alltoall_oneshot".into(),
+        "ferrocomm_alltoall".into(),
     ];
     for d in ["f32", "f16", "bf16"] {
         for op in ["sum", "min", "max", "avg"] {
             wanted.push(format!("ferrocomm_allreduce_oneshot_{d}_{op}"));
+            wanted.push(format!("ferrocomm_allreduce_twoshot_{d}_{op}"));
             wanted.push(format!("ferrocomm_reducescatter_oneshot_{d}_{op}"));
         }
     }

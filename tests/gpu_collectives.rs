@@ -1,9 +1,10 @@
-//! The device backend's own one-shot kernels with every rank on GPU 0 in this process — NCCL
-//! cannot serve ranks that share a GPU, so these calls take the own kernels: all_reduce and
-//! reduce_scatter for f32 / f16 / bf16 × sum / min / max / avg, all_gather and all_to_all, ×
-//! world sizes 2, 3, 4, 8 × sizes from one element to the window's 1 MiB, against a host
-//! reference; every rank's all_reduce result bitwise equal; graph capture and replays with
-//! fresh inputs. Skips with a reason without a GPU; FERROCOMM_REQUIRE_GPU=1 turns a skip into
+//! The device backend's own kernels with every rank on GPU 0 in this process — NCCL cannot
+//! serve ranks that share a GPU, so these calls take the own kernels: one- and two-shot
+//! all_reduce and reduce_scatter for f32 / f16 / bf16 × sum / min / max / avg, all_gather and
+//! all_to_all (equal and v form, chunked through slots), × world sizes 2, 3, 4, 8 × sizes from
+//! one element to the window's 1 MiB, against a host reference; every rank's all_reduce result
+//! bitwise equal, and equal between the two algorithms; a mismatched all_to_all_v is reported;
+//! graph capture and replays with fresh inputs. Skips with a reason without a GPU; FERROCOMM_REQUIRE_GPU=1 turns a skip into
 //! a failure.
 
 mod common;
@@ -11,7 +12,7 @@ mod common;
 use common::*;
 use ferrocomm::device::cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DevicePtr};
 use ferrocomm::device::{self, DeviceSliceMut};
-use ferrocomm::{bf16, f16};
+use ferrocomm::{bf16, f16, Error};
 use std::sync::{Arc, Barrier};
 
 fn bytes_of<T: Element>(v: &[T]) -> &[u8] {
@@ -34,9 +35,10 @@ fn view<T: Element>(mem: &mut CudaSlice<u8>, s: &Arc<CudaStream>) -> DeviceSlice
     unsafe { DeviceSliceMut::from_raw(0, ptr, n) }.unwrap()
 }
 
-/// All ranks run `sizes` all_reduces of `T` under every op; each result is checked against the
-/// host reduction of the inputs, and all ranks must agree bit for bit.
-fn sweep<T: TestElem + Clone>(world: usize, seed: u64, sizes: &[usize]) {
+/// All ranks run `sizes` all_reduces of `T` under every op (with hint `algorithm` when given);
+/// each result is checked against the host reduction of the inputs, and all ranks must agree
+/// bit for bit. Returns rank 0's results.
+fn sweep<T: TestElem + Clone>(world: usize, seed: u64, sizes: &[usize], algorithm: Option<&str>) -> Vec<Vec<u8>> {
     let comms = Comm::new_group(
         "device",
         &vec![Device::Cuda(0); world],
@@ -51,12 +53,15 @@ fn sweep<T: TestElem + Clone>(world: usize, seed: u64, sizes: &[usize]) {
                 sc.spawn(move || {
                     let s = CudaContext::new(0).unwrap().new_stream().unwrap();
                     let _current = device::use_stream(&s);
+                    let opts = algorithm.map_or(OpOptions::new(), |a| OpOptions::new().hint("algorithm", a));
                     let mut out = Vec::new();
                     for (k, &n) in sizes.iter().enumerate() {
                         for &op in &[ReduceOp::Sum, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg] {
                             let x: Vec<T> = random_vec(&mut rng(seed ^ k as u64, c.rank() as u64), n, Some(op));
                             let mut mem = s.clone_htod(bytes_of(&x)).unwrap();
-                            c.all_reduce(view::<T>(&mut mem, &s), op).unwrap();
+                            c.with_options(opts.clone())
+                                .all_reduce(view::<T>(&mut mem, &s), op)
+                                .unwrap();
                             let got = s.clone_dtoh(&mem).unwrap();
                             s.synchronize().unwrap();
                             out.push(got);
@@ -88,6 +93,7 @@ fn sweep<T: TestElem + Clone>(world: usize, seed: u64, sizes: &[usize]) {
             i += 1;
         }
     }
+    results.into_iter().next().unwrap()
 }
 
 const SIZES: &[usize] = &[1, 7, 8, 1000, 4099, 65_539, 262_144];
@@ -99,9 +105,45 @@ fn gpu_one_shot_all_reduce_matches_the_host_reference() {
     }
     let seed = fresh_seed();
     for world in [2, 3, 4, 8] {
-        sweep::<f32>(world, seed, SIZES);
-        sweep::<f16>(world, seed, SIZES);
-        sweep::<bf16>(world, seed, SIZES);
+        sweep::<f32>(world, seed, SIZES, Some("oneshot"));
+        sweep::<f16>(world, seed, SIZES, Some("oneshot"));
+        sweep::<bf16>(world, seed, SIZES, Some("oneshot"));
+    }
+}
+
+/// The two-shot kernel reduces in the same rank order as the one-shot: same bits.
+#[test]
+fn gpu_two_shot_all_reduce_matches_the_host_reference_and_the_one_shot_bits() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let seed = fresh_seed();
+    for world in [2, 3, 4, 8] {
+        let two = sweep::<f32>(world, seed, SIZES, Some("twoshot"));
+        assert!(
+            two == sweep::<f32>(world, seed, SIZES, Some("oneshot")),
+            "world {world}: f32 bits differ"
+        );
+        let two = sweep::<bf16>(world, seed, SIZES, Some("twoshot"));
+        assert!(
+            two == sweep::<bf16>(world, seed, SIZES, Some("oneshot")),
+            "world {world}: bf16 bits differ"
+        );
+        sweep::<f16>(world, seed, SIZES, Some("twoshot"));
+    }
+}
+
+/// Without a hint the size picks the algorithm; both sides of FERROCOMM_DEVICE_TWOSHOT_MIN
+/// (128 KiB) and mixed sizes in one sequence, so calls with different grids follow each other.
+#[test]
+fn gpu_all_reduce_by_size_mixes_grids_and_algorithms() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let seed = fresh_seed();
+    let sizes = [65_536, 3, 262_144, 1000, 32_768 + 5, 200_000, 1];
+    for world in [3, 8] {
+        sweep::<f32>(world, seed, &sizes, None);
     }
 }
 
@@ -113,7 +155,7 @@ fn gpu_one_shot_all_reduce_at_and_past_the_window_size() {
         return;
     }
     let seed = fresh_seed();
-    sweep::<f32>(2, seed, &[(1 << 20) / 4, (1 << 20) / 4 + 1]);
+    sweep::<f32>(2, seed, &[(1 << 20) / 4, (1 << 20) / 4 + 1], None);
 }
 
 /// A captured all_reduce replayed with fresh inputs each time: the kernel takes a new epoch on
@@ -234,6 +276,29 @@ fn gather_and_scatter<T: TestElem + Clone>(world: usize, seed: u64, sizes: &[usi
                             }
                         }
                     }
+                    // reduce_scatter_list: the same with each rank's blocks in separate
+                    // allocations (the kernel takes one pointer per block).
+                    let all = input(k + 3000, me, n * world, Some(ReduceOp::Sum));
+                    let mut blocks: Vec<CudaSlice<u8>> =
+                        all.chunks(n).map(|b| s.clone_htod(bytes_of(b)).unwrap()).collect();
+                    let mut dst = s.clone_htod(bytes_of(&vec![T::poison(); n])).unwrap();
+                    let views = blocks.iter_mut().map(|b| view::<T>(b, &s)).collect();
+                    c.reduce_scatter_list(view::<T>(&mut dst, &s), views, ReduceOp::Sum)
+                        .unwrap();
+                    let got: Vec<T> = from_bytes(&s.clone_dtoh(&dst).unwrap());
+                    s.synchronize().unwrap();
+                    let inputs: Vec<Vec<T>> = (0..world)
+                        .map(|r| input(k + 3000, r, n * world, Some(ReduceOp::Sum)))
+                        .collect();
+                    for e in 0..n {
+                        let vals: Vec<T> = inputs.iter().map(|v| v[me * n + e]).collect();
+                        if let Err(why) = T::check_reduced(&vals, ReduceOp::Sum, got[e]) {
+                            panic!(
+                                "rank {me}, reduce_scatter_list {:?} n={n}, element {e}: {why}",
+                                T::DTYPE
+                            );
+                        }
+                    }
                 }
                 c.finalize().unwrap();
             });
@@ -252,5 +317,126 @@ fn gpu_one_shot_all_gather_all_to_all_and_reduce_scatter_match_the_host_referenc
         gather_and_scatter::<f32>(world, seed, &sizes);
         gather_and_scatter::<f16>(world, seed, &sizes);
         gather_and_scatter::<bf16>(world, seed, &sizes);
+    }
+}
+
+/// all_to_all_v with random per-pair counts (zeros, and parts larger than a slot, which take
+/// several chunks), repeated with new counts: block r of our output is our part of rank r's
+/// input.
+#[test]
+fn gpu_all_to_all_v_with_any_sizes_matches_the_host_reference() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let seed = fresh_seed();
+    for world in [2, 3, 8] {
+        let comms = Comm::new_group(
+            "device",
+            &vec![Device::Cuda(0); world],
+            &format!("own-a2av-{world}"),
+            options(Duration::from_secs(60)),
+        )
+        .unwrap();
+        // counts[k][p][r]: elements rank p sends rank r in round k (a slot is 1 MiB / world).
+        let counts: Vec<Vec<Vec<usize>>> = (0..6)
+            .map(|k| {
+                let mut g = rng(seed ^ 0xa2a, k);
+                (0..world)
+                    .map(|_| {
+                        (0..world)
+                            .map(|_| match g.gen_range(0..4) {
+                                0 => 0,
+                                1 => g.gen_range(1..64),
+                                2 => g.gen_range(64..20_000),
+                                _ => g.gen_range(100_000..400_000),
+                            })
+                            .collect()
+                    })
+                    .collect()
+            })
+            .collect();
+        let input = |k: usize, p: usize| -> Vec<f32> {
+            random_vec(
+                &mut rng(seed ^ (k as u64) << 12, p as u64),
+                counts[k][p].iter().sum(),
+                None,
+            )
+        };
+        std::thread::scope(|sc| {
+            for c in &comms {
+                let (counts, input) = (&counts, &input);
+                sc.spawn(move || {
+                    let (me, s) = (c.rank(), CudaContext::new(0).unwrap().new_stream().unwrap());
+                    let _current = device::use_stream(&s);
+                    for (k, round) in counts.iter().enumerate() {
+                        let send = &round[me];
+                        let recv: Vec<usize> = (0..world).map(|p| round[p][me]).collect();
+                        let mut src = s.clone_htod(bytes_of(&input(k, me))).unwrap();
+                        let poison = vec![f32::poison(); recv.iter().sum::<usize>()];
+                        let mut dst = s.clone_htod(bytes_of(&poison)).unwrap();
+                        c.all_to_all_v(view::<f32>(&mut dst, &s), view::<f32>(&mut src, &s), &recv, send)
+                            .unwrap();
+                        let got: Vec<f32> = from_bytes(&s.clone_dtoh(&dst).unwrap());
+                        s.synchronize().unwrap();
+                        let mut at = 0;
+                        for p in 0..world {
+                            let theirs = input(k, p);
+                            let from: usize = round[p][..me].iter().sum();
+                            let want = &theirs[from..from + recv[p]];
+                            assert!(
+                                got[at..at + recv[p]] == *want,
+                                "world {world} round {k}: rank {me}'s part from rank {p} ({} elements) differs",
+                                recv[p]
+                            );
+                            at += recv[p];
+                        }
+                    }
+                    c.finalize().unwrap();
+                });
+            }
+        });
+    }
+}
+
+/// Rank 1 expects 12 elements from rank 0, which sends 10: rank 1's kernel records the
+/// mismatch, and rank 1's next call reports it, naming rank 0.
+#[test]
+fn gpu_mismatched_all_to_all_v_is_reported_by_the_receiver() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let comms = Comm::new_group(
+        "device",
+        &[Device::Cuda(0); 2],
+        "own-a2av-mismatch",
+        options(Duration::from_secs(5)),
+    )
+    .unwrap();
+    let errors: Vec<Option<Error>> = std::thread::scope(|sc| {
+        let hs: Vec<_> = comms
+            .iter()
+            .map(|c| {
+                sc.spawn(move || {
+                    let (me, s) = (c.rank(), CudaContext::new(0).unwrap().new_stream().unwrap());
+                    let _current = device::use_stream(&s);
+                    let (send, recv) = if me == 0 { ([4, 10], [4, 4]) } else { ([4, 4], [12, 4]) };
+                    let mut src = s.alloc_zeros::<u8>(4 * send.iter().sum::<usize>()).unwrap();
+                    let mut dst = s.alloc_zeros::<u8>(4 * recv.iter().sum::<usize>()).unwrap();
+                    c.all_to_all_v(view::<f32>(&mut dst, &s), view::<f32>(&mut src, &s), &recv, &send)
+                        .unwrap();
+                    s.synchronize().unwrap();
+                    // The next call reports what the kernel recorded.
+                    let mut more = s.alloc_zeros::<u8>(16).unwrap();
+                    let e = c.all_reduce(view::<f32>(&mut more, &s), ReduceOp::Sum).err();
+                    s.synchronize().unwrap();
+                    e
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    match &errors[1] {
+        Some(Error::Mismatch { peer: 0, detail, .. }) => assert!(detail.contains("40 bytes"), "{detail}"),
+        other => panic!("rank 1 should report rank 0's mismatched part, got {other:?}"),
     }
 }

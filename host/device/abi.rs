@@ -18,9 +18,11 @@ pub struct DeviceStatus {
 pub const STATUS_OK: u32 = 0;
 pub const STATUS_TIMEOUT: u32 = 1;
 pub const STATUS_ABORTED: u32 = 2;
+pub const STATUS_MISMATCH: u32 = 3;
 pub const OP_WAIT_SIGNAL: u32 = 1;
 pub const OP_BARRIER: u32 = 2;
 pub const OP_FLUSH: u32 = 3;
+pub const OP_COLLECTIVE: u32 = 4;
 pub const SOURCE_ANY: i32 = -1;
 pub const SOURCE_SUM: i32 = -2;
 

@@ -72,8 +72,9 @@ pub const HEADERS: &[(&str, &str)] = &[
     header!("impl/barrier.cuh"),
 ];
 
-/// The library's kernel sources, for NVRTC when the build had no nvcc.
+/// The library's kernel sources and their shared headers, for NVRTC when the build had no nvcc.
 const KERNEL_SOURCES: &[(&str, &str)] = include!(concat!(env!("OUT_DIR"), "/kernel_sources.rs"));
+const KERNEL_HEADERS: &[(&str, &str)] = include!(concat!(env!("OUT_DIR"), "/kernel_headers.rs"));
 
 /// How to compile a kernel source.
 #[derive(Clone, Debug, Default)]
@@ -143,20 +144,35 @@ pub(crate) fn library(ordinal: usize) -> Result<Arc<CudaModule>> {
             .load_module(Ptx::from_binary(image.to_vec()))
             .map_err(|e| cuda::err("cuModuleLoadData(library fatbin)", e))?,
         None => {
-            let source: String = KERNEL_SOURCES
-                .iter()
-                .map(|(_, text)| *text)
-                .collect::<Vec<_>>()
-                .join("\n");
-            let opts = CompileOptions {
-                name: Some("ferrocomm_kernels.cu".into()),
-                ..Default::default()
-            };
-            compile(ordinal, &source, &opts)?
+            let (major, minor) = ctx
+                .compute_capability()
+                .map_err(|e| cuda::err("cuDeviceGetAttribute", e))?;
+            let image = library_image(&format!("sm_{major}{minor}"))?;
+            ctx.load_module(Ptx::from_binary(image))
+                .map_err(|e| cuda::err("cuModuleLoadData(library)", e))?
         }
     };
     map.insert(ordinal, module.clone());
     Ok(module)
+}
+
+/// The library's kernels compiled by NVRTC for `arch` (`sm_90`, or `compute_90` for PTX), as
+/// the fallback without a build-time nvcc does: every kernels/*.cu in one unit, as build.rs
+/// joins them for nvcc. Public for the test that checks the fallback; needs NVRTC, not a GPU.
+#[doc(hidden)]
+pub fn library_image(arch: &str) -> Result<Vec<u8>> {
+    let source: String = KERNEL_SOURCES
+        .iter()
+        .map(|(_, text)| *text)
+        .collect::<Vec<_>>()
+        .join("\n");
+    let headers: Vec<(&str, &str)> = HEADERS.iter().chain(KERNEL_HEADERS).copied().collect();
+    let opts = ["--std=c++17".to_owned(), format!("--gpu-architecture={arch}")];
+    Ok(
+        match nvrtc::compile(&source, "ferrocomm_kernels.cu", &headers, &opts)? {
+            nvrtc::Image::Cubin(b) | nvrtc::Image::Ptx(b) => b,
+        },
+    )
 }
 
 #[cfg(ferrocomm_fatbin)]

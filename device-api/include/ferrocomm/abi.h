@@ -16,11 +16,14 @@ typedef int ferrocomm_i32;
 #define FERROCOMM_STATUS_OK 0u
 #define FERROCOMM_STATUS_TIMEOUT 1u
 #define FERROCOMM_STATUS_ABORTED 2u
+/* A peer's part of a collective disagreed with ours (expected: our bytes, observed: its). */
+#define FERROCOMM_STATUS_MISMATCH 3u
 
 /* The device verb that recorded a status (ferrocomm_status.op). */
 #define FERROCOMM_OP_WAIT_SIGNAL 1u
 #define FERROCOMM_OP_BARRIER 2u
 #define FERROCOMM_OP_FLUSH 3u
+#define FERROCOMM_OP_COLLECTIVE 4u
 
 /* Signal operations and comparisons, numbered as host/window's SignalOp and Cmp. */
 #define FERROCOMM_SIGNAL_SET 0u

@@ -19,8 +19,18 @@
 #define FERROCOMM_SYNC_WARP() __syncwarp()
 #endif
 
+// A by-value kernel parameter that device code indexes at run time: on CUDA it stays in
+// parameter space instead of being copied to the stack.
+#if FERROCOMM_CUDA
+#define FERROCOMM_GRID_CONSTANT __grid_constant__
+#else
+#define FERROCOMM_GRID_CONSTANT
+#endif
+
 #define FERROCOMM_DEVICE_INLINE __device__ __forceinline__
 #define FERROCOMM_SYNC_BLOCK() __syncthreads()
+// Block barrier that also tells whether `pred` held on every thread.
+#define FERROCOMM_SYNC_BLOCK_AND(pred) (__syncthreads_and(pred) != 0)
 
 #include "ferrocomm/abi.h"
 

@@ -1,11 +1,18 @@
-//! The device backend's own collective kernels (kernels/oneshot.cu: all_reduce, all_gather,
-//! reduce_scatter, all_to_all) on device buffers.
+//! The device backend's own collective kernels on device buffers: one- and two-shot
+//! all_reduce (kernels/oneshot.cu, twoshot.cu), one-shot all_gather and reduce_scatter, and
+//! all_to_all with any sizes (kernels/alltoall.cu).
 //!
 //! Every rank of a device communicator holds one window for them, made when the communicator
-//! is (so nothing is allocated during a CUDA graph capture), and a per-block epoch counter in
-//! device memory that the kernels advance themselves. A call is enqueued on the issuing
-//! stream and returns; a kernel that gave up waiting for a peer (timeout, abort) recorded why
-//! in the window's status, which the next call (or `finalize`) reports.
+//! is (so nothing is allocated during a CUDA graph capture): a region for the one- and
+//! two-shot kernels and one for all_to_all's slots, plus per-block counters in device memory
+//! that the kernels advance themselves. A call is enqueued on the issuing stream and returns;
+//! a kernel that gave up (timeout, abort, a peer's mismatched part) recorded why in the
+//! window's status, which the next call (or `finalize`) reports.
+//!
+//! Whether a kernel runs an operation must not depend on anything that differs between ranks
+//! (buffer addresses, alignment, the v-form sizes of all_to_all), or one rank would launch a
+//! kernel that its peers never join: plans depend only on the operation, the element counts
+//! every rank shares, and the world size. Addresses and alignment only pick the access width.
 
 use super::route::parse_bytes;
 use super::window::DeviceWindow;
@@ -13,29 +20,69 @@ use super::DeviceBackend;
 use crate::cuda;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
-use crate::ops::{DeviceBytes, Op};
+use crate::ops::{Buf, BufMut, DeviceBytes, Op};
 use crate::window::{WindowBackend, WindowSpec};
 use cudarc::driver::{sys, CudaFunction, CudaSlice, DevicePtr};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_void;
 use std::time::Duration;
 
-/// kernels/oneshot.cu's FERROCOMM_COLL_MAX_BLOCKS: blocks per launch, and half the signal ids.
+/// kernels/collective.cuh's MAX_BLOCKS, MAX_RANKS and signal id groups.
 const MAX_BLOCKS: usize = 16;
+const MAX_RANKS: usize = 16;
+const SIGNAL_IDS: usize = 5 * MAX_BLOCKS;
 const THREADS: u32 = 256;
 /// Bytes of one block's share before another block helps.
 const BYTES_PER_BLOCK: usize = 64 << 10;
+/// kernels/alltoall.cu's per-slot headers.
+const SLOT_HEADER_BYTES: usize = 16 * MAX_BLOCKS;
+/// u64 counters: one- and two-shot epochs, then all_to_all's calls, sent and received chunks.
+const SHOT_COUNTERS: usize = MAX_BLOCKS;
+const ALL_TO_ALL_COUNTERS: usize = MAX_BLOCKS + 2 * MAX_BLOCKS * MAX_RANKS;
+
+/// kernels/collective.cuh's `Parts`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct Parts {
+    ptr: [u64; MAX_RANKS],
+}
+
+/// kernels/alltoall.cu's `AllToAll`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct AllToAllArgs {
+    send: [u64; MAX_RANKS],
+    send_len: [u64; MAX_RANKS],
+    recv: [u64; MAX_RANKS],
+    recv_len: [u64; MAX_RANKS],
+    region: u64,
+    slot: u64,
+}
+
+const _: () = assert!(std::mem::size_of::<Parts>() == 8 * MAX_RANKS);
+const _: () = assert!(std::mem::size_of::<AllToAllArgs>() == 8 * (4 * MAX_RANKS + 2));
+
+/// The all_reduce algorithm (hint `algorithm` = `oneshot` / `twoshot`, else by size).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum AllReduceAlgo {
+    OneShot,
+    TwoShot,
+}
 
 pub(crate) struct OwnCollectives {
     window: DeviceWindow,
     counters: CudaSlice<u64>,
     /// Kernels per (dtype, reduce op) name suffix, e.g. `bf16_sum`.
-    all_reduce: HashMap<&'static str, CudaFunction>,
+    one_shot: HashMap<&'static str, CudaFunction>,
+    two_shot: HashMap<&'static str, CudaFunction>,
     reduce_scatter: HashMap<&'static str, CudaFunction>,
     all_gather: CudaFunction,
     all_to_all: CudaFunction,
-    /// The largest message the window takes.
+    /// The largest message per rank of the one- and two-shot kernels (the first region).
     max_bytes: usize,
+    /// all_reduce messages from this size take the two-shot kernel.
+    two_shot_min: usize,
+    size: usize,
 }
 
 fn suffix(dtype: DType, op: ReduceOp) -> Option<&'static str> {
@@ -56,20 +103,26 @@ fn suffix(dtype: DType, op: ReduceOp) -> Option<&'static str> {
     })
 }
 
+fn env_bytes(name: &str, default: usize) -> Result<usize> {
+    match std::env::var(name) {
+        Err(_) => Ok(default),
+        Ok(v) => parse_bytes(&v).ok_or_else(|| Error::Config(format!("{name}={v:?}: expected bytes such as 1M"))),
+    }
+}
+
 impl OwnCollectives {
     /// Collective over the communicator, like any window.
     pub(crate) fn create(b: &DeviceBackend, timeout: Duration) -> Result<OwnCollectives> {
-        let max_bytes = match std::env::var("FERROCOMM_DEVICE_ONESHOT_MAX") {
-            Err(_) => 1 << 20,
-            Ok(v) => parse_bytes(&v).ok_or_else(|| {
-                Error::Config(format!("FERROCOMM_DEVICE_ONESHOT_MAX={v:?}: expected bytes such as 1M"))
-            })?,
-        };
-        // An id no user window reaches: it only names the window's store namespace.
+        let max_bytes = env_bytes("FERROCOMM_DEVICE_ONESHOT_MAX", 1 << 20)?
+            .max(16)
+            .next_multiple_of(16);
+        let two_shot_min = env_bytes("FERROCOMM_DEVICE_TWOSHOT_MIN", 128 << 10)?;
+        // An id no user window reaches: it only names the window's store namespace. The
+        // second region (all_to_all's slots) is as large as the first.
         let spec = WindowSpec {
             id: u64::MAX,
-            bytes: max_bytes.max(16),
-            signals: 2 * MAX_BLOCKS,
+            bytes: 2 * max_bytes,
+            signals: SIGNAL_IDS,
             registered: None,
             timeout,
         };
@@ -78,7 +131,7 @@ impl OwnCollectives {
             .device()
             .ok_or_else(|| Error::invalid("device collectives", "no device window"))?;
         let counters = stream
-            .alloc_zeros::<u64>(MAX_BLOCKS)
+            .alloc_zeros::<u64>(SHOT_COUNTERS + ALL_TO_ALL_COUNTERS)
             .map_err(|e| cuda::err("cuMemAlloc", e))?;
         stream.synchronize().map_err(|e| cuda::err("cuStreamSynchronize", e))?;
         let module = crate::device::library(b.ordinal)?;
@@ -87,78 +140,147 @@ impl OwnCollectives {
                 .load_function(&name)
                 .map_err(|e| cuda::err(&format!("cuModuleGetFunction({name})"), e))
         };
-        let (mut all_reduce, mut reduce_scatter) = (HashMap::new(), HashMap::new());
+        let (mut one_shot, mut two_shot, mut reduce_scatter) = (HashMap::new(), HashMap::new(), HashMap::new());
         for d in [DType::F32, DType::F16, DType::BF16] {
             for op in [ReduceOp::Sum, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg] {
                 let Some(s) = suffix(d, op) else { continue };
-                all_reduce.insert(s, load(format!("ferrocomm_allreduce_oneshot_{s}"))?);
+                one_shot.insert(s, load(format!("ferrocomm_allreduce_oneshot_{s}"))?);
+                two_shot.insert(s, load(format!("ferrocomm_allreduce_twoshot_{s}"))?);
                 reduce_scatter.insert(s, load(format!("ferrocomm_reducescatter_oneshot_{s}"))?);
             }
         }
-        let all_gather = load("ferrocomm_allgather_oneshot".into())?;
-        let all_to_all = load("ferrocomm_alltoall_oneshot".into())?;
         Ok(OwnCollectives {
             window,
             counters,
-            all_reduce,
+            one_shot,
+            two_shot,
             reduce_scatter,
-            all_gather,
-            all_to_all,
+            all_gather: load("ferrocomm_allgather_oneshot".into())?,
+            all_to_all: load("ferrocomm_alltoall".into())?,
             max_bytes,
+            two_shot_min,
+            size: b.size,
         })
     }
 
-    /// The kernel for `op` and its arguments (input, output, count, per-rank bytes), if one
-    /// here runs it: all_reduce, and all_gather / reduce_scatter / all_to_all with equal,
-    /// back-to-back parts, whose per-rank data fit the window.
-    fn plan(&self, op: &Op<'_>) -> Option<(&CudaFunction, Launch)> {
-        let fits = |bytes: usize| bytes <= self.max_bytes;
-        match op {
-            Op::AllReduce { buf, op } => {
-                let d = buf.device_bytes()?;
-                let f = self.all_reduce.get(suffix(buf.dtype(), *op)?)?;
-                // One block per rank: only the pointers need 16-byte alignment for vectors.
-                fits(d.len).then_some((f, Launch::new(d.ptr, d.ptr, buf.count(), d.len, false)))
+    fn all_reduce_algo(&self, bytes: usize, hints: &BTreeMap<String, String>) -> Result<AllReduceAlgo> {
+        Ok(match hints.get("algorithm").map(String::as_str) {
+            Some("oneshot") => AllReduceAlgo::OneShot,
+            Some("twoshot") => AllReduceAlgo::TwoShot,
+            Some(other) => {
+                return Err(Error::invalid(
+                    "all_reduce",
+                    format!("hint algorithm={other:?}: the device backend has \"oneshot\" and \"twoshot\""),
+                ))
             }
-            Op::AllGather { input, outputs } => {
-                let i = input.device_bytes()?;
-                let out = back_to_back(outputs.iter().map(|o| o.device_bytes()), i.len)?;
-                fits(i.len).then_some((&self.all_gather, Launch::new(i.ptr, out, i.len, i.len, true)))
-            }
-            Op::ReduceScatter { inputs, output, op } => {
-                let o = output.device_bytes()?;
-                let f = self.reduce_scatter.get(suffix(output.dtype(), *op)?)?;
-                let input = back_to_back(inputs.iter().map(|i| i.device_bytes()), o.len)?;
-                // Our segment holds every block of our input.
-                let whole = o.len.checked_mul(inputs.len())?;
-                fits(whole).then_some((f, Launch::new(input, o.ptr, output.count(), o.len, true)))
-            }
-            Op::AllToAll { inputs, outputs } => {
-                let len = outputs.first()?.byte_len();
-                let input = back_to_back(inputs.iter().map(|i| i.device_bytes()), len)?;
-                let output = back_to_back(outputs.iter().map(|o| o.device_bytes()), len)?;
-                // Our segment holds every block of our input.
-                let whole = len.checked_mul(inputs.len())?;
-                fits(whole).then_some((&self.all_to_all, Launch::new(input, output, len, len, true)))
-            }
-            _ => None,
-        }
+            None if bytes >= self.two_shot_min => AllReduceAlgo::TwoShot,
+            None => AllReduceAlgo::OneShot,
+        })
     }
 
-    /// Whether a kernel here runs `op`.
-    pub(crate) fn supports(&self, op: &Op<'_>) -> bool {
-        self.plan(op).is_some()
+    /// The kernel for `op` and its launch, if one here runs it (see the module doc).
+    fn plan(&self, op: &Op<'_>, hints: &BTreeMap<String, String>) -> Result<Option<(&CudaFunction, Launch)>> {
+        let fits = |bytes: usize| bytes <= self.max_bytes;
+        let few_ranks = self.size <= MAX_RANKS;
+        let plan = match op {
+            Op::AllReduce { buf, op } => {
+                let (Some(d), Some(s)) = (buf.device_bytes(), suffix(buf.dtype(), *op)) else {
+                    return Ok(None);
+                };
+                let kernels = match self.all_reduce_algo(d.len, hints)? {
+                    AllReduceAlgo::OneShot => &self.one_shot,
+                    AllReduceAlgo::TwoShot => &self.two_shot,
+                };
+                // Shares are whole 16-byte groups of the message: only the pointers need alignment.
+                let vectors = d.ptr % 16 == 0;
+                fits(d.len).then(|| {
+                    (
+                        &kernels[s],
+                        Launch::shot(d.len, Args::flat(d.ptr, d.ptr, buf.count(), vectors)),
+                    )
+                })
+            }
+            Op::AllGather { input, outputs } => {
+                let (Some(i), Some(parts)) = (input.device_bytes(), parts_mut(outputs)) else {
+                    return Ok(None);
+                };
+                let equal = outputs.iter().all(|o| o.byte_len() == i.len);
+                let vectors = i.len % 16 == 0 && i.ptr % 16 == 0 && aligned(&parts);
+                (equal && few_ranks && fits(i.len)).then(|| {
+                    let args = Args::Gather {
+                        input: i.ptr,
+                        outputs: parts,
+                        n: i.len as u64,
+                        vectors: vectors.into(),
+                    };
+                    (&self.all_gather, Launch::shot(i.len, args))
+                })
+            }
+            Op::ReduceScatter { inputs, output, op } => {
+                let (Some(o), Some(parts), Some(s)) =
+                    (output.device_bytes(), parts(inputs), suffix(output.dtype(), *op))
+                else {
+                    return Ok(None);
+                };
+                let equal = inputs.iter().all(|i| i.byte_len() == o.len);
+                let vectors = o.len % 16 == 0 && o.ptr % 16 == 0 && aligned(&parts);
+                // Our segment holds every block of our input.
+                let whole = o.len.saturating_mul(inputs.len());
+                (equal && few_ranks && fits(whole)).then(|| {
+                    let args = Args::Scatter {
+                        inputs: parts,
+                        output: o.ptr,
+                        n: output.count() as u64,
+                        vectors: vectors.into(),
+                    };
+                    (&self.reduce_scatter[s], Launch::shot(o.len, args))
+                })
+            }
+            Op::AllToAll { inputs, outputs } => {
+                let (Some(send), Some(recv)) = (parts(inputs), parts_mut(outputs)) else {
+                    return Ok(None);
+                };
+                let mut a = AllToAllArgs {
+                    send: send.ptr,
+                    recv: recv.ptr,
+                    region: self.max_bytes as u64,
+                    slot: ((self.max_bytes / self.size.max(1)) & !15) as u64,
+                    ..Default::default()
+                };
+                for (r, (i, o)) in inputs.iter().zip(outputs).enumerate() {
+                    a.send_len[r] = i.byte_len() as u64;
+                    a.recv_len[r] = o.byte_len() as u64;
+                }
+                // A slot must carry its headers and some payload.
+                let usable = a.slot as usize > SLOT_HEADER_BYTES + 16;
+                let bytes = inputs.iter().map(Buf::byte_len).sum::<usize>();
+                (few_ranks && usable).then(|| (&self.all_to_all, Launch::all_to_all(bytes, a)))
+            }
+            _ => None,
+        };
+        Ok(plan)
+    }
+
+    /// Whether a kernel here runs `op` (an unknown hint counts as no).
+    pub(crate) fn supports(&self, op: &Op<'_>, hints: &BTreeMap<String, String>) -> bool {
+        self.plan(op, hints).is_ok_and(|p| p.is_some())
     }
 
     /// Enqueues `op` on `stream`; `supports(op)` must hold.
-    pub(crate) fn run(&self, op: &Op<'_>, stream: u64, timeout: Duration) -> Result<()> {
+    pub(crate) fn run(
+        &self,
+        op: &Op<'_>,
+        hints: &BTreeMap<String, String>,
+        stream: u64,
+        timeout: Duration,
+    ) -> Result<()> {
         let name = op.name();
         // A kernel of an earlier call that gave up: report it (and start clean).
         self.window.take_status(name, timeout)?;
         let (f, launch) = self
-            .plan(op)
+            .plan(op, hints)?
             .ok_or_else(|| Error::invalid(name, "no device kernel for this operation"))?;
-        if launch.bytes == 0 {
+        if launch.bytes == 0 && !matches!(launch.args, Args::AllToAll(_)) {
             return Ok(());
         }
         let (mut handle, window_stream) = self
@@ -166,24 +288,62 @@ impl OwnCollectives {
             .device()
             .ok_or_else(|| Error::invalid(name, "no device window"))?;
         let (counters, _sync) = self.counters.device_ptr(&window_stream);
-        let (mut input, mut output, mut count, mut counters) = (launch.input, launch.output, launch.count, counters);
-        let mut vectors = u32::from(launch.vectors);
-        let blocks = launch.bytes.div_ceil(BYTES_PER_BLOCK).clamp(1, MAX_BLOCKS) as u32;
-        let mut params: [*mut c_void; 6] = [
-            (&mut handle as *mut crate::device::WindowHandle).cast(),
-            (&mut input as *mut u64).cast(),
-            (&mut output as *mut u64).cast(),
-            (&mut count as *mut u64).cast(),
-            (&mut counters as *mut u64).cast(),
-            (&mut vectors as *mut u32).cast(),
-        ];
-        // SAFETY: the parameters match every one-shot kernel's (handle by value, input and
-        // output device pointers, the count, the counters, the vector flag) and outlive the
-        // launch call, which copies them.
+        let mut args = launch.args;
+        let mut counters = match args {
+            Args::AllToAll(_) => counters + (SHOT_COUNTERS * 8) as u64,
+            _ => counters,
+        };
+        let handle_ptr = (&mut handle as *mut crate::device::WindowHandle).cast::<c_void>();
+        let counters_ptr = (&mut counters as *mut u64).cast::<c_void>();
+        // Each kernel's parameters, in order (kernels/*.cu).
+        let mut params: Vec<*mut c_void> = match &mut args {
+            Args::Flat {
+                input,
+                output,
+                n,
+                vectors,
+            } => vec![
+                handle_ptr,
+                (input as *mut u64).cast(),
+                (output as *mut u64).cast(),
+                (n as *mut u64).cast(),
+                counters_ptr,
+                (vectors as *mut u32).cast(),
+            ],
+            Args::Gather {
+                input,
+                outputs,
+                n,
+                vectors,
+            } => vec![
+                handle_ptr,
+                (input as *mut u64).cast(),
+                (outputs as *mut Parts).cast(),
+                (n as *mut u64).cast(),
+                counters_ptr,
+                (vectors as *mut u32).cast(),
+            ],
+            Args::Scatter {
+                inputs,
+                output,
+                n,
+                vectors,
+            } => vec![
+                handle_ptr,
+                (inputs as *mut Parts).cast(),
+                (output as *mut u64).cast(),
+                (n as *mut u64).cast(),
+                counters_ptr,
+                (vectors as *mut u32).cast(),
+            ],
+            Args::AllToAll(a) => vec![handle_ptr, (&mut **a as *mut AllToAllArgs).cast(), counters_ptr],
+        };
+        // SAFETY: `params` matches the kernel's parameter list (above, per kernel) and points
+        // at values that outlive the launch call, which copies them.
         cuda::check("cuLaunchKernel", unsafe {
             sys::cuLaunchKernel(
                 f.cu_function(),
-                blocks,
+                launch.blocks,
                 1,
                 1,
                 THREADS,
@@ -203,40 +363,91 @@ impl OwnCollectives {
     }
 }
 
-/// What one launch of a one-shot kernel takes.
+/// A kernel's arguments besides the window handle and the counters.
+enum Args {
+    /// all_reduce: input, output, elements.
+    Flat {
+        input: u64,
+        output: u64,
+        n: u64,
+        vectors: u32,
+    },
+    /// all_gather: input, one output per rank, bytes per rank.
+    Gather {
+        input: u64,
+        outputs: Parts,
+        n: u64,
+        vectors: u32,
+    },
+    /// reduce_scatter: one input per rank, the output, elements per rank.
+    Scatter {
+        inputs: Parts,
+        output: u64,
+        n: u64,
+        vectors: u32,
+    },
+    /// Boxed: it is ten times the size of the others.
+    AllToAll(Box<AllToAllArgs>),
+}
+
+impl Args {
+    fn flat(input: u64, output: u64, count: usize, vectors: bool) -> Args {
+        Args::Flat {
+            input,
+            output,
+            n: count as u64,
+            vectors: vectors.into(),
+        }
+    }
+}
+
 struct Launch {
-    input: u64,
-    output: u64,
-    /// Elements (bytes for all_gather).
-    count: u64,
-    /// This rank's bytes: the grid is sized by them.
+    /// This rank's bytes (nothing to do when 0, except for all_to_all, whose peers may send).
     bytes: usize,
-    /// 16-byte accesses: both pointers aligned, and, where the kernel addresses one block per
-    /// rank (`per_rank_blocks`), every block a multiple of 16 bytes.
-    vectors: bool,
+    blocks: u32,
+    args: Args,
 }
 
 impl Launch {
-    fn new(input: u64, output: u64, count: usize, bytes: usize, per_rank_blocks: bool) -> Launch {
+    /// A one- or two-shot kernel: its grid follows the message, which every rank shares.
+    fn shot(bytes: usize, args: Args) -> Launch {
         Launch {
-            input,
-            output,
-            count: count as u64,
             bytes,
-            vectors: input % 16 == 0 && output % 16 == 0 && (!per_rank_blocks || bytes % 16 == 0),
+            blocks: bytes.div_ceil(BYTES_PER_BLOCK).clamp(1, MAX_BLOCKS) as u32,
+            args,
+        }
+    }
+
+    /// all_to_all's sizes differ between ranks, so its grid is fixed.
+    fn all_to_all(bytes: usize, args: AllToAllArgs) -> Launch {
+        Launch {
+            bytes,
+            blocks: MAX_BLOCKS as u32,
+            args: Args::AllToAll(Box::new(args)),
         }
     }
 }
 
-/// The start of `parts` when they are equal blocks of `len` bytes laid out back to back.
-fn back_to_back(parts: impl Iterator<Item = Option<DeviceBytes>>, len: usize) -> Option<u64> {
-    let mut start = None;
-    for (r, p) in parts.enumerate() {
-        let p = p?;
-        let first = *start.get_or_insert(p.ptr);
-        if p.len != len || p.ptr != first + (r * len) as u64 {
-            return None;
-        }
+/// One device pointer per rank, if every part is in device memory and ranks fit the table.
+fn table(parts: impl ExactSizeIterator<Item = Option<DeviceBytes>>) -> Option<Parts> {
+    if parts.len() > MAX_RANKS {
+        return None;
     }
-    start
+    let mut t = Parts::default();
+    for (r, p) in parts.enumerate() {
+        t.ptr[r] = p?.ptr;
+    }
+    Some(t)
+}
+
+fn parts(bufs: &[Buf<'_>]) -> Option<Parts> {
+    table(bufs.iter().map(Buf::device_bytes))
+}
+
+fn parts_mut(bufs: &[BufMut<'_>]) -> Option<Parts> {
+    table(bufs.iter().map(BufMut::device_bytes))
+}
+
+fn aligned(p: &Parts) -> bool {
+    p.ptr.iter().all(|a| a % 16 == 0)
 }

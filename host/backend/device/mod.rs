@@ -139,10 +139,10 @@ impl Backend for DeviceBackend {
         // The issuing thread, or the worker for an asynchronous call, may not have the GPU's
         // context current yet.
         crate::cuda::context(self.ordinal)?;
-        let own = self.own.as_ref().filter(|k| k.supports(op));
+        let own = self.own.as_ref().filter(|k| k.supports(op, opts.hints));
         match (self.policy.choose(op, opts.hints, own.is_some())?, &self.nccl, own) {
             (Route::Nccl, Some(nccl), _) => nccl.run_device(op, opts),
-            (_, _, Some(kernels)) => kernels.run(op, opts.stream, opts.timeout),
+            (_, _, Some(kernels)) => kernels.run(op, opts.hints, opts.stream, opts.timeout),
             _ => stage::run(&self.host, op, opts),
         }
     }

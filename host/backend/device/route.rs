@@ -1,10 +1,11 @@
 //! Which path the device backend takes for a collective on device buffers: NCCL, or its own.
 //!
 //! NCCL is used when every rank could load it and sits on a GPU of its own (NCCL refuses two
-//! ranks on one GPU). Where the backend has a kernel of its own for the operation (one-shot
-//! all_reduce, all_gather, reduce_scatter), NCCL takes only messages of at least `FERROCOMM_NCCL_THRESHOLD` bytes (256 KiB
-//! by default); every other operation goes to NCCL at any size, since the own path for it is
-//! the staged host copy. Per operation, the hint `route` = `nccl` or `device` overrides the
+//! ranks on one GPU). Where the backend has a kernel of its own for the operation (all_reduce,
+//! all_gather, reduce_scatter), NCCL takes only messages of at least `FERROCOMM_NCCL_THRESHOLD`
+//! bytes (256 KiB by default); every other operation goes to NCCL at any size: all_to_all,
+//! whose sizes may differ between ranks (no size rule could agree), and the operations whose
+//! own path is the staged host copy. Per operation, the hint `route` = `nccl` or `device` overrides the
 //! size rule; `nccl` without NCCL (or for a bitwise reduction, which NCCL lacks) falls back to
 //! the own path: the device backend never fails for want of NCCL.
 
@@ -69,7 +70,7 @@ impl Policy {
                     format!("hint route={other:?}: expected \"nccl\" or \"device\""),
                 ))
             }
-            None if own_kernel && bytes < self.threshold => Route::Own,
+            None if own_kernel && same_size_everywhere(op) && bytes < self.threshold => Route::Own,
             None => Route::Nccl,
         };
         let route = if self.nccl_present && nccl_supports(op) {
@@ -86,6 +87,12 @@ impl Policy {
         );
         Ok(route)
     }
+}
+
+/// Whether every rank's call moves the same bytes, so that a size rule picks the same route on
+/// every rank. all_to_all's parts may differ between ranks (its v form): no size rule for it.
+fn same_size_everywhere(op: &Op<'_>) -> bool {
+    !matches!(op, Op::AllToAll { .. })
 }
 
 /// NCCL has no bitwise reductions; those take the own path whatever the hint.
@@ -143,6 +150,25 @@ mod tests {
             op: ReduceOp::BXor,
         };
         assert_eq!(p.choose(&bits, &force("nccl"), false).unwrap(), Route::Own);
+    }
+
+    #[test]
+    fn all_to_all_takes_no_size_rule_since_its_sizes_may_differ_between_ranks() {
+        use crate::ops::Buf;
+        let (a, mut b) = ([0f32; 4], [0f32; 4]);
+        let tiny = Op::AllToAll {
+            inputs: vec![Buf::new(&a)],
+            outputs: vec![BufMut::new(&mut b)],
+        };
+        let none = BTreeMap::new();
+        // Far below the threshold, yet NCCL where present, exactly as on a rank with big parts.
+        assert_eq!(
+            policy(true, Some("1M")).choose(&tiny, &none, true).unwrap(),
+            Route::Nccl
+        );
+        assert_eq!(policy(false, None).choose(&tiny, &none, true).unwrap(), Route::Own);
+        let device = BTreeMap::from([("route".to_string(), "device".to_string())]);
+        assert_eq!(policy(true, None).choose(&tiny, &device, true).unwrap(), Route::Own);
     }
 
     #[test]

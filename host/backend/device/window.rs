@@ -265,6 +265,17 @@ impl DeviceWindow {
         let peer = usize::try_from(s.peer).ok();
         Err(match s.code {
             abi::STATUS_ABORTED => Error::Closed { op, state: "aborted" },
+            // kernels/alltoall.cu: observed is the sender's bytes, or all ones for a chunk of
+            // another call.
+            abi::STATUS_MISMATCH => Error::Mismatch {
+                op,
+                peer: peer.unwrap_or(usize::MAX),
+                detail: if s.observed == u64::MAX {
+                    "its part belongs to another call: the ranks' calls are out of step".into()
+                } else {
+                    format!("it sent {} bytes where this rank expected {}", s.observed, s.expected)
+                },
+            },
             _ => Error::Timeout { op, peer, after: limit },
         })
     }
