@@ -71,7 +71,8 @@
 //! | `FERROCOMM_NCCL_PATH` | libnccl.so.2 (or its folder); when set, the only place searched |
 //! | `FERROCOMM_NCCL` | `0`: the device backend does not use NCCL |
 //! | `FERROCOMM_NCCL_THRESHOLD` | smallest message the device backend sends to NCCL when it has its own kernel, bytes (256K) |
-//! | `FERROCOMM_DEVICE_ONESHOT_MAX` | largest per-rank message of the device backend's one-shot kernels, bytes (1M) |
+//! | `FERROCOMM_DEVICE_ONESHOT_MAX` | largest per-rank message of the device backend's one- and two-shot kernels, bytes (1M) |
+//! | `FERROCOMM_DEVICE_TWOSHOT_MIN` | smallest all_reduce message of the device backend's two-shot kernel, bytes (128K) |
 //!
 //! ## Threads and clean-up
 //!
