@@ -51,6 +51,7 @@ timeout 60 "$here/fused_put_signal" 2>&1 | tee "$out/fused_put_signal.log" || st
 timeout 120 "$here/ferrocomm-bench" device_put -b 64K -e 1G -f 4 -n 20 -w 5 2>&1 | tee "$out/device_put.txt" || status=1
 timeout 60 "$here/ferrocomm-bench" device_pingpong -n 10000 2>&1 | tee "$out/device_pingpong.txt" || status=1
 timeout 120 "$here/ferrocomm-bench" nccl_all_reduce -b 8 -e 256M -f 4 -n 200 -w 20 2>&1 | tee "$out/nccl_all_reduce.txt" || status=1
+timeout 180 "$here/ferrocomm-bench" device_all_reduce -b 1K -e 1M -f 2 -n 1000 -w 20 --world 8 2>&1 | tee "$out/device_all_reduce.txt" || status=1
 echo "gpu suite exit status $status"
 exit $status
 RUN

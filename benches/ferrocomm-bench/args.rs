@@ -7,6 +7,7 @@ pub const USAGE: &str = "usage: ferrocomm-bench <op> [-b MIN] [-e MAX] [-f FACTO
        [--check] [--json FILE] [--csv FILE] [--plot FILE.png] [--graph]
 ops: all_reduce reduce broadcast all_gather reduce_scatter all_to_all send_recv put get signal
      device_put device_pingpong (2 ranks on GPU 0, device backend)
+     device_all_reduce (--world ranks on GPU 0, bf16, graph replay, against NCCL at world 1)
      nccl_all_reduce (ferrocomm's nccl backend against direct NCCL calls, world 1, GPU 0)
 sizes take K, M, G suffixes (powers of 1024)";
 

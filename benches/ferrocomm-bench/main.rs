@@ -3,6 +3,7 @@
 //! threads with `--threads`); rank 0 prints the table and writes `--json` / `--csv`.
 
 mod args;
+mod device_coll;
 mod gpu;
 mod nccl_direct;
 mod ops;
@@ -251,6 +252,8 @@ fn main() {
             backend: a.backend.clone(),
             reason: "--graph captures CUDA graphs and needs a GPU backend".into(),
         })
+    } else if a.op == "device_all_reduce" {
+        device_coll::run(&a)
     } else if a.op.starts_with("device_") {
         gpu::run(&a)
     } else if a.op == "nccl_all_reduce" {

@@ -22,7 +22,7 @@ type AllReduce =
     unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, *mut c_void, *mut c_void) -> c_int;
 
 /// A one-rank NCCL communicator made with plain `ncclCommInitRank`.
-struct Direct {
+pub(crate) struct Direct {
     comm: *mut c_void,
     all_reduce: AllReduce,
     destroy: unsafe extern "C" fn(*mut c_void) -> c_int,
@@ -37,8 +37,24 @@ fn failed(call: &str, r: c_int) -> Error {
     }
 }
 
+/// ncclDataType_t codes.
+pub(crate) const NCCL_FLOAT32: c_int = 7;
+pub(crate) const NCCL_BFLOAT16: c_int = 9;
+
 impl Direct {
-    fn new() -> Result<Direct> {
+    /// In-place sum of `count` elements of `dtype` (an ncclDataType_t) at `ptr` on `stream`.
+    pub(crate) fn all_reduce(&self, ptr: u64, count: usize, dtype: c_int, stream: &CudaStream) -> Result<()> {
+        let p = ptr as *mut c_void;
+        // SAFETY: the caller passes a device buffer of `count` elements; sum is op 0.
+        let r = unsafe { (self.all_reduce)(p, p, count, dtype, 0, self.comm, stream.cu_stream().cast()) };
+        if r == 0 {
+            Ok(())
+        } else {
+            Err(failed("ncclAllReduce", r))
+        }
+    }
+
+    pub(crate) fn new() -> Result<Direct> {
         let path = device::nccl_library()?.path;
         let sym = |e: libloading::Error| Error::Config(format!("NCCL direct bindings: {e}"));
         // SAFETY: loading NCCL runs no code of consequence; symbols match nccl.h.
@@ -108,16 +124,7 @@ pub fn run(a: &Args) -> Result<()> {
             let view = unsafe { DeviceSliceMut::<f32>::from_raw(0, ptr, count) }?;
             comm.all_reduce(view, ReduceOp::Sum)
         };
-        let theirs = || -> Result<()> {
-            let p = ptr as *mut c_void;
-            // SAFETY: as above; sum (0) of f32 (7) on our stream.
-            let r = unsafe { (direct.all_reduce)(p, p, count, 7, 0, direct.comm, stream.cu_stream().cast()) };
-            if r == 0 {
-                Ok(())
-            } else {
-                Err(failed("ncclAllReduce", r))
-            }
-        };
+        let theirs = || direct.all_reduce(ptr, count, NCCL_FLOAT32, &stream);
         let time = |f: &dyn Fn() -> Result<()>| -> Result<f64> {
             for _ in 0..a.warmup {
                 f()?;
