@@ -196,7 +196,10 @@ impl OwnCollectives {
                 fits(d.len).then(|| {
                     (
                         &kernels[s],
-                        Launch::shot(d.len, Args::flat(d.ptr, d.ptr, buf.count(), vectors)),
+                        Launch::shot(
+                            d.len,
+                            Args::shot(Param::Ptr(d.ptr), Param::Ptr(d.ptr), buf.count(), vectors),
+                        ),
                     )
                 })
             }
@@ -207,12 +210,7 @@ impl OwnCollectives {
                 let equal = outputs.iter().all(|o| o.byte_len() == i.len);
                 let vectors = i.len % 16 == 0 && i.ptr % 16 == 0 && aligned(&parts);
                 (equal && few_ranks && fits(i.len)).then(|| {
-                    let args = Args::Gather {
-                        input: i.ptr,
-                        outputs: parts,
-                        n: i.len as u64,
-                        vectors: vectors.into(),
-                    };
+                    let args = Args::shot(Param::Ptr(i.ptr), Param::Table(Box::new(parts)), i.len, vectors);
                     (&self.all_gather, Launch::shot(i.len, args))
                 })
             }
@@ -227,12 +225,12 @@ impl OwnCollectives {
                 // Our segment holds every block of our input.
                 let whole = o.len.saturating_mul(inputs.len());
                 (equal && few_ranks && fits(whole)).then(|| {
-                    let args = Args::Scatter {
-                        inputs: parts,
-                        output: o.ptr,
-                        n: output.count() as u64,
-                        vectors: vectors.into(),
-                    };
+                    let args = Args::shot(
+                        Param::Table(Box::new(parts)),
+                        Param::Ptr(o.ptr),
+                        output.count(),
+                        vectors,
+                    );
                     (&self.reduce_scatter[s], Launch::shot(o.len, args))
                 })
             }
@@ -297,41 +295,15 @@ impl OwnCollectives {
         let counters_ptr = (&mut counters as *mut u64).cast::<c_void>();
         // Each kernel's parameters, in order (kernels/*.cu).
         let mut params: Vec<*mut c_void> = match &mut args {
-            Args::Flat {
+            Args::Shot {
                 input,
                 output,
                 n,
                 vectors,
             } => vec![
                 handle_ptr,
-                (input as *mut u64).cast(),
-                (output as *mut u64).cast(),
-                (n as *mut u64).cast(),
-                counters_ptr,
-                (vectors as *mut u32).cast(),
-            ],
-            Args::Gather {
-                input,
-                outputs,
-                n,
-                vectors,
-            } => vec![
-                handle_ptr,
-                (input as *mut u64).cast(),
-                (outputs as *mut Parts).cast(),
-                (n as *mut u64).cast(),
-                counters_ptr,
-                (vectors as *mut u32).cast(),
-            ],
-            Args::Scatter {
-                inputs,
-                output,
-                n,
-                vectors,
-            } => vec![
-                handle_ptr,
-                (inputs as *mut Parts).cast(),
-                (output as *mut u64).cast(),
+                input.as_param(),
+                output.as_param(),
                 (n as *mut u64).cast(),
                 counters_ptr,
                 (vectors as *mut u32).cast(),
@@ -365,38 +337,42 @@ impl OwnCollectives {
 
 /// A kernel's arguments besides the window handle and the counters.
 enum Args {
-    /// all_reduce: input, output, elements.
-    Flat {
-        input: u64,
-        output: u64,
+    /// The one- and two-shot kernels: input, output, count (elements; bytes for all_gather),
+    /// vector flag. The side with one part per rank (all_gather's output, reduce_scatter's
+    /// input) is a table.
+    Shot {
+        input: Param,
+        output: Param,
         n: u64,
         vectors: u32,
     },
-    /// all_gather: input, one output per rank, bytes per rank.
-    Gather {
-        input: u64,
-        outputs: Parts,
-        n: u64,
-        vectors: u32,
-    },
-    /// reduce_scatter: one input per rank, the output, elements per rank.
-    Scatter {
-        inputs: Parts,
-        output: u64,
-        n: u64,
-        vectors: u32,
-    },
-    /// Boxed: it is ten times the size of the others.
+    /// Boxed, like `Param::Table`: these are hundreds of bytes, moved once per call.
     AllToAll(Box<AllToAllArgs>),
 }
 
 impl Args {
-    fn flat(input: u64, output: u64, count: usize, vectors: bool) -> Args {
-        Args::Flat {
+    fn shot(input: Param, output: Param, count: usize, vectors: bool) -> Args {
+        Args::Shot {
             input,
             output,
             n: count as u64,
             vectors: vectors.into(),
+        }
+    }
+}
+
+/// A buffer parameter: one device pointer, or one per rank.
+enum Param {
+    Ptr(u64),
+    Table(Box<Parts>),
+}
+
+impl Param {
+    /// What cuLaunchKernel reads the parameter's value from.
+    fn as_param(&mut self) -> *mut c_void {
+        match self {
+            Param::Ptr(p) => (p as *mut u64).cast(),
+            Param::Table(t) => (&mut **t as *mut Parts).cast(),
         }
     }
 }
