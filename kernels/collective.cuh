@@ -242,3 +242,19 @@ FERROCOMM_DEVICE_INLINE void reduce_share(const Window& w, u64 base, void* out, 
 
 }  // namespace coll
 }  // namespace ferrocomm
+
+// Every (name suffix, element type, reduce op) the reducing kernels are built for; the host
+// (host/backend/device/collectives.rs, `suffix`) loads them by these suffixes.
+#define FERROCOMM_FOR_EACH_REDUCTION(M) \
+  M(f32_sum, F32, REDUCE_SUM)           \
+  M(f32_min, F32, REDUCE_MIN)           \
+  M(f32_max, F32, REDUCE_MAX)           \
+  M(f32_avg, F32, REDUCE_AVG)           \
+  M(f16_sum, F16, REDUCE_SUM)           \
+  M(f16_min, F16, REDUCE_MIN)           \
+  M(f16_max, F16, REDUCE_MAX)           \
+  M(f16_avg, F16, REDUCE_AVG)           \
+  M(bf16_sum, Bf16, REDUCE_SUM)         \
+  M(bf16_min, Bf16, REDUCE_MIN)         \
+  M(bf16_max, Bf16, REDUCE_MAX)         \
+  M(bf16_avg, Bf16, REDUCE_AVG)
