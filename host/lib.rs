@@ -91,6 +91,7 @@ mod dtype;
 mod error;
 mod log;
 mod memory;
+pub mod net;
 mod objects;
 mod ops;
 mod options;

@@ -1,7 +1,7 @@
 //! The Rust mirrors in ferrocomm::device::abi have the layout of device-api's abi.h as a C
 //! compiler lays it out: every size and field offset is compared.
 
-use ferrocomm::device::{DeviceStatus, WindowHandle};
+use ferrocomm::device::{DeviceStatus, ProxyQueue, WindowHandle};
 use std::mem::{offset_of, size_of};
 use std::process::Command;
 
@@ -19,6 +19,7 @@ fn rust_mirrors_match_the_c_header() {
     let mut rust = fields!(WindowHandle, "ferrocomm_window_handle": base, stride, data_bytes, signal_offset,
         barrier_offset, multicast, status, abort_flag, fifo, timeout_ns, rank, size, signals, flags);
     rust.extend(fields!(DeviceStatus, "ferrocomm_status": code, op, peer, signal_id, expected, observed));
+    rust.extend(fields!(ProxyQueue, "ferrocomm_proxy_queue": slots, head, tail, done, remote, capacity, flags));
 
     let dir = std::env::temp_dir().join(format!("ferrocomm-abi-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();

@@ -19,10 +19,12 @@ pub const STATUS_OK: u32 = 0;
 pub const STATUS_TIMEOUT: u32 = 1;
 pub const STATUS_ABORTED: u32 = 2;
 pub const STATUS_MISMATCH: u32 = 3;
+pub const STATUS_INVALID: u32 = 4;
 pub const OP_WAIT_SIGNAL: u32 = 1;
 pub const OP_BARRIER: u32 = 2;
 pub const OP_FLUSH: u32 = 3;
 pub const OP_COLLECTIVE: u32 = 4;
+pub const OP_PROXY: u32 = 5;
 pub const SOURCE_ANY: i32 = -1;
 pub const SOURCE_SUM: i32 = -2;
 
@@ -47,10 +49,27 @@ pub struct WindowHandle {
     pub flags: u32,
 }
 
+/// What `WindowHandle::fifo` points at (`ferrocomm_proxy_queue`): the proxy queue toward ranks
+/// that are not load/store reachable. The descriptor format is `crate::net::descriptor`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ProxyQueue {
+    pub slots: u64,
+    pub head: u64,
+    pub tail: u64,
+    pub done: u64,
+    pub remote: u64,
+    pub capacity: u32,
+    pub flags: u32,
+}
+
 // SAFETY: plain-old-data with the C layout the kernels expect.
 unsafe impl DeviceRepr for WindowHandle {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for ProxyQueue {}
 // SAFETY: as above.
 unsafe impl DeviceRepr for DeviceStatus {}
 
 const _: () = assert!(std::mem::size_of::<DeviceStatus>() == 32);
 const _: () = assert!(std::mem::size_of::<WindowHandle>() == 96);
+const _: () = assert!(std::mem::size_of::<ProxyQueue>() == 48);

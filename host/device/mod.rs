@@ -9,7 +9,7 @@ pub mod abi;
 mod slice;
 
 pub use crate::cuda::stream::CurrentStream;
-pub use abi::{DeviceStatus, WindowHandle};
+pub use abi::{DeviceStatus, ProxyQueue, WindowHandle};
 pub use cudarc;
 pub use slice::{DeviceSlice, DeviceSliceMut};
 

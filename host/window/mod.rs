@@ -109,6 +109,13 @@ pub trait WindowBackend: Send + Sync {
     fn device(&self) -> Option<(WindowHandle, Arc<CudaStream>)> {
         None
     }
+    /// The window's proxy queue toward ranks reached over the network, started on first use.
+    fn proxy_queue(&self) -> Result<Arc<crate::net::HostQueue>> {
+        Err(Error::Unavailable {
+            backend: "window".into(),
+            reason: "this backend's windows have no host proxy queue".into(),
+        })
+    }
     /// Waits for the rank's stream and reports an error a kernel recorded (device windows).
     fn synchronize(&self, timeout: Duration) -> Result<()> {
         let _ = timeout;
@@ -284,6 +291,14 @@ impl<'buf> Window<'buf> {
     /// Waits until every earlier operation of ours is complete at its target.
     pub fn flush(&self) -> Result<()> {
         self.backend.flush()
+    }
+
+    /// The host end of this window's proxy queue: the path kernels take to ranks on other hosts
+    /// (16-byte descriptors drained by a proxy thread onto the network links), driven from the
+    /// host. Puts name a source offset in this rank's window data. `Error::Unavailable` when no
+    /// rank of the window is reached over the network, or the backend has no such queue.
+    pub fn proxy_queue(&self) -> Result<crate::net::QueueProducer<'_>> {
+        self.backend.proxy_queue().map(crate::net::QueueProducer::new)
     }
 
     /// `flush`, then a barrier over the communicator.

@@ -18,12 +18,15 @@ typedef int ferrocomm_i32;
 #define FERROCOMM_STATUS_ABORTED 2u
 /* A peer's part of a collective disagreed with ours (expected: our bytes, observed: its). */
 #define FERROCOMM_STATUS_MISMATCH 3u
+/* A verb's argument the device cannot carry out (a proxy put whose source is not in the window). */
+#define FERROCOMM_STATUS_INVALID 4u
 
 /* The device verb that recorded a status (ferrocomm_status.op). */
 #define FERROCOMM_OP_WAIT_SIGNAL 1u
 #define FERROCOMM_OP_BARRIER 2u
 #define FERROCOMM_OP_FLUSH 3u
 #define FERROCOMM_OP_COLLECTIVE 4u
+#define FERROCOMM_OP_PROXY 5u /* a proxy queue push (full past the deadline) or a bad argument */
 
 /* Signal operations and comparisons, numbered as host/window's SignalOp and Cmp. */
 #define FERROCOMM_SIGNAL_SET 0u
@@ -65,7 +68,7 @@ typedef struct ferrocomm_window_handle {
   ferrocomm_u64 multicast;      /* multicast address of the data, 0 without multicast */
   ferrocomm_u64 status;         /* ferrocomm_status*: this rank's error record */
   ferrocomm_u64 abort_flag;     /* const ferrocomm_u32*: nonzero once the comm is aborted */
-  ferrocomm_u64 fifo;           /* proxy queue toward ranks not load/store reachable; 0: none */
+  ferrocomm_u64 fifo;           /* ferrocomm_proxy_queue*: toward ranks not load/store reachable; 0: none */
   ferrocomm_u64 timeout_ns;     /* deadline of every device wait */
   ferrocomm_i32 rank;
   ferrocomm_i32 size;
@@ -73,12 +76,53 @@ typedef struct ferrocomm_window_handle {
   ferrocomm_u32 flags;   /* reserved, 0 */
 } ferrocomm_window_handle;
 
+/* The proxy queue: how kernels hand puts and signals toward ranks that are not load/store
+ * reachable (other hosts) to a host thread, the proxy, which runs them on the network.
+ *
+ * A descriptor is two u64 words in `slots[2 * (ticket % capacity)]`. A producer takes a ticket
+ * with an atomic add on `head`, waits while `ticket - *tail >= capacity` (back-pressure),
+ * writes word 1, then release-stores word 0: that one store publishes the slot. Bit 63 of word 0
+ * is the lap parity, 1 on even laps of the ring (ticket / capacity even) and 0 on odd ones, so
+ * the proxy tells a fresh descriptor from last lap's without anyone clearing slots.
+ *
+ *   word 0: parity (bit 63) | op (bits 56..62) | peer (bits 40..55) | low 40 bits:
+ *           PUT: destination offset in the peer's window data;
+ *           SIGNAL: signal id (bits 0..31), FERROCOMM_SIGNAL_* (bit 32)
+ *   word 1: PUT: source offset in this rank's window data (bits 0..39) | bytes (bits 40..63);
+ *           SIGNAL: the value
+ *
+ * The proxy advances `tail` once it has copied a descriptor out, and `done` (a count of
+ * descriptors) once their effects are visible at their targets; `flush` waits for `done` to
+ * reach the `head` it saw. A put larger than FERROCOMM_PROXY_MAX_PUT takes several slots. */
+#define FERROCOMM_PROXY_PUT 1u
+#define FERROCOMM_PROXY_SIGNAL 2u
+#define FERROCOMM_PROXY_PARITY_BIT 63
+#define FERROCOMM_PROXY_OP_SHIFT 56
+#define FERROCOMM_PROXY_PEER_SHIFT 40
+#define FERROCOMM_PROXY_BYTES_SHIFT 40
+#define FERROCOMM_PROXY_OFFSET_MASK 0xffffffffffull /* 40 bits: windows up to 1 TiB */
+#define FERROCOMM_PROXY_MAX_PUT (1ull << 23)         /* bytes per PUT descriptor */
+#define FERROCOMM_PROXY_MAX_PEER 0xffff
+
+/* What a kernel finds behind ferrocomm_window_handle.fifo (device-readable memory). */
+typedef struct ferrocomm_proxy_queue {
+  ferrocomm_u64 slots;    /* u64[2 * capacity]: host-pinned, mapped into the device */
+  ferrocomm_u64 head;     /* u64*: tickets taken by producers (device memory) */
+  ferrocomm_u64 tail;     /* const u64*: slots the proxy has read (host-pinned) */
+  ferrocomm_u64 done;     /* const u64*: descriptors complete at their targets (host-pinned) */
+  ferrocomm_u64 remote;   /* const unsigned char[size]: nonzero where a rank goes through this queue */
+  ferrocomm_u32 capacity; /* slots, a power of two */
+  ferrocomm_u32 flags;    /* reserved, 0 */
+} ferrocomm_proxy_queue;
+
 #if defined(__cplusplus) && __cplusplus >= 201103L
 static_assert(sizeof(ferrocomm_status) == 32, "ferrocomm_status is 32 bytes");
 static_assert(sizeof(ferrocomm_window_handle) == 96, "ferrocomm_window_handle is 96 bytes");
+static_assert(sizeof(ferrocomm_proxy_queue) == 48, "ferrocomm_proxy_queue is 48 bytes");
 #elif defined(__STDC_VERSION__) && __STDC_VERSION__ >= 201112L
 _Static_assert(sizeof(ferrocomm_status) == 32, "ferrocomm_status is 32 bytes");
 _Static_assert(sizeof(ferrocomm_window_handle) == 96, "ferrocomm_window_handle is 96 bytes");
+_Static_assert(sizeof(ferrocomm_proxy_queue) == 48, "ferrocomm_proxy_queue is 48 bytes");
 #endif
 
 #endif /* FERROCOMM_ABI_H */

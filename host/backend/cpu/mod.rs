@@ -3,7 +3,6 @@
 
 mod algorithms;
 mod engine;
-mod proxy;
 mod window;
 
 use super::{Backend, BackendInit, RunOptions};

@@ -1,8 +1,14 @@
 //! Windows on the CPU backend. Each rank's segment (data, then the signal pad) lives in POSIX
 //! shared memory, mapped by every rank of the host; other hosts, and every peer of a registered
-//! user buffer, go through the target's proxy (proxy.rs). Waits read the caller's own pad.
+//! user buffer, go through a link to the target's server (net/tcp.rs); the window's proxy queue
+//! (net/), made on first use, carries queued puts and signals over the same links. Waits read
+//! the caller's own pad.
 
-use super::proxy::{self, Memory, ProxyConn};
+use crate::net::descriptor::Limits;
+use crate::net::link::SharedLink;
+use crate::net::proxy::HostData;
+use crate::net::tcp::{self, Memory, TcpLink};
+use crate::net::HostQueue;
 use crate::bootstrap::{self, PrefixStore, Store};
 use crate::error::{Error, Result};
 use crate::options::TransportOptions;
@@ -27,8 +33,8 @@ enum Path {
         seg: Arc<Segment>,
         watch: Option<ProcessWatch>,
     },
-    /// Through the peer's proxy thread.
-    Proxy { conn: Mutex<ProxyConn>, dirty: AtomicBool },
+    /// Through a link to the peer's server.
+    Net(Arc<SharedLink>),
 }
 
 /// Who our proxy serves, and how to stop it.
@@ -46,6 +52,9 @@ pub(crate) struct CpuWindow {
     gone: Arc<Vec<AtomicBool>>,
     abort: Arc<AtomicBool>,
     server: Mutex<Server>,
+    /// The proxy queue, started by the first `proxy_queue` call.
+    queue: Mutex<Option<Arc<HostQueue>>>,
+    timeout: Duration,
     /// For rate-limiting process probes in `ensure_alive`.
     born: Instant,
     last_probe: AtomicU64,
@@ -173,10 +182,7 @@ impl CpuWindow {
                 let addr =
                     proxy_addr.ok_or_else(|| Error::protocol("window setup", format!("rank {t} runs no proxy")))?;
                 let stream = dial(rank, t, addr, secret.as_bytes(), deadline)?;
-                Path::Proxy {
-                    conn: Mutex::new(ProxyConn::new(stream, t, spec.timeout)?),
-                    dirty: AtomicBool::new(false),
-                }
+                Path::Net(Arc::new(SharedLink::new(Box::new(TcpLink::new(stream, t, spec.timeout)?))))
             } else {
                 let seg = Arc::new(Segment::open(segment, data_len + pad_len)?);
                 let watch = ProcessWatch::open(seg.owner_pid());
@@ -215,7 +221,7 @@ impl CpuWindow {
                 let gone = gone.clone();
                 server
                     .threads
-                    .push(std::thread::spawn(move || proxy::serve(stream, origin, mem, gone)));
+                    .push(std::thread::spawn(move || tcp::serve(stream, origin, mem, gone)));
             }
         }
 
@@ -227,6 +233,8 @@ impl CpuWindow {
             gone,
             abort: s.abort.clone(),
             server: Mutex::new(server),
+            queue: Mutex::new(None),
+            timeout: spec.timeout,
             born: Instant::now(),
             last_probe: AtomicU64::new(0),
         };
@@ -244,20 +252,15 @@ impl CpuWindow {
         match &self.paths[rank] {
             Path::Local => Some(&self.mem),
             Path::Mapped { mem, .. } => Some(mem),
-            Path::Proxy { .. } => None,
+            Path::Net(_) => None,
         }
     }
 
-    /// The proxy connection to `rank` (only called when `direct` is `None`).
-    fn proxy(&self, rank: usize, writes: bool) -> Result<std::sync::MutexGuard<'_, ProxyConn>> {
+    /// The link to `rank` (only called when `direct` is `None`).
+    fn proxy(&self, rank: usize, writes: bool) -> Result<std::sync::MutexGuard<'_, Box<dyn crate::net::link::Link>>> {
         match &self.paths[rank] {
-            Path::Proxy { conn, dirty } => {
-                if writes {
-                    dirty.store(true, Ordering::Relaxed);
-                }
-                Ok(conn.lock().unwrap_or_else(|p| p.into_inner()))
-            }
-            _ => Err(Error::protocol("window", format!("rank {rank} has no proxy path"))),
+            Path::Net(link) => Ok(link.lock(writes)),
+            _ => Err(Error::protocol("window", format!("rank {rank} has no network path"))),
         }
     }
 
@@ -267,11 +270,11 @@ impl CpuWindow {
         match &self.paths[p] {
             Path::Local => Ok(()),
             Path::Mapped { seg, watch, .. } => check_owner(p, seg, watch.as_ref().filter(|_| probe_process)),
-            Path::Proxy { .. } if self.gone[p].load(Ordering::Acquire) => Err(PeerGone {
+            Path::Net(_) if self.gone[p].load(Ordering::Acquire) => Err(PeerGone {
                 rank: p,
-                reason: "its proxy connection closed".into(),
+                reason: "its connection to this rank's server closed".into(),
             }),
-            Path::Proxy { .. } => Ok(()),
+            Path::Net(_) => Ok(()),
         }
     }
 
@@ -444,10 +447,8 @@ impl WindowBackend for CpuWindow {
     fn flush(&self) -> Result<()> {
         std::sync::atomic::fence(Ordering::SeqCst);
         for p in &self.paths {
-            if let Path::Proxy { conn, dirty } = p {
-                if dirty.swap(false, Ordering::Relaxed) {
-                    conn.lock().unwrap_or_else(|p| p.into_inner()).flush()?;
-                }
+            if let Path::Net(link) = p {
+                link.flush_if_dirty()?;
             }
         }
         Ok(())
@@ -460,11 +461,45 @@ impl WindowBackend for CpuWindow {
     fn remote_base(&self, rank: usize) -> Option<*mut u8> {
         self.direct(rank).map(|m| m.data)
     }
+
+    fn proxy_queue(&self) -> Result<Arc<HostQueue>> {
+        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(q) = &*q {
+            return Ok(q.clone());
+        }
+        let links: Vec<Option<Arc<SharedLink>>> = (self.paths.iter())
+            .map(|p| match p {
+                Path::Net(link) => Some(link.clone()),
+                _ => None,
+            })
+            .collect();
+        if links.iter().all(Option::is_none) {
+            return Err(Error::Unavailable {
+                backend: "cpu".into(),
+                reason: "no rank of this window is reached over the network, so it has no proxy queue".into(),
+            });
+        }
+        let limits = Limits {
+            size: self.mem.size,
+            bytes: self.mem.bytes,
+            signals: self.mem.signals,
+        };
+        let started = Arc::new(HostQueue::start(
+            links,
+            Box::new(HostData(self.mem.data)),
+            limits,
+            self.timeout,
+        )?);
+        *q = Some(started.clone());
+        Ok(started)
+    }
 }
 
 impl Drop for CpuWindow {
     fn drop(&mut self) {
         self.own.close();
+        // The proxy thread reads our memory: it stops first.
+        drop(self.queue.lock().unwrap_or_else(|p| p.into_inner()).take());
         // Stop serving before the memory (maybe a user buffer) goes away.
         let server = std::mem::replace(
             &mut *self.server.lock().unwrap_or_else(|p| p.into_inner()),

@@ -276,6 +276,13 @@ impl DeviceWindow {
                     format!("it sent {} bytes where this rank expected {}", s.observed, s.expected)
                 },
             },
+            abi::STATUS_INVALID => Error::invalid(
+                op,
+                format!(
+                    "a kernel's proxy put to rank {} named a source that is not in this window (byte offset {:#x})",
+                    s.peer, s.observed
+                ),
+            ),
             _ => Error::Timeout { op, peer, after: limit },
         })
     }

@@ -1,13 +1,15 @@
-//! The window proxy: a rank serves puts, gets, signals and atomics from peers that cannot map
+//! The TCP transport: a rank serves puts, gets, signals and atomics from peers that cannot map
 //! its memory (other hosts, or any peer of a registered user buffer). One TCP connection per
-//! (origin, target) pair carries the origin's requests in order; a server thread on the target
-//! applies them to its memory with the same orderings as a direct access, so a put followed by
-//! a signal on one connection is visible before the signal (docs/memory-model.md).
+//! (origin, target) pair carries the origin's requests in order (a `TcpLink`); a server thread
+//! on the target applies them to its memory with the same orderings as a direct access, so a
+//! put followed by a signal on one connection is visible before the signal
+//! (docs/memory-model.md).
 //!
 //! Request: 32-byte header `op u8, 7 pad, a u64, b u64, c u64`, then `b` bytes for a put.
 //! Replies (get: the bytes; atomics and flush: a u64) have no header: the origin knows what it
 //! asked for. A request the target cannot accept closes the connection.
 
+use super::link::Link;
 use crate::error::{Error, Result};
 use crate::window::SignalOp;
 use std::io::{ErrorKind, Read, Write};
@@ -135,20 +137,20 @@ fn serve_requests(s: &mut TcpStream, origin: usize, mem: Memory) -> std::result:
     }
 }
 
-/// An origin's connection to one target's proxy.
-pub(crate) struct ProxyConn {
+/// An origin's connection to one target's server.
+pub(crate) struct TcpLink {
     stream: TcpStream,
     peer: usize,
     timeout: Duration,
 }
 
-impl ProxyConn {
-    pub(crate) fn new(stream: TcpStream, peer: usize, timeout: Duration) -> Result<ProxyConn> {
+impl TcpLink {
+    pub(crate) fn new(stream: TcpStream, peer: usize, timeout: Duration) -> Result<TcpLink> {
         let io = |e| Error::io("window proxy connection", e);
         stream.set_nodelay(true).map_err(io)?;
         stream.set_read_timeout(Some(timeout)).map_err(io)?;
         stream.set_write_timeout(Some(timeout)).map_err(io)?;
-        Ok(ProxyConn { stream, peer, timeout })
+        Ok(TcpLink { stream, peer, timeout })
     }
 
     fn fail(&self, op: &'static str, e: std::io::Error) -> Error {
@@ -176,17 +178,23 @@ impl ProxyConn {
         self.stream.read_exact(&mut r).map_err(|e| self.fail(op, e))?;
         Ok(u64::from_le_bytes(r))
     }
+}
 
-    pub(crate) fn put(&mut self, offset: usize, src: &[u8]) -> Result<()> {
+impl Link for TcpLink {
+    fn transport(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn put(&mut self, offset: usize, src: &[u8]) -> Result<()> {
         self.send("put", header(PUT, offset as u64, src.len() as u64, 0), src)
     }
 
-    pub(crate) fn get(&mut self, offset: usize, dst: &mut [u8]) -> Result<()> {
+    fn get(&mut self, offset: usize, dst: &mut [u8]) -> Result<()> {
         self.send("get", header(GET, offset as u64, dst.len() as u64, 0), &[])?;
         self.stream.read_exact(dst).map_err(|e| self.fail("get", e))
     }
 
-    pub(crate) fn signal(&mut self, id: usize, op: SignalOp, value: u64) -> Result<()> {
+    fn signal(&mut self, id: usize, op: SignalOp, value: u64) -> Result<()> {
         let code = match op {
             SignalOp::Set => 0,
             SignalOp::Add => 1,
@@ -194,12 +202,12 @@ impl ProxyConn {
         self.send("signal", header(SIGNAL, id as u64, code, value), &[])
     }
 
-    pub(crate) fn fetch_add(&mut self, offset: usize, value: u64) -> Result<u64> {
+    fn fetch_add(&mut self, offset: usize, value: u64) -> Result<u64> {
         self.send("fetch_add", header(FETCH_ADD, offset as u64, 0, value), &[])?;
         self.reply_word("fetch_add")
     }
 
-    pub(crate) fn compare_swap(&mut self, offset: usize, expected: u64, desired: u64) -> Result<u64> {
+    fn compare_swap(&mut self, offset: usize, expected: u64, desired: u64) -> Result<u64> {
         self.send(
             "compare_swap",
             header(COMPARE_SWAP, offset as u64, expected, desired),
@@ -208,7 +216,7 @@ impl ProxyConn {
         self.reply_word("compare_swap")
     }
 
-    pub(crate) fn flush(&mut self) -> Result<()> {
+    fn flush(&mut self) -> Result<()> {
         self.send("flush", header(FLUSH, 0, 0, 0), &[])?;
         self.reply_word("flush").map(|_| ())
     }

@@ -1,0 +1,284 @@
+//! The proxy queue's ring (abi.h `ferrocomm_proxy_queue`) as the host sees it: a consumer for
+//! the proxy thread, and producers for host code, which speak the same protocol as the device
+//! producer in device-api (impl/proxy.cuh). The ring's words may live in ordinary memory (host
+//! producers) or in host-pinned memory mapped into a GPU (kernel producers); either way the
+//! host touches them only through these atomics.
+
+use super::descriptor::{parity, PARITY_BIT};
+use crate::error::{Error, Result};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// The shared words of one queue, by host address.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Ring {
+    /// `2 * capacity` words.
+    pub slots: *const AtomicU64,
+    /// Null where producers take tickets in device memory the host does not read.
+    pub head: *const AtomicU64,
+    pub tail: *const AtomicU64,
+    pub done: *const AtomicU64,
+    pub capacity: u64,
+}
+
+// SAFETY: the words are atomics in memory that outlives every user of the ring (its owner joins
+// the proxy thread and producers before freeing it).
+unsafe impl Send for Ring {}
+unsafe impl Sync for Ring {}
+
+impl Ring {
+    fn word(&self, i: u64) -> &AtomicU64 {
+        // SAFETY: i < 2 * capacity by construction at every call.
+        unsafe { &*self.slots.add(i as usize) }
+    }
+    fn tail(&self) -> &AtomicU64 {
+        // SAFETY: valid for the ring's life (see `Send`).
+        unsafe { &*self.tail }
+    }
+    fn done(&self) -> &AtomicU64 {
+        // SAFETY: as above.
+        unsafe { &*self.done }
+    }
+    fn head(&self) -> Option<&AtomicU64> {
+        // SAFETY: as above, where present.
+        unsafe { self.head.as_ref() }
+    }
+    fn slot(&self, ticket: u64) -> u64 {
+        2 * (ticket & (self.capacity - 1))
+    }
+}
+
+/// A ring in ordinary host memory, for host producers: head, tail and done each on their own
+/// cache line, then the slots.
+pub(crate) struct HostRing {
+    words: Box<[AtomicU64]>,
+    capacity: u64,
+}
+
+const LINE: usize = 8; // words per 64-byte line
+
+impl HostRing {
+    pub(crate) fn new(capacity: usize) -> Result<HostRing> {
+        if !capacity.is_power_of_two() || capacity < 2 {
+            return Err(Error::invalid(
+                "proxy queue",
+                format!("capacity {capacity} is not a power of two >= 2"),
+            ));
+        }
+        let words = (0..3 * LINE + 2 * capacity).map(|_| AtomicU64::new(0)).collect();
+        Ok(HostRing {
+            words,
+            capacity: capacity as u64,
+        })
+    }
+
+    pub(crate) fn ring(&self) -> Ring {
+        let base = self.words.as_ptr();
+        // SAFETY: all offsets lie inside `words`.
+        unsafe {
+            Ring {
+                head: base,
+                tail: base.add(LINE),
+                done: base.add(2 * LINE),
+                slots: base.add(3 * LINE),
+                capacity: self.capacity,
+            }
+        }
+    }
+}
+
+/// The proxy's end: pops descriptors in ticket order.
+pub(crate) struct Consumer {
+    ring: Ring,
+    next: u64,
+}
+
+impl Consumer {
+    pub(crate) fn new(ring: Ring) -> Consumer {
+        Consumer { ring, next: 0 }
+    }
+
+    /// The next descriptor's words if its producer has published it; frees its slot.
+    pub(crate) fn pop(&mut self) -> Option<[u64; 2]> {
+        let r = &self.ring;
+        let at = r.slot(self.next);
+        // Acquire pairs with the producer's release of word 0: word 1 is then complete.
+        let w0 = r.word(at).load(Ordering::Acquire);
+        if w0 >> PARITY_BIT != parity(self.next, r.capacity) {
+            return None;
+        }
+        let w1 = r.word(at + 1).load(Ordering::Relaxed);
+        self.next += 1;
+        // Release: our reads of the slot happen before a producer, seeing the new tail, reuses it.
+        r.tail().store(self.next, Ordering::Release);
+        Some([w0 & !(1 << PARITY_BIT), w1])
+    }
+
+    /// Tickets popped so far.
+    pub(crate) fn popped(&self) -> u64 {
+        self.next
+    }
+
+    /// Publishes that the first `count` descriptors are complete at their targets.
+    pub(crate) fn complete(&self, count: u64) {
+        self.ring.done().store(count, Ordering::Release);
+    }
+}
+
+/// Spins, then yields, then sleeps: a short wait stays fast, a long one leaves the CPU to others.
+pub(crate) fn back_off(round: u32) {
+    if round < 64 {
+        std::hint::spin_loop();
+    } else if round < 1024 {
+        std::thread::yield_now();
+    } else {
+        std::thread::sleep(Duration::from_micros(20));
+    }
+}
+
+/// Host producers' protocol, the same as a kernel's: ticket, back-pressure, word 1, release of
+/// word 0. `failed` is polled while waiting so that a dead proxy ends the wait early.
+pub(crate) fn push(
+    ring: &Ring,
+    words: [u64; 2],
+    timeout: Duration,
+    failed: &dyn Fn() -> Option<Error>,
+) -> Result<u64> {
+    let deadline = Instant::now() + timeout;
+    let head = ring
+        .head()
+        .ok_or_else(|| Error::invalid("proxy queue", "this queue's tickets live in device memory"))?;
+    let ticket = head.fetch_add(1, Ordering::Relaxed);
+    let mut round = 0;
+    // Acquire pairs with the consumer's release of tail: its reads of the slot are over.
+    while ticket - ring.tail().load(Ordering::Acquire) >= ring.capacity {
+        if round % 256 == 255 {
+            if let Some(e) = failed() {
+                return Err(e);
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::Timeout {
+                    op: "proxy queue push (queue full)",
+                    peer: None,
+                    after: timeout,
+                });
+            }
+        }
+        back_off(round);
+        round += 1;
+    }
+    let at = ring.slot(ticket);
+    ring.word(at + 1).store(words[1], Ordering::Relaxed);
+    let w0 = words[0] | (parity(ticket, ring.capacity) << PARITY_BIT);
+    ring.word(at).store(w0, Ordering::Release);
+    Ok(ticket)
+}
+
+/// Waits until every descriptor taken before this call is complete at its target.
+pub(crate) fn wait_done(ring: &Ring, timeout: Duration, failed: &dyn Fn() -> Option<Error>) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    let Some(head) = ring.head() else {
+        return Err(Error::invalid("proxy queue", "this queue's tickets live in device memory"));
+    };
+    let target = head.load(Ordering::Acquire);
+    let mut round = 0u32;
+    loop {
+        if let Some(e) = failed() {
+            return Err(e);
+        }
+        if ring.done().load(Ordering::Acquire) >= target {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(Error::Timeout {
+                op: "proxy queue flush",
+                peer: None,
+                after: timeout,
+            });
+        }
+        back_off(round);
+        round = round.saturating_add(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    fn never() -> Option<Error> {
+        None
+    }
+
+    #[test]
+    fn many_producers_one_consumer_over_many_laps() {
+        // 4 producers x 5000 descriptors through 16 slots: ~1250 laps, constant back-pressure.
+        let ring = Arc::new(HostRing::new(16).unwrap());
+        let (producers, each) = (4u64, 5000u64);
+        std::thread::scope(|s| {
+            for p in 0..producers {
+                let ring = ring.clone();
+                s.spawn(move || {
+                    let r = ring.ring();
+                    for i in 0..each {
+                        // Word 0 carries the producer in bits 32.., word 1 the sequence number.
+                        push(&r, [(p << 32) | i, i.wrapping_mul(0x9e37_79b9)], Duration::from_secs(60), &never).unwrap();
+                    }
+                });
+            }
+            let mut c = Consumer::new(ring.ring());
+            let mut next = vec![0u64; producers as usize];
+            let start = Instant::now();
+            while c.popped() < producers * each {
+                assert!(start.elapsed() < Duration::from_secs(60), "consumer starved");
+                let Some(w) = c.pop() else { continue };
+                let (p, i) = ((w[0] >> 32) as usize, w[0] & 0xffff_ffff);
+                // Each producer's descriptors arrive whole and in its own order.
+                assert_eq!(i, next[p], "producer {p}");
+                assert_eq!(w[1], i.wrapping_mul(0x9e37_79b9));
+                next[p] += 1;
+            }
+            assert!(c.pop().is_none());
+        });
+    }
+
+    #[test]
+    fn a_full_queue_times_out_and_flush_waits_for_done() {
+        let ring = HostRing::new(2).unwrap();
+        let r = ring.ring();
+        let soon = || Duration::from_millis(50);
+        push(&r, [1, 1], soon(), &never).unwrap();
+        push(&r, [2, 2], soon(), &never).unwrap();
+        let e = push(&r, [3, 3], soon(), &never).unwrap_err();
+        assert!(matches!(e, Error::Timeout { .. }), "{e}");
+        // The consumer sees the two published ones; flush waits until they are done.
+        let mut c = Consumer::new(r);
+        assert_eq!(c.pop(), Some([1, 1]));
+        assert!(matches!(wait_done(&r, soon(), &never), Err(Error::Timeout { .. })));
+        c.complete(c.popped());
+        assert_eq!(c.pop(), Some([2, 2]));
+        // The timed-out push took ticket 2 and never published it: the consumer waits there.
+        assert_eq!(c.pop(), None);
+        let lost = || Some(Error::protocol("proxy", "gone"));
+        assert!(matches!(wait_done(&r, soon(), &lost), Err(Error::Protocol { .. })));
+    }
+
+    #[test]
+    fn stale_slots_from_the_last_lap_are_not_read_again() {
+        let ring = HostRing::new(2).unwrap();
+        let r = ring.ring();
+        let far = Duration::from_secs(5);
+        let mut c = Consumer::new(r);
+        for i in 0..10u64 {
+            push(&r, [i, i], far, &never).unwrap();
+            assert_eq!(c.pop(), Some([i, i]));
+            assert_eq!(c.pop(), None, "slot of ticket {} read twice", i);
+        }
+    }
+
+    #[test]
+    fn capacity_must_be_a_power_of_two() {
+        assert!(HostRing::new(12).is_err());
+        assert!(HostRing::new(1).is_err());
+    }
+}

@@ -1,0 +1,148 @@
+//! The proxy thread: drains one window's queue in ticket order, runs each descriptor on the
+//! link to its target, and publishes completion. A put's source bytes are copied out of this
+//! rank's window data (host memory, or GPU memory by a device-to-host copy) into a staging
+//! buffer first, so a link only ever sees ordinary host bytes.
+
+use super::descriptor::{Descriptor, Limits};
+use super::fifo::{back_off, Consumer, Ring};
+use super::link::SharedLink;
+use crate::error::{Error, Result};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+/// This rank's window data, as the proxy reads put sources.
+pub(crate) trait LocalData: Send {
+    /// Copies `dst.len()` bytes at `offset` (in bounds: checked by the descriptor) into `dst`.
+    fn read(&mut self, offset: usize, dst: &mut [u8]) -> Result<()>;
+}
+
+/// Window data in host memory.
+pub(crate) struct HostData(pub *const u8);
+
+// SAFETY: the window's memory outlives its proxy thread (the window joins it before freeing).
+unsafe impl Send for HostData {}
+
+impl LocalData for HostData {
+    fn read(&mut self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        // SAFETY: in bounds (see the trait); a raw copy, as every access to window memory.
+        unsafe { std::ptr::copy_nonoverlapping(self.0.add(offset), dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+}
+
+/// What the proxy thread works with.
+pub(crate) struct Plan {
+    pub ring: Ring,
+    /// Per rank: the link when the rank is reached through this queue.
+    pub links: Vec<Option<Arc<SharedLink>>>,
+    pub data: Box<dyn LocalData>,
+    pub limits: Limits,
+}
+
+/// Descriptors run since the last completion before the proxy completes them anyway, so a
+/// producer that never lets the queue go idle still sees `done` advance.
+const COMPLETE_EVERY: u64 = 256;
+
+pub(crate) struct Proxy {
+    stop: Arc<AtomicBool>,
+    error: Arc<Mutex<Option<Error>>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Proxy {
+    pub(crate) fn start(plan: Plan) -> Result<Proxy> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let error = Arc::new(Mutex::new(None));
+        let (s, e) = (stop.clone(), error.clone());
+        let thread = std::thread::Builder::new()
+            .name("ferrocomm-proxy".into())
+            .spawn(move || run(plan, &s, &e))
+            .map_err(|e| Error::io("starting the proxy thread", e))?;
+        Ok(Proxy {
+            stop,
+            error,
+            thread: Some(thread),
+        })
+    }
+
+    /// The first error the proxy met since the last call (a lost link, a malformed
+    /// descriptor); taking it leaves the queue usable.
+    pub(crate) fn take_error(&self) -> Option<Error> {
+        self.error.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        // The thread drains what is published, then stops.
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn run(mut plan: Plan, stop: &AtomicBool, error: &Mutex<Option<Error>>) {
+    let mut consumer = Consumer::new(plan.ring);
+    let mut staging = Vec::new();
+    let (mut completed, mut idle) = (0u64, 0u32);
+    let record = |e: Error| {
+        tracing::debug!("proxy: {e}");
+        error.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e);
+    };
+    loop {
+        if let Some(words) = consumer.pop() {
+            idle = 0;
+            if let Err(e) = execute(&mut plan, words, &mut staging) {
+                record(e);
+            }
+            if consumer.popped() - completed >= COMPLETE_EVERY {
+                completed = complete(&plan, &consumer, &record);
+            }
+            continue;
+        }
+        if completed < consumer.popped() {
+            completed = complete(&plan, &consumer, &record);
+            continue;
+        }
+        if stop.load(Ordering::Acquire) {
+            return;
+        }
+        back_off(idle);
+        idle = idle.saturating_add(1);
+    }
+}
+
+fn execute(plan: &mut Plan, words: [u64; 2], staging: &mut Vec<u8>) -> Result<()> {
+    let d = Descriptor::decode(words, &plan.limits).map_err(|why| Error::protocol("proxy queue", why))?;
+    let peer = match d {
+        Descriptor::Put { peer, .. } | Descriptor::Signal { peer, .. } => peer,
+    };
+    let link = plan.links[peer].as_ref().ok_or_else(|| {
+        Error::protocol(
+            "proxy queue",
+            format!("a descriptor for rank {peer}, which is reached by load/store, not through the proxy"),
+        )
+    })?;
+    match d {
+        Descriptor::Put { dst, src, bytes, .. } => {
+            staging.resize(bytes, 0);
+            plan.data.read(src, staging)?;
+            link.lock(true).put(dst, staging)
+        }
+        Descriptor::Signal { id, op, value, .. } => link.lock(true).signal(id, op, value),
+    }
+}
+
+/// Flushes every link written since the last completion, then publishes the count. A failed
+/// link still counts as complete (the error is recorded and flush reports it first).
+fn complete(plan: &Plan, consumer: &Consumer, record: &dyn Fn(Error)) -> u64 {
+    for link in plan.links.iter().flatten() {
+        if let Err(e) = link.flush_if_dirty() {
+            record(e);
+        }
+    }
+    consumer.complete(consumer.popped());
+    consumer.popped()
+}
