@@ -20,6 +20,22 @@ fn rust_mirrors_match_the_c_header() {
         barrier_offset, multicast, status, abort_flag, fifo, timeout_ns, rank, size, signals, flags);
     rust.extend(fields!(DeviceStatus, "ferrocomm_status": code, op, peer, signal_id, expected, observed));
     rust.extend(fields!(ProxyQueue, "ferrocomm_proxy_queue": slots, head, tail, done, remote, capacity, flags));
+    // The descriptor format: host/net/descriptor.rs decodes what device-api's producer encodes.
+    use ferrocomm::net::descriptor as d;
+    for (name, value) in [
+        ("FERROCOMM_PROXY_PUT", d::PUT as usize),
+        ("FERROCOMM_PROXY_SIGNAL", d::SIGNAL as usize),
+        ("FERROCOMM_PROXY_PARITY_BIT", d::PARITY_BIT as usize),
+        ("FERROCOMM_PROXY_OP_SHIFT", d::OP_SHIFT as usize),
+        ("FERROCOMM_PROXY_PEER_SHIFT", d::PEER_SHIFT as usize),
+        ("FERROCOMM_PROXY_BYTES_SHIFT", d::BYTES_SHIFT as usize),
+        ("FERROCOMM_PROXY_OFFSET_MASK", d::OFFSET_MASK as usize),
+        ("FERROCOMM_PROXY_MAX_PUT", d::MAX_PUT),
+        ("FERROCOMM_PROXY_MAX_PEER", d::MAX_PEER),
+        ("FERROCOMM_SIGNAL_ADD", 1),
+    ] {
+        rust.push((name.to_string(), value));
+    }
 
     let dir = std::env::temp_dir().join(format!("ferrocomm-abi-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();

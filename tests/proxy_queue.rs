@@ -36,7 +36,8 @@ fn queued_put_signal_rings_deliver_every_byte() {
                 let words = words.min((half - at) / 8);
                 let data = random_words(&mut r, words);
                 w.write_local(at, &data).unwrap();
-                q.put_signal(right, half + at, at, words * 8, 0, SignalOp::Add, 1).unwrap();
+                q.put_signal(right, half + at, at, words * 8, 0, SignalOp::Add, 1)
+                    .unwrap();
                 w.wait_signal(0, SignalSource::Rank(left), Cmp::Ge, round).unwrap();
                 let expect = random_words(&mut rng(seed, (left as u64) << 8 | round), words);
                 let mut got = vec![0u64; words];

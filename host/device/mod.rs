@@ -69,6 +69,7 @@ pub const HEADERS: &[(&str, &str)] = &[
     header!("ferrocomm.cuh"),
     header!("impl/rma.cuh"),
     header!("impl/signal.cuh"),
+    header!("impl/proxy.cuh"),
     header!("impl/barrier.cuh"),
 ];
 

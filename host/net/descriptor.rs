@@ -21,9 +21,19 @@ pub const MAX_WINDOW_BYTES: usize = 1 << 40;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Descriptor {
     /// `bytes` from offset `src` of our window data to offset `dst` of `peer`'s.
-    Put { peer: usize, dst: usize, src: usize, bytes: usize },
+    Put {
+        peer: usize,
+        dst: usize,
+        src: usize,
+        bytes: usize,
+    },
     /// Signal `id` of `peer`'s pad, our slot.
-    Signal { peer: usize, id: usize, op: SignalOp, value: u64 },
+    Signal {
+        peer: usize,
+        id: usize,
+        op: SignalOp,
+        value: u64,
+    },
 }
 
 /// The lap parity a descriptor with `ticket` carries in a ring of `capacity` slots: 1 on even

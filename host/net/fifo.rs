@@ -138,12 +138,7 @@ pub(crate) fn back_off(round: u32) {
 
 /// Host producers' protocol, the same as a kernel's: ticket, back-pressure, word 1, release of
 /// word 0. `failed` is polled while waiting so that a dead proxy ends the wait early.
-pub(crate) fn push(
-    ring: &Ring,
-    words: [u64; 2],
-    timeout: Duration,
-    failed: &dyn Fn() -> Option<Error>,
-) -> Result<u64> {
+pub(crate) fn push(ring: &Ring, words: [u64; 2], timeout: Duration, failed: &dyn Fn() -> Option<Error>) -> Result<u64> {
     let deadline = Instant::now() + timeout;
     let head = ring
         .head()
@@ -178,7 +173,10 @@ pub(crate) fn push(
 pub(crate) fn wait_done(ring: &Ring, timeout: Duration, failed: &dyn Fn() -> Option<Error>) -> Result<()> {
     let deadline = Instant::now() + timeout;
     let Some(head) = ring.head() else {
-        return Err(Error::invalid("proxy queue", "this queue's tickets live in device memory"));
+        return Err(Error::invalid(
+            "proxy queue",
+            "this queue's tickets live in device memory",
+        ));
     };
     let target = head.load(Ordering::Acquire);
     let mut round = 0u32;
@@ -222,7 +220,13 @@ mod tests {
                     let r = ring.ring();
                     for i in 0..each {
                         // Word 0 carries the producer in bits 32.., word 1 the sequence number.
-                        push(&r, [(p << 32) | i, i.wrapping_mul(0x9e37_79b9)], Duration::from_secs(60), &never).unwrap();
+                        push(
+                            &r,
+                            [(p << 32) | i, i.wrapping_mul(0x9e37_79b9)],
+                            Duration::from_secs(60),
+                            &never,
+                        )
+                        .unwrap();
                     }
                 });
             }

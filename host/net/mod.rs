@@ -47,7 +47,10 @@ impl HostQueue {
         if limits.bytes > MAX_WINDOW_BYTES {
             return Err(Error::invalid(
                 "proxy queue",
-                format!("a {}-byte window is larger than descriptors address (1 TiB)", limits.bytes),
+                format!(
+                    "a {}-byte window is larger than descriptors address (1 TiB)",
+                    limits.bytes
+                ),
             ));
         }
         let ring = HostRing::new(HOST_QUEUE_SLOTS)?;
@@ -71,7 +74,6 @@ impl HostQueue {
             timeout,
         })
     }
-
 }
 
 /// The host end of a window's proxy queue (`Window::proxy_queue`): puts and signals toward

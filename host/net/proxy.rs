@@ -146,3 +146,70 @@ fn complete(plan: &Plan, consumer: &Consumer, record: &dyn Fn(Error)) -> u64 {
     consumer.complete(consumer.popped());
     consumer.popped()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::descriptor::{Descriptor, OP_SHIFT, PUT};
+    use super::super::fifo::{self, HostRing};
+    use super::super::tcp::{self, Memory, TcpLink};
+    use super::*;
+    use std::net::{TcpListener, TcpStream};
+    use std::sync::atomic::AtomicBool;
+    use std::time::Duration;
+
+    /// A proxy whose one link goes to a server on this thread's loopback, applying to `target`.
+    fn pipeline(source: &[u64], target: &mut [u64], pad: &mut [u64]) -> (HostRing, Proxy, std::thread::JoinHandle<()>) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let origin = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (served, _) = l.accept().unwrap();
+        let mem = Memory {
+            data: target.as_mut_ptr().cast(),
+            bytes: target.len() * 8,
+            pad: pad.as_mut_ptr().cast(),
+            signals: pad.len() / 2,
+            size: 2,
+        };
+        let gone = Arc::new(vec![AtomicBool::new(false), AtomicBool::new(false)]);
+        let server = std::thread::spawn(move || tcp::serve(served, 0, mem, gone));
+        let link = TcpLink::new(origin, 1, Duration::from_secs(5)).unwrap();
+        let ring = HostRing::new(8).unwrap();
+        let proxy = Proxy::start(Plan {
+            ring: ring.ring(),
+            links: vec![None, Some(Arc::new(SharedLink::new(Box::new(link))))],
+            data: Box::new(HostData(source.as_ptr().cast())),
+            limits: Limits {
+                size: 2,
+                bytes: source.len() * 8,
+                signals: pad.len() / 2,
+            },
+        })
+        .unwrap();
+        (ring, proxy, server)
+    }
+
+    #[test]
+    fn malformed_descriptors_become_errors_and_good_ones_still_run() {
+        let source: Vec<u64> = (0..64).map(|i| i * 3 + 1).collect();
+        let (mut target, mut pad) = (vec![0u64; 64], vec![0u64; 8]);
+        let (ring, proxy, server) = pipeline(&source, &mut target, &mut pad);
+        let r = ring.ring();
+        let t = Duration::from_secs(5);
+        let none = || None;
+        let put = |peer, dst, src, bytes| Descriptor::Put { peer, dst, src, bytes }.encode();
+        fifo::push(&r, [9 << OP_SHIFT, 0], t, &none).unwrap(); // unknown op
+        fifo::push(&r, put(0, 0, 0, 8), t, &none).unwrap(); // rank 0 is not behind the queue
+        fifo::push(&r, put(1, 8, 16, 64), t, &none).unwrap(); // good: words 2..10 -> 1..9
+        fifo::push(&r, [(PUT << OP_SHIFT) | (1 << 40) | 511, 8 << 40], t, &none).unwrap(); // leaves the window
+        fifo::wait_done(&r, t, &none).unwrap();
+        let e = proxy.take_error().expect("the first bad descriptor is reported");
+        assert!(e.to_string().contains("unknown descriptor op 9"), "{e}");
+        assert!(proxy.take_error().is_none(), "only the first error is kept");
+        drop(proxy);
+        server.join().unwrap();
+        assert_eq!(&target[1..9], &source[2..10]);
+        assert!(
+            target[0] == 0 && target[9..].iter().all(|&w| w == 0),
+            "nothing else written"
+        );
+    }
+}

@@ -1,5 +1,6 @@
 // A window as kernels see it: the verbs of docs/memory-model.md on a ferrocomm_window_handle
-// passed by value. Data verbs (put, get) are weak stores and loads through peer pointers;
+// passed by value. Data verbs (put, get) are weak stores and loads through peer pointers, or
+// descriptors in the proxy queue toward ranks on other hosts (impl/proxy.cuh);
 // `signal` and `wait_signal` are release and acquire and are what make data safe to read;
 // `fence`, `flush` and `barrier` order and complete. Every wait is bounded by the handle's
 // timeout and the communicator's abort flag and reports failure through `ok`, never a trap.
@@ -107,13 +108,25 @@ class Window {
   template <class Coop>
   FERROCOMM_DEVICE_INLINE bool barrier(Coop c) const;
 
-  // Atomics of rule 4 on the aligned u64 at `offset` of `peer` (one thread).
+  // Atomics of rule 4 on the aligned u64 at `offset` of `peer` (one thread). Load/store peers
+  // only: toward a rank behind the proxy queue they record FERROCOMM_STATUS_INVALID, return 0.
   FERROCOMM_DEVICE_INLINE u64 fetch_add(i32 peer, u64 offset, u64 value) const {
+    if (via_proxy(peer)) {
+      not_via_proxy(peer);
+      return 0;
+    }
     return ferrocomm::fetch_add(peer_ptr<u64>(peer, offset), value);
   }
   FERROCOMM_DEVICE_INLINE u64 compare_swap(i32 peer, u64 offset, u64 expected, u64 desired) const {
+    if (via_proxy(peer)) {
+      not_via_proxy(peer);
+      return 0;
+    }
     return ferrocomm::compare_swap(peer_ptr<u64>(peer, offset), expected, desired);
   }
+
+  // True when `peer` is not load/store reachable and put / signal go through the proxy queue.
+  FERROCOMM_DEVICE_INLINE bool via_proxy(i32 peer) const;
 
  private:
   // Records why a wait gave up; the caller returns with ok = false.
@@ -123,11 +136,22 @@ class Window {
                   observed);
   }
 
+  // The proxy queue (impl/proxy.cuh).
+  FERROCOMM_DEVICE_INLINE const ferrocomm_proxy_queue* queue() const;
+  FERROCOMM_DEVICE_INLINE bool push(i32 peer, u64 w0, u64 w1) const;
+  template <class Coop>
+  FERROCOMM_DEVICE_INLINE void proxy_put(Coop c, i32 peer, u64 dst_offset, const void* src, u64 bytes) const;
+  template <class Coop>
+  FERROCOMM_DEVICE_INLINE void proxy_signal(Coop c, i32 peer, u32 id, SignalOp op, u64 value) const;
+  FERROCOMM_DEVICE_INLINE bool proxy_flush() const;
+  FERROCOMM_DEVICE_INLINE void not_via_proxy(i32 peer) const;
+
   ferrocomm_window_handle h_;
 };
 
 }  // namespace ferrocomm
 
+#include "ferrocomm/impl/proxy.cuh"
 #include "ferrocomm/impl/rma.cuh"
 #include "ferrocomm/impl/signal.cuh"
 #include "ferrocomm/impl/barrier.cuh"

@@ -4,13 +4,13 @@
 //! (net/), made on first use, carries queued puts and signals over the same links. Waits read
 //! the caller's own pad.
 
+use crate::bootstrap::{self, PrefixStore, Store};
+use crate::error::{Error, Result};
 use crate::net::descriptor::Limits;
 use crate::net::link::SharedLink;
 use crate::net::proxy::HostData;
 use crate::net::tcp::{self, Memory, TcpLink};
 use crate::net::HostQueue;
-use crate::bootstrap::{self, PrefixStore, Store};
-use crate::error::{Error, Result};
 use crate::options::TransportOptions;
 use crate::transport::{
     accept_authenticated, bind_listener, check_owner, dial, host_identity, published_addr, OwnerState, PeerGone,
@@ -182,7 +182,11 @@ impl CpuWindow {
                 let addr =
                     proxy_addr.ok_or_else(|| Error::protocol("window setup", format!("rank {t} runs no proxy")))?;
                 let stream = dial(rank, t, addr, secret.as_bytes(), deadline)?;
-                Path::Net(Arc::new(SharedLink::new(Box::new(TcpLink::new(stream, t, spec.timeout)?))))
+                Path::Net(Arc::new(SharedLink::new(Box::new(TcpLink::new(
+                    stream,
+                    t,
+                    spec.timeout,
+                )?))))
             } else {
                 let seg = Arc::new(Segment::open(segment, data_len + pad_len)?);
                 let watch = ProcessWatch::open(seg.owner_pid());

@@ -12,11 +12,14 @@ FERROCOMM_DEVICE_INLINE void Window::fence(Coop c) const {
 }
 
 // Completes the coop's earlier puts, signals and atomics at their targets. Load/store peers
-// need only the SC fence; the proxy FIFO (h_.fifo) joins with GPU-initiated networking.
+// need only the SC fence.
+// With a proxy queue, the leader also waits until the proxy reports every earlier descriptor
+// complete at its target.
 template <class Coop>
 FERROCOMM_DEVICE_INLINE void Window::flush(Coop c) const {
   c.sync();
   fence_sc();
+  if (h_.fifo != 0 && c.is_leader()) proxy_flush();
   c.sync();
 }
 
@@ -33,7 +36,15 @@ FERROCOMM_DEVICE_INLINE bool Window::barrier(Coop c) const {
     u64* my_epoch = local_ptr<u64>(slots + static_cast<u64>(h_.size) * 8);
     const u64 epoch = *my_epoch + 1;
     *my_epoch = epoch;
-    for (i32 p = 0; p < h_.size; ++p) store_release(peer_ptr<u64>(p, slots + static_cast<u64>(h_.rank) * 8), epoch);
+    for (i32 p = 0; p < h_.size; ++p) {
+      // The barrier slots are not a signal pad: the queue cannot reach them (host barrier).
+      if (via_proxy(p)) {
+        not_via_proxy(p);
+        ok = 0;
+        continue;
+      }
+      store_release(peer_ptr<u64>(p, slots + static_cast<u64>(h_.rank) * 8), epoch);
+    }
     const u64 start = now_ns();
     for (i32 p = 0; p < h_.size && ok; ++p) {
       const u64* slot = local_ptr<u64>(slots + static_cast<u64>(p) * 8);

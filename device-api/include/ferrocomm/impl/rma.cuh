@@ -1,5 +1,6 @@
-// put / get: plain (weak) copies between this rank's memory and a peer's segment. They become
-// visible at the target through a later signal, flush or barrier (rules 1 and 3).
+// put / get: plain (weak) copies between this rank's memory and a peer's segment, or a queued
+// put toward a rank behind the proxy. They become visible at the target through a later
+// signal, flush or barrier (rules 1 and 3).
 #pragma once
 
 namespace ferrocomm {
@@ -27,12 +28,19 @@ FERROCOMM_DEVICE_INLINE void coop_copy(Coop c, void* dst, const void* src, u64 b
 
 template <class Coop>
 FERROCOMM_DEVICE_INLINE void Window::put(Coop c, i32 peer, u64 dst_offset, const void* src, u64 bytes) const {
+  if (via_proxy(peer)) return proxy_put(c, peer, dst_offset, src, bytes);
   coop_copy(c, peer_ptr(peer, dst_offset), src, bytes);
 }
 
-// The coop syncs afterwards so every thread may read any byte of `dst`.
+// The coop syncs afterwards so every thread may read any byte of `dst`. Load/store peers
+// only: the proxy queue carries no gets (FERROCOMM_STATUS_INVALID).
 template <class Coop>
 FERROCOMM_DEVICE_INLINE void Window::get(Coop c, i32 peer, u64 src_offset, void* dst, u64 bytes) const {
+  if (via_proxy(peer)) {
+    if (c.is_leader()) not_via_proxy(peer);
+    c.sync();
+    return;
+  }
   coop_copy(c, dst, peer_ptr(peer, src_offset), bytes);
   c.sync();
 }

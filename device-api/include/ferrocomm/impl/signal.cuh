@@ -8,6 +8,8 @@ namespace ferrocomm {
 // system-scope release is cumulative over them).
 template <class Coop>
 FERROCOMM_DEVICE_INLINE void Window::signal(Coop c, i32 peer, u32 id, SignalOp op, u64 value) const {
+  // Through the queue, the proxy runs the signal after every earlier descriptor of ours.
+  if (via_proxy(peer)) return proxy_signal(c, peer, id, op, value);
   c.sync();
   if (c.is_leader()) {
     u64* slot = signal_slot(peer, id, h_.rank);
