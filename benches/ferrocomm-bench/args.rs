@@ -6,6 +6,9 @@ pub const USAGE: &str = "usage: ferrocomm-bench <op> [-b MIN] [-e MAX] [-f FACTO
        [--backend cpu] [--world N] [--threads] [--dtype f32] [--redop sum] [--root 0]
        [--check] [--json FILE] [--csv FILE] [--plot FILE.png] [--graph]
 ops: all_reduce reduce broadcast all_gather reduce_scatter all_to_all send_recv put get signal
+     queue_put (put + signal through the window's proxy queue; needs ranks on other hosts,
+       or FERROCOMM_TRANSPORT=tcp)
+     queue_pickup (proxy queue enqueue to pickup latency, one process)
      device_put device_pingpong (2 ranks on GPU 0, device backend)
      device_all_reduce (--world ranks on GPU 0, bf16, graph replay, against NCCL at world 1)
      nccl_all_reduce (ferrocomm's nccl backend against direct NCCL calls, world 1, GPU 0)

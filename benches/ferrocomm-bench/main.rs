@@ -7,6 +7,7 @@ mod device_coll;
 mod gpu;
 mod nccl_direct;
 mod ops;
+mod queue;
 
 use args::Args;
 use ferrocomm::prelude::*;
@@ -256,6 +257,8 @@ fn main() {
         device_coll::run(&a)
     } else if a.op.starts_with("device_") {
         gpu::run(&a)
+    } else if a.op == "queue_pickup" {
+        queue::run(&a)
     } else if a.op == "nccl_all_reduce" {
         nccl_direct::run(&a)
     } else if ferrocomm::discover(|k| std::env::var(k).ok()).ok().flatten().is_some() {

@@ -125,6 +125,8 @@ impl<'c> Bench<'c> {
         }
         let window = match a.op.as_str() {
             "put" | "get" | "signal" => Some(comm.new_window(a.max_bytes.max(8))?),
+            // Source in the first half, the left neighbour's puts land in the second.
+            "queue_put" => Some(comm.new_window(2 * a.max_bytes.max(8))?),
             _ => None,
         };
         Ok(Bench {
@@ -195,6 +197,22 @@ impl<'c> Bench<'c> {
                 w.put_signal(right, 0, &a, 0, SignalOp::Add, 1)?;
                 w.wait_signal(0, SignalSource::Rank(left), Cmp::Ge, s.epoch).map(|_| ())
             })?,
+            "queue_put" => {
+                // The kernel path toward other hosts, driven from the host: descriptors through
+                // the window's proxy queue and proxy thread onto the network link.
+                let w = self.window.take().expect("window");
+                let half = w.bytes() / 2;
+                let timed = w.write_local(0, &a).and_then(|_| {
+                    let q = w.proxy_queue()?;
+                    self.time(|s| {
+                        s.epoch += 1;
+                        q.put_signal(right, half, 0, bytes, 0, SignalOp::Add, 1)?;
+                        w.wait_signal(0, SignalSource::Rank(left), Cmp::Ge, s.epoch).map(|_| ())
+                    })
+                });
+                self.window = Some(w);
+                timed?
+            }
             "get" => self.time(|s| s.window.as_ref().expect("window").get(right, 0, &mut b))?,
             "signal" => {
                 // Ping-pong between ranks 0 and 1; a half round trip is the latency.
@@ -279,6 +297,22 @@ impl<'c> Bench<'c> {
                 let (mut a, mut b) = (vec![T::default(); count], vec![T::default(); count]);
                 fill(&mut a, me, 0);
                 c.batch().send(&a, right).recv(&mut b, left).issue()?;
+                wrong(&b, |i| value(left, i))
+            }
+            "queue_put" => {
+                let w = self.window.as_ref().expect("window");
+                let half = w.bytes() / 2;
+                let mut a = vec![T::default(); count];
+                fill(&mut a, me, 0);
+                w.write_local(0, &a)?;
+                w.barrier()?;
+                let q = w.proxy_queue()?;
+                q.put(right, half, 0, count * std::mem::size_of::<T>())?;
+                q.flush()?;
+                w.barrier()?;
+                let mut b = vec![T::default(); count];
+                w.read_local(half, &mut b)?;
+                w.barrier()?;
                 wrong(&b, |i| value(left, i))
             }
             "put" | "get" => {

@@ -136,6 +136,54 @@ pub(crate) fn back_off(round: u32) {
     }
 }
 
+/// The proxy's idle policy: poll (spin, then yield) for `poll_for` after the last descriptor,
+/// then sleep in short steps. A sleep costs tens of microseconds of pickup latency (timer
+/// slack), so the polling window decides how long a quiet queue stays fast.
+/// `FERROCOMM_PROXY_POLL_US` sets it (default 2000).
+pub(crate) struct Idle {
+    rounds: u32,
+    since: Instant,
+    poll_for: Duration,
+}
+
+impl Idle {
+    pub(crate) fn new(poll_for: Duration) -> Idle {
+        Idle {
+            rounds: 0,
+            since: Instant::now(),
+            poll_for,
+        }
+    }
+
+    pub(crate) fn from_env() -> Idle {
+        let us = std::env::var("FERROCOMM_PROXY_POLL_US")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(2000);
+        Idle::new(Duration::from_micros(us))
+    }
+
+    /// Work arrived.
+    pub(crate) fn reset(&mut self) {
+        self.rounds = 0;
+    }
+
+    /// Nothing to do: wait a little.
+    pub(crate) fn wait(&mut self) {
+        if self.rounds == 0 {
+            self.since = Instant::now();
+        }
+        self.rounds = self.rounds.saturating_add(1);
+        if self.rounds < 64 {
+            std::hint::spin_loop();
+        } else if self.since.elapsed() < self.poll_for {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(20));
+        }
+    }
+}
+
 /// Host producers' protocol, the same as a kernel's: ticket, back-pressure, word 1, release of
 /// word 0. `failed` is polled while waiting so that a dead proxy ends the wait early.
 pub(crate) fn push(ring: &Ring, words: [u64; 2], timeout: Duration, failed: &dyn Fn() -> Option<Error>) -> Result<u64> {
@@ -197,6 +245,46 @@ pub(crate) fn wait_done(ring: &Ring, timeout: Duration, failed: &dyn Fn() -> Opt
         back_off(round);
         round = round.saturating_add(1);
     }
+}
+
+/// Queue-to-proxy pickup latency, for ferrocomm-bench: a host producer stamps each descriptor
+/// and a consumer thread, polling as the proxy does (`Consumer::pop`, then `Idle::wait` when
+/// idle), measures how long it sat in the ring. One descriptor in flight at a time; `gap`
+/// between them lets the consumer fall idle (zero: it is always spinning).
+pub fn measure_pickup(samples: usize, gap: Duration) -> Result<Vec<Duration>> {
+    let ring = HostRing::new(1024)?;
+    let r = ring.ring();
+    let base = Instant::now();
+    let stamp = move || base.elapsed().as_nanos() as u64;
+    std::thread::scope(|s| {
+        let consumer = s.spawn(move || {
+            let (mut c, mut idle, mut out) = (Consumer::new(r), Idle::from_env(), Vec::with_capacity(samples));
+            while out.len() < samples {
+                match c.pop() {
+                    Some(w) => {
+                        out.push(Duration::from_nanos(stamp().saturating_sub(w[1])));
+                        idle.reset();
+                    }
+                    None => idle.wait(),
+                }
+            }
+            out
+        });
+        for i in 0..samples as u64 {
+            if !gap.is_zero() {
+                std::thread::sleep(gap);
+            }
+            push(&r, [0, stamp()], Duration::from_secs(10), &|| None)?;
+            let mut round = 0;
+            while r.tail().load(Ordering::Acquire) <= i {
+                back_off(round.min(63));
+                round += 1;
+            }
+        }
+        consumer
+            .join()
+            .map_err(|_| Error::protocol("pickup benchmark", "consumer panicked"))
+    })
 }
 
 #[cfg(test)]

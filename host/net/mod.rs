@@ -23,6 +23,9 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::Duration;
 
+#[doc(hidden)]
+pub use fifo::measure_pickup;
+
 /// Slots of a host queue: enough for bursts of small puts without back-pressure.
 const HOST_QUEUE_SLOTS: usize = 1024;
 

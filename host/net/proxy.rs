@@ -4,7 +4,7 @@
 //! buffer first, so a link only ever sees ordinary host bytes.
 
 use super::descriptor::{Descriptor, Limits};
-use super::fifo::{back_off, Consumer, Ring};
+use super::fifo::{Consumer, Idle, Ring};
 use super::link::SharedLink;
 use crate::error::{Error, Result};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -86,14 +86,14 @@ impl Drop for Proxy {
 fn run(mut plan: Plan, stop: &AtomicBool, error: &Mutex<Option<Error>>) {
     let mut consumer = Consumer::new(plan.ring);
     let mut staging = Vec::new();
-    let (mut completed, mut idle) = (0u64, 0u32);
+    let (mut completed, mut idle) = (0u64, Idle::from_env());
     let record = |e: Error| {
         tracing::debug!("proxy: {e}");
         error.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e);
     };
     loop {
         if let Some(words) = consumer.pop() {
-            idle = 0;
+            idle.reset();
             if let Err(e) = execute(&mut plan, words, &mut staging) {
                 record(e);
             }
@@ -109,8 +109,7 @@ fn run(mut plan: Plan, stop: &AtomicBool, error: &Mutex<Option<Error>>) {
         if stop.load(Ordering::Acquire) {
             return;
         }
-        back_off(idle);
-        idle = idle.saturating_add(1);
+        idle.wait();
     }
 }
 
