@@ -1,6 +1,6 @@
 //! Ranks as separate processes: the whole suite over shared memory (2 and 4 processes) and over
-//! TCP (3 processes), a rank killed with SIGKILL in the middle of a collective, and the
-//! launcher's teardown when a rank fails.
+//! TCP (3 processes), two hosts as network namespaces, a rank killed with SIGKILL in the middle
+//! of a collective, and the launcher's teardown when a rank fails.
 //!
 //! The parent tests re-run this test binary as the ranks (`child_entry`, ignored by default).
 
@@ -78,6 +78,7 @@ fn child_entry() {
             comm.all_reduce(&mut x, ReduceOp::Sum).unwrap();
             assert!(x.iter().all(|&v| v == 3.0));
             let mapped = common::window_suite::run_all(&comm, seed);
+            proxy_queue_to_the_other_host(&comm, seed);
             println!("child ok: two hosts (mapped directly: {mapped})");
         }
         "smoke" => {
@@ -101,6 +102,27 @@ fn child_entry() {
         }
         other => panic!("unknown mode {other}"),
     }
+}
+
+/// The kernels' path to another host, driven from the host: a put + signal of random bytes
+/// (several descriptors) through the window's proxy queue to the other rank, checked there.
+fn proxy_queue_to_the_other_host(comm: &Comm, seed: u64) {
+    let (me, peer) = (comm.rank(), 1 - comm.rank());
+    let half = 20 << 20; // 20 MiB: three descriptors
+    let w = comm.new_window(2 * half).unwrap();
+    let words = |r: usize| -> Vec<u64> {
+        let mut g = rng(seed, 77 + r as u64);
+        (0..half / 8).map(|_| g.gen()).collect()
+    };
+    w.write_local(0, &words(me)).unwrap();
+    let q = w.proxy_queue().unwrap();
+    q.put_signal(peer, half, 0, half, 0, SignalOp::Add, 1).unwrap();
+    q.flush().unwrap();
+    w.wait_signal(0, SignalSource::Rank(peer), Cmp::Ge, 1).unwrap();
+    let mut got = vec![0u64; half / 8];
+    w.read_local(half, &mut got).unwrap();
+    assert!(got == words(peer), "rank {me}: bytes queued by rank {peer} differ");
+    w.barrier().unwrap();
 }
 
 fn child_command(mode: &str) -> Command {
@@ -289,7 +311,8 @@ fn sigkill_gives_window_waiters_peer_lost() {
 
 /// Two network namespaces joined by a veth pair stand in for two hosts: each rank runs in its
 /// own, rank 0 hosts the store on its veth address, and collectives and windows must work over
-/// TCP links and the window proxy. Needs root (`ip netns`); says so and skips otherwise.
+/// TCP links, and the proxy queue (the kernels' path) must carry puts and signals to the other
+/// host. Needs root (`ip netns`); says so and skips otherwise.
 #[test]
 fn ranks_on_two_hosts_between_network_namespaces() {
     let tag = &ferrocomm::random_token()[..6];

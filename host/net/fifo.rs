@@ -136,10 +136,12 @@ pub(crate) fn back_off(round: u32) {
     }
 }
 
-/// The proxy's idle policy: poll (spin, then yield) for `poll_for` after the last descriptor,
-/// then sleep in short steps. A sleep costs tens of microseconds of pickup latency (timer
-/// slack), so the polling window decides how long a quiet queue stays fast.
-/// `FERROCOMM_PROXY_POLL_US` sets it (default 2000).
+/// The proxy's idle policy: spin for `poll_for` after the last descriptor, then sleep in short
+/// steps. A sleep costs tens of microseconds of pickup latency (timer slack), so the polling
+/// window decides how long a quiet queue stays fast; `FERROCOMM_PROXY_POLL_US` sets it
+/// (default 2000 with 4 or more cores, else 0). The window spins
+/// rather than yields: measured on Linux (docs/results/net.md), a thread that had yielded, even
+/// once every 64 polls, then woke ~2 ms late from its next sleeps beside a busy thread.
 pub(crate) struct Idle {
     rounds: u32,
     since: Instant,
@@ -156,10 +158,13 @@ impl Idle {
     }
 
     pub(crate) fn from_env() -> Idle {
+        // A spinning proxy needs a core of its own: on small hosts it would take turns with the
+        // rank's own spinning threads (measured: 1 ms per queued put on 2 cores).
+        let spare_cores = std::thread::available_parallelism().map_or(1, |n| n.get()) >= 4;
         let us = std::env::var("FERROCOMM_PROXY_POLL_US")
             .ok()
             .and_then(|v| v.parse().ok())
-            .unwrap_or(2000);
+            .unwrap_or(if spare_cores { 2000 } else { 0 });
         Idle::new(Duration::from_micros(us))
     }
 
@@ -177,7 +182,7 @@ impl Idle {
         if self.rounds < 64 {
             std::hint::spin_loop();
         } else if self.since.elapsed() < self.poll_for {
-            std::thread::yield_now();
+            std::hint::spin_loop();
         } else {
             std::thread::sleep(Duration::from_micros(20));
         }
