@@ -27,6 +27,8 @@ fn main() {
 
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
     let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
+    #[cfg(feature = "rdma")]
+    verbs_bindings(&out);
     let sources = kernel_sources(&root.join("kernels"));
     let unity = out.join("ferrocomm_kernels.cu");
     let body: String = sources
@@ -126,4 +128,37 @@ fn find_nvcc(root: &Path) -> Option<PathBuf> {
         }
     }
     exe(root.join(".toolchain-cache/cuda-13.0/nvidia/cu13"))
+}
+
+// Bindings to rdma-core's libibverbs for host/net/rdma.rs. Most of the data path of verbs.h
+// (ibv_post_send, ibv_poll_cq, ibv_query_port, ...) is static inline; bindgen writes a C
+// wrapper for each, compiled here, so Rust calls them like the exported ones.
+#[cfg(feature = "rdma")]
+fn verbs_bindings(out: &Path) {
+    let header = out.join("ferrocomm_verbs.h");
+    // ibv_query_port is a macro over an inline function; this wrapper gives it one name.
+    let text = "#include <infiniband/verbs.h>\n\
+        static inline int ferrocomm_query_port(struct ibv_context *c, uint8_t port, struct ibv_port_attr *a) {\n\
+          return ibv_query_port(c, port, a);\n\
+        }\n";
+    std::fs::write(&header, text).expect("write the verbs header");
+    let wrappers = out.join("ferrocomm_verbs_wrappers");
+    let bindings = bindgen::Builder::default()
+        .header(header.display().to_string())
+        .allowlist_function("ibv_.*|ferrocomm_query_port")
+        .allowlist_type("ibv_.*")
+        .allowlist_var("IBV_.*")
+        .wrap_static_fns(true)
+        .wrap_static_fns_path(&wrappers)
+        .derive_default(true)
+        .generate()
+        .unwrap_or_else(|e| panic!("feature rdma: cannot read <infiniband/verbs.h> (install libibverbs-dev): {e}"));
+    bindings
+        .write_to_file(out.join("verbs.rs"))
+        .expect("write the verbs bindings");
+    cc::Build::new()
+        .file(wrappers.with_extension("c"))
+        .include(out)
+        .compile("ferrocomm_verbs_wrappers");
+    println!("cargo:rustc-link-lib=ibverbs");
 }

@@ -30,6 +30,17 @@ pub fn default_timeout() -> Result<Duration> {
     Ok(Duration::from_secs_f64(secs))
 }
 
+/// What carries window operations to ranks on other hosts (`FERROCOMM_NET`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NetTransport {
+    /// RDMA where the library has the `rdma` feature and a device with an active port opens,
+    /// else TCP (the default).
+    Auto,
+    Tcp,
+    /// RDMA verbs or an error saying why not.
+    Rdma,
+}
+
 /// How ranks reach each other (CPU backend).
 #[derive(Clone, Debug)]
 pub struct TransportOptions {
@@ -38,6 +49,8 @@ pub struct TransportOptions {
     pub shm_ring_bytes: usize,
     /// Use TCP even between ranks of one host (`FERROCOMM_TRANSPORT=tcp`).
     pub force_tcp: bool,
+    /// Window operations toward other hosts (`FERROCOMM_NET=auto|tcp|rdma`, default auto).
+    pub net: NetTransport,
     /// Address to bind TCP links on (`FERROCOMM_SOCKET_ADDR`); default: the address this host
     /// uses to reach the store.
     pub bind_addr: Option<IpAddr>,
@@ -55,9 +68,20 @@ impl TransportOptions {
                 )))
             }
         };
+        let net = match std::env::var("FERROCOMM_NET").as_deref() {
+            Ok("auto") | Ok("") | Err(_) => NetTransport::Auto,
+            Ok("tcp") => NetTransport::Tcp,
+            Ok("rdma") => NetTransport::Rdma,
+            Ok(other) => {
+                return Err(Error::Config(format!(
+                    "FERROCOMM_NET={other:?}: expected `auto`, `tcp` or `rdma`"
+                )))
+            }
+        };
         let t = TransportOptions {
             shm_ring_bytes,
             force_tcp,
+            net,
             bind_addr: env_parse("FERROCOMM_SOCKET_ADDR")?,
         };
         t.validate()?;

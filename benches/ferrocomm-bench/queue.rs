@@ -44,7 +44,10 @@ pub fn run(a: &Args) -> Result<()> {
         ));
     }
     if let Some(p) = &a.json {
-        let doc = format!("{{\"tool\":\"ferrocomm\",\"op\":\"queue_pickup\",\"rows\":[{}]}}\n", json.join(","));
+        let doc = format!(
+            "{{\"tool\":\"ferrocomm\",\"op\":\"queue_pickup\",\"rows\":[{}]}}\n",
+            json.join(",")
+        );
         std::fs::write(p, doc).map_err(|e| ferrocomm::Error::Io {
             context: "write benchmark output".into(),
             source: e,

@@ -11,6 +11,8 @@ pub mod descriptor;
 pub(crate) mod fifo;
 pub(crate) mod link;
 pub(crate) mod proxy;
+#[cfg(feature = "rdma")]
+pub(crate) mod rdma;
 pub(crate) mod tcp;
 
 use crate::error::{Error, Result};
@@ -175,5 +177,85 @@ impl QueueProducer<'_> {
             Some(e) => Err(e),
             None => Ok(()),
         }
+    }
+}
+
+/// Window memory that RDMA peers may access: kept registered while the window lives.
+#[derive(Default)]
+pub(crate) struct NetResources {
+    #[cfg(feature = "rdma")]
+    _regions: Vec<rdma::Region>,
+}
+
+/// What a window needs to move its network links onto RDMA.
+#[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+pub(crate) struct RdmaPlan<'a> {
+    pub choice: crate::options::NetTransport,
+    pub rank: usize,
+    pub size: usize,
+    pub store: &'a dyn crate::bootstrap::Store,
+    /// This rank's window data and signal pad: (address, bytes).
+    pub data: (*mut u8, usize),
+    pub pad: (*mut u8, usize),
+    pub timeout: Duration,
+}
+
+/// Carries `links` (TCP, indexed by rank) over RDMA when `FERROCOMM_NET` asks for it or, on
+/// `auto`, when a device opens. The TCP connections stay open beside them: the target's
+/// server thread notices when an origin goes away, which the waits report as a lost peer.
+/// Every rank of the window must make the same choice (they read the same environment).
+pub(crate) fn select_links(
+    links: &mut [Option<Arc<SharedLink>>],
+    plan: &RdmaPlan,
+) -> Result<(NetResources, Vec<Arc<SharedLink>>)> {
+    use crate::options::NetTransport;
+    if links.iter().all(Option::is_none) || plan.choice == NetTransport::Tcp {
+        return Ok((NetResources::default(), Vec::new()));
+    }
+    #[cfg(feature = "rdma")]
+    {
+        let dev = match (rdma::Device::open(), plan.choice) {
+            (Ok(d), _) => d,
+            (Err(e), NetTransport::Rdma) => return Err(e),
+            (Err(e), _) => {
+                tracing::debug!("window links stay on TCP: {e}");
+                return Ok((NetResources::default(), Vec::new()));
+            }
+        };
+        let data = rdma::Region::register(&dev, plan.data.0, plan.data.1)?;
+        let pad = rdma::Region::register(&dev, plan.pad.0, plan.pad.1)?;
+        let mut pending = Vec::new();
+        for (t, l) in links.iter().enumerate() {
+            if l.is_some() {
+                let p = rdma::Pending::create(&dev)?;
+                let key = format!("rdma/{}/{t}", plan.rank);
+                plan.store.set(&key, p.endpoint(&data, &pad).encode().as_bytes())?;
+                pending.push((t, p));
+            }
+        }
+        let mut tcp = Vec::new();
+        for (t, p) in pending {
+            let v = plan.store.get(&format!("rdma/{t}/{}", plan.rank), plan.timeout)?;
+            let remote = rdma::Endpoint::decode(&String::from_utf8_lossy(&v))?;
+            let link = p.connect(&remote, t, plan.rank, plan.size, plan.timeout)?;
+            tracing::debug!(peer = t, device = dev.name, "window link over RDMA");
+            if let Some(old) = links[t].replace(Arc::new(SharedLink::new(Box::new(link)))) {
+                tcp.push(old);
+            }
+        }
+        Ok((
+            NetResources {
+                _regions: vec![data, pad],
+            },
+            tcp,
+        ))
+    }
+    #[cfg(not(feature = "rdma"))]
+    match plan.choice {
+        NetTransport::Rdma => Err(Error::Unavailable {
+            backend: "rdma".into(),
+            reason: "FERROCOMM_NET=rdma, but this build of ferrocomm lacks the `rdma` feature".into(),
+        }),
+        _ => Ok((NetResources::default(), Vec::new())),
     }
 }

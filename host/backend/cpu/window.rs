@@ -52,6 +52,9 @@ pub(crate) struct CpuWindow {
     gone: Arc<Vec<AtomicBool>>,
     abort: Arc<AtomicBool>,
     server: Mutex<Server>,
+    /// Registered memory of the RDMA links, and the TCP links they replaced (kept open so
+    /// that peers' servers see when this rank goes away).
+    _net: (crate::net::NetResources, Vec<Arc<SharedLink>>),
     /// The proxy queue, started by the first `proxy_queue` call.
     queue: Mutex<Option<Arc<HostQueue>>>,
     timeout: Duration,
@@ -204,6 +207,30 @@ impl CpuWindow {
                 }
             });
         }
+        // Network links move to RDMA where FERROCOMM_NET chooses it (net::select_links).
+        let mut links: Vec<Option<Arc<SharedLink>>> = (paths.iter())
+            .map(|p| match p {
+                Path::Net(l) => Some(l.clone()),
+                _ => None,
+            })
+            .collect();
+        let (net, liveness) = crate::net::select_links(
+            &mut links,
+            &crate::net::RdmaPlan {
+                choice: s.transport.net,
+                rank,
+                size,
+                store: &store,
+                data: (data, spec.bytes),
+                pad: (pad, pad_len),
+                timeout: left(),
+            },
+        )?;
+        for (p, l) in paths.iter_mut().zip(links) {
+            if let (Path::Net(old), Some(l)) = (p, l) {
+                *old = l;
+            }
+        }
         let mut server = Server {
             streams: Vec::new(),
             threads: Vec::new(),
@@ -237,6 +264,7 @@ impl CpuWindow {
             gone,
             abort: s.abort.clone(),
             server: Mutex::new(server),
+            _net: (net, liveness),
             queue: Mutex::new(None),
             timeout: spec.timeout,
             born: Instant::now(),
@@ -502,8 +530,9 @@ impl WindowBackend for CpuWindow {
 impl Drop for CpuWindow {
     fn drop(&mut self) {
         self.own.close();
-        // The proxy thread reads our memory: it stops first.
+        // The proxy thread reads our memory: it stops first; RDMA registrations go next.
         drop(self.queue.lock().unwrap_or_else(|p| p.into_inner()).take());
+        drop(std::mem::take(&mut self._net));
         // Stop serving before the memory (maybe a user buffer) goes away.
         let server = std::mem::replace(
             &mut *self.server.lock().unwrap_or_else(|p| p.into_inner()),
