@@ -157,15 +157,25 @@ impl Idle {
         }
     }
 
-    pub(crate) fn from_env() -> Idle {
+    pub(crate) fn from_env() -> Result<Idle> {
         // A spinning proxy needs a core of its own: on small hosts it would take turns with the
         // rank's own spinning threads (measured: 1 ms per queued put on 2 cores).
         let spare_cores = std::thread::available_parallelism().map_or(1, |n| n.get()) >= 4;
-        let us = std::env::var("FERROCOMM_PROXY_POLL_US")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(if spare_cores { 2000 } else { 0 });
-        Idle::new(Duration::from_micros(us))
+        let us = match std::env::var("FERROCOMM_PROXY_POLL_US") {
+            Err(_) => {
+                if spare_cores {
+                    2000
+                } else {
+                    0
+                }
+            }
+            Ok(v) => v.parse::<u64>().map_err(|_| {
+                Error::Config(format!(
+                    "FERROCOMM_PROXY_POLL_US={v:?}: expected microseconds (an integer)"
+                ))
+            })?,
+        };
+        Ok(Idle::new(Duration::from_micros(us)))
     }
 
     /// Work arrived.
@@ -260,9 +270,10 @@ pub fn measure_pickup(samples: usize, gap: Duration) -> Result<Vec<Duration>> {
     let r = ring.ring();
     let base = Instant::now();
     let stamp = move || base.elapsed().as_nanos() as u64;
+    let mut idle = Idle::from_env()?;
     std::thread::scope(|s| {
         let consumer = s.spawn(move || {
-            let (mut c, mut idle, mut out) = (Consumer::new(r), Idle::from_env(), Vec::with_capacity(samples));
+            let (mut c, mut out) = (Consumer::new(r), Vec::with_capacity(samples));
             while out.len() < samples {
                 match c.pop() {
                     Some(w) => {

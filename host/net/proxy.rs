@@ -55,9 +55,10 @@ impl Proxy {
         let stop = Arc::new(AtomicBool::new(false));
         let error = Arc::new(Mutex::new(None));
         let (s, e) = (stop.clone(), error.clone());
+        let idle = Idle::from_env()?;
         let thread = std::thread::Builder::new()
             .name("ferrocomm-proxy".into())
-            .spawn(move || run(plan, &s, &e))
+            .spawn(move || run(plan, idle, &s, &e))
             .map_err(|e| Error::io("starting the proxy thread", e))?;
         Ok(Proxy {
             stop,
@@ -83,10 +84,10 @@ impl Drop for Proxy {
     }
 }
 
-fn run(mut plan: Plan, stop: &AtomicBool, error: &Mutex<Option<Error>>) {
+fn run(mut plan: Plan, mut idle: Idle, stop: &AtomicBool, error: &Mutex<Option<Error>>) {
     let mut consumer = Consumer::new(plan.ring);
     let mut staging = Vec::new();
-    let (mut completed, mut idle) = (0u64, Idle::from_env());
+    let mut completed = 0u64;
     let record = |e: Error| {
         tracing::debug!("proxy: {e}");
         error.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e);
