@@ -1,8 +1,8 @@
 //! The network path of windows: how one-sided operations reach ranks that cannot be mapped
-//! (other hosts). Host calls run on a [`link`] to the target directly; kernels cannot, so they
-//! push 16-byte descriptors into a queue ([`fifo`], format in [`descriptor`]) that a proxy
-//! thread ([`proxy`]) drains onto the same links. Transports: TCP ([`tcp`], always), RDMA
-//! verbs (`rdma`, with the feature of that name).
+//! (other hosts). Host calls run on a link (`link.rs`) to the target directly; kernels cannot,
+//! so they push 16-byte descriptors into a queue (`fifo.rs`, format in [`descriptor`]) that a
+//! proxy thread (`proxy.rs`) drains onto the same links. Transports: TCP (`tcp.rs`, always),
+//! RDMA verbs (`rdma.rs`, with the feature of that name).
 //!
 //! [`QueueProducer`] is the host end of a window's queue: the same protocol a kernel speaks,
 //! from Rust, so the whole kernel-to-network path runs (and is tested) without a GPU.
