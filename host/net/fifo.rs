@@ -6,6 +6,7 @@
 
 use super::descriptor::{parity, PARITY_BIT};
 use crate::error::{Error, Result};
+use crate::transport::back_off;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -14,7 +15,6 @@ use std::time::{Duration, Instant};
 pub(crate) struct Ring {
     /// `2 * capacity` words.
     pub slots: *const AtomicU64,
-    /// Null where producers take tickets in device memory the host does not read.
     pub head: *const AtomicU64,
     pub tail: *const AtomicU64,
     pub done: *const AtomicU64,
@@ -39,9 +39,9 @@ impl Ring {
         // SAFETY: as above.
         unsafe { &*self.done }
     }
-    fn head(&self) -> Option<&AtomicU64> {
-        // SAFETY: as above, where present.
-        unsafe { self.head.as_ref() }
+    fn head(&self) -> &AtomicU64 {
+        // SAFETY: as above.
+        unsafe { &*self.head }
     }
     fn slot(&self, ticket: u64) -> u64 {
         2 * (ticket & (self.capacity - 1))
@@ -125,17 +125,6 @@ impl Consumer {
     }
 }
 
-/// Spins, then yields, then sleeps: a short wait stays fast, a long one leaves the CPU to others.
-pub(crate) fn back_off(round: u32) {
-    if round < 64 {
-        std::hint::spin_loop();
-    } else if round < 1024 {
-        std::thread::yield_now();
-    } else {
-        std::thread::sleep(Duration::from_micros(20));
-    }
-}
-
 /// The proxy's idle policy: spin for `poll_for` after the last descriptor, then sleep in short
 /// steps. A sleep costs tens of microseconds of pickup latency (timer slack), so the polling
 /// window decides how long a quiet queue stays fast; `FERROCOMM_PROXY_POLL_US` sets it
@@ -201,29 +190,10 @@ impl Idle {
 /// Host producers' protocol, the same as a kernel's: ticket, back-pressure, word 1, release of
 /// word 0. `failed` is polled while waiting so that a dead proxy ends the wait early.
 pub(crate) fn push(ring: &Ring, words: [u64; 2], timeout: Duration, failed: &dyn Fn() -> Option<Error>) -> Result<u64> {
-    let deadline = Instant::now() + timeout;
-    let head = ring
-        .head()
-        .ok_or_else(|| Error::invalid("proxy queue", "this queue's tickets live in device memory"))?;
-    let ticket = head.fetch_add(1, Ordering::Relaxed);
-    let mut round = 0;
+    let ticket = ring.head().fetch_add(1, Ordering::Relaxed);
     // Acquire pairs with the consumer's release of tail: its reads of the slot are over.
-    while ticket - ring.tail().load(Ordering::Acquire) >= ring.capacity {
-        if round % 256 == 255 {
-            if let Some(e) = failed() {
-                return Err(e);
-            }
-            if Instant::now() >= deadline {
-                return Err(Error::Timeout {
-                    op: "proxy queue push (queue full)",
-                    peer: None,
-                    after: timeout,
-                });
-            }
-        }
-        back_off(round);
-        round += 1;
-    }
+    let free = || ticket - ring.tail().load(Ordering::Acquire) < ring.capacity;
+    bounded_wait("proxy queue push (queue full)", timeout, failed, free)?;
     let at = ring.slot(ticket);
     ring.word(at + 1).store(words[1], Ordering::Relaxed);
     let w0 = words[0] | (parity(ticket, ring.capacity) << PARITY_BIT);
@@ -233,25 +203,28 @@ pub(crate) fn push(ring: &Ring, words: [u64; 2], timeout: Duration, failed: &dyn
 
 /// Waits until every descriptor taken before this call is complete at its target.
 pub(crate) fn wait_done(ring: &Ring, timeout: Duration, failed: &dyn Fn() -> Option<Error>) -> Result<()> {
+    let target = ring.head().load(Ordering::Acquire);
+    bounded_wait("proxy queue flush", timeout, failed, || {
+        ring.done().load(Ordering::Acquire) >= target
+    })
+}
+
+/// Waits until `ready`, at most `timeout`, ending early with the error `failed` reports.
+fn bounded_wait(
+    op: &'static str,
+    timeout: Duration,
+    failed: &dyn Fn() -> Option<Error>,
+    ready: impl Fn() -> bool,
+) -> Result<()> {
     let deadline = Instant::now() + timeout;
-    let Some(head) = ring.head() else {
-        return Err(Error::invalid(
-            "proxy queue",
-            "this queue's tickets live in device memory",
-        ));
-    };
-    let target = head.load(Ordering::Acquire);
     let mut round = 0u32;
-    loop {
+    while !ready() {
         if let Some(e) = failed() {
             return Err(e);
         }
-        if ring.done().load(Ordering::Acquire) >= target {
-            return Ok(());
-        }
         if Instant::now() >= deadline {
             return Err(Error::Timeout {
-                op: "proxy queue flush",
+                op,
                 peer: None,
                 after: timeout,
             });
@@ -259,6 +232,7 @@ pub(crate) fn wait_done(ring: &Ring, timeout: Duration, failed: &dyn Fn() -> Opt
         back_off(round);
         round = round.saturating_add(1);
     }
+    Ok(())
 }
 
 /// Queue-to-proxy pickup latency, for ferrocomm-bench: a host producer stamps each descriptor
@@ -290,10 +264,8 @@ pub fn measure_pickup(samples: usize, gap: Duration) -> Result<Vec<Duration>> {
                 std::thread::sleep(gap);
             }
             push(&r, [0, stamp()], Duration::from_secs(10), &|| None)?;
-            let mut round = 0;
             while r.tail().load(Ordering::Acquire) <= i {
-                back_off(round.min(63));
-                round += 1;
+                std::hint::spin_loop();
             }
         }
         consumer

@@ -99,3 +99,15 @@ pub(crate) fn check_owner(peer: usize, seg: &Segment, watch: Option<&ProcessWatc
         _ => Ok(()),
     }
 }
+
+/// How a host thread waits for a peer: spin briefly, then yield, then sleep, because ranks often
+/// outnumber cores (tests, one GPU shared). `idle` counts the rounds waited so far.
+pub(crate) fn back_off(idle: u32) {
+    if idle < 32 {
+        std::hint::spin_loop();
+    } else if idle < 2048 {
+        std::thread::yield_now();
+    } else {
+        std::thread::sleep(std::time::Duration::from_micros(50));
+    }
+}

@@ -7,7 +7,7 @@
 //! arguments) and becomes `Error::Mismatch` instead of corrupted data.
 
 use crate::error::{Error, Result};
-use crate::transport::{Link, Transport};
+use crate::transport::{back_off, Link, Transport};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -357,15 +357,4 @@ fn check_header(op: &'static str, peer: usize, hdr: &[u8; HEADER_BYTES], expect:
         )));
     }
     Ok(())
-}
-
-/// Spin briefly, then yield, then sleep: ranks often outnumber cores (tests, one GPU shared).
-fn back_off(idle: u32) {
-    if idle < 32 {
-        std::hint::spin_loop();
-    } else if idle < 2048 {
-        std::thread::yield_now();
-    } else {
-        std::thread::sleep(Duration::from_micros(50));
-    }
 }

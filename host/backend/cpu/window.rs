@@ -54,7 +54,7 @@ pub(crate) struct CpuWindow {
     server: Mutex<Server>,
     /// Registered memory of the RDMA links, and the TCP links they replaced (kept open so
     /// that peers' servers see when this rank goes away).
-    _net: (crate::net::NetResources, Vec<Arc<SharedLink>>),
+    net_state: (crate::net::NetResources, Vec<Arc<SharedLink>>),
     /// The proxy queue, started by the first `proxy_queue` call.
     queue: Mutex<Option<Arc<HostQueue>>>,
     timeout: Duration,
@@ -68,6 +68,16 @@ pub(crate) struct CpuWindow {
 // proxy connections are behind mutexes.
 unsafe impl Send for CpuWindow {}
 unsafe impl Sync for CpuWindow {}
+
+/// Per rank, the link when the rank is reached over the network.
+fn net_links(paths: &[Path]) -> Vec<Option<Arc<SharedLink>>> {
+    (paths.iter())
+        .map(|p| match p {
+            Path::Net(link) => Some(link.clone()),
+            _ => None,
+        })
+        .collect()
+}
 
 fn round_up(n: usize, to: usize) -> usize {
     n.div_ceil(to) * to
@@ -208,12 +218,7 @@ impl CpuWindow {
             });
         }
         // Network links move to RDMA where FERROCOMM_NET chooses it (net::select_links).
-        let mut links: Vec<Option<Arc<SharedLink>>> = (paths.iter())
-            .map(|p| match p {
-                Path::Net(l) => Some(l.clone()),
-                _ => None,
-            })
-            .collect();
+        let mut links = net_links(&paths);
         let (net, liveness) = crate::net::select_links(
             &mut links,
             &crate::net::RdmaPlan {
@@ -264,7 +269,7 @@ impl CpuWindow {
             gone,
             abort: s.abort.clone(),
             server: Mutex::new(server),
-            _net: (net, liveness),
+            net_state: (net, liveness),
             queue: Mutex::new(None),
             timeout: spec.timeout,
             born: Instant::now(),
@@ -289,7 +294,7 @@ impl CpuWindow {
     }
 
     /// The link to `rank` (only called when `direct` is `None`).
-    fn proxy(&self, rank: usize, writes: bool) -> Result<std::sync::MutexGuard<'_, Box<dyn crate::net::link::Link>>> {
+    fn link(&self, rank: usize, writes: bool) -> Result<std::sync::MutexGuard<'_, Box<dyn crate::net::link::Link>>> {
         match &self.paths[rank] {
             Path::Net(link) => Ok(link.lock(writes)),
             _ => Err(Error::protocol("window", format!("rank {rank} has no network path"))),
@@ -368,7 +373,7 @@ impl WindowBackend for CpuWindow {
     fn put(&self, dst: usize, offset: usize, src: &[u8]) -> Result<()> {
         self.ensure_alive("put", dst)?;
         let Some(m) = self.direct(dst) else {
-            return self.note_loss(self.proxy(dst, true)?.put(offset, src));
+            return self.note_loss(self.link(dst, true)?.put(offset, src));
         };
         // SAFETY: `Window` checked the range against the segment size.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), m.data.add(offset), src.len()) };
@@ -378,7 +383,7 @@ impl WindowBackend for CpuWindow {
     fn get(&self, src: usize, offset: usize, dst: &mut [u8]) -> Result<()> {
         self.ensure_alive("get", src)?;
         let Some(m) = self.direct(src) else {
-            return self.note_loss(self.proxy(src, false)?.get(offset, dst));
+            return self.note_loss(self.link(src, false)?.get(offset, dst));
         };
         // SAFETY: as in `put`.
         unsafe { std::ptr::copy_nonoverlapping(m.data.add(offset), dst.as_mut_ptr(), dst.len()) };
@@ -392,7 +397,7 @@ impl WindowBackend for CpuWindow {
                 m.apply_signal(id, self.rank, op, value);
                 Ok(())
             }
-            None => self.note_loss(self.proxy(dst, true)?.signal(id, op, value)),
+            None => self.note_loss(self.link(dst, true)?.signal(id, op, value)),
         }
     }
 
@@ -455,7 +460,7 @@ impl WindowBackend for CpuWindow {
         self.ensure_alive("fetch_add", dst)?;
         match self.direct(dst) {
             Some(m) => Ok(m.word(offset).fetch_add(value, Ordering::AcqRel)),
-            None => self.note_loss(self.proxy(dst, false)?.fetch_add(offset, value)),
+            None => self.note_loss(self.link(dst, false)?.fetch_add(offset, value)),
         }
     }
 
@@ -466,7 +471,7 @@ impl WindowBackend for CpuWindow {
                 .word(offset)
                 .compare_exchange(expected, desired, Ordering::AcqRel, Ordering::Acquire)
                 .unwrap_or_else(|v| v)),
-            None => self.note_loss(self.proxy(dst, false)?.compare_swap(offset, expected, desired)),
+            None => self.note_loss(self.link(dst, false)?.compare_swap(offset, expected, desired)),
         }
     }
 
@@ -499,12 +504,7 @@ impl WindowBackend for CpuWindow {
         if let Some(q) = &*q {
             return Ok(q.clone());
         }
-        let links: Vec<Option<Arc<SharedLink>>> = (self.paths.iter())
-            .map(|p| match p {
-                Path::Net(link) => Some(link.clone()),
-                _ => None,
-            })
-            .collect();
+        let links = net_links(&self.paths);
         if links.iter().all(Option::is_none) {
             return Err(Error::Unavailable {
                 backend: "cpu".into(),
@@ -532,7 +532,7 @@ impl Drop for CpuWindow {
         self.own.close();
         // The proxy thread reads our memory: it stops first; RDMA registrations go next.
         drop(self.queue.lock().unwrap_or_else(|p| p.into_inner()).take());
-        drop(std::mem::take(&mut self._net));
+        drop(std::mem::take(&mut self.net_state));
         // Stop serving before the memory (maybe a user buffer) goes away.
         let server = std::mem::replace(
             &mut *self.server.lock().unwrap_or_else(|p| p.into_inner()),
