@@ -198,6 +198,90 @@ fn different_operations_or_dtypes_across_ranks_are_a_mismatch() {
     );
 }
 
+/// Small all_reduce, all_gather and barrier between ranks of one host go through shared-memory
+/// rounds (the board), not framed messages: calls that differ there must still be mismatches,
+/// found at once rather than at the timeout.
+#[test]
+fn different_operations_in_shared_memory_rounds_are_a_mismatch_without_waiting_for_the_timeout() {
+    let timeout = Duration::from_secs(20);
+    let start = std::time::Instant::now();
+    let r = run_group(2, "mm-board", options(timeout), |c| {
+        let mut x = vec![1.0f32; 8];
+        if c.rank() == 0 {
+            c.all_reduce(&mut x, ReduceOp::Sum)
+        } else {
+            let mut out = vec![0.0f32; 16];
+            c.all_gather(&mut out, &x)
+        }
+    });
+    assert!(r.iter().all(|x| matches!(x, Err(Error::Mismatch { .. }))), "{r:?}");
+    // One rank in a round, the other sending framed messages (a small broadcast from rank 1).
+    let r = run_group(2, "mm-board-msg", options(timeout), |c| {
+        let mut x = vec![1.0f32; 8];
+        if c.rank() == 0 {
+            c.all_reduce(&mut x, ReduceOp::Sum)
+        } else {
+            c.broadcast(&mut x, 1).and_then(|_| c.all_reduce(&mut x, ReduceOp::Sum))
+        }
+    });
+    assert!(
+        matches!(
+            r[0],
+            Err(Error::Mismatch {
+                op: "all_reduce",
+                peer: 1,
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    // And the other way round: a rank waiting for a message sees its peer enter a round.
+    let r = run_group(2, "mm-msg-board", options(timeout), |c| {
+        let mut x = vec![1.0f32; 8];
+        if c.rank() == 0 {
+            c.broadcast(&mut x, 1)
+        } else {
+            c.barrier()
+        }
+    });
+    assert!(
+        matches!(
+            r[0],
+            Err(Error::Mismatch {
+                op: "broadcast",
+                peer: 1,
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    assert!(start.elapsed() < timeout / 2, "mismatches took {:?}", start.elapsed());
+}
+
+#[test]
+fn the_oneshot_hint_is_refused_where_it_cannot_run() {
+    let r = run_group(2, "oneshot-hint", options(Duration::from_secs(5)), |c| {
+        let one = c.with_options(OpOptions::new().hint("algorithm", "oneshot"));
+        let mut small = vec![1.0f32; 4];
+        let ok = one.all_reduce(&mut small, ReduceOp::Sum).map(|_| small[0]);
+        let mut big = vec![1.0f32; 32 << 10];
+        let too_big = one.all_reduce(&mut big, ReduceOp::Sum);
+        let other_op = one.broadcast(&mut small, 0);
+        (ok, too_big, other_op)
+    });
+    for (ok, too_big, other_op) in r {
+        assert_eq!(ok.unwrap(), 2.0);
+        assert!(
+            matches!(too_big, Err(Error::InvalidArgument { op: "all_reduce", .. })),
+            "{too_big:?}"
+        );
+        assert!(
+            matches!(other_op, Err(Error::InvalidArgument { op: "broadcast", .. })),
+            "{other_op:?}"
+        );
+    }
+}
+
 #[test]
 fn unknown_backends_and_devices_are_clear_errors() {
     let o = options(Duration::from_secs(1));

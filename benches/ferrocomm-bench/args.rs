@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 pub const USAGE: &str = "usage: ferrocomm-bench <op> [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP]
        [--backend cpu] [--world N] [--threads] [--dtype f32] [--redop sum] [--root 0]
+       [--algo NAME]
        [--check] [--json FILE] [--csv FILE] [--plot FILE.png] [--graph]
 ops: all_reduce reduce broadcast all_gather reduce_scatter all_to_all send_recv put get signal
      queue_put (put + signal through the window's proxy queue; needs ranks on other hosts,
@@ -28,6 +29,8 @@ pub struct Args {
     pub dtype: String,
     pub redop: String,
     pub root: usize,
+    /// The backend's `algorithm` hint for collectives (cpu: oneshot, direct, ring).
+    pub algo: Option<String>,
     pub check: bool,
     pub json: Option<PathBuf>,
     pub csv: Option<PathBuf>,
@@ -61,6 +64,7 @@ pub fn parse(argv: &[String]) -> Result<Args, String> {
         dtype: "f32".into(),
         redop: "sum".into(),
         root: 0,
+        algo: None,
         check: false,
         json: None,
         csv: None,
@@ -83,6 +87,7 @@ pub fn parse(argv: &[String]) -> Result<Args, String> {
             "--dtype" | "-d" => a.dtype = val()?,
             "--redop" | "-o" => a.redop = val()?,
             "--root" | "-r" => a.root = num(val()?)?,
+            "--algo" => a.algo = Some(val()?),
             "--check" | "-c" => a.check = true,
             "--json" => a.json = Some(val()?.into()),
             "--csv" => a.csv = Some(val()?.into()),
@@ -128,6 +133,9 @@ pub fn to_argv(a: &Args) -> Vec<String> {
         "--root".into(),
         a.root.to_string(),
     ];
+    if let Some(algo) = &a.algo {
+        v.extend(["--algo".into(), algo.clone()]);
+    }
     if a.check {
         v.push("--check".into());
     }

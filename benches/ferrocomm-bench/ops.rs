@@ -5,7 +5,7 @@
 //! send_recv, and the *total* (all ranks' blocks) of all_gather, reduce_scatter and all_to_all.
 
 use ferrocomm::prelude::*;
-use ferrocomm::{bf16, f16, Error, Result};
+use ferrocomm::{bf16, f16, Error, Result, WithOptions};
 use std::time::Instant;
 
 /// Element types the bench can drive; values 1..=8 are exact in all of them.
@@ -99,6 +99,8 @@ fn wrong<T: BenchElem>(got: &[T], want: impl Fn(usize) -> f64) -> u64 {
 /// State that lives across sizes: the window of the one-sided ops.
 pub struct Bench<'c> {
     pub comm: &'c Comm,
+    /// The collectives as timed: `comm` with the `--algo` hint, if any.
+    coll: WithOptions<'c, Comm>,
     pub op: String,
     pub redop: ReduceOp,
     pub root: usize,
@@ -129,8 +131,13 @@ impl<'c> Bench<'c> {
             "queue_put" => Some(comm.new_window(2 * a.max_bytes.max(8))?),
             _ => None,
         };
+        let hints = match &a.algo {
+            Some(name) => OpOptions::new().hint("algorithm", name),
+            None => OpOptions::new(),
+        };
         Ok(Bench {
             comm,
+            coll: comm.with_options(hints),
             op: a.op.clone(),
             redop: rop,
             root: a.root,
@@ -184,12 +191,12 @@ impl<'c> Bench<'c> {
         ];
         fill(&mut a, me, 0);
         let secs = match self.op.as_str() {
-            "all_reduce" => self.time(|s| s.comm.all_reduce(&mut a, op))?,
-            "reduce" => self.time(|s| s.comm.reduce(&mut a, op, root))?,
-            "broadcast" => self.time(|s| s.comm.broadcast(&mut a, root))?,
-            "all_gather" => self.time(|s| s.comm.all_gather(&mut b, &a))?,
-            "reduce_scatter" => self.time(|s| s.comm.reduce_scatter(&mut b, &a, op))?,
-            "all_to_all" => self.time(|s| s.comm.all_to_all(&mut b, &a))?,
+            "all_reduce" => self.time(|s| s.coll.all_reduce(&mut a, op))?,
+            "reduce" => self.time(|s| s.coll.reduce(&mut a, op, root))?,
+            "broadcast" => self.time(|s| s.coll.broadcast(&mut a, root))?,
+            "all_gather" => self.time(|s| s.coll.all_gather(&mut b, &a))?,
+            "reduce_scatter" => self.time(|s| s.coll.reduce_scatter(&mut b, &a, op))?,
+            "all_to_all" => self.time(|s| s.coll.all_to_all(&mut b, &a))?,
             "send_recv" => self.time(|s| s.comm.batch().send(&a, right).recv(&mut b, left).issue())?,
             "put" => self.time(|s| {
                 let w = s.window.as_ref().expect("window");
@@ -253,7 +260,7 @@ impl<'c> Bench<'c> {
         let (n, me) = (self.comm.size(), self.comm.rank());
         let (right, left) = ((me + 1) % n, (me + n - 1) % n);
         let (op, root) = (self.redop, self.root);
-        let c = self.comm;
+        let c = &self.coll;
         let bad = match self.op.as_str() {
             "all_reduce" | "reduce" => {
                 let mut a = vec![T::default(); count];

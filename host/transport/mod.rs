@@ -6,6 +6,7 @@
 //! - a rank to itself: an in-memory queue.
 
 mod accept;
+pub(crate) mod board;
 pub(crate) mod fd_passing;
 mod liveness;
 mod ring;
@@ -75,6 +76,12 @@ impl Link {
                 Ok(n)
             }
         }
+    }
+
+    /// Has the peer sent bytes we have not read? Only shared-memory links can tell without
+    /// reading; the others say no.
+    pub(crate) fn has_unread(&self) -> bool {
+        matches!(self, Link::Shm(l) if l.rx.unread() > 0)
     }
 
     /// Called only when no progress is being made: is `peer` still there to make it?

@@ -81,6 +81,11 @@ impl RingEnd {
         n
     }
 
+    /// Bytes the producer has published that we have not read yet.
+    pub(crate) fn unread(&self) -> u64 {
+        self.ctl().tail.load(Ordering::Acquire) - self.pos
+    }
+
     /// Copies up to `dst.len()` available bytes; returns the number of bytes read.
     pub(crate) fn read(&mut self, dst: &mut [u8]) -> usize {
         let tail = self.ctl().tail.load(Ordering::Acquire);

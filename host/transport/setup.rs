@@ -2,6 +2,7 @@
 //! other's shared-memory segment, ranks on other hosts connect over TCP and prove they belong to
 //! the communicator with a per-communicator secret that only the (authenticated) store carries.
 
+use super::board::{self, Board};
 use super::liveness::ProcessWatch;
 use super::ring::{RingEnd, CTL_BYTES};
 use super::shm::{OwnerState, Segment};
@@ -18,6 +19,8 @@ use std::time::{Duration, Instant};
 /// All links of one rank, indexed by peer rank.
 pub(crate) struct Transport {
     pub(crate) links: Vec<Link>,
+    /// Present when every rank shares this host (and there are at least two).
+    pub(crate) board: Option<Board>,
     own_seg: Option<Arc<Segment>>,
 }
 
@@ -135,7 +138,7 @@ pub(crate) fn connect_all(
         );
         Some(Arc::new(Segment::create(
             &name,
-            size * ring_stride(opts.shm_ring_bytes),
+            payload_bytes(size, opts.shm_ring_bytes),
         )?))
     } else {
         None
@@ -220,12 +223,41 @@ pub(crate) fn connect_all(
         s.unlink();
     }
     waited?;
-    Ok(Transport { links, own_seg })
+    let board = board_over(rank, &links, own_seg.as_ref(), opts.shm_ring_bytes);
+    Ok(Transport { links, board, own_seg })
 }
 
-/// A rank's segment holds one incoming ring per sender, in rank order.
+/// A rank's segment holds one incoming ring per sender, in rank order, then its board area.
 fn ring_stride(ring_bytes: usize) -> usize {
     CTL_BYTES + ring_bytes
+}
+
+fn payload_bytes(size: usize, ring_bytes: usize) -> usize {
+    size * ring_stride(ring_bytes) + board::area_bytes(size)
+}
+
+fn area_base(seg: &Segment, size: usize, ring_bytes: usize) -> *mut u8 {
+    debug_assert_eq!(seg.payload_len(), payload_bytes(size, ring_bytes));
+    // SAFETY: the area follows the rings (64-aligned: ring strides are multiples of 64 and the
+    // payload starts on a page).
+    unsafe { seg.payload().add(size * ring_stride(ring_bytes)) }
+}
+
+/// The board over every rank's area, when all ranks share memory with us.
+fn board_over(rank: usize, links: &[Link], own: Option<&Arc<Segment>>, ring_bytes: usize) -> Option<Board> {
+    let own = own?;
+    let mut segments = Vec::with_capacity(links.len());
+    for (p, l) in links.iter().enumerate() {
+        match l {
+            Link::Shm(s) => segments.push(s.peer_seg.clone()),
+            Link::SelfLoop(_) if p == rank => segments.push(own.clone()),
+            _ => return None,
+        }
+    }
+    let areas = segments.iter().map(|s| area_base(s, links.len(), ring_bytes)).collect();
+    // SAFETY: every segment was created zeroed with an area at its end and stays mapped inside
+    // the Board; each rank writes only its own area.
+    Some(unsafe { Board::new(rank, areas, segments) })
 }
 
 fn ring_base(seg: &Segment, sender: usize, ring_bytes: usize) -> *mut u8 {
@@ -242,7 +274,7 @@ fn shm_link(
     size: usize,
     ring_bytes: usize,
 ) -> Result<Link> {
-    let peer_seg = Arc::new(Segment::open(peer_name, size * ring_stride(ring_bytes))?);
+    let peer_seg = Arc::new(Segment::open(peer_name, payload_bytes(size, ring_bytes))?);
     // SAFETY: both rings lie inside mappings that the link keeps alive (the Arcs below); each
     // end is used by exactly one rank: we produce into our slot of the peer's segment and
     // consume the peer's slot of ours.

@@ -42,7 +42,21 @@ fn op_name(code: u8) -> &'static str {
 }
 
 impl Tag {
-    fn describe(&self) -> String {
+    /// The tag in one word, as a shared-memory round records it (the length travels apart).
+    pub(crate) fn label(&self) -> u64 {
+        self.op as u64 | (self.dtype as u64) << 8 | (self.redop as u64) << 16
+    }
+
+    pub(crate) fn from_label(label: u64, nbytes: u64) -> Tag {
+        Tag {
+            op: label as u8,
+            dtype: (label >> 8) as u8,
+            redop: (label >> 16) as u8,
+            nbytes,
+        }
+    }
+
+    pub(crate) fn describe(&self) -> String {
         let dtype = crate::dtype::DType::from_code(self.dtype).map_or("-", |d| d.name());
         format!(
             "{} ({} bytes, dtype {dtype}, reduce code {})",
@@ -115,6 +129,41 @@ impl Xfer<'_> {
     }
 }
 
+/// Paces a host wait: backs off while nothing happens, and says when a stalled wait should
+/// look at deadlines, abort flags and peers.
+pub(crate) struct Pacer {
+    idle: u32,
+    next_check: Instant,
+}
+
+impl Pacer {
+    pub(crate) fn new() -> Pacer {
+        Pacer {
+            idle: 0,
+            next_check: Instant::now() + CHECK_EVERY,
+        }
+    }
+
+    pub(crate) fn progressed(&mut self) {
+        self.idle = 0;
+    }
+
+    /// Backs off once; returns the time when a stall check is due.
+    pub(crate) fn stalled(&mut self) -> Option<Instant> {
+        self.idle = self.idle.saturating_add(1);
+        back_off(self.idle);
+        if self.idle < 64 {
+            return None;
+        }
+        let now = Instant::now();
+        if now < self.next_check {
+            return None;
+        }
+        self.next_check = now + CHECK_EVERY;
+        Some(now)
+    }
+}
+
 /// The deadline and abort flag of the operation being run.
 pub(crate) struct OpCtx<'a> {
     pub op: &'static str,
@@ -123,10 +172,30 @@ pub(crate) struct OpCtx<'a> {
     pub abort: &'a AtomicBool,
 }
 
+impl OpCtx<'_> {
+    /// Fails if the operation was aborted or ran out of time; `peer` is the one still awaited.
+    pub(crate) fn check(&self, now: Instant, peer: impl FnOnce() -> Option<usize>) -> Result<()> {
+        if self.abort.load(Ordering::Acquire) {
+            return Err(Error::Closed {
+                op: self.op,
+                state: "aborted",
+            });
+        }
+        if now >= self.deadline {
+            return Err(Error::Timeout {
+                op: self.op,
+                peer: peer(),
+                after: self.timeout,
+            });
+        }
+        Ok(())
+    }
+}
+
 pub(crate) struct Engine {
     pub(crate) rank: usize,
     pub(crate) size: usize,
-    transport: Transport,
+    pub(crate) transport: Transport,
     send_seq: Vec<u64>,
     recv_seq: Vec<u64>,
     /// Per-peer "already advanced a message this sweep" stamps: messages to one peer must go
@@ -148,6 +217,19 @@ impl Engine {
             rx_stamp: vec![0; size],
             sweep: 0,
         }
+    }
+
+    /// Publishes our contribution to the next shared-memory round (see transport/board.rs),
+    /// with the count of framed messages sent to each peer so far (all complete between
+    /// operations). The caller has waited for the slot to be free.
+    pub(crate) fn publish_round(&mut self, label: u64, data: &[u8]) -> u64 {
+        let board = self.transport.board.as_mut().expect("callers check for a board");
+        board.publish(label, data, &self.send_seq)
+    }
+
+    /// Framed messages received from `peer` so far.
+    pub(crate) fn received_from(&self, peer: usize) -> u64 {
+        self.recv_seq[peer]
     }
 
     /// Queues a message to `peer`. Messages to one peer arrive in the order they are created.
@@ -277,46 +359,22 @@ impl Engine {
 
     /// Runs every message to completion, or fails with the reason and the peer.
     pub(crate) fn exchange(&mut self, ctx: &OpCtx<'_>, xfers: &mut [Xfer<'_>]) -> Result<()> {
-        let mut idle = 0u32;
-        let mut next_check = Instant::now() + CHECK_EVERY;
+        let mut pace = Pacer::new();
         loop {
             let (done, moved) = self.sweep(ctx, xfers)?;
             if done {
                 return Ok(());
             }
             if moved {
-                idle = 0;
-                continue;
+                pace.progressed();
+            } else if let Some(now) = pace.stalled() {
+                self.check_stalled(ctx, xfers, now)?;
             }
-            idle = idle.saturating_add(1);
-            back_off(idle);
-            if idle < 64 {
-                continue;
-            }
-            let now = Instant::now();
-            if now < next_check {
-                continue;
-            }
-            next_check = now + CHECK_EVERY;
-            self.check_stalled(ctx, xfers, now)?;
         }
     }
 
     fn check_stalled(&mut self, ctx: &OpCtx<'_>, xfers: &mut [Xfer<'_>], now: Instant) -> Result<()> {
-        if ctx.abort.load(Ordering::Acquire) {
-            return Err(Error::Closed {
-                op: ctx.op,
-                state: "aborted",
-            });
-        }
-        let first_pending = || xfers.iter().find(|x| !x.done()).map(|x| x.peer());
-        if now >= ctx.deadline {
-            return Err(Error::Timeout {
-                op: ctx.op,
-                peer: first_pending(),
-                after: ctx.timeout,
-            });
-        }
+        ctx.check(now, || xfers.iter().find(|x| !x.done()).map(|x| x.peer()))?;
         let gone = xfers.iter().filter(|x| !x.done()).find_map(|x| {
             let p = x.peer();
             self.transport.links[p].check_peer(p).err().map(|g| (p, g))
@@ -330,6 +388,27 @@ impl Engine {
                     op: ctx.op,
                     peer: g.rank,
                     reason: g.reason,
+                });
+            }
+        }
+        // A peer that has started a shared-memory round we have not reached is running another
+        // operation. It published the round after its last message to us, so one more sweep
+        // first takes in anything it sent for this one.
+        let Some(x) = &self.transport.board else { return Ok(()) };
+        let ahead = xfers
+            .iter()
+            .filter(|t| !t.done())
+            .map(|t| t.peer())
+            .find(|&p| x.peer_latest(p) >= x.next_round());
+        if let Some(peer) = ahead {
+            self.sweep(ctx, xfers)?;
+            if xfers.iter().any(|t| !t.done() && t.peer() == peer) {
+                return Err(Error::Mismatch {
+                    op: ctx.op,
+                    peer,
+                    detail: "it entered a shared-memory collective (all_reduce, all_gather or barrier \
+                             of a small size) while this rank waits for its message"
+                        .into(),
                 });
             }
         }

@@ -3,6 +3,7 @@
 
 mod algorithms;
 mod engine;
+mod oneshot;
 mod window;
 
 use super::{Backend, BackendInit, RunOptions};
@@ -44,10 +45,16 @@ impl Tuning {
         let algo = match opts.hints.get("algorithm").map(String::as_str) {
             Some("direct") => Algo::Direct,
             Some("ring") => Algo::Ring,
+            Some("oneshot") => {
+                return Err(Error::invalid(
+                    op,
+                    "the `oneshot` algorithm serves all_reduce and all_gather only",
+                ))
+            }
             Some(other) => {
                 return Err(Error::invalid(
                     op,
-                    format!("unknown algorithm hint `{other}` (cpu backend: direct, ring)"),
+                    format!("unknown algorithm hint `{other}` (cpu backend: oneshot, direct, ring)"),
                 ))
             }
             None if bytes <= self.direct_max => Algo::Direct,
@@ -55,6 +62,29 @@ impl Tuning {
         };
         tracing::trace!(op, bytes, ?algo, "cpu algorithm");
         Ok(algo)
+    }
+
+    /// Does this all_reduce or all_gather go through the board (oneshot.rs)? `available`:
+    /// every rank shares this host and a contribution fits a slot.
+    fn use_board(&self, op: &'static str, bytes: usize, opts: &RunOptions, available: bool) -> Result<bool> {
+        let board = match opts.hints.get("algorithm").map(String::as_str) {
+            Some("oneshot") if !available => {
+                return Err(Error::invalid(
+                    op,
+                    format!(
+                        "the `oneshot` algorithm needs every rank on this host and at most {} KiB per rank",
+                        transport::board::SLOT_BYTES >> 10
+                    ),
+                ))
+            }
+            Some("oneshot") => true,
+            Some(_) => false,
+            None => available && bytes <= self.direct_max,
+        };
+        if board {
+            tracing::trace!(op, bytes, "cpu algorithm: oneshot");
+        }
+        Ok(board)
     }
 }
 
@@ -212,9 +242,13 @@ impl CpuBackend {
         let algo = |bytes: usize| self.tuning.choose(ctx.op, bytes, opts);
         match op {
             Op::AllReduce { buf, op } => {
-                let (d, o) = (buf.dtype(), *op);
-                let a = algo(buf.host_bytes().len())?;
-                algorithms::all_reduce(e, s, ctx, tag(1, d, Some(o)), buf.host_bytes_mut(), d, o, a)
+                let (d, o, bytes) = (buf.dtype(), *op, buf.host_bytes().len());
+                let t = tag(1, d, Some(o));
+                if self.tuning.use_board(ctx.op, bytes, opts, oneshot::fits(e, bytes))? {
+                    return oneshot::all_reduce(e, ctx, t, buf.host_bytes_mut(), d, o);
+                }
+                let a = algo(bytes)?;
+                algorithms::all_reduce(e, s, ctx, t, buf.host_bytes_mut(), d, o, a)
             }
             Op::Reduce { buf, op, root } => {
                 let (d, o) = (buf.dtype(), *op);
@@ -235,9 +269,16 @@ impl CpuBackend {
                 )
             }
             Op::AllGather { input, outputs } => {
-                let a = algo(input.host_bytes().len() * e.size)?;
+                let t = tag(4, input.dtype(), None);
                 let mut outs: Vec<&mut [u8]> = outputs.iter_mut().map(|o| o.host_bytes_mut()).collect();
-                algorithms::all_gather(e, ctx, tag(4, input.dtype(), None), input.host_bytes(), &mut outs, a)
+                // Decided on what every rank knows alike (all_gather_v: counts differ by rank).
+                let total = outs.iter().map(|o| o.len()).sum();
+                let largest = outs.iter().map(|o| o.len()).max().unwrap_or(0);
+                if self.tuning.use_board(ctx.op, total, opts, oneshot::fits(e, largest))? {
+                    return oneshot::all_gather(e, ctx, t, input.host_bytes(), &mut outs);
+                }
+                let a = algo(total)?;
+                algorithms::all_gather(e, ctx, t, input.host_bytes(), &mut outs, a)
             }
             Op::ReduceScatter { inputs, output, op } => {
                 let (d, o) = (output.dtype(), *op);
@@ -268,6 +309,7 @@ impl CpuBackend {
                     *root,
                 )
             }
+            Op::Barrier if oneshot::fits(e, 0) => oneshot::barrier(e, ctx, tag(9, DType::U8, None)),
             Op::Barrier => algorithms::barrier(e, ctx, tag(9, DType::U8, None)),
             Op::Batch(list) => {
                 let mut x: Vec<Xfer> = Vec::with_capacity(list.len());

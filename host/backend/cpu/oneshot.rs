@@ -1,0 +1,135 @@
+//! One-shot collectives over the board (transport/board.rs), used when every rank shares this
+//! host: each rank publishes its contribution once and reads every peer's in place, instead of
+//! sending framed copies through the rings. all_reduce folds in rank order, as the direct
+//! algorithm does, so every rank computes bit-identical results.
+
+use super::engine::{Engine, OpCtx, Pacer, Tag};
+use crate::dtype::{DType, ReduceOp};
+use crate::error::{Error, Result};
+use crate::reduce::{epilogue, prologue, reduce_into};
+use crate::transport::board::{Board, SLOT_BYTES};
+
+/// Can a contribution of `bytes` per rank go through the board?
+pub(crate) fn fits(e: &Engine, bytes: usize) -> bool {
+    e.transport.board.is_some() && bytes <= SLOT_BYTES
+}
+
+fn board(e: &Engine) -> &Board {
+    e.transport.board.as_ref().expect("callers check `fits` first")
+}
+
+/// Waits until `ready` holds of `peer`'s part of the board, with the operation's deadline, abort
+/// flag and the peer's liveness checked as the engine checks them.
+fn wait_for(e: &Engine, ctx: &OpCtx, peer: usize, ready: impl Fn(&Board) -> bool) -> Result<()> {
+    let b = board(e);
+    let mut pace = Pacer::new();
+    while !ready(b) {
+        let Some(now) = pace.stalled() else { continue };
+        ctx.check(now, || Some(peer))?;
+        let link = &e.transport.links[peer];
+        // The peer updates the board before it leaves or moves on, so look once more first.
+        if let Err(g) = link.check_peer(peer) {
+            if ready(b) {
+                break;
+            }
+            return Err(Error::PeerLost {
+                op: ctx.op,
+                peer: g.rank,
+                reason: g.reason,
+            });
+        }
+        if link.has_unread() && !ready(b) {
+            return Err(Error::Mismatch {
+                op: ctx.op,
+                peer,
+                detail: "it sent a message of another operation while this rank waits for its \
+                         shared-memory contribution"
+                    .into(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Waits for `peer`'s contribution to `round` and checks that it is the same call as ours.
+fn await_peer(e: &Engine, ctx: &OpCtx, peer: usize, round: u64, tag: Tag, len: usize) -> Result<()> {
+    wait_for(e, ctx, peer, |b| b.peer_round(peer, round).is_some())?;
+    let b = board(e);
+    let (label, nbytes) = b.peer_round(peer, round).expect("seen above");
+    let (sent, received) = (b.peer_sent_to_us(peer, round), e.received_from(peer));
+    if sent != received {
+        return Err(Error::Mismatch {
+            op: ctx.op,
+            peer,
+            detail: format!(
+                "it had sent {sent} messages to this rank before this collective, this rank had \
+                 received {received}: the ranks called different operations before it"
+            ),
+        });
+    }
+    let (got, want) = (
+        Tag::from_label(label, nbytes),
+        Tag {
+            nbytes: len as u64,
+            ..tag
+        },
+    );
+    if got != want {
+        return Err(Error::Mismatch {
+            op: ctx.op,
+            peer,
+            detail: format!("it called {}, this rank {}", got.describe(), want.describe()),
+        });
+    }
+    Ok(())
+}
+
+pub(crate) fn all_reduce(
+    e: &mut Engine,
+    ctx: &OpCtx,
+    tag: Tag,
+    buf: &mut [u8],
+    dtype: DType,
+    op: ReduceOp,
+) -> Result<()> {
+    let (n, me, len) = (e.size, e.rank, buf.len());
+    prologue(dtype, op, buf);
+    let round = e.publish_round(tag.label(), buf);
+    // buf = c0 op c1 op ... in rank order; our own contribution is read back from the board.
+    for r in 0..n {
+        if r != me {
+            await_peer(e, ctx, r, round, tag, len)?;
+        }
+        let src = board(e).data(r, round, len);
+        match r {
+            0 if me == 0 => {}
+            0 => buf.copy_from_slice(src),
+            _ => reduce_into(dtype, op, buf, src),
+        }
+    }
+    epilogue(dtype, op, n, buf);
+    Ok(())
+}
+
+pub(crate) fn all_gather(e: &mut Engine, ctx: &OpCtx, tag: Tag, input: &[u8], outputs: &mut [&mut [u8]]) -> Result<()> {
+    let me = e.rank;
+    let round = e.publish_round(tag.label(), input);
+    for (r, out) in outputs.iter_mut().enumerate() {
+        if r == me {
+            out.copy_from_slice(input);
+        } else {
+            // Ranks may contribute different lengths (all_gather_v): out says how much r sends.
+            await_peer(e, ctx, r, round, tag, out.len())?;
+            out.copy_from_slice(board(e).data(r, round, out.len()));
+        }
+    }
+    Ok(())
+}
+
+pub(crate) fn barrier(e: &mut Engine, ctx: &OpCtx, tag: Tag) -> Result<()> {
+    let round = e.publish_round(tag.label(), &[]);
+    for p in (0..e.size).filter(|&p| p != e.rank) {
+        await_peer(e, ctx, p, round, tag, 0)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,156 @@
+//! The board: a place in every rank's shared-memory segment where the rank publishes one small
+//! contribution per collective round, and where every peer of the same host reads it in place.
+//! A round costs one copy in (the owner's) and reads from peers' mappings, where the rings cost
+//! a copy into the ring, a copy out, and a framed header each way.
+//!
+//! Layout (after the rings): two slots, each a control line (`epoch`, the round's label and
+//! length), the number of framed messages the owner had sent to each rank before the round (so
+//! readers can tell a message they never received, that is, a mismatched call, from a late
+//! one), and `SLOT_BYTES` of data. Round `e` (epochs start at 1 and only grow) uses slot `e % 2`.
+//!
+//! Ordering: the owner writes the slot's counts, label and data, then stores `epoch = e` with
+//! Release; a reader Acquire-loads `epoch == e` before it reads them. Every round is all-to-all:
+//! a rank completes round `e` only after reading every peer's round `e`. So when the owner
+//! rewrites slot `e % 2` for round `e + 2`, it has completed round `e + 1`, has seen every peer
+//! publish `e + 1`, and every peer published `e + 1` only after it finished reading round `e`:
+//! a slot is never rewritten while it is read, and a reader waiting for `e` never sees `e + 2`.
+//! No extra "done" flag is needed; a round kind that is not all-to-all would need one.
+
+use super::shm::Segment;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// Data bytes of one slot: the largest contribution a round can carry.
+pub(crate) const SLOT_BYTES: usize = 64 << 10;
+const LINE: usize = 64;
+
+/// Bytes of one slot's message counts (one word per rank), whole cache lines.
+fn counts_bytes(size: usize) -> usize {
+    (size * 8).div_ceil(LINE) * LINE
+}
+
+fn slot_stride(size: usize) -> usize {
+    LINE + counts_bytes(size) + SLOT_BYTES
+}
+
+/// Bytes the area adds to the segment of each rank of a communicator of `size`.
+pub(crate) fn area_bytes(size: usize) -> usize {
+    2 * slot_stride(size)
+}
+
+#[repr(C, align(64))]
+struct SlotCtl {
+    epoch: AtomicU64,
+    /// What the round is (the caller's encoding, so readers can tell mismatched calls apart)
+    /// and how many bytes it carries; written before `epoch` is published.
+    label: AtomicU64,
+    nbytes: AtomicU64,
+}
+
+const _: () = assert!(std::mem::size_of::<SlotCtl>() == LINE);
+
+/// One rank's view of the boards of its communicator (all ranks on this host).
+pub(crate) struct Board {
+    rank: usize,
+    /// Area start in every rank's segment (ours included), indexed by rank.
+    areas: Vec<*mut u8>,
+    /// Keeps those mappings alive.
+    _segments: Vec<Arc<Segment>>,
+    /// The round the next `publish` starts.
+    next: u64,
+}
+
+// SAFETY: the areas are shared memory accessed through the atomics above with the documented
+// orderings; one Board is used by one thread at a time (it sits in the backend's lock).
+unsafe impl Send for Board {}
+
+impl Board {
+    /// # Safety
+    /// `areas[r]` must point to `area_bytes(areas.len())` of zero-initialised, 64-aligned shared memory in
+    /// `segments`' mappings, the area of rank `r`; ours (`areas[rank]`) is written by us alone.
+    pub(crate) unsafe fn new(rank: usize, areas: Vec<*mut u8>, segments: Vec<Arc<Segment>>) -> Board {
+        Board {
+            rank,
+            areas,
+            _segments: segments,
+            next: 1,
+        }
+    }
+
+    fn slot(&self, r: usize, epoch: u64) -> *mut u8 {
+        // SAFETY: slot (epoch % 2) lies inside rank r's area.
+        unsafe { self.areas[r].add((epoch % 2) as usize * slot_stride(self.areas.len())) }
+    }
+
+    fn slot_ctl(&self, r: usize, epoch: u64) -> &SlotCtl {
+        // SAFETY: every slot starts with its control line.
+        unsafe { &*(self.slot(r, epoch) as *const SlotCtl) }
+    }
+
+    /// Word `to` of the message counts in rank r's slot.
+    fn count(&self, r: usize, epoch: u64, to: usize) -> &AtomicU64 {
+        // SAFETY: the counts follow the control line, one aligned word per rank.
+        unsafe { &*(self.slot(r, epoch).add(LINE + to * 8) as *const AtomicU64) }
+    }
+
+    fn slot_data(&self, r: usize, epoch: u64) -> *mut u8 {
+        // SAFETY: the data follows the counts.
+        unsafe { self.slot(r, epoch).add(LINE + counts_bytes(self.areas.len())) }
+    }
+
+    /// The round `publish` will start next.
+    pub(crate) fn next_round(&self) -> u64 {
+        self.next
+    }
+
+    /// Publishes `data` as this rank's contribution to the next round and returns the round;
+    /// `sent[p]`: the framed messages this rank has sent to p so far. Call only after completing
+    /// the previous round (see the ordering above).
+    pub(crate) fn publish(&mut self, label: u64, data: &[u8], sent: &[u64]) -> u64 {
+        assert!(data.len() <= SLOT_BYTES, "caller checks the slot size");
+        let (e, me) = (self.next, self.rank);
+        // SAFETY: our own slot; no peer reads it until `epoch` says round e, and every peer is
+        // done with round e - 2, which used it last (see the ordering above).
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.slot_data(me, e), data.len()) };
+        for (p, &n) in sent.iter().enumerate() {
+            self.count(me, e, p).store(n, Ordering::Relaxed);
+        }
+        let s = self.slot_ctl(me, e);
+        s.label.store(label, Ordering::Relaxed);
+        s.nbytes.store(data.len() as u64, Ordering::Relaxed);
+        s.epoch.store(e, Ordering::Release);
+        self.next += 1;
+        e
+    }
+
+    /// `peer`'s label and byte count for round `e`, once it has published it.
+    pub(crate) fn peer_round(&self, peer: usize, e: u64) -> Option<(u64, u64)> {
+        let s = self.slot_ctl(peer, e);
+        if s.epoch.load(Ordering::Acquire) != e {
+            return None;
+        }
+        Some((s.label.load(Ordering::Relaxed), s.nbytes.load(Ordering::Relaxed)))
+    }
+
+    /// How many framed messages `peer` had sent to us before its round `e`. Call only after
+    /// `peer_round` showed round `e`.
+    pub(crate) fn peer_sent_to_us(&self, peer: usize, e: u64) -> u64 {
+        self.count(peer, e, self.rank).load(Ordering::Relaxed)
+    }
+
+    /// The first `len` bytes `rank` published for round `e`. Call only after `peer_round` (or our
+    /// own `publish`) showed round `e`, with `len` no larger than that round's bytes.
+    pub(crate) fn data(&self, rank: usize, e: u64, len: usize) -> &[u8] {
+        assert!(len <= SLOT_BYTES);
+        // SAFETY: inside the slot; the owner does not rewrite it before we publish round e + 1,
+        // which needs `&mut self`, so not while this borrow lives.
+        unsafe { std::slice::from_raw_parts(self.slot_data(rank, e), len) }
+    }
+
+    /// The newest round `peer` has published (0: none yet).
+    pub(crate) fn peer_latest(&self, peer: usize) -> u64 {
+        let a = self.slot_ctl(peer, 0).epoch.load(Ordering::Acquire);
+        let b = self.slot_ctl(peer, 1).epoch.load(Ordering::Acquire);
+        a.max(b)
+    }
+}
