@@ -129,13 +129,16 @@ impl Segment {
     }
 
     fn map(fd: libc::c_int, len: usize, name: CString, owner: bool) -> Result<Segment> {
+        // MAP_POPULATE: fault every page in now, at setup, rather than one page at a time in
+        // the first operations that touch them (measured: a 128 KiB all_reduce at the start of
+        // a bench sweep took 15 us instead of 6).
         // SAFETY: mapping a shared-memory fd of at least `len` bytes; the fd is closed after.
         let p = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
                 len,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
+                libc::MAP_SHARED | libc::MAP_POPULATE,
                 fd,
                 0,
             )
