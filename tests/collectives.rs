@@ -73,3 +73,43 @@ fn back_to_back_shared_memory_rounds_keep_every_result() {
     });
     assert!(ok.iter().all(|&b| b));
 }
+
+/// all_to_all_v goes through one shared-memory round only when every rank's blocks fit its
+/// slot, which only that rank knows: here rank 0 sends more than a slot holds, so every rank
+/// must fall back to messages together, and the data must still arrive. Then the same call
+/// with small blocks (the round), and a block size that disagrees across ranks (a mismatch).
+#[test]
+fn all_to_all_v_falls_back_together_when_one_rank_does_not_fit() {
+    let n = 3;
+    let r = run_group(n, "a2a-fit", options(Duration::from_secs(20)), |c| {
+        let me = c.rank();
+        // Rank s sends `len(s, d)` u32 to rank d.
+        let len = |s: usize, d: usize, big: bool| if big && s == 0 { 12_000 + d } else { 3 + s + 2 * d };
+        for big in [true, false] {
+            let ins: Vec<usize> = (0..n).map(|d| len(me, d, big)).collect();
+            let outs: Vec<usize> = (0..n).map(|s| len(s, me, big)).collect();
+            let input: Vec<u32> = (0..n)
+                .flat_map(|d| (0..ins[d]).map(move |i| (me * 1_000_000 + d * 100_000 + i) as u32))
+                .collect();
+            let mut output = vec![u32::MAX; outs.iter().sum()];
+            c.all_to_all_v(&mut output, &input, &outs, &ins).unwrap();
+            let want: Vec<u32> = (0..n)
+                .flat_map(|s| (0..outs[s]).map(move |i| (s * 1_000_000 + me * 100_000 + i) as u32))
+                .collect();
+            assert!(output == want, "rank {me}, big {big}");
+        }
+        // Rank 1 expects 4 elements from rank 0, which sends 5.
+        let ins = vec![5usize; n];
+        let mut outs = vec![5usize; n];
+        if me == 1 {
+            outs[0] = 4;
+        }
+        let input = vec![7u32; ins.iter().sum()];
+        let mut output = vec![0u32; outs.iter().sum()];
+        c.all_to_all_v(&mut output, &input, &outs, &ins)
+    });
+    assert!(
+        matches!(r[1], Err(ferrocomm::Error::Mismatch { op: "all_to_all", peer: 0, .. })),
+        "{r:?}"
+    );
+}

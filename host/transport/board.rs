@@ -4,9 +4,11 @@
 //! a copy into the ring, a copy out, and a framed header each way.
 //!
 //! Layout (after the rings): two slots, each a control line (`epoch`, the round's label and
-//! length), the number of framed messages the owner had sent to each rank before the round (so
-//! readers can tell a message they never received, that is, a mismatched call, from a late
-//! one), and `SLOT_BYTES` of data. Round `e` (epochs start at 1 and only grow) uses slot `e % 2`.
+//! length), an index with two words per rank (the number of framed messages the owner had sent
+//! to that rank before the round, so readers can tell a message they never received, that is, a
+//! mismatched call, from a late one; and where part `r` of the contribution lies, for rounds
+//! that carry one part per rank), and `SLOT_BYTES` of data. Round `e` (epochs start at 1 and only
+//! grow) uses slot `e % 2`.
 //!
 //! Ordering: the owner writes the slot's counts, label and data, then stores `epoch = e` with
 //! Release; a reader Acquire-loads `epoch == e` before it reads them. Every round is all-to-all:
@@ -24,13 +26,13 @@ use std::sync::Arc;
 pub(crate) const SLOT_BYTES: usize = 64 << 10;
 const LINE: usize = 64;
 
-/// Bytes of one slot's message counts (one word per rank), whole cache lines.
-fn counts_bytes(size: usize) -> usize {
-    (size * 8).div_ceil(LINE) * LINE
+/// Bytes of one slot's index (two words per rank), whole cache lines.
+fn index_bytes(size: usize) -> usize {
+    (size * 16).div_ceil(LINE) * LINE
 }
 
 fn slot_stride(size: usize) -> usize {
-    LINE + counts_bytes(size) + SLOT_BYTES
+    LINE + index_bytes(size) + SLOT_BYTES
 }
 
 /// Bytes the area adds to the segment of each rank of a communicator of `size`.
@@ -87,15 +89,15 @@ impl Board {
         unsafe { &*(self.slot(r, epoch) as *const SlotCtl) }
     }
 
-    /// Word `to` of the message counts in rank r's slot.
-    fn count(&self, r: usize, epoch: u64, to: usize) -> &AtomicU64 {
-        // SAFETY: the counts follow the control line, one aligned word per rank.
-        unsafe { &*(self.slot(r, epoch).add(LINE + to * 8) as *const AtomicU64) }
+    /// Index word `which` (0: messages sent, 1: part placement) for rank `to` in r's slot.
+    fn index(&self, r: usize, epoch: u64, to: usize, which: usize) -> &AtomicU64 {
+        // SAFETY: the index follows the control line, two aligned words per rank.
+        unsafe { &*(self.slot(r, epoch).add(LINE + (2 * to + which) * 8) as *const AtomicU64) }
     }
 
     fn slot_data(&self, r: usize, epoch: u64) -> *mut u8 {
-        // SAFETY: the data follows the counts.
-        unsafe { self.slot(r, epoch).add(LINE + counts_bytes(self.areas.len())) }
+        // SAFETY: the data follows the index.
+        unsafe { self.slot(r, epoch).add(LINE + index_bytes(self.areas.len())) }
     }
 
     /// The round `publish` will start next.
@@ -103,21 +105,33 @@ impl Board {
         self.next
     }
 
-    /// Publishes `data` as this rank's contribution to the next round and returns the round;
-    /// `sent[p]`: the framed messages this rank has sent to p so far. Call only after completing
-    /// the previous round (see the ordering above).
-    pub(crate) fn publish(&mut self, label: u64, data: &[u8], sent: &[u64]) -> u64 {
-        assert!(data.len() <= SLOT_BYTES, "caller checks the slot size");
+    /// Publishes `parts`, back to back, as this rank's contribution to the next round and
+    /// returns the round; at most one part per rank, `SLOT_BYTES` in all. `sent[p]`: the framed
+    /// messages this rank has sent to p so far. Call only after completing the previous round
+    /// (see the ordering above).
+    pub(crate) fn publish(&mut self, label: u64, parts: &[&[u8]], sent: &[u64]) -> u64 {
+        let total: usize = parts.iter().map(|p| p.len()).sum();
+        assert!(
+            total <= SLOT_BYTES && parts.len() <= self.areas.len(),
+            "caller checks the slot size"
+        );
         let (e, me) = (self.next, self.rank);
-        // SAFETY: our own slot; no peer reads it until `epoch` says round e, and every peer is
-        // done with round e - 2, which used it last (see the ordering above).
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.slot_data(me, e), data.len()) };
+        let mut at = 0;
+        for (i, part) in parts.iter().enumerate() {
+            // SAFETY: our own slot, in bounds (total checked above); no peer reads it until
+            // `epoch` says round e, and every peer is done with round e - 2, which used it last
+            // (see the ordering above).
+            unsafe { std::ptr::copy_nonoverlapping(part.as_ptr(), self.slot_data(me, e).add(at), part.len()) };
+            self.index(me, e, i, 1)
+                .store((at as u64) << 32 | part.len() as u64, Ordering::Relaxed);
+            at += part.len();
+        }
         for (p, &n) in sent.iter().enumerate() {
-            self.count(me, e, p).store(n, Ordering::Relaxed);
+            self.index(me, e, p, 0).store(n, Ordering::Relaxed);
         }
         let s = self.slot_ctl(me, e);
         s.label.store(label, Ordering::Relaxed);
-        s.nbytes.store(data.len() as u64, Ordering::Relaxed);
+        s.nbytes.store(total as u64, Ordering::Relaxed);
         s.epoch.store(e, Ordering::Release);
         self.next += 1;
         e
@@ -135,7 +149,19 @@ impl Board {
     /// How many framed messages `peer` had sent to us before its round `e`. Call only after
     /// `peer_round` showed round `e`.
     pub(crate) fn peer_sent_to_us(&self, peer: usize, e: u64) -> u64 {
-        self.count(peer, e, self.rank).load(Ordering::Relaxed)
+        self.index(peer, e, self.rank, 0).load(Ordering::Relaxed)
+    }
+
+    /// Part `i` of `peer`'s round `e`; `None` if the index points outside the slot. Call only
+    /// after `peer_round` showed round `e`.
+    pub(crate) fn part(&self, peer: usize, e: u64, i: usize) -> Option<&[u8]> {
+        let w = self.index(peer, e, i, 1).load(Ordering::Relaxed);
+        let (at, len) = ((w >> 32) as usize, (w & 0xffff_ffff) as usize);
+        if at + len > SLOT_BYTES {
+            return None;
+        }
+        // SAFETY: inside the slot; not rewritten while borrowed (see `data`).
+        Some(unsafe { std::slice::from_raw_parts(self.slot_data(peer, e).add(at), len) })
     }
 
     /// The first `len` bytes `rank` published for round `e`. Call only after `peer_round` (or our

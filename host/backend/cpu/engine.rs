@@ -222,9 +222,9 @@ impl Engine {
     /// Publishes our contribution to the next shared-memory round (see transport/board.rs),
     /// with the count of framed messages sent to each peer so far (all complete between
     /// operations). The caller has waited for the slot to be free.
-    pub(crate) fn publish_round(&mut self, label: u64, data: &[u8]) -> u64 {
+    pub(crate) fn publish_round(&mut self, label: u64, parts: &[&[u8]]) -> u64 {
         let board = self.transport.board.as_mut().expect("callers check for a board");
-        board.publish(label, data, &self.send_seq)
+        board.publish(label, parts, &self.send_seq)
     }
 
     /// Framed messages received from `peer` so far.

@@ -48,7 +48,7 @@ impl Tuning {
             Some("oneshot") => {
                 return Err(Error::invalid(
                     op,
-                    "the `oneshot` algorithm serves all_reduce and all_gather only",
+                    "the `oneshot` algorithm serves all_reduce, all_gather and all_to_all only",
                 ))
             }
             Some(other) => {
@@ -64,8 +64,8 @@ impl Tuning {
         Ok(algo)
     }
 
-    /// Does this all_reduce or all_gather go through the board (oneshot.rs)? `available`:
-    /// every rank shares this host and a contribution fits a slot.
+    /// Does this all_reduce, all_gather or all_to_all go through the board (oneshot.rs)?
+    /// `available`: every rank shares this host and a contribution fits a slot.
     fn use_board(&self, op: &'static str, bytes: usize, opts: &RunOptions, available: bool) -> Result<bool> {
         let board = match opts.hints.get("algorithm").map(String::as_str) {
             Some("oneshot") if !available => {
@@ -287,9 +287,17 @@ impl CpuBackend {
                 algorithms::reduce_scatter(e, s, ctx, tag(5, d, Some(o)), &ins, output.host_bytes_mut(), d, o, a)
             }
             Op::AllToAll { inputs, outputs } => {
+                let t = tag(6, inputs[0].dtype(), None);
                 let ins: Vec<&[u8]> = inputs.iter().map(|i| i.host_bytes()).collect();
                 let mut outs: Vec<&mut [u8]> = outputs.iter_mut().map(|o| o.host_bytes_mut()).collect();
-                algorithms::all_to_all(e, ctx, tag(6, inputs[0].dtype(), None), &ins, &mut outs)
+                // Whether the blocks fit is settled inside the round (all_to_all_v: sizes differ
+                // by rank), so here only the board and the hint count.
+                if self.tuning.use_board(ctx.op, 0, opts, oneshot::fits(e, 0))?
+                    && oneshot::all_to_all(e, ctx, t, &ins, &mut outs)?
+                {
+                    return Ok(());
+                }
+                algorithms::all_to_all(e, ctx, t, &ins, &mut outs)
             }
             Op::Scatter { inputs, output, root } => {
                 let ins: Option<Vec<&[u8]>> = inputs.as_ref().map(|v| v.iter().map(|i| i.host_bytes()).collect());

@@ -1,13 +1,17 @@
 //! One-shot collectives over the board (transport/board.rs), used when every rank shares this
 //! host: each rank publishes its contribution once and reads every peer's in place, instead of
 //! sending framed copies through the rings. all_reduce folds in rank order, as the direct
-//! algorithm does, so every rank computes bit-identical results.
+//! algorithm does, so every rank computes bit-identical results. Every round reads every
+//! peer's contribution, which the board's slot reuse relies on.
 
 use super::engine::{Engine, OpCtx, Pacer, Tag};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::reduce::{epilogue, prologue, reduce_into};
 use crate::transport::board::{Board, SLOT_BYTES};
+
+/// Set in a round's label by a rank whose all_to_all blocks do not fit its slot.
+const DECLINED: u64 = 1 << 32;
 
 /// Can a contribution of `bytes` per rank go through the board?
 pub(crate) fn fits(e: &Engine, bytes: usize) -> bool {
@@ -51,8 +55,9 @@ fn wait_for(e: &Engine, ctx: &OpCtx, peer: usize, ready: impl Fn(&Board) -> bool
     Ok(())
 }
 
-/// Waits for `peer`'s contribution to `round` and checks that it is the same call as ours.
-fn await_peer(e: &Engine, ctx: &OpCtx, peer: usize, round: u64, tag: Tag, len: usize) -> Result<()> {
+/// Waits for `peer`'s contribution to `round` and checks that it is the same call as ours
+/// (and, given `len`, of that many bytes); returns its label.
+fn await_peer(e: &Engine, ctx: &OpCtx, peer: usize, round: u64, tag: Tag, len: Option<usize>) -> Result<u64> {
     wait_for(e, ctx, peer, |b| b.peer_round(peer, round).is_some())?;
     let b = board(e);
     let (label, nbytes) = b.peer_round(peer, round).expect("seen above");
@@ -67,13 +72,11 @@ fn await_peer(e: &Engine, ctx: &OpCtx, peer: usize, round: u64, tag: Tag, len: u
             ),
         });
     }
-    let (got, want) = (
-        Tag::from_label(label, nbytes),
-        Tag {
-            nbytes: len as u64,
-            ..tag
-        },
-    );
+    let got = Tag::from_label(label, nbytes);
+    let want = Tag {
+        nbytes: len.map_or(nbytes, |l| l as u64),
+        ..tag
+    };
     if got != want {
         return Err(Error::Mismatch {
             op: ctx.op,
@@ -81,7 +84,7 @@ fn await_peer(e: &Engine, ctx: &OpCtx, peer: usize, round: u64, tag: Tag, len: u
             detail: format!("it called {}, this rank {}", got.describe(), want.describe()),
         });
     }
-    Ok(())
+    Ok(label)
 }
 
 pub(crate) fn all_reduce(
@@ -94,11 +97,11 @@ pub(crate) fn all_reduce(
 ) -> Result<()> {
     let (n, me, len) = (e.size, e.rank, buf.len());
     prologue(dtype, op, buf);
-    let round = e.publish_round(tag.label(), buf);
+    let round = e.publish_round(tag.label(), &[buf]);
     // buf = c0 op c1 op ... in rank order; our own contribution is read back from the board.
     for r in 0..n {
         if r != me {
-            await_peer(e, ctx, r, round, tag, len)?;
+            await_peer(e, ctx, r, round, tag, Some(len))?;
         }
         let src = board(e).data(r, round, len);
         match r {
@@ -113,13 +116,13 @@ pub(crate) fn all_reduce(
 
 pub(crate) fn all_gather(e: &mut Engine, ctx: &OpCtx, tag: Tag, input: &[u8], outputs: &mut [&mut [u8]]) -> Result<()> {
     let me = e.rank;
-    let round = e.publish_round(tag.label(), input);
+    let round = e.publish_round(tag.label(), &[input]);
     for (r, out) in outputs.iter_mut().enumerate() {
         if r == me {
             out.copy_from_slice(input);
         } else {
             // Ranks may contribute different lengths (all_gather_v): out says how much r sends.
-            await_peer(e, ctx, r, round, tag, out.len())?;
+            await_peer(e, ctx, r, round, tag, Some(out.len()))?;
             out.copy_from_slice(board(e).data(r, round, out.len()));
         }
     }
@@ -127,9 +130,57 @@ pub(crate) fn all_gather(e: &mut Engine, ctx: &OpCtx, tag: Tag, input: &[u8], ou
 }
 
 pub(crate) fn barrier(e: &mut Engine, ctx: &OpCtx, tag: Tag) -> Result<()> {
-    let round = e.publish_round(tag.label(), &[]);
+    let round = e.publish_round(tag.label(), &[&[]]);
     for p in (0..e.size).filter(|&p| p != e.rank) {
-        await_peer(e, ctx, p, round, tag, 0)?;
+        await_peer(e, ctx, p, round, tag, Some(0))?;
     }
     Ok(())
+}
+
+/// all_to_all in one round when every rank's blocks fit its slot. Whether they do is known
+/// only to each rank itself, so a rank whose blocks do not fit publishes a declined round;
+/// every rank reads every label, and if any declined, all return `false` alike and the caller
+/// runs the message algorithm instead.
+pub(crate) fn all_to_all(
+    e: &mut Engine,
+    ctx: &OpCtx,
+    tag: Tag,
+    inputs: &[&[u8]],
+    outputs: &mut [&mut [u8]],
+) -> Result<bool> {
+    let me = e.rank;
+    let fits = inputs.iter().map(|i| i.len()).sum::<usize>() <= SLOT_BYTES;
+    let round = if fits {
+        e.publish_round(tag.label(), inputs)
+    } else {
+        e.publish_round(tag.label() | DECLINED, &[])
+    };
+    let mut declined = !fits;
+    for p in (0..e.size).filter(|&p| p != me) {
+        declined |= await_peer(e, ctx, p, round, tag, None)? & DECLINED != 0;
+    }
+    if declined {
+        return Ok(false);
+    }
+    for (r, out) in outputs.iter_mut().enumerate() {
+        if r == me {
+            out.copy_from_slice(inputs[me]);
+            continue;
+        }
+        match board(e).part(r, round, me) {
+            Some(block) if block.len() == out.len() => out.copy_from_slice(block),
+            got => {
+                return Err(Error::Mismatch {
+                    op: ctx.op,
+                    peer: r,
+                    detail: format!(
+                        "it sent {} bytes to this rank, which expected {}",
+                        got.map_or(0, <[u8]>::len),
+                        out.len()
+                    ),
+                })
+            }
+        }
+    }
+    Ok(true)
 }
