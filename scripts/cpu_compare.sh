@@ -21,13 +21,16 @@ fi
 py="$cache/gloo-venv/bin/python"
 cargo build --release --quiet --bin ferrocomm-bench
 mpicc -O2 -Wall -o target/peers/mpi_bench benches/peers/mpi_bench.c
+# Cores before OMP_NUM_THREADS is set: GNU nproc honours that variable, and reading it after
+# made every run look oversubscribed (50 iterations instead of 2000 at 2 processes).
+cores=$(nproc)
 export OMP_NUM_THREADS=1
 
 # Small sizes need many iterations for a stable mean; large ones few. Four processes
 # oversubscribe a 2-core machine, where MPICH's busy polling costs milliseconds per call, so
 # they get fewer.
 for n in 2 4; do
-  if [ "$n" -le "$(nproc)" ]; then
+  if [ "$n" -le "$cores" ]; then
     sweeps=("small 8 65536 2 2000 100" "large 262144 67108864 4 20 3")
     reps=5
   else

@@ -10,7 +10,7 @@
 //! that carry one part per rank), and `SLOT_BYTES` of data. Round `e` (epochs start at 1 and only
 //! grow) uses slot `e % 2`.
 //!
-//! Ordering: the owner writes the slot's counts, label and data, then stores `epoch = e` with
+//! Ordering: the owner writes the slot's index, label and data, then stores `epoch = e` with
 //! Release; a reader Acquire-loads `epoch == e` before it reads them. Every round is all-to-all:
 //! a rank completes round `e` only after reading every peer's round `e`. So when the owner
 //! rewrites slot `e % 2` for round `e + 2`, it has completed round `e + 1`, has seen every peer

@@ -406,8 +406,8 @@ impl Engine {
                 return Err(Error::Mismatch {
                     op: ctx.op,
                     peer,
-                    detail: "it entered a shared-memory collective (all_reduce, all_gather or barrier \
-                             of a small size) while this rank waits for its message"
+                    detail: "it entered a shared-memory collective (all_reduce, all_gather, all_to_all \
+                             or barrier of a small size) while this rank waits for its message"
                         .into(),
                 });
             }
