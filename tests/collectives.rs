@@ -109,7 +109,14 @@ fn all_to_all_v_falls_back_together_when_one_rank_does_not_fit() {
         c.all_to_all_v(&mut output, &input, &outs, &ins)
     });
     assert!(
-        matches!(r[1], Err(ferrocomm::Error::Mismatch { op: "all_to_all", peer: 0, .. })),
+        matches!(
+            r[1],
+            Err(ferrocomm::Error::Mismatch {
+                op: "all_to_all",
+                peer: 0,
+                ..
+            })
+        ),
         "{r:?}"
     );
 }
