@@ -66,6 +66,7 @@ pub const HEADERS: &[(&str, &str)] = &[
     header!("atomics.cuh"),
     header!("coop.cuh"),
     header!("window.cuh"),
+    header!("multimem.cuh"),
     header!("ferrocomm.cuh"),
     header!("impl/rma.cuh"),
     header!("impl/signal.cuh"),

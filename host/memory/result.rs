@@ -108,3 +108,62 @@ pub(crate) unsafe fn unmap(va: CUdeviceptr, bytes: usize) -> Result<()> {
 pub(crate) unsafe fn free_range(va: CUdeviceptr, bytes: usize) -> Result<()> {
     check("cuMemAddressFree", sys::cuMemAddressFree(va, bytes))
 }
+
+/// The properties of a multicast object over `devices` GPUs with `bytes` per GPU, shareable as
+/// a POSIX file descriptor (how other processes of the team import it).
+pub(crate) fn multicast_prop(devices: usize, bytes: usize) -> sys::CUmulticastObjectProp {
+    // SAFETY: plain data; flags must be zero.
+    let mut prop: sys::CUmulticastObjectProp = unsafe { std::mem::zeroed() };
+    prop.numDevices = devices as u32;
+    prop.size = bytes;
+    prop.handleTypes = u64::from(sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR.0);
+    prop
+}
+
+/// The smallest unit a multicast object binds and maps: segment sizes and offsets are
+/// multiples of it.
+/// # Safety: the driver is loaded and has the multicast API (CUDA 12.1 and later).
+pub(crate) unsafe fn multicast_granularity(prop: &sys::CUmulticastObjectProp) -> Result<usize> {
+    let mut g = 0usize;
+    check(
+        "cuMulticastGetGranularity",
+        sys::cuMulticastGetGranularity(
+            &mut g,
+            prop,
+            sys::CUmulticastGranularity_flags::CU_MULTICAST_GRANULARITY_MINIMUM,
+        ),
+    )?;
+    Ok(g)
+}
+
+/// # Safety: as `multicast_granularity`; `prop.size` is a multiple of that granularity.
+pub(crate) unsafe fn multicast_create(prop: &sys::CUmulticastObjectProp) -> Result<CUmemGenericAllocationHandle> {
+    let mut h = 0;
+    check("cuMulticastCreate", sys::cuMulticastCreate(&mut h, prop))?;
+    Ok(h)
+}
+
+/// # Safety: `mc` is a live multicast object; `dev` is a device handle of the driver.
+pub(crate) unsafe fn multicast_add_device(mc: CUmemGenericAllocationHandle, dev: sys::CUdevice) -> Result<()> {
+    check("cuMulticastAddDevice", sys::cuMulticastAddDevice(mc, dev))
+}
+
+/// Binds all of `mem` (`bytes`) at offset 0 of `mc`. Blocks until every device of the team
+/// has been added.
+/// # Safety: both handles are live; `bytes` is a multiple of the multicast granularity.
+pub(crate) unsafe fn multicast_bind(
+    mc: CUmemGenericAllocationHandle,
+    mem: CUmemGenericAllocationHandle,
+    bytes: usize,
+) -> Result<()> {
+    check("cuMulticastBindMem", sys::cuMulticastBindMem(mc, 0, mem, 0, bytes, 0))
+}
+
+/// # Safety: `bytes` at offset 0 of `mc` were bound for `dev` and nothing uses them any more.
+pub(crate) unsafe fn multicast_unbind(
+    mc: CUmemGenericAllocationHandle,
+    dev: sys::CUdevice,
+    bytes: usize,
+) -> Result<()> {
+    check("cuMulticastUnbind", sys::cuMulticastUnbind(mc, dev, 0, bytes))
+}

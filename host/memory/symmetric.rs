@@ -18,16 +18,6 @@ pub(crate) fn granularity(ordinal: usize) -> Result<usize> {
     unsafe { result::granularity(&result::device_prop(ordinal)) }
 }
 
-/// Whether GPU `ordinal` supports multicast objects (NVLink SHARP, sm_90 and later with
-/// NVSwitch); read from the driver at run time.
-pub(crate) fn multicast_supported(ordinal: usize) -> Result<bool> {
-    let ctx = cuda::context(ordinal)?;
-    let v = ctx
-        .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED)
-        .map_err(|e| cuda::err("cuDeviceGetAttribute(MULTICAST_SUPPORTED)", e))?;
-    Ok(v != 0)
-}
-
 /// One physical allocation (a rank's segment), released when the last owner drops it.
 pub(crate) struct Physical {
     handle: CUmemGenericAllocationHandle,
@@ -47,6 +37,11 @@ impl Physical {
         // SAFETY: bytes is a multiple of the granularity of this prop.
         let handle = unsafe { result::create(bytes, &result::device_prop(ordinal)) }?;
         Ok(Arc::new(Physical { handle, bytes }))
+    }
+
+    /// Takes ownership of a handle the driver made (a multicast object), released on drop.
+    pub(crate) fn adopt(handle: CUmemGenericAllocationHandle, bytes: usize) -> Arc<Physical> {
+        Arc::new(Physical { handle, bytes })
     }
 
     pub(crate) fn bytes(&self) -> usize {

@@ -5,8 +5,10 @@
 //! decides.
 
 mod collectives;
+mod multicast;
 mod route;
 mod stage;
+mod team;
 mod window;
 
 use super::cpu::{self, CpuBackend};
@@ -37,6 +39,8 @@ pub(crate) struct DeviceBackend {
     /// ferrocomm's own collective kernels, where every rank is on this host.
     own: Option<collectives::OwnCollectives>,
     policy: Policy,
+    /// Every rank has a GPU of its own that supports multicast: windows bind a multicast object.
+    multicast: bool,
     timeout: std::time::Duration,
 }
 
@@ -50,7 +54,11 @@ pub(crate) fn create(init: &BackendInit) -> Result<Box<dyn Backend>> {
     crate::cuda::context(ordinal)?;
     crate::device::library(ordinal)?;
     let abort_flag = Arc::new(Pinned::zeroed(1)?);
-    let nccl = join_nccl(init, ordinal)?;
+    let team = team::agree(init, ordinal)?;
+    let nccl = join_nccl(init, &team)?;
+    if let Err(why) = &team.multicast {
+        tracing::debug!(reason = %why, "device windows without multicast objects");
+    }
     let policy = Policy::new(nccl.is_some(), |k| std::env::var(k).ok())?;
     let mut backend = DeviceBackend {
         nccl,
@@ -64,6 +72,7 @@ pub(crate) fn create(init: &BackendInit) -> Result<Box<dyn Backend>> {
         store: init.store.clone(),
         transport: init.options.transport.clone(),
         abort_flag,
+        multicast: team.multicast.is_ok(),
     };
     backend.own = match collectives::OwnCollectives::create(&backend, init.options.timeout) {
         Ok(own) => Some(own),
@@ -76,53 +85,15 @@ pub(crate) fn create(init: &BackendInit) -> Result<Box<dyn Backend>> {
     Ok(Box::new(backend))
 }
 
-/// NCCL joins only if every rank can load it and no two ranks share a GPU (NCCL refuses
-/// that); the ranks agree through the store first, so that nobody waits in an NCCL init that a
-/// peer never enters. Without NCCL the backend works on, by its own path.
-fn join_nccl(init: &BackendInit, ordinal: usize) -> Result<Option<NcclBackend>> {
-    let mine: std::result::Result<String, String> = match std::env::var("FERROCOMM_NCCL").as_deref() {
-        Ok("0") => Err("disabled by FERROCOMM_NCCL=0".into()),
-        _ => super::nccl::library::nccl()
-            .map_err(|e| e.to_string())
-            .and_then(|_| gpu_identity(ordinal)),
-    };
-    let value = match &mine {
-        Ok(id) => format!("1{id}"),
-        Err(why) => format!("0{why}"),
-    };
-    let all = crate::bootstrap::all_gather(
-        &*init.store,
-        "device/nccl",
-        init.rank,
-        init.size,
-        value.as_bytes(),
-        init.options.timeout,
-    )?;
-    let mut gpus = std::collections::HashSet::new();
-    let mut reason = None;
-    for (r, v) in all.iter().enumerate() {
-        let v = String::from_utf8_lossy(v);
-        match v.split_at_checked(1) {
-            Some(("1", id)) if gpus.insert(id.to_owned()) => {}
-            Some(("1", _)) => reason = reason.or(Some(format!("rank {r} shares a GPU with another rank"))),
-            Some((_, why)) => reason = reason.or(Some(format!("rank {r}: {why}"))),
-            None => reason = reason.or(Some(format!("rank {r} published nothing"))),
-        }
-    }
-    if let Some(why) = reason {
+/// NCCL joins where the team agreed it can; without it the backend works on, by its own path.
+fn join_nccl(init: &BackendInit, team: &team::Team) -> Result<Option<NcclBackend>> {
+    if let Err(why) = &team.nccl {
         tracing::debug!(reason = %why, "device backend without NCCL: collectives on device buffers use its own path");
         return Ok(None);
     }
     let scoped: Arc<dyn Store> = Arc::new(PrefixStore::new("nccl", init.store.clone()));
     let nccl_init = BackendInit { store: scoped, ..*init };
     NcclBackend::create(&nccl_init, false).map(Some)
-}
-
-/// The GPU's UUID (ordinals differ between processes with different CUDA_VISIBLE_DEVICES).
-fn gpu_identity(ordinal: usize) -> std::result::Result<String, String> {
-    let ctx = crate::cuda::context(ordinal).map_err(|e| e.to_string())?;
-    let uuid = ctx.uuid().map_err(crate::cuda::describe)?;
-    Ok(uuid.bytes.iter().map(|b| format!("{:02x}", *b as u8)).collect())
 }
 
 impl Backend for DeviceBackend {

@@ -11,8 +11,8 @@ use crate::bootstrap::PrefixStore;
 use crate::cuda;
 use crate::device::abi::{self, DeviceStatus, WindowHandle};
 use crate::error::{Error, Result};
-use crate::memory::symmetric::memset_zero;
-use crate::memory::{Physical, Pinned, SymmetricMap};
+use crate::memory::symmetric::{granularity, memset_zero};
+use crate::memory::{multicast, MulticastMap, Physical, Pinned, SymmetricMap};
 use crate::transport::fd_passing::{fetch_fds, FdServer};
 use crate::transport::host_identity;
 use crate::window::{Cmp, Observed, SignalOp, SignalSource, WindowBackend, WindowSpec};
@@ -35,8 +35,9 @@ struct SegmentInfo {
     socket: String,
 }
 
-/// Segments of this process's ranks by handle value, so in-process peers map the same memory.
-fn local_segments() -> &'static Mutex<HashMap<u64, Weak<Physical>>> {
+/// Segments and multicast objects of this process's ranks by handle value, so in-process peers
+/// map the same memory.
+pub(super) fn local_handles() -> &'static Mutex<HashMap<u64, Weak<Physical>>> {
     static M: OnceLock<Mutex<HashMap<u64, Weak<Physical>>>> = OnceLock::new();
     M.get_or_init(Default::default)
 }
@@ -45,6 +46,18 @@ const ALIGN: usize = 256;
 
 fn align_up(x: usize, a: usize) -> usize {
     x.div_ceil(a) * a
+}
+
+/// The least common multiple of two granularities (1 if the driver reported 0).
+fn lcm(a: usize, b: usize) -> usize {
+    let (a, b) = (a.max(1), b.max(1));
+    let gcd = |mut x: usize, mut y: usize| {
+        while y != 0 {
+            (x, y) = (y, x % y);
+        }
+        x
+    };
+    a / gcd(a, b) * b
 }
 
 /// The library kernels a window calls.
@@ -57,6 +70,8 @@ struct Kernels {
 
 pub(crate) struct DeviceWindow {
     rank: usize,
+    /// The handle carries its address; kept until drop, before `map` (unbound first).
+    _multicast: Option<MulticastMap>,
     map: SymmetricMap,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
@@ -99,19 +114,36 @@ impl DeviceWindow {
         // Segment layout (abi.h): data, signal pad [id][source], barrier slots [source], epoch.
         let signal_offset = align_up(spec.bytes, ALIGN);
         let barrier_offset = align_up(signal_offset + spec.signals * size * 8, ALIGN);
-        let segment_bytes = barrier_offset + (size + 1) * 8;
+        let mut segment_bytes = barrier_offset + (size + 1) * 8;
+        // With multicast, segments are whole multicast units (the driver binds no less).
+        let multicast_unit = if b.multicast {
+            let g = multicast::granularity(size, segment_bytes)?;
+            segment_bytes = segment_bytes.next_multiple_of(lcm(g, granularity(b.ordinal)?));
+            Some(g)
+        } else {
+            None
+        };
         let own = Physical::create(b.ordinal, segment_bytes)?;
         let own_handle = own.raw_handle();
-        local_segments()
+        local_handles()
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(own_handle, Arc::downgrade(&own));
-        let segments = Self::exchange(b, spec, &own);
-        local_segments()
+        let exchanged = Self::exchange(b, spec, &own);
+        local_handles()
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .retain(|_, w| w.strong_count() > 0);
-        let map = SymmetricMap::new(b.ordinal, segments?)?;
+        let (segments, pids) = exchanged?;
+        let map = SymmetricMap::new(b.ordinal, segments)?;
+        let multicast = match multicast_unit {
+            Some(g) => super::multicast::join(b, spec.id, &own, &pids, g, spec.timeout)?,
+            None => None,
+        };
+        local_handles()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|_, w| w.strong_count() > 0);
 
         // Fresh pads and barrier slots read zero on every rank before anyone signals.
         memset_zero(map.addr(rank, 0), map.stride(), stream.cu_stream())?;
@@ -126,7 +158,7 @@ impl DeviceWindow {
             data_bytes: spec.bytes as u64,
             signal_offset: signal_offset as u64,
             barrier_offset: barrier_offset as u64,
-            multicast: 0,
+            multicast: multicast.as_ref().map_or(0, MulticastMap::addr),
             status: status.device_addr(),
             abort_flag: b.abort_flag.device_addr(),
             fifo: 0,
@@ -138,6 +170,7 @@ impl DeviceWindow {
         };
         Ok(DeviceWindow {
             rank,
+            _multicast: multicast,
             map,
             ctx,
             stream,
@@ -151,8 +184,8 @@ impl DeviceWindow {
         })
     }
 
-    /// Publishes our segment and collects every rank's, in rank order.
-    fn exchange(b: &DeviceBackend, spec: &WindowSpec, own: &Arc<Physical>) -> Result<Vec<Arc<Physical>>> {
+    /// Publishes our segment and collects every rank's, in rank order, with each rank's process.
+    fn exchange(b: &DeviceBackend, spec: &WindowSpec, own: &Arc<Physical>) -> Result<(Vec<Arc<Physical>>, Vec<u32>)> {
         let store = PrefixStore::new(format!("dwindow{}", spec.id), b.store.clone());
         let server = FdServer::bind()?;
         let me = SegmentInfo {
@@ -199,7 +232,7 @@ impl DeviceWindow {
                     if r == b.rank {
                         Ok(own.clone())
                     } else if info.pid == me.pid {
-                        local_segments()
+                        local_handles()
                             .lock()
                             .unwrap_or_else(|p| p.into_inner())
                             .get(&info.handle)
@@ -221,7 +254,7 @@ impl DeviceWindow {
             });
             let segments = segments?;
             served?;
-            Ok(segments)
+            Ok((segments, infos.iter().map(|i| i.pid).collect()))
         })
     }
 

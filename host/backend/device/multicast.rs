@@ -1,0 +1,159 @@
+//! A window's multicast object (where the team agreed it can have one, team.rs): rank 0
+//! creates it; every rank imports it (in rank 0's process the handle itself, elsewhere a
+//! descriptor over a Unix socket), adds its GPU, then binds its segment and maps the object.
+//! Multicast only speeds things up, so a failure anywhere leaves every rank without it and
+//! the window works on by unicast; the ranks agree on each step's outcome through the store,
+//! so none blocks in a bind that waits for a GPU its peer never added.
+
+use super::window::local_handles;
+use super::DeviceBackend;
+use crate::bootstrap::{PrefixStore, Store};
+use crate::error::{Error, Result};
+use crate::memory::{multicast, MulticastMap, Physical};
+use crate::transport::fd_passing::{fetch_fds, FdServer};
+use serde::{Deserialize, Serialize};
+use std::os::fd::AsRawFd;
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+type Outcome = std::result::Result<(), String>;
+
+/// Where rank 0's multicast object can be found, or why there is none.
+#[derive(Serialize, Deserialize)]
+struct Published {
+    object: std::result::Result<Object, String>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct Object {
+    pid: u32,
+    /// The handle's value, meaningful inside `pid` only.
+    handle: u64,
+    bytes: usize,
+    socket: String,
+}
+
+/// Binds `own` into a multicast object shared by the window's ranks (`pids[r]`: rank r's
+/// process) and maps it; `None` when some rank could not (logged at debug level). `g` is the
+/// multicast granularity `own`'s size is a multiple of.
+pub(super) fn join(
+    b: &DeviceBackend,
+    window_id: u64,
+    own: &Arc<Physical>,
+    pids: &[u32],
+    g: usize,
+    timeout: Duration,
+) -> Result<Option<MulticastMap>> {
+    let store = PrefixStore::new(format!("dwindow{window_id}/multicast"), b.store.clone());
+    let deadline = Instant::now() + timeout;
+    let me = std::process::id();
+    let mc = if b.rank == 0 {
+        create(&store, b.size, own, pids, deadline)?
+    } else {
+        let raw = store.get("object", timeout)?;
+        let record: Published =
+            bincode::deserialize(&raw).map_err(|e| Error::protocol("new_window", format!("multicast record: {e}")))?;
+        match record.object {
+            Ok(object) => import(&object, me, deadline).ok(),
+            Err(why) => {
+                tracing::debug!(reason = %why, "window without multicast: rank 0 could not create it");
+                return Ok(None);
+            }
+        }
+    };
+    let added: Outcome = match &mc {
+        Some(mc) => multicast::add_device(mc, b.ordinal).map_err(|e| e.to_string()),
+        None => Err("the multicast object could not be imported".into()),
+    };
+    if let Err(why) = agree(&store, "added", b, added, timeout)? {
+        tracing::debug!(reason = %why, "window without multicast");
+        return Ok(None);
+    }
+    let mc = mc.expect("added implies imported");
+    let map = MulticastMap::new(b.ordinal, mc, own.clone(), g);
+    let bound = map.as_ref().map(drop).map_err(|e| e.to_string());
+    if let Err(why) = agree(&store, "bound", b, bound, timeout)? {
+        tracing::debug!(reason = %why, "window without multicast");
+        return Ok(None);
+    }
+    Ok(map.ok())
+}
+
+/// Rank 0 makes the object and publishes where to find it (or why there is none), then
+/// hands its descriptor to the ranks of other processes.
+fn create(
+    store: &dyn Store,
+    devices: usize,
+    own: &Physical,
+    pids: &[u32],
+    deadline: Instant,
+) -> Result<Option<Arc<Physical>>> {
+    let me = std::process::id();
+    let server = FdServer::bind()?;
+    let clients = pids.iter().filter(|&&p| p != me).count();
+    let made = multicast::create(devices, own.bytes()).and_then(|mc| {
+        let fd = if clients > 0 { Some(mc.export()?) } else { None };
+        Ok((mc, fd))
+    });
+    let object = match &made {
+        Ok((mc, _)) => {
+            local_handles()
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(mc.raw_handle(), Arc::downgrade(mc));
+            Ok(Object {
+                pid: me,
+                handle: mc.raw_handle(),
+                bytes: mc.bytes(),
+                socket: server.path().to_string_lossy().into_owned(),
+            })
+        }
+        Err(e) => Err(e.to_string()),
+    };
+    store.set("object", &encode(&Published { object })?)?;
+    let Ok((mc, fd)) = made else { return Ok(None) };
+    if let Some(fd) = fd {
+        // A client that never fetches reports so in the next agreement (or is gone, which
+        // that agreement's timeout reports): here it only ends the serving.
+        if let Err(e) = server.serve(&[fd.as_raw_fd()], clients, deadline) {
+            tracing::debug!("handing out a multicast object: {e}");
+        }
+    }
+    Ok(Some(mc))
+}
+
+/// Rank 0's object in this process: the same handle (kept alive by rank 0 until everyone
+/// agreed it was added); in another process: its descriptor.
+fn import(object: &Object, me: u32, deadline: Instant) -> Result<Arc<Physical>> {
+    if object.pid == me {
+        return local_handles()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&object.handle)
+            .and_then(Weak::upgrade)
+            .ok_or_else(|| Error::PeerLost {
+                op: "new_window",
+                peer: 0,
+                reason: "its multicast object was released before we imported it".into(),
+            });
+    }
+    let fds = fetch_fds(std::path::Path::new(&object.socket), 1, deadline)?;
+    Physical::import(&fds[0], object.bytes)
+}
+
+/// Every rank's outcome of one step: Ok when all succeeded, else the first rank's reason.
+fn agree(store: &dyn Store, step: &str, b: &DeviceBackend, mine: Outcome, timeout: Duration) -> Result<Outcome> {
+    let all = crate::bootstrap::all_gather(store, step, b.rank, b.size, &encode(&mine)?, timeout)?;
+    for (r, raw) in all.iter().enumerate() {
+        let outcome: Outcome = bincode::deserialize(raw)
+            .map_err(|e| Error::protocol("new_window", format!("rank {r}'s multicast {step} record: {e}")))?;
+        if let Err(why) = outcome {
+            return Ok(Err(format!("rank {r}: {why}")));
+        }
+    }
+    Ok(Ok(()))
+}
+
+fn encode<T: Serialize>(v: &T) -> Result<Vec<u8>> {
+    bincode::serialize(v).map_err(|e| Error::protocol("new_window", e.to_string()))
+}

@@ -1,0 +1,130 @@
+//! What the ranks of a device communicator agree on about their GPUs when it is made: whether
+//! NCCL joins (every rank loads it and has a GPU of its own: NCCL refuses shared GPUs) and
+//! whether windows get a multicast object (every rank's GPU supports multicast and is its
+//! own: a multicast object binds one segment per device). Each rank publishes what it knows
+//! through the store and derives the answer from the same table as every other rank, so no
+//! rank waits in an NCCL init or a multicast bind that a peer skips.
+
+use super::super::BackendInit;
+use crate::error::{Error, Result};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+
+#[derive(Serialize, Deserialize)]
+struct Record {
+    /// The GPU's UUID (ordinals differ between processes with different CUDA_VISIBLE_DEVICES),
+    /// or why it could not be read.
+    gpu: std::result::Result<String, String>,
+    nccl: std::result::Result<(), String>,
+    multicast: std::result::Result<(), String>,
+}
+
+/// The team's answers; an `Err` says why not (for the debug log).
+pub(crate) struct Team {
+    pub(crate) nccl: std::result::Result<(), String>,
+    pub(crate) multicast: std::result::Result<(), String>,
+}
+
+pub(crate) fn agree(init: &BackendInit, ordinal: usize) -> Result<Team> {
+    let mine = Record {
+        gpu: gpu_identity(ordinal),
+        nccl: match std::env::var("FERROCOMM_NCCL").as_deref() {
+            Ok("0") => Err("disabled by FERROCOMM_NCCL=0".into()),
+            _ => super::super::nccl::library::nccl().map(drop).map_err(|e| e.to_string()),
+        },
+        multicast: match std::env::var("FERROCOMM_MULTICAST").as_deref() {
+            Ok("0") => Err("disabled by FERROCOMM_MULTICAST=0".into()),
+            _ => match crate::memory::multicast_supported(ordinal) {
+                Ok(true) => Ok(()),
+                Ok(false) => Err(format!("GPU {ordinal} does not support multicast objects")),
+                Err(e) => Err(e.to_string()),
+            },
+        },
+    };
+    let encoded = bincode::serialize(&mine).map_err(|e| Error::protocol("device team", e.to_string()))?;
+    let all = crate::bootstrap::all_gather(
+        &*init.store,
+        "device/team",
+        init.rank,
+        init.size,
+        &encoded,
+        init.options.timeout,
+    )?;
+    let records = all
+        .iter()
+        .enumerate()
+        .map(|(r, raw)| {
+            bincode::deserialize::<Record>(raw)
+                .map_err(|e| Error::protocol("device team", format!("rank {r}'s record: {e}")))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(decide(&records))
+}
+
+fn decide(records: &[Record]) -> Team {
+    let own_gpus = own_gpus(records);
+    let every = |what: &str, pick: fn(&Record) -> &std::result::Result<(), String>| {
+        own_gpus.clone()?;
+        records.iter().enumerate().try_for_each(|(r, rec)| {
+            pick(rec)
+                .clone()
+                .map_err(|why| format!("rank {r} has no {what}: {why}"))
+        })
+    };
+    Team {
+        nccl: every("NCCL", |r| &r.nccl),
+        multicast: every("multicast", |r| &r.multicast),
+    }
+}
+
+/// Ok when every rank named its GPU and no two ranks share one.
+fn own_gpus(records: &[Record]) -> std::result::Result<(), String> {
+    let mut seen = HashMap::new();
+    for (r, rec) in records.iter().enumerate() {
+        let id = rec.gpu.as_ref().map_err(|why| format!("rank {r}: {why}"))?;
+        if let Some(q) = seen.insert(id.clone(), r) {
+            return Err(format!("ranks {q} and {r} share a GPU"));
+        }
+    }
+    Ok(())
+}
+
+fn gpu_identity(ordinal: usize) -> std::result::Result<String, String> {
+    let ctx = crate::cuda::context(ordinal).map_err(|e| e.to_string())?;
+    let uuid = ctx.uuid().map_err(crate::cuda::describe)?;
+    Ok(uuid.bytes.iter().map(|b| format!("{:02x}", *b as u8)).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(gpu: &str, nccl: bool, multicast: bool) -> Record {
+        let yes_or = |ok: bool, why: &str| if ok { Ok(()) } else { Err(why.to_string()) };
+        Record {
+            gpu: Ok(gpu.into()),
+            nccl: yes_or(nccl, "no libnccl"),
+            multicast: yes_or(multicast, "unsupported"),
+        }
+    }
+
+    #[test]
+    fn every_rank_needs_its_own_gpu_and_the_feature() {
+        let t = decide(&[rec("a", true, true), rec("b", true, true)]);
+        assert!(t.nccl.is_ok() && t.multicast.is_ok());
+
+        let t = decide(&[rec("a", true, true), rec("a", true, true)]);
+        assert_eq!(t.nccl.unwrap_err(), "ranks 0 and 1 share a GPU");
+        assert!(t.multicast.is_err());
+
+        let t = decide(&[rec("a", true, true), rec("b", false, true), rec("c", true, false)]);
+        assert_eq!(t.nccl.unwrap_err(), "rank 1 has no NCCL: no libnccl");
+        assert_eq!(t.multicast.unwrap_err(), "rank 2 has no multicast: unsupported");
+
+        let mut lost = rec("a", true, true);
+        lost.gpu = Err("no context".into());
+        assert_eq!(decide(&[lost]).multicast.unwrap_err(), "rank 0: no context");
+        // One rank on its own GPU is a team (multicast over one device is allowed).
+        assert!(decide(&[rec("a", true, true)]).multicast.is_ok());
+    }
+}
