@@ -68,6 +68,26 @@ fn ptx_names_every_kernel_and_uses_system_scope_orderings() {
     assert!(!ptx.contains("trap;"), "device code must never trap");
 }
 
+/// For sm_90 the multicast verbs are real instructions, with the alias fence around them.
+#[test]
+fn multimem_verbs_compile_for_sm_90() {
+    if !nvrtc_or_skip() {
+        return;
+    }
+    let opts = CompileOptions {
+        arch: Some("compute_90".into()),
+        ..Default::default()
+    };
+    let ptx = String::from_utf8(compile_image(TEST_KERNELS, &opts).unwrap()).unwrap();
+    for insn in [
+        "multimem.st.relaxed.sys.global.v4.f32",
+        "multimem.ld_reduce.relaxed.sys.global.add.v4.f32",
+        "fence.proxy.alias",
+    ] {
+        assert!(ptx.contains(insn), "{insn} missing from the sm_90 PTX");
+    }
+}
+
 #[test]
 fn a_compile_error_carries_nvrtcs_log() {
     if !nvrtc_or_skip() {
@@ -120,6 +140,16 @@ fn the_library_kernels_compile_with_nvrtc_as_the_fallback_does() {
             wanted.push(format!("ferrocomm_reducescatter_oneshot_{d}_{op}"));
         }
     }
+    // The pairs the switch reduces (kernels/multimem.cu).
+    for s in [
+        "f32_sum", "f32_avg", "f16_sum", "f16_min", "f16_max", "bf16_sum", "bf16_min", "bf16_max",
+    ] {
+        wanted.push(format!("ferrocomm_allreduce_multimem_{s}"));
+    }
+    assert!(
+        ptx.contains("multimem.ld_reduce"),
+        "the multimem kernels use the switch's load-reduce"
+    );
     for k in wanted {
         assert!(ptx.contains(&format!(".entry {k}(")), "kernel {k} missing from the PTX");
     }

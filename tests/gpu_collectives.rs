@@ -39,6 +39,19 @@ fn view<T: Element>(mem: &mut CudaSlice<u8>, s: &Arc<CudaStream>) -> DeviceSlice
 /// each result is checked against the host reduction of the inputs, and all ranks must agree
 /// bit for bit. Returns rank 0's results.
 fn sweep<T: TestElem + Clone>(world: usize, seed: u64, sizes: &[usize], algorithm: Option<&str>) -> Vec<Vec<u8>> {
+    sweep_ops::<T>(world, seed, sizes, algorithm, &ALL_OPS)
+}
+
+const ALL_OPS: [ReduceOp; 4] = [ReduceOp::Sum, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg];
+
+/// `sweep` over the reduce ops `ops` only.
+fn sweep_ops<T: TestElem + Clone>(
+    world: usize,
+    seed: u64,
+    sizes: &[usize],
+    algorithm: Option<&str>,
+    ops: &[ReduceOp],
+) -> Vec<Vec<u8>> {
     let comms = Comm::new_group(
         "device",
         &vec![Device::Cuda(0); world],
@@ -56,7 +69,7 @@ fn sweep<T: TestElem + Clone>(world: usize, seed: u64, sizes: &[usize], algorith
                     let opts = algorithm.map_or(OpOptions::new(), |a| OpOptions::new().hint("algorithm", a));
                     let mut out = Vec::new();
                     for (k, &n) in sizes.iter().enumerate() {
-                        for &op in &[ReduceOp::Sum, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg] {
+                        for &op in ops {
                             let x: Vec<T> = random_vec(&mut rng(seed ^ k as u64, c.rank() as u64), n, Some(op));
                             let mut mem = s.clone_htod(bytes_of(&x)).unwrap();
                             c.with_options(opts.clone())
@@ -76,7 +89,7 @@ fn sweep<T: TestElem + Clone>(world: usize, seed: u64, sizes: &[usize], algorith
     });
     let mut i = 0;
     for (k, &n) in sizes.iter().enumerate() {
-        for &op in &[ReduceOp::Sum, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg] {
+        for &op in ops {
             for r in 1..world {
                 assert_eq!(results[r][i], results[0][i], "rank {r} differs from rank 0: n={n} {op}");
             }
@@ -439,4 +452,62 @@ fn gpu_mismatched_all_to_all_v_is_reported_by_the_receiver() {
         Some(Error::Mismatch { peer: 0, detail, .. }) => assert!(detail.contains("40 bytes"), "{detail}"),
         other => panic!("rank 1 should report rank 0's mismatched part, got {other:?}"),
     }
+}
+
+/// The multimem all_reduce (kernels/multimem.cu) where GPU 0 supports multicast: one rank is
+/// the only team one GPU can form, so the switch reduces over one segment, which still runs
+/// the whole kernel (copy in, load-reduce and store through the multicast address, copy out)
+/// against the host reference. Ranks sharing the GPU have no multicast object: the hint is
+/// refused with a clear error, and so is a pair the switch does not reduce.
+#[test]
+fn gpu_multimem_all_reduce_where_multicast_exists() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let comms = Comm::new_group(
+        "device",
+        &[Device::Cuda(0); 2],
+        "multimem-shared",
+        options(Duration::from_secs(30)),
+    )
+    .unwrap();
+    std::thread::scope(|sc| {
+        for c in &comms {
+            sc.spawn(move || {
+                let s = CudaContext::new(0).unwrap().new_stream().unwrap();
+                let _current = device::use_stream(&s);
+                let mut mem = s.alloc_zeros::<u8>(64).unwrap();
+                let err = c
+                    .with_options(OpOptions::new().hint("algorithm", "multimem"))
+                    .all_reduce(view::<f32>(&mut mem, &s), ReduceOp::Sum)
+                    .unwrap_err();
+                assert!(matches!(err, Error::InvalidArgument { .. }), "{err}");
+                assert!(err.to_string().contains("multicast"), "{err}");
+            });
+        }
+    });
+    if !device::multicast_supported(0).unwrap() {
+        eprintln!("SKIPPED (in part): GPU 0 does not support multicast objects (needs sm_90+ behind NVSwitch)");
+        return;
+    }
+    let seed = fresh_seed();
+    let multimem = Some("multimem");
+    sweep_ops::<f32>(1, seed, SIZES, multimem, &[ReduceOp::Sum, ReduceOp::Avg]);
+    sweep_ops::<f16>(1, seed, SIZES, multimem, &[ReduceOp::Sum, ReduceOp::Min, ReduceOp::Max]);
+    sweep_ops::<bf16>(1, seed, SIZES, multimem, &[ReduceOp::Sum, ReduceOp::Min, ReduceOp::Max]);
+    let comms = Comm::new_group(
+        "device",
+        &[Device::Cuda(0)],
+        "multimem-refused",
+        options(Duration::from_secs(30)),
+    )
+    .unwrap();
+    let s = CudaContext::new(0).unwrap().new_stream().unwrap();
+    let _current = device::use_stream(&s);
+    let mut mem = s.alloc_zeros::<u8>(64).unwrap();
+    let err = comms[0]
+        .with_options(OpOptions::new().hint("algorithm", "multimem"))
+        .all_reduce(view::<f32>(&mut mem, &s), ReduceOp::Min)
+        .unwrap_err();
+    assert!(err.to_string().contains("does not reduce"), "{err}");
 }

@@ -323,3 +323,47 @@ fn without_a_gpu_the_device_backend_is_unavailable() {
     let err = Comm::new_group("device", &[Device::Cpu], "cpu-dev", options(Duration::from_secs(5))).unwrap_err();
     assert!(err.to_string().contains("CUDA"), "{err}");
 }
+
+/// Multicast objects: where GPU 0 supports them, a window of one rank (a team of one GPU) gets
+/// a multicast address, and a kernel's multicast stores land in the segment and load-reduce
+/// back unchanged; ranks sharing the GPU never get one (a multicast object binds one segment
+/// per device), and their windows work on without it.
+#[test]
+fn gpu_multicast_window_when_the_gpu_supports_it() {
+    if !gpu_or_skip() {
+        return;
+    }
+    on_gpu_group(2, "gpu-multicast-shared", Duration::from_secs(30), |c| {
+        let w = c.new_window(c.size() * 4096).unwrap();
+        assert_eq!(
+            w.device_handle().unwrap().multicast,
+            0,
+            "two ranks on one GPU got a multicast object"
+        );
+        common::window_suite::run_on(c, &w, fresh_seed());
+    });
+    if !device::multicast_supported(0).unwrap() {
+        eprintln!("SKIPPED (in part): GPU 0 does not support multicast objects (needs sm_90+ behind NVSwitch)");
+        return;
+    }
+    let seed = fresh_seed() as u32;
+    on_gpu_group(1, "gpu-multicast-one", Duration::from_secs(30), |c| {
+        let groups = 70_000u64; // 1.1 MB of 16-byte groups
+        let w = c.new_window(groups as usize * 16).unwrap();
+        let h = w.device_handle().unwrap();
+        assert_ne!(
+            h.multicast, 0,
+            "the GPU supports multicast but the window has no address"
+        );
+        let stream = w.stream().unwrap();
+        let wrong = stream.alloc_zeros::<u64>(1).unwrap();
+        launch!(stream, "multicast_roundtrip", 64, 256, &h, &groups, &seed, &wrong);
+        w.synchronize().unwrap();
+        assert_eq!(
+            stream.clone_dtoh(&wrong).unwrap()[0],
+            0,
+            "groups read back wrong (bit 32+: did not run)"
+        );
+        common::window_suite::run_on(c, &w, seed as u64);
+    });
+}

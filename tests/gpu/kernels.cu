@@ -96,3 +96,38 @@ extern "C" __global__ void wait_any_warp(ferrocomm_window_handle h, u32 id, u64 
     out[2] = o.value;
   }
 }
+
+// Multicast (in the tests, a team of one GPU): each thread stores 16-byte groups of small
+// floats through the window's multicast address, then reads each back through its own
+// segment's address and load-reduces it (one segment: the sum is the value itself). Counts
+// wrong groups in `wrong`; bit 32 and up say the kernel could not run at all (no multicast
+// address, or no multimem instructions for this target).
+extern "C" __global__ void multicast_roundtrip(ferrocomm_window_handle h, u64 groups, u32 seed,
+                                               unsigned long long* wrong) {
+#if FERROCOMM_HAS_MULTIMEM
+  Window w(h);
+  unsigned char* mc = multicast_ptr<unsigned char>(w, 0);
+  if (mc == nullptr) {
+    if (threadIdx.x == 0) atomicAdd(wrong, 1ull << 32);
+    return;
+  }
+  const u64 stride = static_cast<u64>(gridDim.x) * blockDim.x;
+  auto value = [&](u64 g) {
+    const u32 base = (static_cast<u32>(g) * 2654435761u) ^ seed;
+    return make_uint4(__float_as_uint(static_cast<float>(base & 1023u)), __float_as_uint(static_cast<float>((base >> 10) & 1023u)),
+                      __float_as_uint(static_cast<float>((base >> 20) & 1023u)), __float_as_uint(0.5f));
+  };
+  for (u64 g = blockIdx.x * blockDim.x + threadIdx.x; g < groups; g += stride) multimem_store(mc + g * 16, value(g));
+  multimem_fence();
+  for (u64 g = blockIdx.x * blockDim.x + threadIdx.x; g < groups; g += stride) {
+    const uint4 want = value(g);
+    const uint4 plain = w.local_ptr<const uint4>(0)[g];
+    const uint4 reduced = multimem_sum_f32x4(mc + g * 16);
+    const bool same = plain.x == want.x && plain.y == want.y && plain.z == want.z && plain.w == want.w &&
+                      reduced.x == want.x && reduced.y == want.y && reduced.z == want.z && reduced.w == want.w;
+    if (!same) atomicAdd(wrong, 1ull);
+  }
+#else
+  if (threadIdx.x == 0) atomicAdd(wrong, 2ull << 32);
+#endif
+}

@@ -1,5 +1,6 @@
 //! The device backend's own collective kernels on device buffers: one- and two-shot
-//! all_reduce (kernels/oneshot.cu, twoshot.cu), one-shot all_gather and reduce_scatter, and
+//! all_reduce (kernels/oneshot.cu, twoshot.cu), multimem all_reduce where the window has a
+//! multicast object (kernels/multimem.cu), one-shot all_gather and reduce_scatter, and
 //! all_to_all with any sizes (kernels/alltoall.cu).
 //!
 //! Every rank of a device communicator holds one window for them, made when the communicator
@@ -62,11 +63,14 @@ struct AllToAllArgs {
 const _: () = assert!(std::mem::size_of::<Parts>() == 8 * MAX_RANKS);
 const _: () = assert!(std::mem::size_of::<AllToAllArgs>() == 8 * (4 * MAX_RANKS + 2));
 
-/// The all_reduce algorithm (hint `algorithm` = `oneshot` / `twoshot`, else by size).
+/// The all_reduce algorithm (hint `algorithm` = `oneshot` / `twoshot` / `multimem`, else by
+/// size: multimem replaces two-shot where the window has a multicast object and the switch
+/// reduces the dtype and op).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum AllReduceAlgo {
     OneShot,
     TwoShot,
+    Multimem,
 }
 
 pub(crate) struct OwnCollectives {
@@ -75,6 +79,10 @@ pub(crate) struct OwnCollectives {
     /// Kernels per (dtype, reduce op) name suffix, e.g. `bf16_sum`.
     one_shot: HashMap<&'static str, CudaFunction>,
     two_shot: HashMap<&'static str, CudaFunction>,
+    /// Only the pairs of `multimem_suffix`.
+    multimem: HashMap<&'static str, CudaFunction>,
+    /// The window has a multicast object (the ranks agreed, so all or none have one).
+    multicast: bool,
     reduce_scatter: HashMap<&'static str, CudaFunction>,
     all_gather: CudaFunction,
     all_to_all: CudaFunction,
@@ -101,6 +109,16 @@ fn suffix(dtype: DType, op: ReduceOp) -> Option<&'static str> {
         (DType::BF16, ReduceOp::Avg) => "bf16_avg",
         _ => return None,
     })
+}
+
+/// The (dtype, op) pairs the switch reduces (kernels/multimem.cu): no f32 min / max in
+/// hardware, and 16-bit averages would round twice.
+fn multimem_suffix(dtype: DType, op: ReduceOp) -> Option<&'static str> {
+    match (dtype, op) {
+        (DType::F32, ReduceOp::Sum | ReduceOp::Avg)
+        | (DType::F16 | DType::BF16, ReduceOp::Sum | ReduceOp::Min | ReduceOp::Max) => suffix(dtype, op),
+        _ => None,
+    }
 }
 
 fn env_bytes(name: &str, default: usize) -> Result<usize> {
@@ -141,19 +159,26 @@ impl OwnCollectives {
                 .map_err(|e| cuda::err(&format!("cuModuleGetFunction({name})"), e))
         };
         let (mut one_shot, mut two_shot, mut reduce_scatter) = (HashMap::new(), HashMap::new(), HashMap::new());
+        let mut multimem = HashMap::new();
         for d in [DType::F32, DType::F16, DType::BF16] {
             for op in [ReduceOp::Sum, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg] {
                 let Some(s) = suffix(d, op) else { continue };
                 one_shot.insert(s, load(format!("ferrocomm_allreduce_oneshot_{s}"))?);
                 two_shot.insert(s, load(format!("ferrocomm_allreduce_twoshot_{s}"))?);
                 reduce_scatter.insert(s, load(format!("ferrocomm_reducescatter_oneshot_{s}"))?);
+                if multimem_suffix(d, op).is_some() {
+                    multimem.insert(s, load(format!("ferrocomm_allreduce_multimem_{s}"))?);
+                }
             }
         }
+        let multicast = window.device().is_some_and(|(h, _)| h.multicast != 0);
         Ok(OwnCollectives {
             window,
             counters,
             one_shot,
             two_shot,
+            multimem,
+            multicast,
             reduce_scatter,
             all_gather: load("ferrocomm_allgather_oneshot".into())?,
             all_to_all: load("ferrocomm_alltoall".into())?,
@@ -163,16 +188,41 @@ impl OwnCollectives {
         })
     }
 
-    fn all_reduce_algo(&self, bytes: usize, hints: &BTreeMap<String, String>) -> Result<AllReduceAlgo> {
+    /// The algorithm and its kernel name suffix for an all_reduce of `bytes` of `dtype`.
+    fn all_reduce_algo(
+        &self,
+        bytes: usize,
+        dtype: DType,
+        op: ReduceOp,
+        hints: &BTreeMap<String, String>,
+    ) -> Result<AllReduceAlgo> {
+        let switch_reduces = self.multicast && multimem_suffix(dtype, op).is_some();
         Ok(match hints.get("algorithm").map(String::as_str) {
             Some("oneshot") => AllReduceAlgo::OneShot,
             Some("twoshot") => AllReduceAlgo::TwoShot,
+            Some("multimem") if switch_reduces => AllReduceAlgo::Multimem,
+            Some("multimem") if !self.multicast => {
+                return Err(Error::invalid(
+                    "all_reduce",
+                    "hint algorithm=\"multimem\": this communicator's windows have no multicast object (that needs \
+                     every rank on a GPU of its own that supports multicast; FERROCOMM_LOG=debug says why not)",
+                ))
+            }
+            Some("multimem") => {
+                return Err(Error::invalid(
+                    "all_reduce",
+                    format!("hint algorithm=\"multimem\": the switch does not reduce {dtype:?} with {op}"),
+                ))
+            }
             Some(other) => {
                 return Err(Error::invalid(
                     "all_reduce",
-                    format!("hint algorithm={other:?}: the device backend has \"oneshot\" and \"twoshot\""),
+                    format!(
+                        "hint algorithm={other:?}: the device backend has \"oneshot\", \"twoshot\" and \"multimem\""
+                    ),
                 ))
             }
+            None if bytes >= self.two_shot_min && switch_reduces => AllReduceAlgo::Multimem,
             None if bytes >= self.two_shot_min => AllReduceAlgo::TwoShot,
             None => AllReduceAlgo::OneShot,
         })
@@ -187,9 +237,10 @@ impl OwnCollectives {
                 let (Some(d), Some(s)) = (buf.device_bytes(), suffix(buf.dtype(), *op)) else {
                     return Ok(None);
                 };
-                let kernels = match self.all_reduce_algo(d.len, hints)? {
+                let kernels = match self.all_reduce_algo(d.len, buf.dtype(), *op, hints)? {
                     AllReduceAlgo::OneShot => &self.one_shot,
                     AllReduceAlgo::TwoShot => &self.two_shot,
+                    AllReduceAlgo::Multimem => &self.multimem,
                 };
                 // Shares are whole 16-byte groups of the message: only the pointers need alignment.
                 let vectors = d.ptr % 16 == 0;

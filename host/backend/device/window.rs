@@ -309,6 +309,11 @@ impl DeviceWindow {
                     format!("it sent {} bytes where this rank expected {}", s.observed, s.expected)
                 },
             },
+            // kernels/multimem.cu on a window without a multicast address (the host plans
+            // never launch it there; a user kernel might).
+            abi::STATUS_INVALID if s.op == abi::OP_COLLECTIVE => {
+                Error::invalid(op, "a multimem kernel ran on a window without a multicast object")
+            }
             abi::STATUS_INVALID => Error::invalid(
                 op,
                 format!(
