@@ -2,7 +2,7 @@
 //! serve ranks that share a GPU, so these calls take the own kernels: one- and two-shot
 //! all_reduce and reduce_scatter for f32 / f16 / bf16 × sum / min / max / avg, all_gather and
 //! all_to_all (equal and v form, chunked through slots), × world sizes 2, 3, 4, 8 × sizes from
-//! one element to the window's 1 MiB, against a host reference; every rank's all_reduce result
+//! one element to 64 MiB (above the window's 1 MiB, in chunks), against a host reference; every rank's all_reduce result
 //! bitwise equal, and equal between the two algorithms; a mismatched all_to_all_v is reported;
 //! graph capture and replays with fresh inputs. Skips with a reason without a GPU; FERROCOMM_REQUIRE_GPU=1 turns a skip into
 //! a failure.
@@ -160,8 +160,8 @@ fn gpu_all_reduce_by_size_mixes_grids_and_algorithms() {
     }
 }
 
-/// The largest message the window holds (1 MiB of f32), and one more element, which the
-/// device backend must still get right (by NCCL or its staged path).
+/// The largest message the window holds in one launch (1 MiB of f32), and one more element,
+/// which takes a second launch.
 #[test]
 fn gpu_one_shot_all_reduce_at_and_past_the_window_size() {
     if !gpu_or_skip() {
@@ -510,4 +510,32 @@ fn gpu_multimem_all_reduce_where_multicast_exists() {
         .all_reduce(view::<f32>(&mut mem, &s), ReduceOp::Min)
         .unwrap_err();
     assert!(err.to_string().contains("does not reduce"), "{err}");
+}
+
+/// Messages above the collective window's 1 MiB region run as consecutive launches over
+/// chunks: all_reduce by size (two-shot) and one-shot up to 64 MiB of f32, bf16 sums, all
+/// checked against the host reference and equal on every rank.
+#[test]
+fn gpu_all_reduce_above_the_window_runs_in_chunks() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let seed = fresh_seed();
+    let sizes = [262_145, 1_000_003, 16 << 20];
+    for world in [2, 4] {
+        sweep_ops::<f32>(world, seed, &sizes, None, &[ReduceOp::Sum, ReduceOp::Max]);
+        sweep_ops::<bf16>(world, seed, &sizes[..2], Some("oneshot"), &[ReduceOp::Sum]);
+    }
+}
+
+/// all_gather and reduce_scatter parts above what one launch takes (1 MiB, and 1 MiB / world
+/// for reduce_scatter's blocks) run in chunks too; all_to_all of the same sizes alongside.
+#[test]
+fn gpu_all_gather_and_reduce_scatter_above_the_window_run_in_chunks() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let seed = fresh_seed();
+    gather_and_scatter::<f32>(3, seed, &[300_001, 1 << 20]);
+    gather_and_scatter::<bf16>(2, seed, &[700_000]);
 }

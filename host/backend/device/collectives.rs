@@ -6,7 +6,10 @@
 //! Every rank of a device communicator holds one window for them, made when the communicator
 //! is (so nothing is allocated during a CUDA graph capture): a region for the one- and
 //! two-shot kernels and one for all_to_all's slots, plus per-block counters in device memory
-//! that the kernels advance themselves. A call is enqueued on the issuing stream and returns;
+//! that the kernels advance themselves. A message larger than the first region (1 MiB per rank
+//! unless FERROCOMM_DEVICE_ONESHOT_MAX says otherwise) runs as consecutive launches over
+//! chunks of it, each a call of its own to the kernels' protocol; all_to_all chunks through
+//! its slots inside one launch. A call is enqueued on the issuing stream and returns;
 //! a kernel that gave up (timeout, abort, a peer's mismatched part) recorded why in the
 //! window's status, which the next call (or `finalize`) reports.
 //!
@@ -86,7 +89,8 @@ pub(crate) struct OwnCollectives {
     reduce_scatter: HashMap<&'static str, CudaFunction>,
     all_gather: CudaFunction,
     all_to_all: CudaFunction,
-    /// The largest message per rank of the one- and two-shot kernels (the first region).
+    /// The most bytes per rank one launch of the one- and two-shot kernels takes (the first
+    /// region); larger messages run as several launches.
     max_bytes: usize,
     /// all_reduce messages from this size take the two-shot kernel.
     two_shot_min: usize,
@@ -230,7 +234,6 @@ impl OwnCollectives {
 
     /// The kernel for `op` and its launch, if one here runs it (see the module doc).
     fn plan(&self, op: &Op<'_>, hints: &BTreeMap<String, String>) -> Result<Option<(&CudaFunction, Launch)>> {
-        let fits = |bytes: usize| bytes <= self.max_bytes;
         let few_ranks = self.size <= MAX_RANKS;
         let plan = match op {
             Op::AllReduce { buf, op } => {
@@ -244,15 +247,11 @@ impl OwnCollectives {
                 };
                 // Shares are whole 16-byte groups of the message: only the pointers need alignment.
                 let vectors = d.ptr % 16 == 0;
-                fits(d.len).then(|| {
-                    (
-                        &kernels[s],
-                        Launch::shot(
-                            d.len,
-                            Args::shot(Param::Ptr(d.ptr), Param::Ptr(d.ptr), buf.count(), vectors),
-                        ),
-                    )
-                })
+                let args = Args::shot(Param::Ptr(d.ptr), Param::Ptr(d.ptr), buf.count(), vectors);
+                Some((
+                    &kernels[s],
+                    Launch::shot(d.len, args, buf.dtype().size(), self.max_bytes),
+                ))
             }
             Op::AllGather { input, outputs } => {
                 let (Some(i), Some(parts)) = (input.device_bytes(), parts_mut(outputs)) else {
@@ -260,9 +259,9 @@ impl OwnCollectives {
                 };
                 let equal = outputs.iter().all(|o| o.byte_len() == i.len);
                 let vectors = i.len % 16 == 0 && i.ptr % 16 == 0 && aligned(&parts);
-                (equal && few_ranks && fits(i.len)).then(|| {
+                (equal && few_ranks).then(|| {
                     let args = Args::shot(Param::Ptr(i.ptr), Param::Table(Box::new(parts)), i.len, vectors);
-                    (&self.all_gather, Launch::shot(i.len, args))
+                    (&self.all_gather, Launch::shot(i.len, args, 1, self.max_bytes))
                 })
             }
             Op::ReduceScatter { inputs, output, op } => {
@@ -273,16 +272,17 @@ impl OwnCollectives {
                 };
                 let equal = inputs.iter().all(|i| i.byte_len() == o.len);
                 let vectors = o.len % 16 == 0 && o.ptr % 16 == 0 && aligned(&parts);
-                // Our segment holds every block of our input.
-                let whole = o.len.saturating_mul(inputs.len());
-                (equal && few_ranks && fits(whole)).then(|| {
+                // Our segment holds every block of our input: a launch takes 1/size of it.
+                let per_launch = (self.max_bytes / self.size.max(1)) & !15;
+                (equal && few_ranks && per_launch > 0).then(|| {
                     let args = Args::shot(
                         Param::Table(Box::new(parts)),
                         Param::Ptr(o.ptr),
                         output.count(),
                         vectors,
                     );
-                    (&self.reduce_scatter[s], Launch::shot(o.len, args))
+                    let launch = Launch::shot(o.len, args, output.dtype().size(), per_launch);
+                    (&self.reduce_scatter[s], launch)
                 })
             }
             Op::AllToAll { inputs, outputs } => {
@@ -332,52 +332,40 @@ impl OwnCollectives {
         if launch.bytes == 0 && !matches!(launch.args, Args::AllToAll(_)) {
             return Ok(());
         }
-        let (mut handle, window_stream) = self
+        let (handle, window_stream) = self
             .window
             .device()
             .ok_or_else(|| Error::invalid(name, "no device window"))?;
         let (counters, _sync) = self.counters.device_ptr(&window_stream);
-        let mut args = launch.args;
-        let mut counters = match args {
-            Args::AllToAll(_) => counters + (SHOT_COUNTERS * 8) as u64,
-            _ => counters,
-        };
-        let handle_ptr = (&mut handle as *mut crate::device::WindowHandle).cast::<c_void>();
-        let counters_ptr = (&mut counters as *mut u64).cast::<c_void>();
-        // Each kernel's parameters, in order (kernels/*.cu).
-        let mut params: Vec<*mut c_void> = match &mut args {
+        let stream = cuda::stream::raw(stream);
+        match launch.args {
+            Args::AllToAll(mut a) => {
+                let mut params = Params::new(handle, counters + (SHOT_COUNTERS * 8) as u64);
+                params.launch(f, launch.blocks, &[(&mut *a as *mut AllToAllArgs).cast()], &[], stream)
+            }
+            // Messages larger than the window's region run as consecutive launches, one per
+            // chunk (the same cut on every rank: it depends on the counts and the region).
             Args::Shot {
                 input,
                 output,
                 n,
-                vectors,
-            } => vec![
-                handle_ptr,
-                input.as_param(),
-                output.as_param(),
-                (n as *mut u64).cast(),
-                counters_ptr,
-                (vectors as *mut u32).cast(),
-            ],
-            Args::AllToAll(a) => vec![handle_ptr, (&mut **a as *mut AllToAllArgs).cast(), counters_ptr],
-        };
-        // SAFETY: `params` matches the kernel's parameter list (above, per kernel) and points
-        // at values that outlive the launch call, which copies them.
-        cuda::check("cuLaunchKernel", unsafe {
-            sys::cuLaunchKernel(
-                f.cu_function(),
-                launch.blocks,
-                1,
-                1,
-                THREADS,
-                1,
-                1,
-                0,
-                cuda::stream::raw(stream),
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        })
+                mut vectors,
+            } => {
+                let per_launch = (launch.chunk / launch.unit).max(1) as u64;
+                let mut done = 0u64;
+                while done < n {
+                    let mut count = per_launch.min(n - done);
+                    let offset = done * launch.unit as u64;
+                    let (mut input, mut output) = (input.offset(offset, self.size), output.offset(offset, self.size));
+                    let mut params = Params::new(handle, counters);
+                    let args = [input.as_param(), output.as_param(), (&mut count as *mut u64).cast()];
+                    let blocks = Launch::blocks(count as usize * launch.unit);
+                    params.launch(f, blocks, &args, &[(&mut vectors as *mut u32).cast()], stream)?;
+                    done += count;
+                }
+                Ok(())
+            }
+        }
     }
 
     /// Reports a kernel's recorded failure.
@@ -419,6 +407,20 @@ enum Param {
 }
 
 impl Param {
+    /// The same buffer(s) `bytes` further on (the first `ranks` entries of a table).
+    fn offset(&self, bytes: u64, ranks: usize) -> Param {
+        match self {
+            Param::Ptr(p) => Param::Ptr(p + bytes),
+            Param::Table(t) => {
+                let mut t = **t;
+                for p in t.ptr.iter_mut().take(ranks) {
+                    *p += bytes;
+                }
+                Param::Table(Box::new(t))
+            }
+        }
+    }
+
     /// What cuLaunchKernel reads the parameter's value from.
     fn as_param(&mut self) -> *mut c_void {
         match self {
@@ -433,25 +435,84 @@ struct Launch {
     bytes: usize,
     blocks: u32,
     args: Args,
+    /// Bytes per unit of the shot kernels' count `n` (the element size; 1 for all_gather).
+    unit: usize,
+    /// The most bytes of the message one launch takes (what the window's region holds).
+    chunk: usize,
 }
 
 impl Launch {
-    /// A one- or two-shot kernel: its grid follows the message, which every rank shares.
-    fn shot(bytes: usize, args: Args) -> Launch {
+    /// A one- or two-shot kernel over `bytes` in launches of at most `chunk` bytes (a multiple
+    /// of 16 and of `unit`); its grid follows the message, which every rank shares.
+    fn shot(bytes: usize, args: Args, unit: usize, chunk: usize) -> Launch {
         Launch {
             bytes,
-            blocks: bytes.div_ceil(BYTES_PER_BLOCK).clamp(1, MAX_BLOCKS) as u32,
+            blocks: Launch::blocks(bytes.min(chunk)),
             args,
+            unit,
+            chunk,
         }
     }
 
-    /// all_to_all's sizes differ between ranks, so its grid is fixed.
+    fn blocks(bytes: usize) -> u32 {
+        bytes.div_ceil(BYTES_PER_BLOCK).clamp(1, MAX_BLOCKS) as u32
+    }
+
+    /// all_to_all's sizes differ between ranks, so its grid is fixed; it chunks by itself.
     fn all_to_all(bytes: usize, args: AllToAllArgs) -> Launch {
         Launch {
             bytes,
             blocks: MAX_BLOCKS as u32,
             args: Args::AllToAll(Box::new(args)),
+            unit: 1,
+            chunk: usize::MAX,
         }
+    }
+}
+
+/// The parameters every collective kernel shares: the window handle first, the counters last
+/// (kernels/*.cu), with the kernel's own arguments between them.
+struct Params {
+    handle: crate::device::WindowHandle,
+    counters: u64,
+}
+
+impl Params {
+    fn new(handle: crate::device::WindowHandle, counters: u64) -> Params {
+        Params { handle, counters }
+    }
+
+    /// Launches `f` with the parameters (handle, `args`..., counters, `trailing`...).
+    fn launch(
+        &mut self,
+        f: &CudaFunction,
+        blocks: u32,
+        args: &[*mut c_void],
+        trailing: &[*mut c_void],
+        stream: sys::CUstream,
+    ) -> Result<()> {
+        let mut params = vec![(&mut self.handle as *mut crate::device::WindowHandle).cast::<c_void>()];
+        params.extend_from_slice(args);
+        params.push((&mut self.counters as *mut u64).cast());
+        params.extend_from_slice(trailing);
+        // SAFETY: `params` matches the kernel's parameter list (kernels/*.cu: shot kernels take
+        // handle, input, output, n, counters, vectors; all_to_all takes handle, args,
+        // counters) and points at values that outlive this call, which copies them.
+        cuda::check("cuLaunchKernel", unsafe {
+            sys::cuLaunchKernel(
+                f.cu_function(),
+                blocks,
+                1,
+                1,
+                THREADS,
+                1,
+                1,
+                0,
+                stream,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        })
     }
 }
 
