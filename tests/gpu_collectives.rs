@@ -2,10 +2,11 @@
 //! serve ranks that share a GPU, so these calls take the own kernels: one- and two-shot
 //! all_reduce and reduce_scatter for f32 / f16 / bf16 × sum / min / max / avg, all_gather and
 //! all_to_all (equal and v form, chunked through slots), × world sizes 2, 3, 4, 8 × sizes from
-//! one element to 64 MiB (above the window's 1 MiB, in chunks), against a host reference; every rank's all_reduce result
-//! bitwise equal, and equal between the two algorithms; a mismatched all_to_all_v is reported;
-//! graph capture and replays with fresh inputs. Skips with a reason without a GPU; FERROCOMM_REQUIRE_GPU=1 turns a skip into
-//! a failure.
+//! one element to 64 MiB (above the window's 1 MiB, in chunks), against a host reference;
+//! every rank's all_reduce result bitwise equal, and equal between the two algorithms; a
+//! mismatched all_to_all_v is reported; graph capture and replays with fresh inputs; the
+//! multimem all_reduce where the GPU supports multicast. Skips with a reason without a GPU;
+//! FERROCOMM_REQUIRE_GPU=1 turns a skip into a failure.
 
 mod common;
 
