@@ -52,6 +52,10 @@ timeout 120 "$here/ferrocomm-bench" device_put -b 64K -e 1G -f 4 -n 20 -w 5 2>&1
 timeout 60 "$here/ferrocomm-bench" device_pingpong -n 10000 2>&1 | tee "$out/device_pingpong.txt" || status=1
 timeout 120 "$here/ferrocomm-bench" nccl_all_reduce -b 8 -e 256M -f 4 -n 200 -w 20 2>&1 | tee "$out/nccl_all_reduce.txt" || status=1
 timeout 180 "$here/ferrocomm-bench" device_all_reduce -b 1K -e 1M -f 2 -n 1000 -w 20 --world 8 2>&1 | tee "$out/device_all_reduce.txt" || status=1
+# Bandwidth: above 1 MiB the kernels run in chunks of the window region; a larger region
+# (fewer launches per call) is the second run.
+timeout 300 "$here/ferrocomm-bench" device_all_reduce -b 64M -e 1G -f 4 -n 10 -w 2 --world 8 2>&1 | tee "$out/device_all_reduce_bw.txt" || status=1
+FERROCOMM_DEVICE_ONESHOT_MAX=16M timeout 300 "$here/ferrocomm-bench" device_all_reduce -b 64M -e 1G -f 4 -n 10 -w 2 --world 8 2>&1 | tee "$out/device_all_reduce_bw16m.txt" || status=1
 echo "gpu suite exit status $status"
 exit $status
 RUN

@@ -3,7 +3,7 @@
 //! call; against NCCL's all_reduce at world size 1 on the same GPU, also replayed from a graph,
 //! in the same run. A rank's time per call is its replay loop's wall time over the replays;
 //! the slowest rank's is reported. The algorithm is the backend's choice by size, or the hint
-//! given by FERROCOMM_BENCH_ALGORITHM (`oneshot` / `twoshot`).
+//! given by FERROCOMM_BENCH_ALGORITHM (`oneshot` / `twoshot` / `multimem`).
 
 use crate::args::Args;
 use crate::nccl_direct::{Direct, NCCL_BFLOAT16};
