@@ -351,17 +351,12 @@ impl OwnCollectives {
                 n,
                 mut vectors,
             } => {
-                let per_launch = (launch.chunk / launch.unit).max(1) as u64;
-                let mut done = 0u64;
-                while done < n {
-                    let mut count = per_launch.min(n - done);
-                    let offset = done * launch.unit as u64;
+                for (offset, mut count) in chunks(n, launch.unit, launch.chunk) {
                     let (mut input, mut output) = (input.offset(offset, self.size), output.offset(offset, self.size));
                     let mut params = Params::new(handle, counters);
                     let args = [input.as_param(), output.as_param(), (&mut count as *mut u64).cast()];
                     let blocks = Launch::blocks(count as usize * launch.unit);
                     params.launch(f, blocks, &args, &[(&mut vectors as *mut u32).cast()], stream)?;
-                    done += count;
                 }
                 Ok(())
             }
@@ -470,6 +465,16 @@ impl Launch {
     }
 }
 
+/// (byte offset, count) of each launch over `n` units of `unit` bytes, at most `chunk` bytes
+/// each (at least one unit).
+fn chunks(n: u64, unit: usize, chunk: usize) -> impl Iterator<Item = (u64, u64)> {
+    let per_launch = (chunk / unit.max(1)).max(1) as u64;
+    (0..n.div_ceil(per_launch)).map(move |k| {
+        let first = k * per_launch;
+        (first * unit as u64, per_launch.min(n - first))
+    })
+}
+
 /// The parameters every collective kernel shares: the window handle first, the counters last
 /// (kernels/*.cu), with the kernel's own arguments between them.
 struct Params {
@@ -538,4 +543,40 @@ fn parts_mut(bufs: &[BufMut<'_>]) -> Option<Parts> {
 
 fn aligned(p: &Parts) -> bool {
     p.ptr.iter().all(|a| a % 16 == 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::chunks;
+
+    #[test]
+    fn chunks_cover_the_message_once_in_region_sized_launches() {
+        assert_eq!(chunks(0, 4, 1 << 20).count(), 0);
+        assert_eq!(chunks(10, 4, 1 << 20).collect::<Vec<_>>(), vec![(0, 10)]);
+        // 1 MiB of f32 exactly is one launch; one more element is a second.
+        assert_eq!(chunks(1 << 18, 4, 1 << 20).count(), 1);
+        assert_eq!(
+            chunks((1 << 18) + 1, 4, 1 << 20).collect::<Vec<_>>(),
+            vec![(0, 1 << 18), (1 << 20, 1)]
+        );
+        for (n, unit, chunk) in [
+            (16u64 << 20, 2usize, 1usize << 20),
+            (1_000_003, 4, 4096),
+            (300_001, 1, 1 << 20),
+        ] {
+            let parts: Vec<_> = chunks(n, unit, chunk).collect();
+            let mut next = 0u64;
+            for &(offset, count) in &parts {
+                assert_eq!(offset, next * unit as u64, "launches are contiguous");
+                assert!(count >= 1 && count as usize * unit <= chunk);
+                assert_eq!(
+                    offset % 16,
+                    0,
+                    "every launch starts 16-byte aligned relative to the message"
+                );
+                next += count;
+            }
+            assert_eq!(next, n);
+        }
+    }
 }
