@@ -47,29 +47,34 @@ pub(super) fn join(
     let store = PrefixStore::new(format!("dwindow{window_id}/multicast"), b.store.clone());
     let deadline = Instant::now() + timeout;
     let me = std::process::id();
-    let mc = if b.rank == 0 {
-        create(&store, b.size, own, pids, deadline)?
+    let mc: std::result::Result<Arc<Physical>, String> = if b.rank == 0 {
+        // Without an object every rank reads why in the record and stops here, as we do.
+        match create(&store, b.size, own, pids, deadline)? {
+            Some(mc) => Ok(mc),
+            None => return Ok(None),
+        }
     } else {
         let raw = store.get("object", timeout)?;
         let record: Published =
             bincode::deserialize(&raw).map_err(|e| Error::protocol("new_window", format!("multicast record: {e}")))?;
         match record.object {
-            Ok(object) => import(&object, me, deadline).ok(),
+            Ok(object) => import(&object, me, deadline).map_err(|e| e.to_string()),
             Err(why) => {
                 tracing::debug!(reason = %why, "window without multicast: rank 0 could not create it");
                 return Ok(None);
             }
         }
     };
-    let added: Outcome = match &mc {
-        Some(mc) => multicast::add_device(mc, b.ordinal).map_err(|e| e.to_string()),
-        None => Err("the multicast object could not be imported".into()),
-    };
+    let added = mc
+        .as_ref()
+        .map_err(Clone::clone)
+        .and_then(|mc| multicast::add_device(mc, b.ordinal).map_err(|e| e.to_string()));
     if let Err(why) = agree(&store, "added", b, added, timeout)? {
         tracing::debug!(reason = %why, "window without multicast");
         return Ok(None);
     }
-    let mc = mc.expect("added implies imported");
+    // Our own failure would have failed the agreement.
+    let Ok(mc) = mc else { return Ok(None) };
     let map = MulticastMap::new(b.ordinal, mc, own.clone(), g);
     let bound = map.as_ref().map(drop).map_err(|e| e.to_string());
     if let Err(why) = agree(&store, "bound", b, bound, timeout)? {
@@ -79,8 +84,8 @@ pub(super) fn join(
     Ok(map.ok())
 }
 
-/// Rank 0 makes the object and publishes where to find it (or why there is none), then
-/// hands its descriptor to the ranks of other processes.
+/// Rank 0 makes the object and publishes where to find it (or why there is none: then `None`),
+/// then hands its descriptor to the ranks of other processes.
 fn create(
     store: &dyn Store,
     devices: usize,
