@@ -79,6 +79,9 @@ FERROCOMM_DEVICE_INLINE void all_reduce_multimem(const ferrocomm_window_handle& 
   multimem_fence();
   if (!exchange(w, s, s.ready)) return;
   multimem_fence();
+  // The groups below are not the lanes this thread copied (scalar tails, and a world of one,
+  // where exchange synchronises nothing).
+  __syncthreads();
   // This block's share of our slice, in whole groups (share bounds are group-aligned, except
   // the message's end, which rounds up into the padding).
   const Share mine = share(static_cast<u64>(w.rank()));
@@ -88,6 +91,7 @@ FERROCOMM_DEVICE_INLINE void all_reduce_multimem(const ferrocomm_window_handle& 
   multimem_fence();
   if (!exchange(w, s, s.reduced)) return;
   multimem_fence();
+  __syncthreads();
   for (u64 r = 0; r < size; ++r) copy_share(static_cast<Raw*>(out), w.local_ptr<const Raw>(0), share(r));
   end(w, counters, s);
 }
