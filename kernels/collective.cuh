@@ -175,6 +175,22 @@ FERROCOMM_DEVICE_INLINE void copy_share(Raw* dst, const Raw* src, Share s) {
   for (u64 i = s.vhi + threadIdx.x; i < s.hi; i += blockDim.x) dst[i] = src[i];
 }
 
+// The cut of the two-shot and multimem all_reduce: one slice of whole 16-byte groups per rank
+// of the `n` elements. Block b handles share b of every slice, so READY / REDUCED of block b
+// cover exactly the bytes block b of each peer reads.
+template <u64 V>
+struct Slices {
+  u64 n, slice;
+  u32 vectors;
+  FERROCOMM_DEVICE_INLINE Slices(u64 n_, u64 ranks, u32 vectors_)
+      : n(n_), slice(((n_ + V - 1) / V + ranks - 1) / ranks * V), vectors(vectors_) {}
+  // This block's share of slice r.
+  FERROCOMM_DEVICE_INLINE Share share(u64 r) const {
+    const u64 lo = min(n, r * slice);
+    return share_of<V>(min(n, lo + slice) - lo, vectors, lo);
+  }
+};
+
 // The synchronisation of one block of a one- or two-shot collective (see the top of the file).
 struct Step {
   u64 epoch;

@@ -20,6 +20,18 @@
 using namespace ferrocomm;
 using namespace ferrocomm::coll;
 
+// The (name suffix, element type, reduce op, load-reduce) pairs the switch reduces (avg: the
+// sum, divided afterwards); host/backend/device/collectives.rs (`multimem_suffix`) loads them.
+#define FERROCOMM_FOR_EACH_SWITCH_REDUCTION(M)    \
+  M(f32_sum, F32, REDUCE_SUM, multimem_sum_f32x4)   \
+  M(f32_avg, F32, REDUCE_AVG, multimem_sum_f32x4)   \
+  M(f16_sum, F16, REDUCE_SUM, multimem_sum_f16x8)   \
+  M(f16_min, F16, REDUCE_MIN, multimem_min_f16x8)   \
+  M(f16_max, F16, REDUCE_MAX, multimem_max_f16x8)   \
+  M(bf16_sum, Bf16, REDUCE_SUM, multimem_sum_bf16x8) \
+  M(bf16_min, Bf16, REDUCE_MIN, multimem_min_bf16x8) \
+  M(bf16_max, Bf16, REDUCE_MAX, multimem_max_bf16x8)
+
 namespace {
 
 #if FERROCOMM_HAS_MULTIMEM
@@ -30,19 +42,12 @@ namespace {
 template <class E, u32 OP>
 struct SwitchReduce;
 
-#define FERROCOMM_SWITCH_REDUCE(E, OP, fn) \
-  template <>                              \
-  struct SwitchReduce<E, OP> {             \
+#define FERROCOMM_SWITCH_REDUCE(name, E, OP, fn) \
+  template <>                                    \
+  struct SwitchReduce<E, OP> {                   \
     static FERROCOMM_DEVICE_INLINE uint4 load(const void* mc) { return fn(mc); } \
   };
-FERROCOMM_SWITCH_REDUCE(F32, REDUCE_SUM, multimem_sum_f32x4)
-FERROCOMM_SWITCH_REDUCE(F32, REDUCE_AVG, multimem_sum_f32x4)
-FERROCOMM_SWITCH_REDUCE(F16, REDUCE_SUM, multimem_sum_f16x8)
-FERROCOMM_SWITCH_REDUCE(F16, REDUCE_MIN, multimem_min_f16x8)
-FERROCOMM_SWITCH_REDUCE(F16, REDUCE_MAX, multimem_max_f16x8)
-FERROCOMM_SWITCH_REDUCE(Bf16, REDUCE_SUM, multimem_sum_bf16x8)
-FERROCOMM_SWITCH_REDUCE(Bf16, REDUCE_MIN, multimem_min_bf16x8)
-FERROCOMM_SWITCH_REDUCE(Bf16, REDUCE_MAX, multimem_max_bf16x8)
+FERROCOMM_FOR_EACH_SWITCH_REDUCTION(FERROCOMM_SWITCH_REDUCE)
 #undef FERROCOMM_SWITCH_REDUCE
 
 template <class E, u32 OP>
@@ -68,11 +73,8 @@ FERROCOMM_DEVICE_INLINE void all_reduce_multimem(const ferrocomm_window_handle& 
     return;
   }
   const u64 size = static_cast<u64>(w.size());
-  const u64 slice = ((n + V - 1) / V + size - 1) / size * V;  // elements, a multiple of V
-  auto share = [&](u64 r) {
-    const u64 lo = min(n, r * slice);
-    return share_of<V>(min(n, lo + slice) - lo, vectors, lo);
-  };
+  const Slices<V> slices(n, size, vectors);
+  auto share = [&](u64 r) { return slices.share(r); };
   Step s;
   if (!begin(w, counters, s)) return;
   for (u64 r = 0; r < size; ++r) copy_share(w.local_ptr<Raw>(0), static_cast<const Raw*>(in), share(r));
@@ -110,18 +112,10 @@ FERROCOMM_DEVICE_INLINE void all_reduce_multimem(const ferrocomm_window_handle& 
 
 }  // namespace
 
-#define FERROCOMM_MULTIMEM(name, E, OP)                                                                \
+#define FERROCOMM_MULTIMEM(name, E, OP, fn)                                                            \
   extern "C" __global__ void __launch_bounds__(256, 1) ferrocomm_allreduce_multimem_##name(           \
       ferrocomm_window_handle h, const void* in, void* out, u64 n, u64* counters, u32 vectors) {      \
     all_reduce_multimem<E, OP>(h, in, out, n, counters, vectors);                                       \
   }
 
-// The pairs the switch reduces (host/backend/device/collectives.rs, `multimem_suffix`).
-FERROCOMM_MULTIMEM(f32_sum, F32, REDUCE_SUM)
-FERROCOMM_MULTIMEM(f32_avg, F32, REDUCE_AVG)
-FERROCOMM_MULTIMEM(f16_sum, F16, REDUCE_SUM)
-FERROCOMM_MULTIMEM(f16_min, F16, REDUCE_MIN)
-FERROCOMM_MULTIMEM(f16_max, F16, REDUCE_MAX)
-FERROCOMM_MULTIMEM(bf16_sum, Bf16, REDUCE_SUM)
-FERROCOMM_MULTIMEM(bf16_min, Bf16, REDUCE_MIN)
-FERROCOMM_MULTIMEM(bf16_max, Bf16, REDUCE_MAX)
+FERROCOMM_FOR_EACH_SWITCH_REDUCTION(FERROCOMM_MULTIMEM)

@@ -22,13 +22,8 @@ FERROCOMM_DEVICE_INLINE void all_reduce_twoshot(const ferrocomm_window_handle& h
   constexpr u64 V = 16 / sizeof(Raw);
   const Window w(h);
   const u64 size = static_cast<u64>(w.size());
-  const u64 slice = ((n + V - 1) / V + size - 1) / size * V;  // elements, a multiple of V
-  // Block b handles share b of every slice, so READY / REDUCED of block b cover exactly the
-  // bytes block b of each peer reads.
-  auto share = [&](u64 r) {
-    const u64 lo = min(n, r * slice);
-    return share_of<V>(min(n, lo + slice) - lo, vectors, lo);
-  };
+  const Slices<V> slices(n, size, vectors);
+  auto share = [&](u64 r) { return slices.share(r); };
   Step s;
   if (!begin(w, counters, s)) return;
   for (u64 r = 0; r < size; ++r) copy_share(w.local_ptr<Raw>(0), static_cast<const Raw*>(in), share(r));
