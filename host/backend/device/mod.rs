@@ -7,6 +7,7 @@
 mod collectives;
 mod multicast;
 mod route;
+mod sharing;
 mod stage;
 mod team;
 mod window;

@@ -5,15 +5,15 @@
 //! the window works on by unicast; the ranks agree on each step's outcome through the store,
 //! so none blocks in a bind that waits for a GPU its peer never added.
 
-use super::window::local_handles;
+use super::sharing::Shared;
 use super::DeviceBackend;
 use crate::bootstrap::{PrefixStore, Store};
 use crate::error::{Error, Result};
 use crate::memory::{multicast, MulticastMap, Physical};
-use crate::transport::fd_passing::{fetch_fds, FdServer};
+use crate::transport::fd_passing::FdServer;
 use serde::{Deserialize, Serialize};
 use std::os::fd::AsRawFd;
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 type Outcome = std::result::Result<(), String>;
@@ -21,16 +21,7 @@ type Outcome = std::result::Result<(), String>;
 /// Where rank 0's multicast object can be found, or why there is none.
 #[derive(Serialize, Deserialize)]
 struct Published {
-    object: std::result::Result<Object, String>,
-}
-
-#[derive(Serialize, Deserialize)]
-struct Object {
-    pid: u32,
-    /// The handle's value, meaningful inside `pid` only.
-    handle: u64,
-    bytes: usize,
-    socket: String,
+    object: std::result::Result<Shared, String>,
 }
 
 /// Binds `own` into a multicast object shared by the window's ranks (`pids[r]`: rank r's
@@ -46,7 +37,6 @@ pub(super) fn join(
 ) -> Result<Option<MulticastMap>> {
     let store = PrefixStore::new(format!("dwindow{window_id}/multicast"), b.store.clone());
     let deadline = Instant::now() + timeout;
-    let me = std::process::id();
     let mc: std::result::Result<Arc<Physical>, String> = if b.rank == 0 {
         // Without an object every rank reads why in the record and stops here, as we do.
         match create(&store, b.size, own, pids, deadline)? {
@@ -58,7 +48,8 @@ pub(super) fn join(
         let record: Published =
             bincode::deserialize(&raw).map_err(|e| Error::protocol("new_window", format!("multicast record: {e}")))?;
         match record.object {
-            Ok(object) => import(&object, me, deadline).map_err(|e| e.to_string()),
+            // Rank 0 keeps its object alive until every rank agreed it was added.
+            Ok(object) => object.open(0, "multicast object", deadline).map_err(|e| e.to_string()),
             Err(why) => {
                 tracing::debug!(reason = %why, "window without multicast: rank 0 could not create it");
                 return Ok(None);
@@ -101,18 +92,7 @@ fn create(
         Ok((mc, fd))
     });
     let object = match &made {
-        Ok((mc, _)) => {
-            local_handles()
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .insert(mc.raw_handle(), Arc::downgrade(mc));
-            Ok(Object {
-                pid: me,
-                handle: mc.raw_handle(),
-                bytes: mc.bytes(),
-                socket: server.path().to_string_lossy().into_owned(),
-            })
-        }
+        Ok((mc, _)) => Ok(Shared::publish(mc, &server)),
         Err(e) => Err(e.to_string()),
     };
     store.set("object", &encode(&Published { object })?)?;
@@ -125,25 +105,6 @@ fn create(
         }
     }
     Ok(Some(mc))
-}
-
-/// Rank 0's object in this process: the same handle (kept alive by rank 0 until everyone
-/// agreed it was added); in another process: its descriptor.
-fn import(object: &Object, me: u32, deadline: Instant) -> Result<Arc<Physical>> {
-    if object.pid == me {
-        return local_handles()
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&object.handle)
-            .and_then(Weak::upgrade)
-            .ok_or_else(|| Error::PeerLost {
-                op: "new_window",
-                peer: 0,
-                reason: "its multicast object was released before we imported it".into(),
-            });
-    }
-    let fds = fetch_fds(std::path::Path::new(&object.socket), 1, deadline)?;
-    Physical::import(&fds[0], object.bytes)
 }
 
 /// Every rank's outcome of one step: Ok when all succeeded, else the first rank's reason.

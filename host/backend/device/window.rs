@@ -5,6 +5,7 @@
 //! copy engine, signals, waits and atomics by the small kernels of kernels/rma.cu, each
 //! complete when the call returns.
 
+use super::sharing::{forget_released, Shared};
 use super::DeviceBackend;
 use crate::backend::RunOptions;
 use crate::bootstrap::PrefixStore;
@@ -13,33 +14,21 @@ use crate::device::abi::{self, DeviceStatus, WindowHandle};
 use crate::error::{Error, Result};
 use crate::memory::symmetric::{granularity, memset_zero};
 use crate::memory::{multicast, MulticastMap, Physical, Pinned, SymmetricMap};
-use crate::transport::fd_passing::{fetch_fds, FdServer};
+use crate::transport::fd_passing::FdServer;
 use crate::transport::host_identity;
 use crate::window::{Cmp, Observed, SignalOp, SignalSource, WindowBackend, WindowSpec};
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream, LaunchArgs, LaunchConfig, PushKernelArg};
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::os::fd::AsRawFd;
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Where a rank's segment can be found, published through the store.
 #[derive(Serialize, Deserialize)]
 struct SegmentInfo {
     host: String,
-    pid: u32,
-    /// The physical handle's value, meaningful inside `pid` only.
-    handle: u64,
-    bytes: usize,
-    /// The Unix socket that hands out the segment's descriptor to other processes.
-    socket: String,
-}
-
-/// Segments and multicast objects of this process's ranks by handle value, so in-process peers
-/// map the same memory.
-pub(super) fn local_handles() -> &'static Mutex<HashMap<u64, Weak<Physical>>> {
-    static M: OnceLock<Mutex<HashMap<u64, Weak<Physical>>>> = OnceLock::new();
-    M.get_or_init(Default::default)
+    segment: Shared,
 }
 
 const ALIGN: usize = 256;
@@ -124,26 +113,16 @@ impl DeviceWindow {
             None
         };
         let own = Physical::create(b.ordinal, segment_bytes)?;
-        let own_handle = own.raw_handle();
-        local_handles()
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(own_handle, Arc::downgrade(&own));
         let exchanged = Self::exchange(b, spec, &own);
-        local_handles()
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .retain(|_, w| w.strong_count() > 0);
+        forget_released();
         let (segments, pids) = exchanged?;
         let map = SymmetricMap::new(b.ordinal, segments)?;
         let multicast = match multicast_unit {
-            Some(g) => super::multicast::join(b, spec.id, &own, &pids, g, spec.timeout)?,
-            None => None,
+            Some(g) => super::multicast::join(b, spec.id, &own, &pids, g, spec.timeout),
+            None => Ok(None),
         };
-        local_handles()
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .retain(|_, w| w.strong_count() > 0);
+        forget_released();
+        let multicast = multicast?;
 
         // Fresh pads and barrier slots read zero on every rank before anyone signals.
         memset_zero(map.addr(rank, 0), map.stride(), stream.cu_stream())?;
@@ -190,10 +169,7 @@ impl DeviceWindow {
         let server = FdServer::bind()?;
         let me = SegmentInfo {
             host: host_identity(b.rank, &b.transport),
-            pid: std::process::id(),
-            handle: own.raw_handle(),
-            bytes: own.bytes(),
-            socket: server.path().to_string_lossy().into_owned(),
+            segment: Shared::publish(own, &server),
         };
         let encode =
             |i: &SegmentInfo| bincode::serialize(i).map_err(|e| Error::protocol("device window", e.to_string()));
@@ -208,18 +184,18 @@ impl DeviceWindow {
                     reason: format!("rank {r} is on another host; device windows need every rank on this host"),
                 });
             }
-            if info.bytes != me.bytes {
+            if info.segment.bytes != me.segment.bytes {
                 return Err(Error::Mismatch {
                     op: "new_window",
                     peer: r,
-                    detail: format!("segment of {} bytes, ours has {}", info.bytes, me.bytes),
+                    detail: format!("segment of {} bytes, ours has {}", info.segment.bytes, me.segment.bytes),
                 });
             }
             infos.push(info);
         }
 
         let deadline = Instant::now() + spec.timeout;
-        let clients = infos.iter().filter(|i| i.pid != me.pid).count();
+        let clients = infos.iter().filter(|i| i.segment.pid != me.segment.pid).count();
         let fd = if clients > 0 { Some(own.export()?) } else { None };
         std::thread::scope(|s| {
             let serving = fd
@@ -231,20 +207,8 @@ impl DeviceWindow {
                 .map(|(r, info)| {
                     if r == b.rank {
                         Ok(own.clone())
-                    } else if info.pid == me.pid {
-                        local_handles()
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .get(&info.handle)
-                            .and_then(Weak::upgrade)
-                            .ok_or_else(|| Error::PeerLost {
-                                op: "new_window",
-                                peer: r,
-                                reason: "its segment was released before we mapped it".into(),
-                            })
                     } else {
-                        let fds = fetch_fds(std::path::Path::new(&info.socket), 1, deadline)?;
-                        Physical::import(&fds[0], info.bytes)
+                        info.segment.open(r, "segment", deadline)
                     }
                 })
                 .collect::<Result<Vec<_>>>();
@@ -254,7 +218,7 @@ impl DeviceWindow {
             });
             let segments = segments?;
             served?;
-            Ok((segments, infos.iter().map(|i| i.pid).collect()))
+            Ok((segments, infos.iter().map(|i| i.segment.pid).collect()))
         })
     }
 
