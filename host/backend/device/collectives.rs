@@ -341,7 +341,9 @@ impl OwnCollectives {
         match launch.args {
             Args::AllToAll(mut a) => {
                 let mut params = Params::new(handle, counters + (SHOT_COUNTERS * 8) as u64);
-                params.launch(f, launch.blocks, &[(&mut *a as *mut AllToAllArgs).cast()], &[], stream)
+                // The sizes differ between ranks, so the grid is fixed.
+                let blocks = MAX_BLOCKS as u32;
+                params.launch(f, blocks, &[(&mut *a as *mut AllToAllArgs).cast()], &[], stream)
             }
             // Messages larger than the window's region run as consecutive launches, one per
             // chunk (the same cut on every rank: it depends on the counts and the region).
@@ -428,7 +430,6 @@ impl Param {
 struct Launch {
     /// This rank's bytes (nothing to do when 0, except for all_to_all, whose peers may send).
     bytes: usize,
-    blocks: u32,
     args: Args,
     /// Bytes per unit of the shot kernels' count `n` (the element size; 1 for all_gather).
     unit: usize,
@@ -438,26 +439,25 @@ struct Launch {
 
 impl Launch {
     /// A one- or two-shot kernel over `bytes` in launches of at most `chunk` bytes (a multiple
-    /// of 16 and of `unit`); its grid follows the message, which every rank shares.
+    /// of 16 and of `unit`).
     fn shot(bytes: usize, args: Args, unit: usize, chunk: usize) -> Launch {
         Launch {
             bytes,
-            blocks: Launch::blocks(bytes.min(chunk)),
             args,
             unit,
             chunk,
         }
     }
 
+    /// The grid of a shot launch follows its chunk, which every rank shares.
     fn blocks(bytes: usize) -> u32 {
         bytes.div_ceil(BYTES_PER_BLOCK).clamp(1, MAX_BLOCKS) as u32
     }
 
-    /// all_to_all's sizes differ between ranks, so its grid is fixed; it chunks by itself.
+    /// all_to_all chunks by itself, in one launch.
     fn all_to_all(bytes: usize, args: AllToAllArgs) -> Launch {
         Launch {
             bytes,
-            blocks: MAX_BLOCKS as u32,
             args: Args::AllToAll(Box::new(args)),
             unit: 1,
             chunk: usize::MAX,
