@@ -10,7 +10,7 @@ mod wire;
 pub use auth::random_token;
 pub use env::{discover, store_addr, RankInfo, StoreAddr};
 pub use file_store::FileStore;
-pub(crate) use store::all_gather;
+pub(crate) use store::{all_gather, all_gather_records};
 pub use store::{MemoryStore, PrefixStore, Store};
 #[cfg(feature = "fuzzing")]
 pub use tcp_store::fuzz_one_request;

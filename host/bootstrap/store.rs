@@ -42,6 +42,27 @@ pub(crate) fn all_gather(
     (0..size).map(|r| store.get(&format!("{key}/{r}"), timeout)).collect()
 }
 
+/// [`all_gather`] of a serde record (bincode): every rank's, in rank order. A record that does
+/// not decode is a protocol error of `context` naming its rank.
+pub(crate) fn all_gather_records<T: serde::Serialize + serde::de::DeserializeOwned>(
+    store: &dyn Store,
+    key: &str,
+    rank: usize,
+    size: usize,
+    mine: &T,
+    context: &'static str,
+    timeout: Duration,
+) -> Result<Vec<T>> {
+    let encoded = bincode::serialize(mine).map_err(|e| Error::protocol(context, e.to_string()))?;
+    all_gather(store, key, rank, size, &encoded, timeout)?
+        .iter()
+        .enumerate()
+        .map(|(r, raw)| {
+            bincode::deserialize(raw).map_err(|e| Error::protocol(context, format!("rank {r}'s record: {e}")))
+        })
+        .collect()
+}
+
 fn parse_counter(op: &'static str, key: &str, v: Option<&Vec<u8>>) -> Result<i64> {
     match v {
         None => Ok(0),
@@ -243,5 +264,28 @@ impl Store for PrefixStore {
     }
     fn local_addr_hint(&self) -> Option<IpAddr> {
         self.inner.local_addr_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_decode_in_rank_order_and_a_bad_one_names_its_rank() {
+        let store = MemoryStore::new();
+        let t = Duration::from_secs(1);
+        store
+            .set("k/1", &bincode::serialize(&(7u32, "b".to_string())).unwrap())
+            .unwrap();
+        let all = all_gather_records(&store, "k", 0, 2, &(3u32, "a".to_string()), "test", t).unwrap();
+        assert_eq!(all, vec![(3, "a".to_string()), (7, "b".to_string())]);
+
+        store.set("bad/1", &[0xff]).unwrap();
+        let err = all_gather_records(&store, "bad", 0, 2, &(3u32, "a".to_string()), "test", t).unwrap_err();
+        assert!(
+            matches!(err, Error::Protocol { context: "test", ref reason } if reason.starts_with("rank 1's record")),
+            "{err}"
+        );
     }
 }

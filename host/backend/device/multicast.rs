@@ -109,15 +109,17 @@ fn create(
 
 /// Every rank's outcome of one step: Ok when all succeeded, else the first rank's reason.
 fn agree(store: &dyn Store, step: &str, b: &DeviceBackend, mine: Outcome, timeout: Duration) -> Result<Outcome> {
-    let all = crate::bootstrap::all_gather(store, step, b.rank, b.size, &encode(&mine)?, timeout)?;
-    for (r, raw) in all.iter().enumerate() {
-        let outcome: Outcome = bincode::deserialize(raw)
-            .map_err(|e| Error::protocol("new_window", format!("rank {r}'s multicast {step} record: {e}")))?;
-        if let Err(why) = outcome {
-            return Ok(Err(format!("rank {r}: {why}")));
-        }
-    }
-    Ok(Ok(()))
+    let all = crate::bootstrap::all_gather_records(store, step, b.rank, b.size, &mine, "new_window", timeout)?;
+    Ok(
+        match all
+            .into_iter()
+            .enumerate()
+            .find_map(|(r, o)| o.err().map(|why| (r, why)))
+        {
+            Some((r, why)) => Err(format!("rank {r}: {why}")),
+            None => Ok(()),
+        },
+    )
 }
 
 fn encode<T: Serialize>(v: &T) -> Result<Vec<u8>> {

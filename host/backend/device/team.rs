@@ -6,7 +6,7 @@
 //! rank waits in an NCCL init or a multicast bind that a peer skips.
 
 use super::super::BackendInit;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 
@@ -41,23 +41,15 @@ pub(crate) fn agree(init: &BackendInit, ordinal: usize) -> Result<Team> {
             },
         },
     };
-    let encoded = bincode::serialize(&mine).map_err(|e| Error::protocol("device team", e.to_string()))?;
-    let all = crate::bootstrap::all_gather(
+    let records = crate::bootstrap::all_gather_records(
         &*init.store,
         "device/team",
         init.rank,
         init.size,
-        &encoded,
+        &mine,
+        "device team",
         init.options.timeout,
     )?;
-    let records = all
-        .iter()
-        .enumerate()
-        .map(|(r, raw)| {
-            bincode::deserialize::<Record>(raw)
-                .map_err(|e| Error::protocol("device team", format!("rank {r}'s record: {e}")))
-        })
-        .collect::<Result<Vec<_>>>()?;
     Ok(decide(&records))
 }
 

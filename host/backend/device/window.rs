@@ -171,13 +171,9 @@ impl DeviceWindow {
             host: host_identity(b.rank, &b.transport),
             segment: Shared::publish(own, &server),
         };
-        let encode =
-            |i: &SegmentInfo| bincode::serialize(i).map_err(|e| Error::protocol("device window", e.to_string()));
-        let all = crate::bootstrap::all_gather(&store, "rank", b.rank, b.size, &encode(&me)?, spec.timeout)?;
-        let mut infos = Vec::with_capacity(b.size);
-        for (r, raw) in all.iter().enumerate() {
-            let info: SegmentInfo = bincode::deserialize(raw)
-                .map_err(|e| Error::protocol("device window", format!("rank {r}'s segment record: {e}")))?;
+        let infos =
+            crate::bootstrap::all_gather_records(&store, "rank", b.rank, b.size, &me, "device window", spec.timeout)?;
+        for (r, info) in infos.iter().enumerate() {
             if info.host != me.host {
                 return Err(Error::Unavailable {
                     backend: "device".into(),
@@ -191,7 +187,6 @@ impl DeviceWindow {
                     detail: format!("segment of {} bytes, ours has {}", info.segment.bytes, me.segment.bytes),
                 });
             }
-            infos.push(info);
         }
 
         let deadline = Instant::now() + spec.timeout;
