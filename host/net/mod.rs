@@ -10,6 +10,7 @@
 pub mod descriptor;
 pub(crate) mod fifo;
 pub(crate) mod link;
+pub(crate) mod mesh;
 pub(crate) mod proxy;
 #[cfg(feature = "rdma")]
 pub(crate) mod rdma;

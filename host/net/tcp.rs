@@ -78,22 +78,69 @@ impl Memory {
             }
         }
     }
+}
 
-    fn in_bounds(&self, offset: u64, len: u64) -> bool {
-        offset.checked_add(len).is_some_and(|end| end <= self.bytes as u64)
+/// A target's window memory as its server threads apply requests to it: host memory
+/// ([`Memory`]) or GPU memory (the device backend's windows). Offsets and ids are checked
+/// against `limits` before any method is called.
+pub(crate) trait Target: Send {
+    /// Data bytes and signal ids.
+    fn limits(&self) -> (usize, usize);
+    fn write(&mut self, offset: usize, src: &[u8]) -> Result<()>;
+    fn read(&mut self, offset: usize, dst: &mut [u8]) -> Result<()>;
+    /// Applies `origin`'s signal after every earlier write of this connection.
+    fn signal(&mut self, id: usize, origin: usize, op: SignalOp, value: u64) -> Result<()>;
+    fn fetch_add(&mut self, offset: usize, value: u64) -> Result<u64>;
+    fn compare_swap(&mut self, offset: usize, expected: u64, desired: u64) -> Result<u64>;
+    /// Returns once every earlier request is complete in memory.
+    fn complete(&mut self) -> Result<()>;
+}
+
+impl Target for Memory {
+    fn limits(&self) -> (usize, usize) {
+        (self.bytes, self.signals)
+    }
+    fn write(&mut self, offset: usize, src: &[u8]) -> Result<()> {
+        // SAFETY: in bounds (checked by `serve`) of the target's data.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.data.add(offset), src.len()) };
+        Ok(())
+    }
+    fn read(&mut self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        // SAFETY: as for `write`.
+        unsafe { std::ptr::copy_nonoverlapping(self.data.add(offset), dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+    fn signal(&mut self, id: usize, origin: usize, op: SignalOp, value: u64) -> Result<()> {
+        self.apply_signal(id, origin, op, value);
+        Ok(())
+    }
+    fn fetch_add(&mut self, offset: usize, value: u64) -> Result<u64> {
+        Ok(self.word(offset).fetch_add(value, Ordering::AcqRel))
+    }
+    fn compare_swap(&mut self, offset: usize, expected: u64, desired: u64) -> Result<u64> {
+        Ok(self
+            .word(offset)
+            .compare_exchange(expected, desired, Ordering::AcqRel, Ordering::Acquire)
+            .unwrap_or_else(|v| v))
+    }
+    fn complete(&mut self) -> Result<()> {
+        Ok(())
     }
 }
 
 /// Serves one origin until its connection ends; then marks the origin gone.
-pub(crate) fn serve(mut s: TcpStream, origin: usize, mem: Memory, gone: Arc<Vec<AtomicBool>>) {
-    if let Err(why) = serve_requests(&mut s, origin, mem) {
-        tracing::debug!(origin, "window proxy: connection ended: {why}");
+pub(crate) fn serve(mut s: TcpStream, origin: usize, mut mem: impl Target, gone: Arc<Vec<AtomicBool>>) {
+    if let Err(why) = serve_requests(&mut s, origin, &mut mem) {
+        tracing::debug!(origin, "window server: connection ended: {why}");
     }
     gone[origin].store(true, Ordering::Release);
     let _ = s.shutdown(Shutdown::Both);
 }
 
-fn serve_requests(s: &mut TcpStream, origin: usize, mem: Memory) -> std::result::Result<(), String> {
+fn serve_requests(s: &mut TcpStream, origin: usize, mem: &mut dyn Target) -> std::result::Result<(), String> {
+    let (bytes, signals) = mem.limits();
+    let in_bounds = |offset: u64, len: u64| offset.checked_add(len).is_some_and(|end| end <= bytes as u64);
+    let word_ok = |off: u64| in_bounds(off, 8) && off % 8 == 0;
     let mut h = [0u8; HEADER];
     let mut buf = Vec::new();
     loop {
@@ -101,37 +148,36 @@ fn serve_requests(s: &mut TcpStream, origin: usize, mem: Memory) -> std::result:
             return Err(format!("{e}"));
         }
         let (a, b, c) = (word(&h[8..16]), word(&h[16..24]), word(&h[24..32]));
-        let word_ok = |off: u64| mem.in_bounds(off, 8) && off % 8 == 0;
+        let reply = |s: &mut TcpStream, v: u64| s.write_all(&v.to_le_bytes()).map_err(|e| e.to_string());
         match h[0] {
-            PUT if mem.in_bounds(a, b) => {
+            PUT if in_bounds(a, b) => {
                 buf.resize(b as usize, 0);
                 s.read_exact(&mut buf).map_err(|e| e.to_string())?;
-                // SAFETY: in bounds (checked above) of the target's data.
-                unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), mem.data.add(a as usize), buf.len()) };
+                mem.write(a as usize, &buf).map_err(|e| e.to_string())?;
             }
-            GET if mem.in_bounds(a, b) => {
+            GET if in_bounds(a, b) => {
                 buf.resize(b as usize, 0);
-                // SAFETY: as for PUT.
-                unsafe { std::ptr::copy_nonoverlapping(mem.data.add(a as usize), buf.as_mut_ptr(), buf.len()) };
+                mem.read(a as usize, &mut buf).map_err(|e| e.to_string())?;
                 s.write_all(&buf).map_err(|e| e.to_string())?;
             }
-            SIGNAL if (a as usize) < mem.signals && b <= 1 => {
+            SIGNAL if (a as usize) < signals && b <= 1 => {
                 let op = if b == 0 { SignalOp::Set } else { SignalOp::Add };
-                mem.apply_signal(a as usize, origin, op, c);
+                mem.signal(a as usize, origin, op, c).map_err(|e| e.to_string())?;
             }
             FETCH_ADD if word_ok(a) => {
-                let old = mem.word(a as usize).fetch_add(c, Ordering::AcqRel);
-                s.write_all(&old.to_le_bytes()).map_err(|e| e.to_string())?;
+                let old = mem.fetch_add(a as usize, c).map_err(|e| e.to_string())?;
+                reply(s, old)?;
             }
             COMPARE_SWAP if word_ok(a) => {
-                let w = mem.word(a as usize);
-                let old = w
-                    .compare_exchange(b, c, Ordering::AcqRel, Ordering::Acquire)
-                    .unwrap_or_else(|v| v);
-                s.write_all(&old.to_le_bytes()).map_err(|e| e.to_string())?;
+                let old = mem.compare_swap(a as usize, b, c).map_err(|e| e.to_string())?;
+                reply(s, old)?;
             }
-            // Requests are applied in arrival order, so answering means all earlier ones are done.
-            FLUSH => s.write_all(&0u64.to_le_bytes()).map_err(|e| e.to_string())?,
+            // Requests are applied in arrival order, so once they are complete in memory, all
+            // earlier ones are.
+            FLUSH => {
+                mem.complete().map_err(|e| e.to_string())?;
+                reply(s, 0)?;
+            }
             op => return Err(format!("refused request {op} (a={a}, b={b}) from rank {origin}")),
         }
     }

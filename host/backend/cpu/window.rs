@@ -12,12 +12,9 @@ use crate::net::proxy::HostData;
 use crate::net::tcp::{self, Memory, TcpLink};
 use crate::net::HostQueue;
 use crate::options::TransportOptions;
-use crate::transport::{
-    accept_authenticated, bind_listener, check_owner, dial, host_identity, published_addr, OwnerState, PeerGone,
-    ProcessWatch, Segment,
-};
+use crate::transport::{check_owner, host_identity, OwnerState, PeerGone, ProcessWatch, Segment};
 use crate::window::{Cmp, Observed, SignalOp, SignalSource, WindowBackend, WindowSpec};
-use std::net::{SocketAddr, TcpStream};
+use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -154,54 +151,22 @@ impl CpuWindow {
         let by_proxy = |origin: usize, target: usize| {
             origin != target && (spec.registered.is_some() || hosts[origin] != hosts[target])
         };
-        let serves = (0..size).filter(|&o| by_proxy(o, rank)).count();
-        let listener = if serves > 0 {
-            Some(bind_listener(s.transport, &**s.store, "window proxy")?)
-        } else {
-            None
-        };
-        let any_proxy = (0..size).any(|o| (0..size).any(|t| by_proxy(o, t)));
-        let secret = match (any_proxy, rank) {
-            (false, _) => String::new(),
-            (true, 0) => {
-                let t = bootstrap::random_token();
-                store.set("secret", t.as_bytes())?;
-                t
-            }
-            (true, _) => String::from_utf8_lossy(&store.get("secret", left())?).into_owned(),
-        };
-
-        // Round 2: segments and proxy addresses.
-        let addr = published_addr(listener.as_ref())?;
-        store.set(&format!("ep/{rank}"), format!("{} {addr}", own.name()).as_bytes())?;
-        let mut eps: Vec<(String, Option<SocketAddr>)> = Vec::with_capacity(size);
-        for p in 0..size {
-            let v = String::from_utf8_lossy(&store.get(&format!("ep/{p}"), left())?).into_owned();
-            let (seg, a) = v.split_once(' ').unwrap_or((&v, "-"));
-            eps.push((seg.to_owned(), a.parse().ok()));
-        }
-
-        // Accept our origins on a helper thread while we dial our targets: no order deadlocks.
-        let gone: Arc<Vec<AtomicBool>> = Arc::new((0..size).map(|_| AtomicBool::new(false)).collect());
-        let acceptor = listener.map(|l| {
-            let secret = secret.clone().into_bytes();
-            std::thread::spawn(move || accept_authenticated(&l, serves, &secret, size, deadline))
-        });
+        // Round 2: segments; then the network connections (net::mesh).
+        store.set(&format!("seg/{rank}"), own.name().as_bytes())?;
+        let mut mesh = crate::net::mesh::connect(&store, rank, size, &by_proxy, s.transport, deadline)?;
         let mut paths = Vec::with_capacity(size);
-        for (t, (segment, proxy_addr)) in eps.iter().enumerate() {
+        for t in 0..size {
             paths.push(if t == rank {
                 Path::Local
-            } else if by_proxy(rank, t) {
-                let addr =
-                    proxy_addr.ok_or_else(|| Error::protocol("window setup", format!("rank {t} runs no proxy")))?;
-                let stream = dial(rank, t, addr, secret.as_bytes(), deadline)?;
+            } else if let Some(stream) = mesh.to[t].take() {
                 Path::Net(Arc::new(SharedLink::new(Box::new(TcpLink::new(
                     stream,
                     t,
                     spec.timeout,
                 )?))))
             } else {
-                let seg = Arc::new(Segment::open(segment, data_len + pad_len)?);
+                let name = String::from_utf8_lossy(&store.get(&format!("seg/{t}"), left())?).into_owned();
+                let seg = Arc::new(Segment::open(&name, data_len + pad_len)?);
                 let watch = ProcessWatch::open(seg.owner_pid());
                 // Every rank lays its segment out alike: data, then the pad.
                 // SAFETY: the pad lies inside the mapping (same sizes, checked by `open`).
@@ -240,25 +205,15 @@ impl CpuWindow {
             streams: Vec::new(),
             threads: Vec::new(),
         };
-        if let Some(a) = acceptor {
-            let accepted = a
-                .join()
-                .map_err(|_| Error::protocol("window setup", "proxy acceptor panicked"))??;
-            for (origin, stream) in accepted {
-                if !by_proxy(origin, rank) {
-                    return Err(Error::protocol(
-                        "window setup",
-                        format!("unexpected proxy connection from rank {origin}"),
-                    ));
-                }
-                server
-                    .streams
-                    .push(stream.try_clone().map_err(|e| Error::io("window proxy", e))?);
-                let gone = gone.clone();
-                server
-                    .threads
-                    .push(std::thread::spawn(move || tcp::serve(stream, origin, mem, gone)));
-            }
+        let gone: Arc<Vec<AtomicBool>> = Arc::new((0..size).map(|_| AtomicBool::new(false)).collect());
+        for (origin, stream) in mesh.from {
+            server
+                .streams
+                .push(stream.try_clone().map_err(|e| Error::io("window server", e))?);
+            let gone = gone.clone();
+            server
+                .threads
+                .push(std::thread::spawn(move || tcp::serve(stream, origin, mem, gone)));
         }
 
         let w = CpuWindow {
