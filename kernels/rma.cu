@@ -12,6 +12,18 @@ extern "C" __global__ void ferrocomm_signal(ferrocomm_window_handle h, i32 peer,
   Window(h).signal(coop_thread(), peer, id, static_cast<SignalOp>(op), value);
 }
 
+// A signal that `source`, a rank on another host, sent through this rank's window server:
+// one thread releases our own slot [id][source]. The server copied the source's earlier puts
+// into our segment on this same stream, so they are complete before the release (rule 1).
+extern "C" __global__ void ferrocomm_signal_from(ferrocomm_window_handle h, i32 source, u32 id, u32 op, u64 value) {
+  u64* slot = Window(h).signal_slot(h.rank, id, source);
+  if (op == FERROCOMM_SIGNAL_SET) {
+    store_release(slot, value);
+  } else {
+    add_release(slot, value);
+  }
+}
+
 // One thread waits (acquire) and writes what it saw to `out` (ok, source, value).
 extern "C" __global__ void ferrocomm_wait_signal(ferrocomm_window_handle h, u32 id, i32 source, u32 cmp, u64 value,
                                                  u64* out) {

@@ -130,6 +130,7 @@ fn the_library_kernels_compile_with_nvrtc_as_the_fallback_does() {
     let mut wanted = vec![
         "ferrocomm_signal".to_string(),
         "ferrocomm_wait_signal".into(),
+        "ferrocomm_signal_from".into(),
         "ferrocomm_allgather_oneshot".into(),
         "ferrocomm_alltoall".into(),
     ];

@@ -58,6 +58,35 @@ pub(crate) fn is_capturing(stream: u64) -> Result<bool> {
     Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
 }
 
+/// Blocks until everything enqueued on `stream` is done, or `limit` passes (then
+/// `Error::Timeout` naming `op`). Spins first: host verbs' work takes microseconds.
+pub(crate) fn wait_idle(stream: sys::CUstream, op: &'static str, limit: Duration) -> Result<()> {
+    let deadline = Instant::now() + limit;
+    let mut spins = 0u32;
+    loop {
+        // SAFETY: the caller's stream is live.
+        match unsafe { sys::cuStreamQuery(stream) } {
+            sys::CUresult::CUDA_SUCCESS => return Ok(()),
+            sys::CUresult::CUDA_ERROR_NOT_READY => {
+                if Instant::now() >= deadline {
+                    return Err(Error::Timeout {
+                        op,
+                        peer: None,
+                        after: limit,
+                    });
+                }
+                spins += 1;
+                if spins < 1000 {
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::sleep(Duration::from_micros(50));
+                }
+            }
+            other => return check("cuStreamQuery", other),
+        }
+    }
+}
+
 /// A CUDA event without timing, owned.
 pub(crate) struct Event(sys::CUevent);
 

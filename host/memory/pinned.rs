@@ -56,6 +56,11 @@ impl<T: Copy> Pinned<T> {
         self.device
     }
 
+    /// The host address of element 0, for callers that share the words through atomics.
+    pub(crate) fn host_ptr(&self) -> *mut T {
+        self.host
+    }
+
     /// Reads element `i` as the device last wrote it (volatile: the device writes behind our back).
     pub(crate) fn read(&self, i: usize) -> T {
         debug_assert!(i < self.len);

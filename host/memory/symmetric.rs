@@ -81,13 +81,15 @@ impl Drop for Physical {
 }
 
 /// Every rank's segment mapped into this process: segment r at `base + r * stride`, readable
-/// and writable by GPU `ordinal`. Unmapped on drop.
+/// and writable by GPU `ordinal`. Ranks of other hosts have no segment here: their slot of the
+/// range stays reserved but unmapped (kernels reach them through the proxy queue). Unmapped on
+/// drop.
 pub(crate) struct SymmetricMap {
     base: CUdeviceptr,
     stride: usize,
     total: usize,
-    count: usize,
-    _segments: Vec<Arc<Physical>>,
+    /// Per rank, the segment mapped in its slot.
+    segments: Vec<Option<Arc<Physical>>>,
 }
 
 // SAFETY: a device address range is a process-wide value; the map is immutable after creation.
@@ -96,10 +98,12 @@ unsafe impl Send for SymmetricMap {}
 unsafe impl Sync for SymmetricMap {}
 
 impl SymmetricMap {
-    /// Maps `segments` (all of one size, a granularity multiple) for GPU `ordinal`.
-    pub(crate) fn new(ordinal: usize, segments: Vec<Arc<Physical>>) -> Result<SymmetricMap> {
-        let stride = segments.first().map(|s| s.bytes).unwrap_or(0);
-        if stride == 0 || segments.iter().any(|s| s.bytes != stride) {
+    /// Maps `segments` (all of one size, a granularity multiple; `None` for a rank that is not
+    /// mapped) for GPU `ordinal`.
+    pub(crate) fn new(ordinal: usize, segments: Vec<Option<Arc<Physical>>>) -> Result<SymmetricMap> {
+        let present = || segments.iter().flatten();
+        let stride = present().next().map_or(0, |s| s.bytes);
+        if stride == 0 || present().any(|s| s.bytes != stride) {
             return Err(Error::invalid(
                 "new_window",
                 "window segments differ in size across ranks",
@@ -113,17 +117,22 @@ impl SymmetricMap {
             base,
             stride,
             total,
-            count: 0,
-            _segments: Vec::new(),
+            segments: Vec::with_capacity(segments.len()),
         };
-        for seg in &segments {
-            // SAFETY: the slot is reserved and unmapped, its size the segment's.
-            unsafe { result::map(base + (map.count * stride) as u64, stride, seg.handle) }?;
-            map.count += 1;
+        for seg in segments {
+            let slot = base + (map.segments.len() * stride) as u64;
+            if let Some(seg) = &seg {
+                // SAFETY: the slot is reserved and unmapped, its size the segment's.
+                unsafe { result::map(slot, stride, seg.handle) }?;
+            }
+            // Pushed once mapped, so that drop unmaps exactly what was mapped.
+            let mapped = seg.is_some();
+            map.segments.push(seg);
+            if mapped {
+                // SAFETY: the slot is mapped now.
+                unsafe { result::allow(slot, stride, ordinal) }?;
+            }
         }
-        // SAFETY: the whole range is mapped now.
-        unsafe { result::allow(base, total, ordinal) }?;
-        map._segments = segments;
         Ok(map)
     }
 
@@ -135,7 +144,13 @@ impl SymmetricMap {
         self.stride
     }
 
-    /// The device address of byte `offset` of `rank`'s segment.
+    /// Whether `rank`'s segment is mapped here.
+    pub(crate) fn is_mapped(&self, rank: usize) -> bool {
+        self.segments.get(rank).is_some_and(Option::is_some)
+    }
+
+    /// The device address of byte `offset` of `rank`'s segment (mapped only where
+    /// `is_mapped(rank)`).
     pub(crate) fn addr(&self, rank: usize, offset: usize) -> CUdeviceptr {
         self.base + (rank * self.stride + offset) as u64
     }
@@ -143,11 +158,13 @@ impl SymmetricMap {
 
 impl Drop for SymmetricMap {
     fn drop(&mut self) {
-        // SAFETY: the slots 0..count were mapped by new(); the caller synchronised the stream
-        // that used them before dropping.
+        // SAFETY: the slots holding a segment were mapped by new(); the caller synchronised
+        // the stream that used them before dropping.
         unsafe {
-            for i in 0..self.count {
-                let _ = result::unmap(self.base + (i * self.stride) as u64, self.stride);
+            for (i, seg) in self.segments.iter().enumerate() {
+                if seg.is_some() {
+                    let _ = result::unmap(self.base + (i * self.stride) as u64, self.stride);
+                }
             }
             if let Err(e) = result::free_range(self.base, self.total) {
                 tracing::warn!("freeing a window's address range: {e}");

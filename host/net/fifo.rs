@@ -10,12 +10,12 @@ use crate::transport::back_off;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-/// The shared words of one queue, by host address.
+/// The words of one queue that the consumer touches, by host address. Producers' `head` is
+/// not among them: a kernel's queue keeps it in device memory.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Ring {
     /// `2 * capacity` words.
     pub slots: *const AtomicU64,
-    pub head: *const AtomicU64,
     pub tail: *const AtomicU64,
     pub done: *const AtomicU64,
     pub capacity: u64,
@@ -38,10 +38,6 @@ impl Ring {
     fn done(&self) -> &AtomicU64 {
         // SAFETY: as above.
         unsafe { &*self.done }
-    }
-    fn head(&self) -> &AtomicU64 {
-        // SAFETY: as above.
-        unsafe { &*self.head }
     }
     fn slot(&self, ticket: u64) -> u64 {
         2 * (ticket & (self.capacity - 1))
@@ -72,12 +68,16 @@ impl HostRing {
         })
     }
 
+    /// Tickets taken by producers.
+    fn head(&self) -> &AtomicU64 {
+        &self.words[0]
+    }
+
     pub(crate) fn ring(&self) -> Ring {
         let base = self.words.as_ptr();
         // SAFETY: all offsets lie inside `words`.
         unsafe {
             Ring {
-                head: base,
                 tail: base.add(LINE),
                 done: base.add(2 * LINE),
                 slots: base.add(3 * LINE),
@@ -189,8 +189,14 @@ impl Idle {
 
 /// Host producers' protocol, the same as a kernel's: ticket, back-pressure, word 1, release of
 /// word 0. `failed` is polled while waiting so that a dead proxy ends the wait early.
-pub(crate) fn push(ring: &Ring, words: [u64; 2], timeout: Duration, failed: &dyn Fn() -> Option<Error>) -> Result<u64> {
-    let ticket = ring.head().fetch_add(1, Ordering::Relaxed);
+pub(crate) fn push(
+    host: &HostRing,
+    words: [u64; 2],
+    timeout: Duration,
+    failed: &dyn Fn() -> Option<Error>,
+) -> Result<u64> {
+    let ticket = host.head().fetch_add(1, Ordering::Relaxed);
+    let ring = host.ring();
     // Acquire pairs with the consumer's release of tail: its reads of the slot are over.
     let free = || ticket - ring.tail().load(Ordering::Acquire) < ring.capacity;
     bounded_wait("proxy queue push (queue full)", timeout, failed, free)?;
@@ -202,8 +208,9 @@ pub(crate) fn push(ring: &Ring, words: [u64; 2], timeout: Duration, failed: &dyn
 }
 
 /// Waits until every descriptor taken before this call is complete at its target.
-pub(crate) fn wait_done(ring: &Ring, timeout: Duration, failed: &dyn Fn() -> Option<Error>) -> Result<()> {
-    let target = ring.head().load(Ordering::Acquire);
+pub(crate) fn wait_done(host: &HostRing, timeout: Duration, failed: &dyn Fn() -> Option<Error>) -> Result<()> {
+    let target = host.head().load(Ordering::Acquire);
+    let ring = host.ring();
     bounded_wait("proxy queue flush", timeout, failed, || {
         ring.done().load(Ordering::Acquire) >= target
     })
@@ -263,7 +270,7 @@ pub fn measure_pickup(samples: usize, gap: Duration) -> Result<Vec<Duration>> {
             if !gap.is_zero() {
                 std::thread::sleep(gap);
             }
-            push(&r, [0, stamp()], Duration::from_secs(10), &|| None)?;
+            push(&ring, [0, stamp()], Duration::from_secs(10), &|| None)?;
             while r.tail().load(Ordering::Acquire) <= i {
                 std::hint::spin_loop();
             }
@@ -292,11 +299,10 @@ mod tests {
             for p in 0..producers {
                 let ring = ring.clone();
                 s.spawn(move || {
-                    let r = ring.ring();
                     for i in 0..each {
                         // Word 0 carries the producer in bits 32.., word 1 the sequence number.
                         push(
-                            &r,
+                            &ring,
                             [(p << 32) | i, i.wrapping_mul(0x9e37_79b9)],
                             Duration::from_secs(60),
                             &never,
@@ -326,20 +332,20 @@ mod tests {
         let ring = HostRing::new(2).unwrap();
         let r = ring.ring();
         let soon = || Duration::from_millis(50);
-        push(&r, [1, 1], soon(), &never).unwrap();
-        push(&r, [2, 2], soon(), &never).unwrap();
-        let e = push(&r, [3, 3], soon(), &never).unwrap_err();
+        push(&ring, [1, 1], soon(), &never).unwrap();
+        push(&ring, [2, 2], soon(), &never).unwrap();
+        let e = push(&ring, [3, 3], soon(), &never).unwrap_err();
         assert!(matches!(e, Error::Timeout { .. }), "{e}");
         // The consumer sees the two published ones; flush waits until they are done.
         let mut c = Consumer::new(r);
         assert_eq!(c.pop(), Some([1, 1]));
-        assert!(matches!(wait_done(&r, soon(), &never), Err(Error::Timeout { .. })));
+        assert!(matches!(wait_done(&ring, soon(), &never), Err(Error::Timeout { .. })));
         c.complete(c.popped());
         assert_eq!(c.pop(), Some([2, 2]));
         // The timed-out push took ticket 2 and never published it: the consumer waits there.
         assert_eq!(c.pop(), None);
         let lost = || Some(Error::protocol("proxy", "gone"));
-        assert!(matches!(wait_done(&r, soon(), &lost), Err(Error::Protocol { .. })));
+        assert!(matches!(wait_done(&ring, soon(), &lost), Err(Error::Protocol { .. })));
     }
 
     #[test]
@@ -349,7 +355,7 @@ mod tests {
         let far = Duration::from_secs(5);
         let mut c = Consumer::new(r);
         for i in 0..10u64 {
-            push(&r, [i, i], far, &never).unwrap();
+            push(&ring, [i, i], far, &never).unwrap();
             assert_eq!(c.pop(), Some([i, i]));
             assert_eq!(c.pop(), None, "slot of ticket {} read twice", i);
         }

@@ -113,8 +113,7 @@ impl QueueProducer<'_> {
     }
 
     fn push(&self, d: Descriptor) -> Result<()> {
-        let r = self.q.ring.ring();
-        fifo::push(&r, d.encode(), self.q.timeout, &|| self.q.proxy.take_error()).map(|_| ())
+        fifo::push(&self.q.ring, d.encode(), self.q.timeout, &|| self.q.proxy.take_error()).map(|_| ())
     }
 
     /// Queues a put of `bytes` from offset `src_offset` of this rank's window data to offset
@@ -173,7 +172,7 @@ impl QueueProducer<'_> {
     /// Waits until everything queued before this call is complete at its target, and reports
     /// the first error the proxy met since the last flush.
     pub fn flush(&self) -> Result<()> {
-        fifo::wait_done(&self.q.ring.ring(), self.q.timeout, &|| self.q.proxy.take_error())?;
+        fifo::wait_done(&self.q.ring, self.q.timeout, &|| self.q.proxy.take_error())?;
         match self.q.proxy.take_error() {
             Some(e) => Err(e),
             None => Ok(()),

@@ -192,15 +192,14 @@ mod tests {
         let source: Vec<u64> = (0..64).map(|i| i * 3 + 1).collect();
         let (mut target, mut pad) = (vec![0u64; 64], vec![0u64; 8]);
         let (ring, proxy, server) = pipeline(&source, &mut target, &mut pad);
-        let r = ring.ring();
         let t = Duration::from_secs(5);
         let none = || None;
         let put = |peer, dst, src, bytes| Descriptor::Put { peer, dst, src, bytes }.encode();
-        fifo::push(&r, [9 << OP_SHIFT, 0], t, &none).unwrap(); // unknown op
-        fifo::push(&r, put(0, 0, 0, 8), t, &none).unwrap(); // rank 0 is not behind the queue
-        fifo::push(&r, put(1, 8, 16, 64), t, &none).unwrap(); // good: words 2..10 -> 1..9
-        fifo::push(&r, [(PUT << OP_SHIFT) | (1 << 40) | 511, 8 << 40], t, &none).unwrap(); // leaves the window
-        fifo::wait_done(&r, t, &none).unwrap();
+        fifo::push(&ring, [9 << OP_SHIFT, 0], t, &none).unwrap(); // unknown op
+        fifo::push(&ring, put(0, 0, 0, 8), t, &none).unwrap(); // rank 0 is not behind the queue
+        fifo::push(&ring, put(1, 8, 16, 64), t, &none).unwrap(); // good: words 2..10 -> 1..9
+        fifo::push(&ring, [(PUT << OP_SHIFT) | (1 << 40) | 511, 8 << 40], t, &none).unwrap(); // leaves the window
+        fifo::wait_done(&ring, t, &none).unwrap();
         let e = proxy.take_error().expect("the first bad descriptor is reported");
         assert!(e.to_string().contains("unknown descriptor op 9"), "{e}");
         assert!(proxy.take_error().is_none(), "only the first error is kept");

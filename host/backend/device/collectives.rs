@@ -135,6 +135,13 @@ fn env_bytes(name: &str, default: usize) -> Result<usize> {
 impl OwnCollectives {
     /// Collective over the communicator, like any window.
     pub(crate) fn create(b: &DeviceBackend, timeout: Duration) -> Result<OwnCollectives> {
+        // The kernels load and store to every peer: ranks on other hosts are out of reach.
+        if let Err(why) = &b.one_host {
+            return Err(Error::Unavailable {
+                backend: "device".into(),
+                reason: format!("own collective kernels need every rank on one host: {why}"),
+            });
+        }
         let max_bytes = env_bytes("FERROCOMM_DEVICE_ONESHOT_MAX", 1 << 20)?
             .max(16)
             .next_multiple_of(16);

@@ -6,6 +6,8 @@
 
 mod collectives;
 mod multicast;
+mod queue;
+mod remote;
 mod route;
 mod sharing;
 mod stage;
@@ -39,6 +41,8 @@ pub(crate) struct DeviceBackend {
     nccl: Option<NcclBackend>,
     /// ferrocomm's own collective kernels, where every rank is on this host.
     own: Option<collectives::OwnCollectives>,
+    /// Every rank is on this host; else why not.
+    one_host: std::result::Result<(), String>,
     policy: Policy,
     /// Every rank has a GPU of its own that supports multicast: windows bind a multicast object.
     multicast: bool,
@@ -74,6 +78,7 @@ pub(crate) fn create(init: &BackendInit) -> Result<Box<dyn Backend>> {
         transport: init.options.transport.clone(),
         abort_flag,
         multicast: team.multicast.is_ok(),
+        one_host: team.one_host,
     };
     backend.own = match collectives::OwnCollectives::create(&backend, init.options.timeout) {
         Ok(own) => Some(own),

@@ -1,7 +1,8 @@
 //! What the ranks of a device communicator agree on about their GPUs when it is made: whether
-//! NCCL joins (every rank loads it and has a GPU of its own: NCCL refuses shared GPUs) and
-//! whether windows get a multicast object (every rank's GPU supports multicast and is its
-//! own: a multicast object binds one segment per device). Each rank publishes what it knows
+//! NCCL joins (every rank loads it and has a GPU of its own: NCCL refuses shared GPUs), whether
+//! they all share one host (the backend's own collective kernels load and store to every peer)
+//! and whether windows get a multicast object (every rank on one host, on a GPU of its own that
+//! supports multicast: a multicast object binds one segment per device). Each rank publishes what it knows
 //! through the store and derives the answer from the same table as every other rank, so no
 //! rank waits in an NCCL init or a multicast bind that a peer skips.
 
@@ -15,12 +16,16 @@ struct Record {
     /// The GPU's UUID (ordinals differ between processes with different CUDA_VISIBLE_DEVICES),
     /// or why it could not be read.
     gpu: std::result::Result<String, String>,
+    /// transport::host_identity: a multicast object spans one host's GPUs only.
+    host: String,
     nccl: std::result::Result<(), String>,
     multicast: std::result::Result<(), String>,
 }
 
 /// The team's answers; an `Err` says why not (for the debug log).
 pub(crate) struct Team {
+    /// Every rank is on this host: the backend's own collective kernels reach every peer.
+    pub(crate) one_host: std::result::Result<(), String>,
     pub(crate) nccl: std::result::Result<(), String>,
     pub(crate) multicast: std::result::Result<(), String>,
 }
@@ -28,6 +33,7 @@ pub(crate) struct Team {
 pub(crate) fn agree(init: &BackendInit, ordinal: usize) -> Result<Team> {
     let mine = Record {
         gpu: gpu_identity(ordinal),
+        host: crate::transport::host_identity(init.rank, &init.options.transport),
         nccl: match std::env::var("FERROCOMM_NCCL").as_deref() {
             Ok("0") => Err("disabled by FERROCOMM_NCCL=0".into()),
             _ => super::super::nccl::library::nccl().map(drop).map_err(|e| e.to_string()),
@@ -63,9 +69,14 @@ fn decide(records: &[Record]) -> Team {
                 .map_err(|why| format!("rank {r} has no {what}: {why}"))
         })
     };
+    let one_host = match records.iter().position(|r| r.host != records[0].host) {
+        Some(r) => Err(format!("rank {r} is on another host than rank 0")),
+        None => Ok(()),
+    };
     Team {
         nccl: every("NCCL", |r| &r.nccl),
-        multicast: every("multicast", |r| &r.multicast),
+        multicast: one_host.clone().and_then(|()| every("multicast", |r| &r.multicast)),
+        one_host,
     }
 }
 
@@ -95,6 +106,7 @@ mod tests {
         let yes_or = |ok: bool, why: &str| if ok { Ok(()) } else { Err(why.to_string()) };
         Record {
             gpu: Ok(gpu.into()),
+            host: "h".into(),
             nccl: yes_or(nccl, "no libnccl"),
             multicast: yes_or(multicast, "unsupported"),
         }
@@ -118,5 +130,13 @@ mod tests {
         assert_eq!(decide(&[lost]).multicast.unwrap_err(), "rank 0: no context");
         // One rank on its own GPU is a team (multicast over one device is allowed).
         assert!(decide(&[rec("a", true, true)]).multicast.is_ok());
+
+        // Multicast objects do not cross hosts; NCCL does.
+        let mut far = rec("b", true, true);
+        far.host = "other".into();
+        let t = decide(&[rec("a", true, true), far]);
+        assert!(t.nccl.is_ok());
+        assert_eq!(t.multicast.unwrap_err(), "rank 1 is on another host than rank 0");
+        assert!(t.one_host.is_err());
     }
 }

@@ -1,10 +1,13 @@
-//! A window in GPU memory. Each rank's segment is a cuMem allocation; every rank maps all of
-//! them side by side (memory::SymmetricMap), so kernels reach any peer by address. Peers in this
-//! process share the physical handle; peers in other processes of this host receive it as a
-//! file descriptor (transport::fd_passing). Host verbs run on the rank's own stream: copies by
-//! copy engine, signals, waits and atomics by the small kernels of kernels/rma.cu, each
-//! complete when the call returns.
+//! A window in GPU memory. Each rank's segment is a cuMem allocation; every rank maps the
+//! segments of its host side by side (memory::SymmetricMap), so kernels reach those peers by
+//! address. Peers in this process share the physical handle; peers in other processes of this
+//! host receive it as a file descriptor (transport::fd_passing). Ranks on other hosts are
+//! reached over the network (remote.rs): host verbs on links, kernels through the proxy queue.
+//! Host verbs toward this host run on the rank's own stream: copies by copy engine, signals,
+//! waits and atomics by the small kernels of kernels/rma.cu, each complete when the call
+//! returns.
 
+use super::remote::{self, GpuSegment, Network};
 use super::sharing::{forget_released, Shared};
 use super::DeviceBackend;
 use crate::backend::RunOptions;
@@ -14,6 +17,7 @@ use crate::device::abi::{self, DeviceStatus, WindowHandle};
 use crate::error::{Error, Result};
 use crate::memory::symmetric::{granularity, memset_zero};
 use crate::memory::{multicast, MulticastMap, Physical, Pinned, SymmetricMap};
+use crate::net::link::SharedLink;
 use crate::transport::fd_passing::FdServer;
 use crate::transport::host_identity;
 use crate::window::{Cmp, Observed, SignalOp, SignalSource, WindowBackend, WindowSpec};
@@ -28,7 +32,17 @@ use std::time::{Duration, Instant};
 #[derive(Serialize, Deserialize)]
 struct SegmentInfo {
     host: String,
+    /// The window it asked for: (data bytes, signal ids).
+    spec: (usize, usize),
     segment: Shared,
+}
+
+/// What `DeviceWindow::exchange` learnt: per rank, its segment where it is on this host, its
+/// process and its host.
+struct Peers {
+    segments: Vec<Option<Arc<Physical>>>,
+    pids: Vec<u32>,
+    hosts: Vec<String>,
 }
 
 const ALIGN: usize = 256;
@@ -52,6 +66,7 @@ fn lcm(a: usize, b: usize) -> usize {
 /// The library kernels a window calls.
 struct Kernels {
     signal: CudaFunction,
+    signal_from: CudaFunction,
     wait_signal: CudaFunction,
     fetch_add: CudaFunction,
     compare_swap: CudaFunction,
@@ -59,6 +74,9 @@ struct Kernels {
 
 pub(crate) struct DeviceWindow {
     rank: usize,
+    /// Links, proxy queue and server toward ranks on other hosts; stopped on drop before the
+    /// segments are unmapped.
+    net: Option<Network>,
     /// The handle carries its address; kept until drop, before `map` (unbound first).
     _multicast: Option<MulticastMap>,
     map: SymmetricMap,
@@ -95,6 +113,7 @@ impl DeviceWindow {
         };
         let kernels = Kernels {
             signal: f("ferrocomm_signal")?,
+            signal_from: f("ferrocomm_signal_from")?,
             wait_signal: f("ferrocomm_wait_signal")?,
             fetch_add: f("ferrocomm_fetch_add")?,
             compare_swap: f("ferrocomm_compare_swap")?,
@@ -115,10 +134,10 @@ impl DeviceWindow {
         let own = Physical::create(b.ordinal, segment_bytes)?;
         let exchanged = Self::exchange(b, spec, &own);
         forget_released();
-        let (segments, pids) = exchanged?;
-        let map = SymmetricMap::new(b.ordinal, segments)?;
+        let peers = exchanged?;
+        let map = SymmetricMap::new(b.ordinal, peers.segments)?;
         let multicast = match multicast_unit {
-            Some(g) => super::multicast::join(b, spec.id, &own, &pids, g, spec.timeout),
+            Some(g) => super::multicast::join(b, spec.id, &own, &peers.pids, g, spec.timeout),
             None => Ok(None),
         };
         forget_released();
@@ -131,7 +150,7 @@ impl DeviceWindow {
         b.host.run_barrier(&RunOptions::new(spec.timeout, &hints))?;
 
         let status = Pinned::zeroed(1)?;
-        let handle = WindowHandle {
+        let mut handle = WindowHandle {
             base: map.base(),
             stride: map.stride() as u64,
             data_bytes: spec.bytes as u64,
@@ -147,8 +166,27 @@ impl DeviceWindow {
             signals: spec.signals as u32,
             flags: 0,
         };
+        // After the barrier: no rank's request can reach a pad before its owner zeroed it.
+        let store = PrefixStore::new(format!("dwindow{}", spec.id), b.store.clone());
+        let net = Network::start(remote::Plan {
+            store: &store,
+            hosts: &peers.hosts,
+            transport: &b.transport,
+            segment: GpuSegment {
+                ctx: ctx.clone(),
+                handle,
+                signal_from: kernels.signal_from.clone(),
+                fetch_add: kernels.fetch_add.clone(),
+                compare_swap: kernels.compare_swap.clone(),
+                timeout: spec.timeout,
+            },
+            stream: &stream,
+            deadline: Instant::now() + spec.timeout,
+        })?;
+        handle.fifo = net.as_ref().map_or(0, |n| n.queue.device_addr());
         Ok(DeviceWindow {
             rank,
+            net,
             _multicast: multicast,
             map,
             ctx,
@@ -163,24 +201,29 @@ impl DeviceWindow {
         })
     }
 
-    /// Publishes our segment and collects every rank's, in rank order, with each rank's process.
-    fn exchange(b: &DeviceBackend, spec: &WindowSpec, own: &Arc<Physical>) -> Result<(Vec<Arc<Physical>>, Vec<u32>)> {
+    /// Publishes our segment and collects every rank's of this host, in rank order.
+    fn exchange(b: &DeviceBackend, spec: &WindowSpec, own: &Arc<Physical>) -> Result<Peers> {
         let store = PrefixStore::new(format!("dwindow{}", spec.id), b.store.clone());
         let server = FdServer::bind()?;
         let me = SegmentInfo {
             host: host_identity(b.rank, &b.transport),
+            spec: (spec.bytes, spec.signals),
             segment: Shared::publish(own, &server),
         };
         let infos =
             crate::bootstrap::all_gather_records(&store, "rank", b.rank, b.size, &me, "device window", spec.timeout)?;
         for (r, info) in infos.iter().enumerate() {
-            if info.host != me.host {
-                return Err(Error::Unavailable {
-                    backend: "device".into(),
-                    reason: format!("rank {r} is on another host; device windows need every rank on this host"),
+            if info.spec != me.spec {
+                return Err(Error::Mismatch {
+                    op: "new_window",
+                    peer: r,
+                    detail: format!(
+                        "it asked for (bytes, signals) = {:?}, this rank for {:?}",
+                        info.spec, me.spec
+                    ),
                 });
             }
-            if info.segment.bytes != me.segment.bytes {
+            if info.host == me.host && info.segment.bytes != me.segment.bytes {
                 return Err(Error::Mismatch {
                     op: "new_window",
                     peer: r,
@@ -190,7 +233,11 @@ impl DeviceWindow {
         }
 
         let deadline = Instant::now() + spec.timeout;
-        let clients = infos.iter().filter(|i| i.segment.pid != me.segment.pid).count();
+        let here = |i: &SegmentInfo| i.host == me.host;
+        let clients = infos
+            .iter()
+            .filter(|i| here(i) && i.segment.pid != me.segment.pid)
+            .count();
         let fd = if clients > 0 { Some(own.export()?) } else { None };
         std::thread::scope(|s| {
             let serving = fd
@@ -201,9 +248,11 @@ impl DeviceWindow {
                 .enumerate()
                 .map(|(r, info)| {
                     if r == b.rank {
-                        Ok(own.clone())
+                        Ok(Some(own.clone()))
+                    } else if here(info) {
+                        info.segment.open(r, "segment", deadline).map(Some)
                     } else {
-                        info.segment.open(r, "segment", deadline)
+                        Ok(None)
                     }
                 })
                 .collect::<Result<Vec<_>>>();
@@ -213,38 +262,32 @@ impl DeviceWindow {
             });
             let segments = segments?;
             served?;
-            Ok((segments, infos.iter().map(|i| i.segment.pid).collect()))
+            Ok(Peers {
+                segments,
+                pids: infos.iter().map(|i| i.segment.pid).collect(),
+                hosts: infos.into_iter().map(|i| i.host).collect(),
+            })
         })
     }
 
     /// Waits for the stream (bounded: device waits end by their own deadline, so `limit` only
     /// guards against a kernel that never ends), then turns a recorded device error into ours.
     pub(crate) fn finish(&self, op: &'static str, limit: Duration) -> Result<()> {
-        let deadline = Instant::now() + limit + Duration::from_secs(1);
-        let mut spins = 0u32;
-        loop {
-            // SAFETY: the stream is live for as long as self.
-            match unsafe { sys::cuStreamQuery(self.stream.cu_stream()) } {
-                sys::CUresult::CUDA_SUCCESS => break,
-                sys::CUresult::CUDA_ERROR_NOT_READY => {
-                    if Instant::now() >= deadline {
-                        return Err(Error::Timeout {
-                            op,
-                            peer: None,
-                            after: limit,
-                        });
-                    }
-                    spins += 1;
-                    if spins < 1000 {
-                        std::hint::spin_loop();
-                    } else {
-                        std::thread::sleep(Duration::from_micros(50));
-                    }
-                }
-                other => return cuda::check("cuStreamQuery", other),
-            }
+        match cuda::stream::wait_idle(self.stream.cu_stream(), op, limit + Duration::from_secs(1)) {
+            Err(Error::Timeout { op, peer, .. }) => return Err(Error::Timeout { op, peer, after: limit }),
+            r => r?,
         }
-        self.take_status(op, limit)
+        self.take_status(op, limit)?;
+        // A kernel's queued put or signal that the proxy could not carry (a lost link).
+        match self.net.as_ref().and_then(|n| n.queue.take_error()) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// The link to `rank` where it is on another host.
+    fn link(&self, rank: usize) -> Option<&Arc<SharedLink>> {
+        self.net.as_ref()?.links.get(rank)?.as_ref()
     }
 
     /// Reports and clears the first error a kernel recorded, so the window stays usable.
@@ -305,6 +348,9 @@ impl DeviceWindow {
 
 impl WindowBackend for DeviceWindow {
     fn put(&self, dst: usize, offset: usize, src: &[u8]) -> Result<()> {
+        if let Some(l) = self.link(dst) {
+            return l.lock(true).put(offset, src);
+        }
         let _g = self.enter()?;
         // SAFETY: Window checked the range; the copy completes before `src` is released.
         cuda::check("cuMemcpyHtoDAsync", unsafe {
@@ -319,6 +365,9 @@ impl WindowBackend for DeviceWindow {
     }
 
     fn get(&self, src: usize, offset: usize, dst: &mut [u8]) -> Result<()> {
+        if let Some(l) = self.link(src) {
+            return l.lock(false).get(offset, dst);
+        }
         let _g = self.enter()?;
         // SAFETY: Window checked the range; `dst` outlives the synchronised copy.
         cuda::check("cuMemcpyDtoHAsync", unsafe {
@@ -333,6 +382,9 @@ impl WindowBackend for DeviceWindow {
     }
 
     fn signal(&self, dst: usize, id: usize, op: SignalOp, value: u64) -> Result<()> {
+        if let Some(l) = self.link(dst) {
+            return l.lock(true).signal(id, op, value);
+        }
         let _g = self.enter()?;
         let (peer, id, op) = (dst as i32, id as u32, signal_op(op));
         let mut b = self.stream.launch_builder(&self.kernels.signal);
@@ -356,9 +408,19 @@ impl WindowBackend for DeviceWindow {
         Self::launch_one(b)?;
         self.finish("wait_signal", timeout)?;
         if self.out.read(0) == 0 {
+            let peer = usize::try_from(source).ok();
+            if let (Some(p), Some(net)) = (peer, &self.net) {
+                if net.lost(p) {
+                    return Err(Error::PeerLost {
+                        op: "wait_signal",
+                        peer: p,
+                        reason: "its connection to this rank's window server closed".into(),
+                    });
+                }
+            }
             return Err(Error::Timeout {
                 op: "wait_signal",
-                peer: usize::try_from(source).ok(),
+                peer,
                 after: timeout,
             });
         }
@@ -370,6 +432,9 @@ impl WindowBackend for DeviceWindow {
     }
 
     fn fetch_add(&self, dst: usize, offset: usize, value: u64) -> Result<u64> {
+        if let Some(l) = self.link(dst) {
+            return l.lock(false).fetch_add(offset, value);
+        }
         let _g = self.enter()?;
         let (peer, offset, out) = (dst as i32, offset as u64, self.out.device_addr());
         let mut b = self.stream.launch_builder(&self.kernels.fetch_add);
@@ -380,6 +445,9 @@ impl WindowBackend for DeviceWindow {
     }
 
     fn compare_swap(&self, dst: usize, offset: usize, expected: u64, desired: u64) -> Result<u64> {
+        if let Some(l) = self.link(dst) {
+            return l.lock(false).compare_swap(offset, expected, desired);
+        }
         let _g = self.enter()?;
         let (peer, offset, out) = (dst as i32, offset as u64, self.out.device_addr());
         let mut b = self.stream.launch_builder(&self.kernels.compare_swap);
@@ -394,14 +462,19 @@ impl WindowBackend for DeviceWindow {
         Ok(self.out.read(0))
     }
 
-    /// Every host verb is complete when it returns, which already orders it before the next.
+    /// Host verbs on this host are complete when they return, and each link to another host
+    /// is FIFO: every verb is already ordered before the next.
     fn fence(&self) -> Result<()> {
         Ok(())
     }
 
     fn flush(&self) -> Result<()> {
         let _g = self.enter()?;
-        self.finish("flush", self.timeout)
+        self.finish("flush", self.timeout)?;
+        for l in self.net.iter().flat_map(|n| n.links.iter().flatten()) {
+            l.flush_if_dirty()?;
+        }
+        Ok(())
     }
 
     fn local_base(&self) -> *mut u8 {
@@ -409,7 +482,7 @@ impl WindowBackend for DeviceWindow {
     }
 
     fn remote_base(&self, rank: usize) -> Option<*mut u8> {
-        Some(self.map.addr(rank, 0) as *mut u8)
+        self.map.is_mapped(rank).then(|| self.map.addr(rank, 0) as *mut u8)
     }
 
     fn device(&self) -> Option<(WindowHandle, Arc<CudaStream>)> {
@@ -427,6 +500,8 @@ impl Drop for DeviceWindow {
         // Unmapping under a running kernel would fault it; wait (bounded) first.
         let _ = self.ctx.bind_to_thread();
         let _ = self.finish("drop", Duration::from_secs(5));
+        // The proxy and the server threads use the segment: they stop before it is unmapped.
+        drop(self.net.take());
     }
 }
 

@@ -1,0 +1,300 @@
+//! A device window's network side ([`Network`]), for ranks on other hosts: host verbs toward
+//! them run on TCP links (net/tcp.rs), kernels' puts and signals go through the window's proxy
+//! queue (queue.rs) onto the same links, and the window server applies their requests to this
+//! rank's GPU segment ([`GpuTarget`], one per connection). The proxy reads the sources of
+//! queued puts out of the segment ([`GpuData`]). Each has a stream of its own, created
+//! non-blocking so that its copies run beside a kernel that is waiting for them.
+//!
+//! RDMA links would need the GPU segment registered with the NIC (GPUDirect RDMA), which is
+//! not implemented: device windows across hosts use TCP.
+
+use super::queue::DeviceQueue;
+use crate::bootstrap::Store;
+use crate::cuda;
+use crate::device::abi::WindowHandle;
+use crate::error::{Error, Result};
+use crate::memory::Pinned;
+use crate::net::descriptor::Limits;
+use crate::net::link::SharedLink;
+use crate::net::proxy::LocalData;
+use crate::net::tcp::{self, Target, TcpLink};
+use crate::options::{NetTransport, TransportOptions};
+use crate::window::SignalOp;
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use std::net::TcpStream;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// The links, the proxy queue and the server of a window with ranks on other hosts.
+pub(super) struct Network {
+    /// Per rank, the link where the rank is on another host.
+    pub(super) links: Vec<Option<Arc<SharedLink>>>,
+    pub(super) queue: DeviceQueue,
+    /// Per rank: its connection to our server has closed.
+    gone: Arc<Vec<AtomicBool>>,
+    /// The connections we serve, to shut down on drop.
+    served: Vec<TcpStream>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+/// What the window's set-up hands to [`Network::start`].
+pub(super) struct Plan<'a> {
+    /// The window's store namespace.
+    pub store: &'a dyn Store,
+    /// Every rank's `transport::host_identity`.
+    pub hosts: &'a [String],
+    pub transport: &'a TransportOptions,
+    pub segment: GpuSegment,
+    /// The rank's own stream, for the queue's allocations.
+    pub stream: &'a Arc<CudaStream>,
+    pub deadline: Instant,
+}
+
+impl Network {
+    /// Collective over the window's ranks; `None` when every rank is on this host.
+    pub(super) fn start(p: Plan) -> Result<Option<Network>> {
+        let (rank, size) = (p.segment.handle.rank as usize, p.hosts.len());
+        let by_net = |o: usize, t: usize| p.hosts[o] != p.hosts[t];
+        if !(0..size).any(|t| by_net(rank, t)) {
+            return Ok(None);
+        }
+        // Every rank reads the same environment, so all refuse alike.
+        if p.transport.net == NetTransport::Rdma {
+            return Err(Error::Unavailable {
+                backend: "device".into(),
+                reason: "FERROCOMM_NET=rdma: device windows reach other hosts over TCP only \
+                         (registering GPU memory with the NIC, GPUDirect RDMA, is not implemented)"
+                    .into(),
+            });
+        }
+        let mut mesh = crate::net::mesh::connect(p.store, rank, size, &by_net, p.transport, p.deadline)?;
+        let timeout = p.segment.timeout;
+        let mut links = Vec::with_capacity(size);
+        for (t, stream) in mesh.to.iter_mut().enumerate() {
+            links.push(match stream.take() {
+                Some(s) => Some(Arc::new(SharedLink::new(Box::new(TcpLink::new(s, t, timeout)?)))),
+                None => None,
+            });
+        }
+        let data = GpuData::new(p.segment.ctx.clone(), p.segment.data(0), timeout)?;
+        let limits = Limits {
+            size,
+            bytes: p.segment.handle.data_bytes as usize,
+            signals: p.segment.handle.signals as usize,
+        };
+        let queue = DeviceQueue::start(p.stream, links.clone(), Box::new(data), limits)?;
+        let mut net = Network {
+            links,
+            queue,
+            gone: Arc::new((0..size).map(|_| AtomicBool::new(false)).collect()),
+            served: Vec::new(),
+            threads: Vec::new(),
+        };
+        // From here an error drops `net`, which stops the servers already started.
+        for (origin, stream) in mesh.from {
+            net.served
+                .push(stream.try_clone().map_err(|e| Error::io("window server", e))?);
+            let target = GpuTarget::new(p.segment.clone())?;
+            let gone = net.gone.clone();
+            net.threads.push(
+                std::thread::Builder::new()
+                    .name("ferrocomm-winserve".into())
+                    .spawn(move || tcp::serve(stream, origin, target, gone))
+                    .map_err(|e| Error::io("starting a window server thread", e))?,
+            );
+        }
+        Ok(Some(net))
+    }
+
+    /// Whether `origin`'s connection to our server has closed (it can no longer signal us).
+    pub(super) fn lost(&self, origin: usize) -> bool {
+        self.gone
+            .get(origin)
+            .is_some_and(|g| g.load(std::sync::atomic::Ordering::Acquire))
+    }
+}
+
+impl Drop for Network {
+    fn drop(&mut self) {
+        // The server threads write our segment: they end before the window unmaps it.
+        for s in &self.served {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// What a server thread needs to reach this rank's segment.
+#[derive(Clone)]
+pub(super) struct GpuSegment {
+    pub ctx: Arc<CudaContext>,
+    /// This rank's handle: its segment is `handle.base + rank * stride`.
+    pub handle: WindowHandle,
+    /// kernels/rma.cu's ferrocomm_signal_from, ferrocomm_fetch_add, ferrocomm_compare_swap.
+    pub signal_from: CudaFunction,
+    pub fetch_add: CudaFunction,
+    pub compare_swap: CudaFunction,
+    /// Bound of each wait for this rank's own stream (copies and one-thread kernels).
+    pub timeout: Duration,
+}
+
+impl GpuSegment {
+    fn data(&self, offset: usize) -> sys::CUdeviceptr {
+        self.handle.base + self.handle.rank as u64 * self.handle.stride + offset as u64
+    }
+}
+
+/// One origin's requests applied to this rank's GPU segment, in order on one stream.
+pub(super) struct GpuTarget {
+    seg: GpuSegment,
+    stream: Arc<CudaStream>,
+    /// An atomic's result.
+    out: Pinned<u64>,
+}
+
+impl GpuTarget {
+    pub(super) fn new(seg: GpuSegment) -> Result<GpuTarget> {
+        let stream = seg.ctx.new_stream().map_err(|e| cuda::err("cuStreamCreate", e))?;
+        Ok(GpuTarget {
+            seg,
+            stream,
+            out: Pinned::zeroed(1)?,
+        })
+    }
+
+    fn enter(&self) -> Result<()> {
+        self.seg
+            .ctx
+            .bind_to_thread()
+            .map_err(|e| cuda::err("cuCtxSetCurrent", e))
+    }
+
+    fn wait(&self, op: &'static str) -> Result<()> {
+        cuda::stream::wait_idle(self.stream.cu_stream(), op, self.seg.timeout)
+    }
+
+    /// Runs a one-thread atomic kernel on our own rank and returns its result.
+    fn atomic(&self, f: &CudaFunction, offset: usize, a: u64, b: Option<u64>) -> Result<u64> {
+        self.enter()?;
+        let (rank, offset, out) = (self.seg.handle.rank, offset as u64, self.out.device_addr());
+        let mut l = self.stream.launch_builder(f);
+        l.arg(&self.seg.handle).arg(&rank).arg(&offset).arg(&a);
+        if let Some(b) = &b {
+            l.arg(b);
+        }
+        l.arg(&out);
+        // SAFETY: ferrocomm_fetch_add takes (handle, peer, offset, value, out) and
+        // ferrocomm_compare_swap (handle, peer, offset, expected, desired, out), as pushed.
+        unsafe { l.launch(LaunchConfig::for_num_elems(1)) }.map_err(|e| cuda::err("cuLaunchKernel", e))?;
+        self.wait("window server atomic")?;
+        Ok(self.out.read(0))
+    }
+}
+
+impl Target for GpuTarget {
+    fn limits(&self) -> (usize, usize) {
+        (self.seg.handle.data_bytes as usize, self.seg.handle.signals as usize)
+    }
+
+    fn write(&mut self, offset: usize, src: &[u8]) -> Result<()> {
+        self.enter()?;
+        // SAFETY: the server checked the range against the segment's data.
+        cuda::check("cuMemcpyHtoDAsync", unsafe {
+            sys::cuMemcpyHtoDAsync_v2(
+                self.seg.data(offset),
+                src.as_ptr().cast(),
+                src.len(),
+                self.stream.cu_stream(),
+            )
+        })?;
+        // `src` is the server's buffer, reused for the next request: the copy must have read it
+        // (an asynchronous copy from pageable memory may return before it has).
+        self.wait("window server put")
+    }
+
+    fn read(&mut self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        self.enter()?;
+        // SAFETY: as for `write`; `dst` outlives the wait below.
+        cuda::check("cuMemcpyDtoHAsync", unsafe {
+            sys::cuMemcpyDtoHAsync_v2(
+                dst.as_mut_ptr().cast(),
+                self.seg.data(offset),
+                dst.len(),
+                self.stream.cu_stream(),
+            )
+        })?;
+        self.wait("window server get")
+    }
+
+    fn signal(&mut self, id: usize, origin: usize, op: SignalOp, value: u64) -> Result<()> {
+        self.enter()?;
+        let (origin, id) = (origin as i32, id as u32);
+        let op: u32 = match op {
+            SignalOp::Set => 0,
+            SignalOp::Add => 1,
+        };
+        let mut l = self.stream.launch_builder(&self.seg.signal_from);
+        l.arg(&self.seg.handle).arg(&origin).arg(&id).arg(&op).arg(&value);
+        // Stream order puts it after this origin's earlier copies: no wait needed here.
+        // SAFETY: ferrocomm_signal_from takes (handle, source, id, op, value), as pushed.
+        unsafe { l.launch(LaunchConfig::for_num_elems(1)) }.map_err(|e| cuda::err("cuLaunchKernel", e))?;
+        Ok(())
+    }
+
+    fn fetch_add(&mut self, offset: usize, value: u64) -> Result<u64> {
+        let f = self.seg.fetch_add.clone();
+        self.atomic(&f, offset, value, None)
+    }
+
+    fn compare_swap(&mut self, offset: usize, expected: u64, desired: u64) -> Result<u64> {
+        let f = self.seg.compare_swap.clone();
+        self.atomic(&f, offset, expected, Some(desired))
+    }
+
+    fn complete(&mut self) -> Result<()> {
+        self.enter()?;
+        self.wait("window server flush")
+    }
+}
+
+/// This rank's GPU window data as the proxy reads put sources: a device-to-host copy each.
+pub(super) struct GpuData {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    base: sys::CUdeviceptr,
+    timeout: Duration,
+}
+
+impl GpuData {
+    pub(super) fn new(ctx: Arc<CudaContext>, base: sys::CUdeviceptr, timeout: Duration) -> Result<GpuData> {
+        let stream = ctx.new_stream().map_err(|e| cuda::err("cuStreamCreate", e))?;
+        Ok(GpuData {
+            ctx,
+            stream,
+            base,
+            timeout,
+        })
+    }
+}
+
+impl LocalData for GpuData {
+    fn read(&mut self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(|e| cuda::err("cuCtxSetCurrent", e))?;
+        // SAFETY: the descriptor's range was checked against the window data; `dst` outlives
+        // the wait. The kernel that queued the put released its source before the descriptor
+        // (impl/proxy.cuh), and we read the descriptor with acquire.
+        cuda::check("cuMemcpyDtoHAsync", unsafe {
+            sys::cuMemcpyDtoHAsync_v2(
+                dst.as_mut_ptr().cast(),
+                self.base + offset as u64,
+                dst.len(),
+                self.stream.cu_stream(),
+            )
+        })?;
+        cuda::stream::wait_idle(self.stream.cu_stream(), "proxy read of a put source", self.timeout)
+    }
+}
