@@ -367,3 +367,143 @@ fn gpu_multicast_window_when_the_gpu_supports_it() {
         common::window_suite::run_on(c, &w, seed as u64);
     });
 }
+
+/// Options under which every rank counts as a host of its own (FERROCOMM_TRANSPORT=tcp): device
+/// windows then reach every peer over the network, kernels through the proxy queue.
+fn other_hosts(timeout: Duration) -> CommOptions {
+    let mut o = options(timeout);
+    o.transport.force_tcp = true;
+    o
+}
+
+/// The kernel ring of `ring`, through the proxy queue: the tile a kernel puts lives in the
+/// window's upper half, since the proxy reads put sources from the window's data.
+fn ring_through_proxy(c: &Comm, scope: &str, threads: u32, words: usize, iters: u32, seed: u64) {
+    let w = c.new_window(2 * words * 8).unwrap();
+    let h = w.device_handle().unwrap();
+    assert_ne!(h.fifo, 0, "rank {}: peers on other hosts but no proxy queue", c.rank());
+    let stream = w.stream().unwrap();
+    let tile = h.base + c.rank() as u64 * h.stride + (words * 8) as u64;
+    let wrong = stream.alloc_zeros::<u64>(1).unwrap();
+    let words64 = words as u64;
+    launch!(
+        stream,
+        &format!("ring_{scope}"),
+        1,
+        threads,
+        &h,
+        &tile,
+        &words64,
+        &iters,
+        &seed,
+        &wrong
+    );
+    w.synchronize()
+        .unwrap_or_else(|e| panic!("proxy ring_{scope} rank {}: {e}", c.rank()));
+    assert_eq!(
+        stream.clone_dtoh(&wrong).unwrap()[0],
+        0,
+        "proxy ring_{scope}: words differed inside the kernel"
+    );
+    let left = (c.rank() + c.size() - 1) % c.size();
+    let mut got = vec![0u64; words];
+    w.read_local(0, &mut got).unwrap();
+    for (i, g) in got.iter().enumerate() {
+        assert_eq!(
+            *g,
+            pattern(seed, left, iters - 1, i as u64),
+            "proxy ring_{scope}: word {i} from rank {left}"
+        );
+    }
+    w.barrier().unwrap();
+}
+
+/// A kernel's put whose source is not window data cannot go through the proxy: every rank's
+/// kernel records it, the host reports it, and the window works on.
+fn proxy_put_from_outside_the_window_is_refused(c: &Comm, seed: u64) {
+    let w = c.new_window(4096 * 8).unwrap();
+    let stream = w.stream().unwrap();
+    let h = w.device_handle().unwrap();
+    let (tile, wrong) = (
+        stream.alloc_zeros::<u64>(64).unwrap(),
+        stream.alloc_zeros::<u64>(1).unwrap(),
+    );
+    let (words, iters) = (64u64, 1u32);
+    launch!(stream, "ring_thread", 1, 1, &h, &tile, &words, &iters, &seed, &wrong);
+    let e = w.synchronize().unwrap_err();
+    assert!(
+        matches!(e, Error::InvalidArgument { .. }) && e.to_string().contains("not in this window"),
+        "rank {}: {e}",
+        c.rank()
+    );
+    w.barrier().unwrap();
+    common::window_suite::run_on(c, &w, seed);
+}
+
+#[test]
+fn gpu_kernels_reach_other_hosts_through_the_proxy_in_one_process() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let seed = fresh_seed();
+    for n in [2, 3] {
+        let comms = Comm::new_group(
+            "device",
+            &vec![Device::Cuda(0); n],
+            &format!("gpu-proxy{n}"),
+            other_hosts(Duration::from_secs(60)),
+        )
+        .expect("device group");
+        std::thread::scope(|s| {
+            for c in &comms {
+                s.spawn(move || {
+                    for (scope, threads) in [("thread", 1), ("warp", 32), ("block", 256)] {
+                        ring_through_proxy(c, scope, threads, 1000 + 7 * n, 20, seed ^ n as u64);
+                    }
+                    // Above one descriptor's 8 MiB: the put is cut into several.
+                    ring_through_proxy(c, "block", 256, (9 << 20) / 8, 2, seed);
+                    let w = c.new_window(c.size() * 4096).unwrap();
+                    common::window_suite::run_on(c, &w, seed);
+                    proxy_put_from_outside_the_window_is_refused(c, seed);
+                });
+            }
+        });
+    }
+}
+
+/// Entry of the two-process proxy test (run by gpu_kernels_reach_another_process_over_tcp).
+#[test]
+#[ignore]
+fn gpu_two_process_proxy_rank() {
+    let c = new_comm(
+        "device",
+        Device::Cuda(0),
+        "gpu-2proc-proxy",
+        options(Duration::from_secs(60)),
+    )
+    .unwrap();
+    let seed: u64 = std::env::var("GPU_TEST_SEED").unwrap().parse().unwrap();
+    ring_through_proxy(&c, "block", 256, 1 << 14, 50, seed);
+    let w = c.new_window(4096 * 8).unwrap();
+    common::window_suite::run_on(&c, &w, seed);
+    println!("rank {} ok", c.rank());
+}
+
+#[test]
+fn gpu_kernels_reach_another_process_over_tcp() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let seed = fresh_seed().to_string();
+    let job = start_direct(
+        "gpu_two_process_proxy_rank",
+        2,
+        &[("GPU_TEST_SEED", seed.as_str()), ("FERROCOMM_TRANSPORT", "tcp")],
+    );
+    let deadline = Instant::now() + Duration::from_secs(120);
+    for (r, child) in job.ranks.into_iter().enumerate() {
+        let (status, out, _) = wait_child(child, deadline);
+        assert!(status.is_some_and(|s| s.success()), "rank {r} failed: {out}");
+        assert!(out.contains(&format!("rank {r} ok")), "rank {r}: {out}");
+    }
+}
