@@ -114,3 +114,20 @@ pub(crate) fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
     map.insert(ordinal, ctx.clone());
     Ok(ctx)
 }
+
+/// The PCI address of GPU `ordinal` (`0000:3b:00.0`), where the driver loads.
+pub(crate) fn pci_bus_id(ordinal: usize) -> Result<String> {
+    driver()?;
+    let mut dev = 0;
+    // SAFETY: writes one device handle.
+    check("cuDeviceGet", unsafe { sys::cuDeviceGet(&mut dev, ordinal as i32) })?;
+    let mut buf = [0 as std::ffi::c_char; 32];
+    // SAFETY: the driver writes a NUL-terminated string of at most `len` bytes.
+    check("cuDeviceGetPCIBusId", unsafe {
+        sys::cuDeviceGetPCIBusId(buf.as_mut_ptr(), buf.len() as i32, dev)
+    })?;
+    // SAFETY: NUL-terminated within the buffer (the driver's contract, and the last byte is 0).
+    Ok(unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }
+        .to_string_lossy()
+        .into_owned())
+}

@@ -7,6 +7,7 @@
 //! [`QueueProducer`] is the host end of a window's queue: the same protocol a kernel speaks,
 //! from Rust, so the whole kernel-to-network path runs (and is tested) without a GPU.
 
+pub(crate) mod affinity;
 pub mod descriptor;
 pub(crate) mod fifo;
 pub(crate) mod link;
@@ -71,6 +72,7 @@ impl HostQueue {
             links,
             data,
             limits,
+            cpus: None,
         })?;
         Ok(HostQueue {
             proxy,

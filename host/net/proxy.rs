@@ -38,6 +38,8 @@ pub(crate) struct Plan {
     pub links: Vec<Option<Arc<SharedLink>>>,
     pub data: Box<dyn LocalData>,
     pub limits: Limits,
+    /// CPUs to run on (near the GPU whose memory the queue lives in); `None`: anywhere.
+    pub cpus: Option<Vec<usize>>,
 }
 
 /// Descriptors run since the last completion before the proxy completes them anyway, so a
@@ -85,6 +87,12 @@ impl Drop for Proxy {
 }
 
 fn run(mut plan: Plan, mut idle: Idle, stop: &AtomicBool, error: &Mutex<Option<Error>>) {
+    if let Some(cpus) = &plan.cpus {
+        match super::affinity::pin_current_thread(cpus) {
+            Ok(()) => tracing::debug!(?cpus, "proxy thread pinned near its GPU"),
+            Err(e) => tracing::debug!("proxy thread left unpinned: {e}"),
+        }
+    }
     let mut consumer = Consumer::new(plan.ring);
     let mut staging = Vec::new();
     let mut completed = 0u64;
@@ -182,6 +190,7 @@ mod tests {
                 bytes: source.len() * 8,
                 signals: pad.len() / 2,
             },
+            cpus: None,
         })
         .unwrap();
         (ring, proxy, server)

@@ -38,6 +38,7 @@ impl DeviceQueue {
         links: Vec<Option<Arc<SharedLink>>>,
         data: Box<dyn LocalData>,
         limits: Limits,
+        ordinal: usize,
     ) -> Result<DeviceQueue> {
         let words = Pinned::<u64>::zeroed(2 * LINE + 2 * SLOTS)?;
         let remote = Pinned::<u8>::zeroed(links.len())?;
@@ -76,6 +77,9 @@ impl DeviceQueue {
             links,
             data,
             limits,
+            cpus: cuda::pci_bus_id(ordinal)
+                .ok()
+                .and_then(|bus| crate::net::affinity::cpus_near_pci_device(&bus)),
         })?;
         drop(head_in_use);
         Ok(DeviceQueue {

@@ -49,6 +49,8 @@ pub(super) struct Plan<'a> {
     pub segment: GpuSegment,
     /// The rank's own stream, for the queue's allocations.
     pub stream: &'a Arc<CudaStream>,
+    /// The GPU, whose nearby CPUs run the proxy thread.
+    pub ordinal: usize,
     pub deadline: Instant,
 }
 
@@ -84,7 +86,7 @@ impl Network {
             bytes: p.segment.handle.data_bytes as usize,
             signals: p.segment.handle.signals as usize,
         };
-        let queue = DeviceQueue::start(p.stream, links.clone(), Box::new(data), limits)?;
+        let queue = DeviceQueue::start(p.stream, links.clone(), Box::new(data), limits, p.ordinal)?;
         let mut net = Network {
             links,
             queue,

@@ -181,6 +181,7 @@ impl DeviceWindow {
                 timeout: spec.timeout,
             },
             stream: &stream,
+            ordinal: b.ordinal,
             deadline: Instant::now() + spec.timeout,
         })?;
         handle.fifo = net.as_ref().map_or(0, |n| n.queue.device_addr());
