@@ -98,7 +98,8 @@ impl Consumer {
         Consumer { ring, next: 0 }
     }
 
-    /// The next descriptor's words if its producer has published it; frees its slot.
+    /// The next descriptor's words if its producer has published it. Its slot stays taken
+    /// until `release`: the consumer first copies what the descriptor names (a put's source).
     pub(crate) fn pop(&mut self) -> Option<[u64; 2]> {
         let r = &self.ring;
         let at = r.slot(self.next);
@@ -109,9 +110,15 @@ impl Consumer {
         }
         let w1 = r.word(at + 1).load(Ordering::Relaxed);
         self.next += 1;
-        // Release: our reads of the slot happen before a producer, seeing the new tail, reuses it.
-        r.tail().store(self.next, Ordering::Release);
         Some([w0 & !(1 << PARITY_BIT), w1])
+    }
+
+    /// Publishes that everything popped is consumed: its slot may be reused and, for a put,
+    /// its source bytes have been copied (the producer may overwrite them).
+    pub(crate) fn release(&self) {
+        // Release: our reads of the slot and the source happen before a producer, seeing the
+        // new tail, reuses either.
+        self.ring.tail().store(self.next, Ordering::Release);
     }
 
     /// Tickets popped so far.
@@ -207,6 +214,19 @@ pub(crate) fn push(
     Ok(ticket)
 }
 
+/// Waits until the consumer has released `ticket`: a put's source may then be overwritten.
+pub(crate) fn wait_consumed(
+    host: &HostRing,
+    ticket: u64,
+    timeout: Duration,
+    failed: &dyn Fn() -> Option<Error>,
+) -> Result<()> {
+    let ring = host.ring();
+    bounded_wait("proxy queue put (source still in use)", timeout, failed, || {
+        ring.tail().load(Ordering::Acquire) > ticket
+    })
+}
+
 /// Waits until every descriptor taken before this call is complete at its target.
 pub(crate) fn wait_done(host: &HostRing, timeout: Duration, failed: &dyn Fn() -> Option<Error>) -> Result<()> {
     let target = host.head().load(Ordering::Acquire);
@@ -259,6 +279,7 @@ pub fn measure_pickup(samples: usize, gap: Duration) -> Result<Vec<Duration>> {
                 match c.pop() {
                     Some(w) => {
                         out.push(Duration::from_nanos(stamp().saturating_sub(w[1])));
+                        c.release();
                         idle.reset();
                     }
                     None => idle.wait(),
@@ -317,6 +338,7 @@ mod tests {
             while c.popped() < producers * each {
                 assert!(start.elapsed() < Duration::from_secs(60), "consumer starved");
                 let Some(w) = c.pop() else { continue };
+                c.release();
                 let (p, i) = ((w[0] >> 32) as usize, w[0] & 0xffff_ffff);
                 // Each producer's descriptors arrive whole and in its own order.
                 assert_eq!(i, next[p], "producer {p}");
@@ -357,8 +379,23 @@ mod tests {
         for i in 0..10u64 {
             push(&ring, [i, i], far, &never).unwrap();
             assert_eq!(c.pop(), Some([i, i]));
+            c.release();
             assert_eq!(c.pop(), None, "slot of ticket {} read twice", i);
         }
+    }
+
+    #[test]
+    fn a_put_source_is_free_only_once_the_consumer_releases_it() {
+        let ring = HostRing::new(4).unwrap();
+        let soon = Duration::from_millis(30);
+        let ticket = push(&ring, [7, 7], soon, &never).unwrap();
+        let mut c = Consumer::new(ring.ring());
+        assert!(wait_consumed(&ring, ticket, soon, &never).is_err(), "not even popped");
+        assert_eq!(c.pop(), Some([7, 7]));
+        let e = wait_consumed(&ring, ticket, soon, &never).unwrap_err();
+        assert!(matches!(e, Error::Timeout { .. }), "popped, source not yet copied: {e}");
+        c.release();
+        wait_consumed(&ring, ticket, soon, &never).unwrap();
     }
 
     #[test]

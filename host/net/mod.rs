@@ -114,12 +114,14 @@ impl QueueProducer<'_> {
         }
     }
 
-    fn push(&self, d: Descriptor) -> Result<()> {
-        fifo::push(&self.q.ring, d.encode(), self.q.timeout, &|| self.q.proxy.take_error()).map(|_| ())
+    /// Queues `d`; returns its ticket.
+    fn push(&self, d: Descriptor) -> Result<u64> {
+        fifo::push(&self.q.ring, d.encode(), self.q.timeout, &|| self.q.proxy.take_error())
     }
 
     /// Queues a put of `bytes` from offset `src_offset` of this rank's window data to offset
-    /// `dst_offset` of `peer`'s; it is visible there after a later signal or `flush`.
+    /// `dst_offset` of `peer`'s; it is visible there after a later signal or `flush`. Returns
+    /// once the proxy has copied the source: its bytes may then change (as after any put).
     pub fn put(&self, peer: usize, dst_offset: usize, src_offset: usize, bytes: usize) -> Result<()> {
         self.check_peer("proxy put", peer)?;
         let size = self.q.limits.bytes;
@@ -131,16 +133,21 @@ impl QueueProducer<'_> {
                 ));
             }
         }
+        let mut last = None;
         for start in (0..bytes).step_by(MAX_PUT) {
             let n = MAX_PUT.min(bytes - start);
-            self.push(Descriptor::Put {
+            last = Some(self.push(Descriptor::Put {
                 peer,
                 dst: dst_offset + start,
                 src: src_offset + start,
                 bytes: n,
-            })?;
+            })?);
         }
-        Ok(())
+        // The proxy consumes in ticket order: the last chunk released means all were copied.
+        match last {
+            Some(t) => fifo::wait_consumed(&self.q.ring, t, self.q.timeout, &|| self.q.proxy.take_error()),
+            None => Ok(()),
+        }
     }
 
     /// Queues signal `id` of `peer` (our slot); it lands after every earlier put to `peer`.
@@ -152,7 +159,7 @@ impl QueueProducer<'_> {
                 format!("signal id {id} of {}", self.q.limits.signals),
             ));
         }
-        self.push(Descriptor::Signal { peer, id, op, value })
+        self.push(Descriptor::Signal { peer, id, op, value }).map(drop)
     }
 
     /// `put`, then `signal` to the same peer.

@@ -1,7 +1,8 @@
 //! The proxy thread: drains one window's queue in ticket order, runs each descriptor on the
 //! link to its target, and publishes completion. A put's source bytes are copied out of this
 //! rank's window data (host memory, or GPU memory by a device-to-host copy) into a staging
-//! buffer first, so a link only ever sees ordinary host bytes.
+//! buffer first, so a link only ever sees ordinary host bytes; the slot is released (`tail`)
+//! only after that copy, so a producer that waits for it may then overwrite its source.
 
 use super::descriptor::{Descriptor, Limits};
 use super::fifo::{Consumer, Idle, Ring};
@@ -103,7 +104,10 @@ fn run(mut plan: Plan, mut idle: Idle, stop: &AtomicBool, error: &Mutex<Option<E
     loop {
         if let Some(words) = consumer.pop() {
             idle.reset();
-            if let Err(e) = execute(&mut plan, words, &mut staging) {
+            let ready = prepare(&mut plan, words, &mut staging);
+            // The put's source is in `staging` now: the producer may reuse it and the slot.
+            consumer.release();
+            if let Err(e) = ready.and_then(|(d, link)| send(d, &link, &staging)) {
                 record(e);
             }
             if consumer.popped() - completed >= COMPLETE_EVERY {
@@ -122,23 +126,28 @@ fn run(mut plan: Plan, mut idle: Idle, stop: &AtomicBool, error: &Mutex<Option<E
     }
 }
 
-fn execute(plan: &mut Plan, words: [u64; 2], staging: &mut Vec<u8>) -> Result<()> {
+/// Decodes a descriptor, finds its link and, for a put, copies the source into `staging`.
+fn prepare(plan: &mut Plan, words: [u64; 2], staging: &mut Vec<u8>) -> Result<(Descriptor, Arc<SharedLink>)> {
     let d = Descriptor::decode(words, &plan.limits).map_err(|why| Error::protocol("proxy queue", why))?;
     let peer = match d {
         Descriptor::Put { peer, .. } | Descriptor::Signal { peer, .. } => peer,
     };
-    let link = plan.links[peer].as_ref().ok_or_else(|| {
+    let link = plan.links[peer].clone().ok_or_else(|| {
         Error::protocol(
             "proxy queue",
             format!("a descriptor for rank {peer}, which is reached by load/store, not through the proxy"),
         )
     })?;
+    if let Descriptor::Put { src, bytes, .. } = d {
+        staging.resize(bytes, 0);
+        plan.data.read(src, staging)?;
+    }
+    Ok((d, link))
+}
+
+fn send(d: Descriptor, link: &SharedLink, staging: &[u8]) -> Result<()> {
     match d {
-        Descriptor::Put { dst, src, bytes, .. } => {
-            staging.resize(bytes, 0);
-            plan.data.read(src, staging)?;
-            link.lock(true).put(dst, staging)
-        }
+        Descriptor::Put { dst, .. } => link.lock(true).put(dst, staging),
         Descriptor::Signal { id, op, value, .. } => link.lock(true).signal(id, op, value),
     }
 }

@@ -91,9 +91,11 @@ typedef struct ferrocomm_window_handle {
  *   word 1: PUT: source offset in this rank's window data (bits 0..39) | bytes (bits 40..63);
  *           SIGNAL: the value
  *
- * The proxy advances `tail` once it has copied a descriptor out, and `done` (a count of
- * descriptors) once their effects are visible at their targets; `flush` waits for `done` to
- * reach the `head` it saw. A put larger than FERROCOMM_PROXY_MAX_PUT takes several slots. */
+ * The proxy advances `tail` once it has consumed a descriptor (copied it out and, for a put,
+ * copied the source bytes: a put waits for that before it returns, so its source may then
+ * change), and `done` (a count of descriptors) once their effects are visible at their
+ * targets; `flush` waits for `done` to reach the `head` it saw. A put larger than
+ * FERROCOMM_PROXY_MAX_PUT takes several slots. */
 #define FERROCOMM_PROXY_PUT 1u
 #define FERROCOMM_PROXY_SIGNAL 2u
 #define FERROCOMM_PROXY_PARITY_BIT 63
@@ -108,7 +110,7 @@ typedef struct ferrocomm_window_handle {
 typedef struct ferrocomm_proxy_queue {
   ferrocomm_u64 slots;    /* u64[2 * capacity]: host-pinned, mapped into the device */
   ferrocomm_u64 head;     /* u64*: tickets taken by producers (device memory) */
-  ferrocomm_u64 tail;     /* const u64*: slots the proxy has read (host-pinned) */
+  ferrocomm_u64 tail;     /* const u64*: descriptors the proxy has consumed (host-pinned) */
   ferrocomm_u64 done;     /* const u64*: descriptors complete at their targets (host-pinned) */
   ferrocomm_u64 remote;   /* const unsigned char[size]: nonzero where a rank goes through this queue */
   ferrocomm_u32 capacity; /* slots, a power of two */

@@ -138,7 +138,7 @@ class Window {
 
   // The proxy queue (impl/proxy.cuh).
   FERROCOMM_DEVICE_INLINE const ferrocomm_proxy_queue* queue() const;
-  FERROCOMM_DEVICE_INLINE bool push(i32 peer, u64 w0, u64 w1) const;
+  FERROCOMM_DEVICE_INLINE bool push(i32 peer, u64 w0, u64 w1, u64* taken) const;
   template <class Coop>
   FERROCOMM_DEVICE_INLINE void proxy_put(Coop c, i32 peer, u64 dst_offset, const void* src, u64 bytes) const;
   template <class Coop>

@@ -14,12 +14,14 @@ FERROCOMM_DEVICE_INLINE bool Window::via_proxy(i32 peer) const {
   return h_.fifo != 0 && reinterpret_cast<const unsigned char*>(queue()->remote)[peer] != 0;
 }
 
-// One descriptor: take a ticket, wait for its slot to be free (bounded), write word 1, then
-// release word 0 with the lap parity. False when the queue stayed full past the deadline.
-FERROCOMM_DEVICE_INLINE bool Window::push(i32 peer, u64 w0, u64 w1) const {
+// One descriptor: take a ticket (written to `*taken`), wait for its slot to be free (bounded),
+// write word 1, then release word 0 with the lap parity. False when the queue stayed full past
+// the deadline.
+FERROCOMM_DEVICE_INLINE bool Window::push(i32 peer, u64 w0, u64 w1, u64* taken) const {
   const ferrocomm_proxy_queue* q = queue();
   const u64 cap = q->capacity;
   const u64 ticket = atomicAdd(reinterpret_cast<unsigned long long*>(q->head), 1ull);
+  *taken = ticket;
   const u64* tail = reinterpret_cast<const u64*>(q->tail);
   const u64 start = now_ns();
   for (u32 spin = 0;; ++spin) {
@@ -52,11 +54,26 @@ FERROCOMM_DEVICE_INLINE void Window::proxy_put(Coop c, i32 peer, u64 dst_offset,
   }
   const u64 head = (static_cast<u64>(FERROCOMM_PROXY_PUT) << FERROCOMM_PROXY_OP_SHIFT) |
                    (static_cast<u64>(peer) << FERROCOMM_PROXY_PEER_SHIFT);
+  u64 ticket = 0;
   for (u64 done = 0; done < bytes; done += FERROCOMM_PROXY_MAX_PUT) {
     const u64 n = bytes - done < FERROCOMM_PROXY_MAX_PUT ? bytes - done : FERROCOMM_PROXY_MAX_PUT;
     const u64 w0 = head | ((dst_offset + done) & FERROCOMM_PROXY_OFFSET_MASK);
     const u64 w1 = (n << FERROCOMM_PROXY_BYTES_SHIFT) | ((src_offset + done) & FERROCOMM_PROXY_OFFSET_MASK);
-    if (!push(peer, w0, w1)) return;
+    if (!push(peer, w0, w1, &ticket)) return;
+  }
+  if (bytes == 0) return;
+  // A put is complete locally when it returns (docs/memory-model.md): wait until the proxy
+  // has copied the source, which it publishes by releasing the slot (tail passes our last
+  // ticket; it consumes in ticket order). Acquire: our later writes of the source come after.
+  const u64* tail = reinterpret_cast<const u64*>(queue()->tail);
+  const u64 start = now_ns();
+  for (u32 spin = 0;; ++spin) {
+    const u64 freed = load_acquire(tail);
+    if (freed > ticket) return;
+    if ((spin & 31) == 31 && (failed() || now_ns() - start > h_.timeout_ns)) {
+      give_up(FERROCOMM_OP_PROXY, peer, 0, ticket + 1, freed);
+      return;
+    }
   }
 }
 
@@ -67,7 +84,8 @@ FERROCOMM_DEVICE_INLINE void Window::proxy_signal(Coop c, i32 peer, u32 id, Sign
   const u64 w0 = (static_cast<u64>(FERROCOMM_PROXY_SIGNAL) << FERROCOMM_PROXY_OP_SHIFT) |
                  (static_cast<u64>(peer) << FERROCOMM_PROXY_PEER_SHIFT) |
                  (static_cast<u64>(static_cast<u32>(op)) << 32) | id;
-  push(peer, w0, value);
+  u64 ticket;
+  push(peer, w0, value, &ticket);
 }
 
 // Waits until the proxy reports complete every descriptor taken before this call.
