@@ -52,6 +52,39 @@ fn queued_put_signal_rings_deliver_every_byte() {
 }
 
 #[test]
+fn a_queued_put_leaves_its_source_free_on_return() {
+    // Rank 0 puts its source, overwrites it at once and puts it again elsewhere: rank 1 must
+    // see the first contents in the first place, the second in the second (the proxy copied
+    // the source before the first put returned).
+    let seed = fresh_seed();
+    run_group(2, "pq-reuse", tcp_opts(), |c| {
+        let words = (1 << 20) / 8;
+        let w = c.new_window(3 * words * 8).unwrap();
+        for round in 0..6u64 {
+            let first = random_words(&mut rng(seed, 2 * round), words);
+            let second = random_words(&mut rng(seed, 2 * round + 1), words);
+            if c.rank() == 0 {
+                let q = w.proxy_queue().unwrap();
+                w.write_local(0, &first).unwrap();
+                q.put(1, words * 8, 0, words * 8).unwrap();
+                w.write_local(0, &second).unwrap();
+                q.put_signal(1, 2 * words * 8, 0, words * 8, 0, SignalOp::Set, round + 1)
+                    .unwrap();
+                q.flush().unwrap();
+            } else {
+                w.wait_signal(0, SignalSource::Rank(0), Cmp::Ge, round + 1).unwrap();
+                let mut got = vec![0u64; words];
+                w.read_local(words * 8, &mut got).unwrap();
+                assert!(got == first, "round {round}: the first put carried later source bytes");
+                w.read_local(2 * words * 8, &mut got).unwrap();
+                assert!(got == second, "round {round}: the second put");
+            }
+            w.barrier().unwrap();
+        }
+    });
+}
+
+#[test]
 fn concurrent_producers_and_back_pressure() {
     // 4 threads per rank queue 1500 one-word puts each (more than the queue holds) to distinct
     // offsets of the peer; after a flush and a barrier every word is there.
