@@ -197,6 +197,14 @@ impl GpuTarget {
     }
 }
 
+impl Drop for GpuTarget {
+    fn drop(&mut self) {
+        // It ends on its server thread, which may never have made the context current; the
+        // stream and pinned memory are released right after this, under it.
+        let _ = self.seg.ctx.bind_to_thread();
+    }
+}
+
 impl Target for GpuTarget {
     fn limits(&self) -> (usize, usize) {
         (self.seg.handle.data_bytes as usize, self.seg.handle.signals as usize)
@@ -280,6 +288,13 @@ impl GpuData {
             base,
             timeout,
         })
+    }
+}
+
+impl Drop for GpuData {
+    fn drop(&mut self) {
+        // Dropped on the proxy thread: the stream is destroyed under its context.
+        let _ = self.ctx.bind_to_thread();
     }
 }
 
