@@ -7,7 +7,7 @@
 
 mod common;
 use common::*;
-use ferrocomm::device::cudarc::driver::{CudaModule, LaunchConfig, PushKernelArg};
+use ferrocomm::device::cudarc::driver::{CudaModule, DevicePtr, LaunchConfig, PushKernelArg};
 use ferrocomm::device::{self, CompileOptions};
 use ferrocomm::Error;
 use std::sync::{Arc, OnceLock};
@@ -72,12 +72,25 @@ fn gpu_host_verbs_follow_the_window_contract() {
     }
 }
 
+/// Where a kernel ring keeps the tile it puts: scratch memory of its own, or the window's upper
+/// half (required toward ranks behind the proxy queue, which reads put sources from the window).
+#[derive(Clone, Copy, PartialEq)]
+enum Tile {
+    Scratch,
+    InWindow,
+}
+
 /// A ring of put + signal driven by kernels, one per rank, at `scope`.
-fn ring(c: &Comm, scope: &str, threads: u32, words: usize, iters: u32, seed: u64) {
-    let w = c.new_window(words * 8).unwrap();
+fn ring(c: &Comm, scope: &str, threads: u32, words: usize, iters: u32, seed: u64, tile_at: Tile) {
+    let halves = if tile_at == Tile::InWindow { 2 } else { 1 };
+    let w = c.new_window(halves * words * 8).unwrap();
     let stream = w.stream().unwrap();
     let h = w.device_handle().unwrap();
-    let tile = stream.alloc_zeros::<u64>(words).unwrap();
+    let scratch = stream.alloc_zeros::<u64>(words).unwrap();
+    let tile = match tile_at {
+        Tile::Scratch => scratch.device_ptr(&stream).0,
+        Tile::InWindow => h.base + c.rank() as u64 * h.stride + (words * 8) as u64,
+    };
     let wrong = stream.alloc_zeros::<u64>(1).unwrap();
     let words64 = words as u64;
     launch!(
@@ -122,7 +135,7 @@ fn gpu_ring_put_signal_at_every_scope_in_one_process() {
     for n in [2, 3, 4, 8] {
         on_gpu_group(n, &format!("gpu-ring{n}"), Duration::from_secs(30), |c| {
             for (scope, threads) in [("thread", 1), ("warp", 32), ("block", 256)] {
-                ring(c, scope, threads, 1000 + 7 * n, 50, seed ^ n as u64);
+                ring(c, scope, threads, 1000 + 7 * n, 50, seed ^ n as u64, Tile::Scratch);
             }
         });
     }
@@ -277,24 +290,31 @@ fn gpu_abort_ends_a_device_wait() {
 fn gpu_two_process_rank() {
     let c = new_comm("device", Device::Cuda(0), "gpu-2proc", options(Duration::from_secs(60))).unwrap();
     let seed: u64 = std::env::var("GPU_TEST_SEED").unwrap().parse().unwrap();
-    ring(&c, "block", 256, 1 << 14, 100, seed);
+    ring(&c, "block", 256, 1 << 14, 100, seed, Tile::Scratch);
     let w = c.new_window(4096 * 8).unwrap();
     common::window_suite::run_on(&c, &w, seed);
     println!("rank {} ok", c.rank());
 }
 
-#[test]
-fn gpu_ring_across_two_processes() {
-    if !gpu_or_skip() {
-        return;
-    }
+/// Runs test entry `entry` as ranks 0 and 1 in two processes, with a fresh seed and `envs`;
+/// each must print "rank N ok".
+fn two_processes(entry: &str, envs: &[(&str, &str)]) {
     let seed = fresh_seed().to_string();
-    let job = start_direct("gpu_two_process_rank", 2, &[("GPU_TEST_SEED", seed.as_str())]);
+    let mut all = vec![("GPU_TEST_SEED", seed.as_str())];
+    all.extend_from_slice(envs);
+    let job = start_direct(entry, 2, &all);
     let deadline = Instant::now() + Duration::from_secs(120);
     for (r, child) in job.ranks.into_iter().enumerate() {
         let (status, out, _) = wait_child(child, deadline);
-        assert!(status.is_some_and(|s| s.success()), "rank {r} failed: {out}");
-        assert!(out.contains(&format!("rank {r} ok")), "rank {r}: {out}");
+        assert!(status.is_some_and(|s| s.success()), "{entry} rank {r} failed: {out}");
+        assert!(out.contains(&format!("rank {r} ok")), "{entry} rank {r}: {out}");
+    }
+}
+
+#[test]
+fn gpu_ring_across_two_processes() {
+    if gpu_or_skip() {
+        two_processes("gpu_two_process_rank", &[]);
     }
 }
 
@@ -376,54 +396,13 @@ fn other_hosts(timeout: Duration) -> CommOptions {
     o
 }
 
-/// The kernel ring of `ring`, through the proxy queue: the tile a kernel puts lives in the
-/// window's upper half, since the proxy reads put sources from the window's data.
-fn ring_through_proxy(c: &Comm, scope: &str, threads: u32, words: usize, iters: u32, seed: u64) {
-    let w = c.new_window(2 * words * 8).unwrap();
-    let h = w.device_handle().unwrap();
-    assert_ne!(h.fifo, 0, "rank {}: peers on other hosts but no proxy queue", c.rank());
-    let stream = w.stream().unwrap();
-    let tile = h.base + c.rank() as u64 * h.stride + (words * 8) as u64;
-    let wrong = stream.alloc_zeros::<u64>(1).unwrap();
-    let words64 = words as u64;
-    launch!(
-        stream,
-        &format!("ring_{scope}"),
-        1,
-        threads,
-        &h,
-        &tile,
-        &words64,
-        &iters,
-        &seed,
-        &wrong
-    );
-    w.synchronize()
-        .unwrap_or_else(|e| panic!("proxy ring_{scope} rank {}: {e}", c.rank()));
-    assert_eq!(
-        stream.clone_dtoh(&wrong).unwrap()[0],
-        0,
-        "proxy ring_{scope}: words differed inside the kernel"
-    );
-    let left = (c.rank() + c.size() - 1) % c.size();
-    let mut got = vec![0u64; words];
-    w.read_local(0, &mut got).unwrap();
-    for (i, g) in got.iter().enumerate() {
-        assert_eq!(
-            *g,
-            pattern(seed, left, iters - 1, i as u64),
-            "proxy ring_{scope}: word {i} from rank {left}"
-        );
-    }
-    w.barrier().unwrap();
-}
-
 /// A kernel's put whose source is not window data cannot go through the proxy: every rank's
 /// kernel records it, the host reports it, and the window works on.
 fn proxy_put_from_outside_the_window_is_refused(c: &Comm, seed: u64) {
     let w = c.new_window(4096 * 8).unwrap();
     let stream = w.stream().unwrap();
     let h = w.device_handle().unwrap();
+    assert_ne!(h.fifo, 0, "rank {}: peers on other hosts but no proxy queue", c.rank());
     let (tile, wrong) = (
         stream.alloc_zeros::<u64>(64).unwrap(),
         stream.alloc_zeros::<u64>(1).unwrap(),
@@ -458,10 +437,10 @@ fn gpu_kernels_reach_other_hosts_through_the_proxy_in_one_process() {
             for c in &comms {
                 s.spawn(move || {
                     for (scope, threads) in [("thread", 1), ("warp", 32), ("block", 256)] {
-                        ring_through_proxy(c, scope, threads, 1000 + 7 * n, 20, seed ^ n as u64);
+                        ring(c, scope, threads, 1000 + 7 * n, 20, seed ^ n as u64, Tile::InWindow);
                     }
                     // Above one descriptor's 8 MiB: the put is cut into several.
-                    ring_through_proxy(c, "block", 256, (9 << 20) / 8, 2, seed);
+                    ring(c, "block", 256, (9 << 20) / 8, 2, seed, Tile::InWindow);
                     let w = c.new_window(c.size() * 4096).unwrap();
                     common::window_suite::run_on(c, &w, seed);
                     proxy_put_from_outside_the_window_is_refused(c, seed);
@@ -483,27 +462,20 @@ fn gpu_two_process_proxy_rank() {
     )
     .unwrap();
     let seed: u64 = std::env::var("GPU_TEST_SEED").unwrap().parse().unwrap();
-    ring_through_proxy(&c, "block", 256, 1 << 14, 50, seed);
+    ring(&c, "block", 256, 1 << 14, 50, seed, Tile::InWindow);
     let w = c.new_window(4096 * 8).unwrap();
+    assert_ne!(
+        w.device_handle().unwrap().fifo,
+        0,
+        "the peer process is another host here"
+    );
     common::window_suite::run_on(&c, &w, seed);
     println!("rank {} ok", c.rank());
 }
 
 #[test]
 fn gpu_kernels_reach_another_process_over_tcp() {
-    if !gpu_or_skip() {
-        return;
-    }
-    let seed = fresh_seed().to_string();
-    let job = start_direct(
-        "gpu_two_process_proxy_rank",
-        2,
-        &[("GPU_TEST_SEED", seed.as_str()), ("FERROCOMM_TRANSPORT", "tcp")],
-    );
-    let deadline = Instant::now() + Duration::from_secs(120);
-    for (r, child) in job.ranks.into_iter().enumerate() {
-        let (status, out, _) = wait_child(child, deadline);
-        assert!(status.is_some_and(|s| s.success()), "rank {r} failed: {out}");
-        assert!(out.contains(&format!("rank {r} ok")), "rank {r}: {out}");
+    if gpu_or_skip() {
+        two_processes("gpu_two_process_proxy_rank", &[("FERROCOMM_TRANSPORT", "tcp")]);
     }
 }
