@@ -36,19 +36,16 @@ pub(crate) fn connect(
         to: (0..size).map(|_| None).collect(),
         from: Vec::new(),
     };
+    // Rank 0 makes the secret when anyone needs it, even if it has no path itself; only
+    // ranks with a path read it.
+    let any = (0..size).any(|o| (0..size).any(|t| by_net(o, t)));
+    if rank == 0 && any {
+        store.set("net/secret", bootstrap::random_token().as_bytes())?;
+    }
     if serves == 0 && dials.is_empty() {
         return Ok(mesh);
     }
-    // Rank 0 makes the secret when anyone needs it; only ranks with a path read it.
-    let any = (0..size).any(|o| (0..size).any(|t| by_net(o, t)));
-    let secret = match rank {
-        0 if any => {
-            let t = bootstrap::random_token();
-            store.set("net/secret", t.as_bytes())?;
-            t
-        }
-        _ => String::from_utf8_lossy(&store.get("net/secret", left())?).into_owned(),
-    };
+    let secret = String::from_utf8_lossy(&store.get("net/secret", left())?).into_owned();
     let listener = if serves > 0 {
         Some(bind_listener(transport, store, "window server")?)
     } else {

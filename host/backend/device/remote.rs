@@ -256,13 +256,11 @@ impl Target for GpuTarget {
     }
 
     fn fetch_add(&mut self, offset: usize, value: u64) -> Result<u64> {
-        let f = self.seg.fetch_add.clone();
-        self.atomic(&f, offset, value, None)
+        self.atomic(&self.seg.fetch_add, offset, value, None)
     }
 
     fn compare_swap(&mut self, offset: usize, expected: u64, desired: u64) -> Result<u64> {
-        let f = self.seg.compare_swap.clone();
-        self.atomic(&f, offset, expected, Some(desired))
+        self.atomic(&self.seg.compare_swap, offset, expected, Some(desired))
     }
 
     fn complete(&mut self) -> Result<()> {
