@@ -7,7 +7,7 @@ use crate::error::{Error, Result};
 use crate::ops::{Location, Op};
 use crate::options::{CommOptions, OpOptions};
 use crate::window::{Window, WindowOptions, WindowSpec};
-use crate::work::{Executor, Scope};
+use crate::work::{op_task, Executor, Scope, Task};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -243,8 +243,19 @@ impl Comm {
         }
     }
 
-    /// Checks `op` and resolves its timeout; shared by the synchronous and asynchronous paths.
-    pub(crate) fn prepare(&self, op: &Op<'_>, opts: &OpOptions) -> Result<(&Arc<Executor>, Duration)> {
+    /// Checks `op` and makes its task; shared by the synchronous and asynchronous paths.
+    pub(crate) fn prepare<'a>(&self, op: Op<'a>, opts: &OpOptions) -> Result<Task<'a>> {
+        self.validate(&op)?;
+        let timeout = opts.timeout.unwrap_or(self.inner.options.timeout);
+        let check = self
+            .inner
+            .options
+            .check_calls
+            .then_some((self.inner.rank, self.inner.size));
+        Ok(op_task(op, timeout, opts, check))
+    }
+
+    fn validate(&self, op: &Op<'_>) -> Result<()> {
         self.check_live(op.name())?;
         op.validate(self.inner.rank, self.inner.size)?;
         if let Some(Location::Cuda(ordinal)) = op.location()? {
@@ -258,13 +269,12 @@ impl Comm {
                 ));
             }
         }
-        Ok((&self.inner.exec, opts.timeout.unwrap_or(self.inner.options.timeout)))
+        Ok(())
     }
 
     /// Runs `op` synchronously with `opts`.
     pub fn run(&self, op: Op<'_>, opts: &OpOptions) -> Result<()> {
-        let (exec, timeout) = self.prepare(&op, opts)?;
-        exec.run(crate::work::op_task(op, timeout, opts))
+        self.inner.exec.run(self.prepare(op, opts)?)
     }
 
     pub(crate) fn executor(&self) -> &Arc<Executor> {

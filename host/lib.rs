@@ -85,6 +85,7 @@
 mod backend;
 mod bootstrap;
 mod buffer;
+mod call_check;
 mod collectives;
 mod comm;
 mod cuda;

@@ -19,6 +19,15 @@ pub(crate) fn env_parse<T: std::str::FromStr>(name: &str) -> Result<Option<T>> {
     }
 }
 
+/// Reads an on/off `FERROCOMM_<name>`: `1`/`0` (or `true`/`false`); unset is off.
+pub(crate) fn env_flag(name: &str) -> Result<bool> {
+    match std::env::var(name).as_deref().map(str::trim) {
+        Err(_) | Ok("") | Ok("0") | Ok("false") => Ok(false),
+        Ok("1") | Ok("true") => Ok(true),
+        Ok(other) => Err(Error::Config(format!("{name}={other:?}: expected 1 or 0"))),
+    }
+}
+
 /// The default timeout of every blocking operation: `FERROCOMM_TIMEOUT` seconds, else 600 s.
 pub fn default_timeout() -> Result<Duration> {
     let secs: f64 = env_parse("FERROCOMM_TIMEOUT")?.unwrap_or(600.0);
@@ -112,6 +121,11 @@ pub struct CommOptions {
     /// Backend-specific settings, as strings.
     pub hints: BTreeMap<String, String>,
     pub transport: TransportOptions,
+    /// Before every operation, check across ranks that all of them are making the same call
+    /// with matching sizes, and fail it with `Error::Mismatch` otherwise
+    /// (`FERROCOMM_CHECK_CALLS=1`, default off: it costs one small exchange per operation).
+    /// For backends that cannot see a mismatch themselves, such as NCCL.
+    pub check_calls: bool,
 }
 
 impl CommOptions {
@@ -124,6 +138,7 @@ impl CommOptions {
             size: None,
             hints: BTreeMap::new(),
             transport: TransportOptions::from_env()?,
+            check_calls: env_flag("FERROCOMM_CHECK_CALLS")?,
         })
     }
 
@@ -136,6 +151,11 @@ impl CommOptions {
         self.store = Some(store);
         self.rank = Some(rank);
         self.size = Some(size);
+        self
+    }
+
+    pub fn with_check_calls(mut self, on: bool) -> Self {
+        self.check_calls = on;
         self
     }
 

@@ -101,12 +101,21 @@ struct Job {
     done: Arc<Completion>,
 }
 
-/// The task that runs one operation with its options.
+/// The task that runs one operation with its options; `check` (this rank, the world size)
+/// first checks the call against the other ranks' (see `call_check`).
 /// The stream is the issuing thread's current one, read now: the task may run on the worker.
-pub(crate) fn op_task<'a>(mut op: Op<'a>, timeout: Duration, opts: &OpOptions) -> Task<'a> {
+pub(crate) fn op_task<'a>(
+    mut op: Op<'a>,
+    timeout: Duration,
+    opts: &OpOptions,
+    check: Option<(usize, usize)>,
+) -> Task<'a> {
     let hints = opts.hints.clone();
     let stream = crate::cuda::stream::current();
     Box::new(move |b: &dyn Backend, fence: Option<&FenceSlot>| {
+        if let Some((rank, size)) = check {
+            crate::call_check::check(b, &op, rank, size, timeout)?;
+        }
         b.run(
             &mut op,
             &RunOptions {
@@ -311,8 +320,7 @@ impl<'scope, 'env> Scope<'scope, 'env> {
     /// Validates `op` and queues it; returns its [`Work`].
     pub fn start(&'scope self, op: Op<'scope>, opts: &OpOptions) -> Result<Work<'scope>> {
         let name = op.name();
-        let (_, timeout) = self.comm.prepare(&op, opts)?;
-        self.spawn(op_task(op, timeout, opts), name)
+        self.spawn(self.comm.prepare(op, opts)?, name)
     }
 
     /// Queues a task that borrows data for 'scope.

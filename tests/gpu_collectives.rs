@@ -4,7 +4,7 @@
 //! all_to_all (equal and v form, chunked through slots), × world sizes 2, 3, 4, 8 × sizes from
 //! one element to 64 MiB (above the window's 1 MiB, in chunks), against a host reference;
 //! every rank's all_reduce result bitwise equal, and equal between the two algorithms; a
-//! mismatched all_to_all_v is reported; graph capture and replays with fresh inputs; the
+//! mismatched all_to_all_v is reported (and, with `check_calls`, refused before it runs); graph capture and replays with fresh inputs; the
 //! multimem all_reduce where the GPU supports multicast. Skips with a reason without a GPU;
 //! FERROCOMM_REQUIRE_GPU=1 turns a skip into a failure.
 
@@ -452,6 +452,52 @@ fn gpu_mismatched_all_to_all_v_is_reported_by_the_receiver() {
     match &errors[1] {
         Some(Error::Mismatch { peer: 0, detail, .. }) => assert!(detail.contains("40 bytes"), "{detail}"),
         other => panic!("rank 1 should report rank 0's mismatched part, got {other:?}"),
+    }
+}
+
+/// The same mismatched all_to_all_v with `check_calls` on: both ranks get `Error::Mismatch`
+/// from the call itself, before a kernel runs, and the communicator goes on working.
+#[test]
+fn gpu_mismatched_calls_are_refused_up_front_with_the_check_on() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let comms = Comm::new_group(
+        "device",
+        &[Device::Cuda(0); 2],
+        "own-checked",
+        options(Duration::from_secs(5)).with_check_calls(true),
+    )
+    .unwrap();
+    let results: Vec<(Error, f32)> = std::thread::scope(|sc| {
+        let hs: Vec<_> = comms
+            .iter()
+            .map(|c| {
+                sc.spawn(move || {
+                    let (me, s) = (c.rank(), CudaContext::new(0).unwrap().new_stream().unwrap());
+                    let _current = device::use_stream(&s);
+                    let (send, recv) = if me == 0 { ([4, 10], [4, 4]) } else { ([4, 4], [12, 4]) };
+                    let mut src = s.alloc_zeros::<u8>(4 * send.iter().sum::<usize>()).unwrap();
+                    let mut dst = s.alloc_zeros::<u8>(4 * recv.iter().sum::<usize>()).unwrap();
+                    let e = c
+                        .all_to_all_v(view::<f32>(&mut dst, &s), view::<f32>(&mut src, &s), &recv, &send)
+                        .expect_err("the mismatched all_to_all_v was issued");
+                    let mut one = s.clone_htod(bytes_of(&[me as f32 + 1.0])).unwrap();
+                    c.all_reduce(view::<f32>(&mut one, &s), ReduceOp::Sum).unwrap();
+                    let got = s.clone_dtoh(&one).unwrap();
+                    s.synchronize().unwrap();
+                    (e, from_bytes::<f32>(&got)[0])
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (rank, (e, sum)) in results.iter().enumerate() {
+        assert!(
+            matches!(e, Error::Mismatch { op: "all_to_all", peer, .. } if *peer == 1 - rank),
+            "rank {rank}: {e}"
+        );
+        assert_eq!(*sum, 3.0, "rank {rank}: the all_reduce after the refused call");
     }
 }
 
