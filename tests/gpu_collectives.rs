@@ -11,7 +11,7 @@
 mod common;
 
 use common::*;
-use ferrocomm::device::cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DevicePtr};
+use ferrocomm::device::cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr};
 use ferrocomm::device::{self, DeviceSliceMut};
 use ferrocomm::{bf16, f16, Error};
 use std::sync::{Arc, Barrier};
@@ -65,7 +65,7 @@ fn sweep_ops<T: TestElem + Clone>(
             .iter()
             .map(|c| {
                 sc.spawn(move || {
-                    let s = CudaContext::new(0).unwrap().new_stream().unwrap();
+                    let s = device::new_stream(0).unwrap();
                     let _current = device::use_stream(&s);
                     let opts = algorithm.map_or(OpOptions::new(), |a| OpOptions::new().hint("algorithm", a));
                     let mut out = Vec::new();
@@ -195,7 +195,7 @@ fn gpu_one_shot_all_reduce_replays_from_a_cuda_graph() {
         for c in &comms {
             let (captured, round_inputs) = (&captured, &round_inputs);
             sc.spawn(move || {
-                let s = CudaContext::new(0).unwrap().new_stream().unwrap();
+                let s = device::new_stream(0).unwrap();
                 let _current = device::use_stream(&s);
                 let mut mem = s.alloc_zeros::<u8>(n * 4).unwrap();
                 let graph = {
@@ -243,7 +243,7 @@ fn gather_and_scatter<T: TestElem + Clone>(world: usize, seed: u64, sizes: &[usi
     std::thread::scope(|sc| {
         for c in &comms {
             sc.spawn(move || {
-                let (me, s) = (c.rank(), CudaContext::new(0).unwrap().new_stream().unwrap());
+                let (me, s) = (c.rank(), device::new_stream(0).unwrap());
                 let _current = device::use_stream(&s);
                 for (k, &n) in sizes.iter().enumerate() {
                     // all_gather: rank r's n elements land in block r of everyone's output.
@@ -380,7 +380,7 @@ fn gpu_all_to_all_v_with_any_sizes_matches_the_host_reference() {
             for c in &comms {
                 let (counts, input) = (&counts, &input);
                 sc.spawn(move || {
-                    let (me, s) = (c.rank(), CudaContext::new(0).unwrap().new_stream().unwrap());
+                    let (me, s) = (c.rank(), device::new_stream(0).unwrap());
                     let _current = device::use_stream(&s);
                     for (k, round) in counts.iter().enumerate() {
                         let send = &round[me];
@@ -431,7 +431,7 @@ fn gpu_mismatched_all_to_all_v_is_reported_by_the_receiver() {
             .iter()
             .map(|c| {
                 sc.spawn(move || {
-                    let (me, s) = (c.rank(), CudaContext::new(0).unwrap().new_stream().unwrap());
+                    let (me, s) = (c.rank(), device::new_stream(0).unwrap());
                     let _current = device::use_stream(&s);
                     let (send, recv) = if me == 0 { ([4, 10], [4, 4]) } else { ([4, 4], [12, 4]) };
                     let mut src = s.alloc_zeros::<u8>(4 * send.iter().sum::<usize>()).unwrap();
@@ -474,7 +474,7 @@ fn gpu_mismatched_calls_are_refused_up_front_with_the_check_on() {
             .iter()
             .map(|c| {
                 sc.spawn(move || {
-                    let (me, s) = (c.rank(), CudaContext::new(0).unwrap().new_stream().unwrap());
+                    let (me, s) = (c.rank(), device::new_stream(0).unwrap());
                     let _current = device::use_stream(&s);
                     let (send, recv) = if me == 0 { ([4, 10], [4, 4]) } else { ([4, 4], [12, 4]) };
                     let mut src = s.alloc_zeros::<u8>(4 * send.iter().sum::<usize>()).unwrap();
@@ -521,7 +521,7 @@ fn gpu_multimem_all_reduce_where_multicast_exists() {
     std::thread::scope(|sc| {
         for c in &comms {
             sc.spawn(move || {
-                let s = CudaContext::new(0).unwrap().new_stream().unwrap();
+                let s = device::new_stream(0).unwrap();
                 let _current = device::use_stream(&s);
                 let mut mem = s.alloc_zeros::<u8>(64).unwrap();
                 let err = c
@@ -549,7 +549,7 @@ fn gpu_multimem_all_reduce_where_multicast_exists() {
         options(Duration::from_secs(30)),
     )
     .unwrap();
-    let s = CudaContext::new(0).unwrap().new_stream().unwrap();
+    let s = device::new_stream(0).unwrap();
     let _current = device::use_stream(&s);
     let mut mem = s.alloc_zeros::<u8>(64).unwrap();
     let err = comms[0]

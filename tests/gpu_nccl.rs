@@ -9,7 +9,7 @@
 mod common;
 
 use common::*;
-use ferrocomm::device::cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DevicePtr};
+use ferrocomm::device::cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr};
 use ferrocomm::device::{self, DeviceSlice, DeviceSliceMut};
 use ferrocomm::{bf16, f16, Error, OpOptions};
 use std::sync::Arc;
@@ -33,7 +33,7 @@ fn nccl_or_skip() -> bool {
 }
 
 fn stream() -> Arc<CudaStream> {
-    CudaContext::new(0).unwrap().new_stream().unwrap()
+    device::new_stream(0).unwrap()
 }
 
 fn bytes_of<T: Element>(v: &[T]) -> &[u8] {

@@ -7,7 +7,7 @@
 
 mod common;
 use common::*;
-use ferrocomm::device::cudarc::driver::{CudaModule, DevicePtr, LaunchConfig, PushKernelArg};
+use ferrocomm::device::cudarc::driver::{sys, CudaModule, DevicePtr, LaunchConfig, PushKernelArg};
 use ferrocomm::device::{self, CompileOptions};
 use ferrocomm::Error;
 use std::sync::{Arc, OnceLock};
@@ -20,6 +20,40 @@ fn module() -> Arc<CudaModule> {
     static M: OnceLock<Arc<CudaModule>> = OnceLock::new();
     M.get_or_init(|| device::compile(0, KERNELS, &CompileOptions::default()).expect("compile tests/gpu/kernels.cu"))
         .clone()
+}
+
+/// `device::compile` loads every kernel of the module at once. Under CUDA's lazy loading a
+/// kernel looked up for the first time may synchronize the GPU, which would wait for ranks'
+/// kernels that wait for the rank doing the lookup.
+#[test]
+fn gpu_compiled_modules_are_loaded_whole() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let f = module().load_function("barrier_rounds").expect("kernel");
+    // SAFETY: each call fills what it is given, sized by the count the driver reported.
+    unsafe {
+        let mut raw = std::ptr::null_mut();
+        sys::cuFuncGetModule(&mut raw, f.cu_function()).result().unwrap();
+        let mut count = 0u32;
+        sys::cuModuleGetFunctionCount(&mut count, raw).result().unwrap();
+        let mut functions = vec![std::ptr::null_mut(); count as usize];
+        sys::cuModuleEnumerateFunctions(functions.as_mut_ptr(), count, raw)
+            .result()
+            .unwrap();
+        // ring, get (three scopes each), barrier_rounds, wait_forever, fetch_add_storm,
+        // wait_any_warp, multicast_roundtrip, and the anchor.
+        assert!(count >= 12, "{count} functions");
+        for (i, func) in functions.into_iter().enumerate() {
+            let mut state = sys::CUfunctionLoadingState::CU_FUNCTION_LOADING_STATE_UNLOADED;
+            sys::cuFuncIsLoaded(&mut state, func).result().unwrap();
+            assert_eq!(
+                state,
+                sys::CUfunctionLoadingState::CU_FUNCTION_LOADING_STATE_LOADED,
+                "function {i} of {count}"
+            );
+        }
+    }
 }
 
 /// The device pattern of tests/gpu/kernels.cu, on the host.

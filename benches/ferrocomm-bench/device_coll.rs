@@ -7,7 +7,7 @@
 
 use crate::args::Args;
 use crate::nccl_direct::{Direct, NCCL_BFLOAT16};
-use ferrocomm::device::cudarc::driver::{sys, CudaContext, CudaGraph, CudaStream, DevicePtr};
+use ferrocomm::device::cudarc::driver::{sys, CudaGraph, CudaStream, DevicePtr};
 use ferrocomm::device::{self, DeviceSliceMut};
 use ferrocomm::prelude::*;
 use ferrocomm::{bf16, Error, Result};
@@ -64,10 +64,9 @@ fn ours(comms: &[Comm], bytes: usize, a: &Args) -> Result<f64> {
             .map(|c| {
                 let (opts, start) = (opts.clone(), &start);
                 sc.spawn(move || -> Result<f64> {
-                    let s = CudaContext::new(0)
-                        .map_err(cuda("cuCtxCreate"))?
-                        .new_stream()
-                        .map_err(cuda("cuStreamCreate"))?;
+                    // Not CudaContext::new(0)?.new_stream(): its first stream synchronizes the
+                    // GPU, which would wait for ranks already in their kernels.
+                    let s = device::new_stream(0)?;
                     let _current = device::use_stream(&s);
                     let count = bytes / 2;
                     let buf = s.alloc_zeros::<u16>(count).map_err(cuda("cuMemAlloc"))?;
@@ -96,10 +95,7 @@ fn ours(comms: &[Comm], bytes: usize, a: &Args) -> Result<f64> {
 
 /// NCCL at world size 1 on GPU 0, bf16 sum in place, replayed from a graph.
 fn nccl(direct: &Direct, bytes: usize, a: &Args) -> Result<f64> {
-    let s = CudaContext::new(0)
-        .map_err(cuda("cuCtxCreate"))?
-        .new_stream()
-        .map_err(cuda("cuStreamCreate"))?;
+    let s = device::new_stream(0)?;
     let buf = s.alloc_zeros::<u16>(bytes / 2).map_err(cuda("cuMemAlloc"))?;
     let (ptr, _sync) = buf.device_ptr(&s);
     let g = capture(&s, || direct.all_reduce(ptr, bytes / 2, NCCL_BFLOAT16, &s))?;

@@ -6,7 +6,7 @@
 //! of ferrocomm in the way.
 
 use crate::args::Args;
-use ferrocomm::device::cudarc::driver::{CudaContext, CudaStream, DevicePtr};
+use ferrocomm::device::cudarc::driver::{CudaStream, DevicePtr};
 use ferrocomm::device::{self, DeviceSliceMut};
 use ferrocomm::prelude::*;
 use ferrocomm::{Error, Result};
@@ -93,9 +93,7 @@ impl Drop for Direct {
 }
 
 pub fn run(a: &Args) -> Result<()> {
-    device::available(0)?;
-    let ctx = CudaContext::new(0).map_err(|e| Error::Config(format!("CUDA context: {e:?}")))?;
-    let stream: Arc<CudaStream> = ctx.new_stream().map_err(|e| Error::Config(format!("stream: {e:?}")))?;
+    let stream: Arc<CudaStream> = device::new_stream(0)?;
     let comm = Comm::new_group("nccl", &[Device::Cuda(0)], "bench-nccl", CommOptions::from_env()?)?
         .pop()
         .expect("one rank");

@@ -3,6 +3,7 @@
 //! [`driver`], which turns an absent driver, an old one or a machine without a GPU into
 //! `Error::Unavailable`.
 
+pub(crate) mod module;
 pub(crate) mod nvrtc;
 pub(crate) mod stream;
 
@@ -93,14 +94,21 @@ pub(crate) fn check(call: &str, r: sys::CUresult) -> Result<()> {
 }
 
 /// The primary context of GPU `ordinal`, shared by every rank of this process on that GPU.
+///
+/// cudarc synchronizes the whole context when one of its `CudaContext` values makes a stream
+/// while it has none: with ranks of one process sharing the GPU that waits for the other
+/// ranks' kernels, which may be waiting for this rank. So the shared value keeps one stream
+/// for as long as the process lives, made here, before any rank's work, and later streams
+/// never synchronize.
 pub(crate) fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
     driver()?;
-    static CONTEXTS: OnceLock<Mutex<HashMap<usize, Arc<CudaContext>>>> = OnceLock::new();
+    type Kept = (Arc<CudaContext>, Arc<cudarc::driver::CudaStream>);
+    static CONTEXTS: OnceLock<Mutex<HashMap<usize, Kept>>> = OnceLock::new();
     let mut map = CONTEXTS
         .get_or_init(Default::default)
         .lock()
         .unwrap_or_else(|p| p.into_inner());
-    if let Some(ctx) = map.get(&ordinal) {
+    if let Some((ctx, _)) = map.get(&ordinal) {
         ctx.bind_to_thread().map_err(|e| err("cuCtxSetCurrent", e))?;
         return Ok(ctx.clone());
     }
@@ -111,7 +119,8 @@ pub(crate) fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
         },
         _ => err("cuDevicePrimaryCtxRetain", e),
     })?;
-    map.insert(ordinal, ctx.clone());
+    let keeper = ctx.new_stream().map_err(|e| err("cuStreamCreate", e))?;
+    map.insert(ordinal, (ctx.clone(), keeper));
     Ok(ctx)
 }
 

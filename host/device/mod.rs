@@ -102,8 +102,14 @@ pub fn compile_image(source: &str, options: &CompileOptions) -> Result<Vec<u8>> 
     })
 }
 
+/// A kernel `compile` adds to every user module: one name it knows the module by, to load the
+/// module's kernels all at once.
+const ANCHOR: &str = "ferrocomm_module_anchor";
+
 /// Compiles `source` for GPU `ordinal` (its own architecture unless `options.arch` says
-/// otherwise) and loads it there.
+/// otherwise) and loads it there, every kernel at once: ranks sharing the GPU may launch them
+/// while others' kernels wait, which a kernel loaded on first use could deadlock (see
+/// `cuda/module.rs`). The module also holds an empty kernel `ferrocomm_module_anchor`.
 pub fn compile(ordinal: usize, source: &str, options: &CompileOptions) -> Result<Arc<CudaModule>> {
     let ctx = cuda::context(ordinal)?;
     let mut options = options.clone();
@@ -113,9 +119,23 @@ pub fn compile(ordinal: usize, source: &str, options: &CompileOptions) -> Result
             .map_err(|e| cuda::err("cuDeviceGetAttribute", e))?;
         options.arch = Some(format!("sm_{major}{minor}"));
     }
-    let image = compile_image(source, &options)?;
-    ctx.load_module(Ptx::from_binary(image))
-        .map_err(|e| cuda::err("cuModuleLoadData", e))
+    let source = format!("{source}\nextern \"C\" __global__ void {ANCHOR}() {{}}\n");
+    let image = compile_image(&source, &options)?;
+    let module = ctx
+        .load_module(Ptx::from_binary(image))
+        .map_err(|e| cuda::err("cuModuleLoadData", e))?;
+    cuda::module::load_whole(&module, ANCHOR)?;
+    Ok(module)
+}
+
+/// A new non-blocking stream on GPU `ordinal`'s primary context, safe to make while other
+/// ranks of this process run kernels on the GPU. (`CudaContext::new(..)?.new_stream()`
+/// synchronizes the whole GPU the first time each context value makes a stream, and so waits
+/// for those kernels, which may be waiting for the rank making the stream.)
+pub fn new_stream(ordinal: usize) -> Result<Arc<cudarc::driver::CudaStream>> {
+    cuda::context(ordinal)?
+        .new_stream()
+        .map_err(|e| cuda::err("cuStreamCreate", e))
 }
 
 /// Whether GPU `ordinal` can run ferrocomm's device code (driver, device); the error says why not.
@@ -154,6 +174,8 @@ pub(crate) fn library(ordinal: usize) -> Result<Arc<CudaModule>> {
                 .map_err(|e| cuda::err("cuModuleLoadData(library)", e))?
         }
     };
+    // Every library module defines the window's signal kernel (kernels/rma.cu).
+    cuda::module::load_whole(&module, "ferrocomm_signal")?;
     map.insert(ordinal, module.clone());
     Ok(module)
 }
