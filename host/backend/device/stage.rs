@@ -19,8 +19,15 @@ pub(crate) fn run(host: &CpuBackend, op: &mut Op<'_>, opts: &RunOptions) -> Resu
              capture; install NCCL or issue this operation outside the capture",
         ));
     }
-    // The buffers are read only after the issuing stream's earlier work on them is done.
-    Event::record_on(opts.stream)?.wait(name, opts.timeout)?;
+    // Copies run on the issuing stream, after its earlier work on the buffers, and never on
+    // the legacy stream, whose implicit synchronization with other streams could wait for
+    // another rank's kernel that waits for this rank.
+    let stream = opts.stream as sys::CUstream;
+    // Waits, bounded, for what is on the stream so far (an event: the stream may be shared).
+    let settle = || Event::record_on(opts.stream)?.wait(name, opts.timeout);
+    // The stream's earlier work first: a copy to pageable memory would otherwise wait for it
+    // without a deadline.
+    settle()?;
     let mut ins: Vec<Option<DeviceBytes>> = Vec::new();
     let mut out_ranges: Vec<Option<DeviceBytes>> = Vec::new();
     op.for_each_buffer(
@@ -29,11 +36,13 @@ pub(crate) fn run(host: &CpuBackend, op: &mut Op<'_>, opts: &RunOptions) -> Resu
         // nothing must keep their contents.
         &mut |b| out_ranges.push(b.device_bytes()),
     );
+    let download = |d: Option<DeviceBytes>| download(d, stream);
     let ins: Vec<Vec<u8>> = ins.into_iter().map(download).collect::<Result<_>>()?;
     let mut outs: Vec<(DeviceBytes, Vec<u8>)> = out_ranges
         .into_iter()
         .map(|d| Ok((d.ok_or_else(mixed)?, download(d)?)))
         .collect::<Result<_>>()?;
+    settle()?;
     {
         let mut in_iter = ins.iter();
         let mut out_iter = outs.iter_mut();
@@ -46,24 +55,28 @@ pub(crate) fn run(host: &CpuBackend, op: &mut Op<'_>, opts: &RunOptions) -> Resu
         host.run(&mut host_op, &host_opts)?;
     }
     for (dst, bytes) in &outs {
-        // SAFETY: `dst` is the device range the caller borrowed; `bytes` has its length.
-        cuda::check("cuMemcpyHtoD", unsafe {
-            sys::cuMemcpyHtoD_v2(dst.ptr, bytes.as_ptr().cast(), dst.len)
+        // SAFETY: `dst` is the device range the caller borrowed; `bytes` has its length (a
+        // copy from pageable memory has read it when the call returns).
+        cuda::check("cuMemcpyHtoDAsync", unsafe {
+            sys::cuMemcpyHtoDAsync_v2(dst.ptr, bytes.as_ptr().cast(), dst.len, stream)
         })?;
     }
-    Ok(())
+    // Returns when the results are in the buffers, as the synchronous call promises.
+    settle()
 }
 
 fn mixed() -> Error {
     Error::invalid("staged collective", "a host buffer among device buffers")
 }
 
-fn download(d: Option<DeviceBytes>) -> Result<Vec<u8>> {
+/// Enqueues the copy of `d` to the host on `stream`; the bytes are there once it is idle.
+fn download(d: Option<DeviceBytes>, stream: sys::CUstream) -> Result<Vec<u8>> {
     let d = d.ok_or_else(mixed)?;
     let mut v = vec![0u8; d.len];
-    // SAFETY: `d` is a device range the caller borrowed; `v` has its length.
-    cuda::check("cuMemcpyDtoH", unsafe {
-        sys::cuMemcpyDtoH_v2(v.as_mut_ptr().cast(), d.ptr, d.len)
+    // SAFETY: `d` is a device range the caller borrowed; `v` has its length. A copy to
+    // pageable memory returns once it is complete, so `v` may go at once, even on an error.
+    cuda::check("cuMemcpyDtoHAsync", unsafe {
+        sys::cuMemcpyDtoHAsync_v2(v.as_mut_ptr().cast(), d.ptr, d.len, stream)
     })?;
     Ok(v)
 }
