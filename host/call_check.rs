@@ -296,6 +296,10 @@ pub(crate) fn check(b: &dyn Backend, op: &Op<'_>, me: usize, n: usize, timeout: 
                 .collect();
             peers.sort_unstable();
             peers.dedup();
+            if peers.is_empty() {
+                // Only sends to itself: nobody to disagree with.
+                return Ok(());
+            }
             let mut exchange = Vec::with_capacity(2 * peers.len());
             for (p, (s, g)) in sent.iter().zip(got.iter_mut()).enumerate() {
                 if peers.binary_search(&p).is_ok() {

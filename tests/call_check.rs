@@ -183,3 +183,18 @@ fn print_check_calls_from_env() {
         Err(e) => println!("{e}"),
     }
 }
+
+#[test]
+fn a_batch_with_only_itself_needs_no_partner() {
+    let r = run_group(2, "check-self", checked(), |c| {
+        let me = c.rank();
+        let mut got = [0u8; 2];
+        c.batch()
+            .send(&[me as u8, 9][..], me)
+            .recv(&mut got[..], me)
+            .issue()
+            .map(|()| got)
+    });
+    assert_eq!(r[0].as_ref().ok(), Some(&[0, 9]), "{r:?}");
+    assert_eq!(r[1].as_ref().ok(), Some(&[1, 9]), "{r:?}");
+}
