@@ -501,6 +501,41 @@ fn gpu_mismatched_calls_are_refused_up_front_with_the_check_on() {
     }
 }
 
+/// Ranks of one process on one GPU without a stream of their own would queue their kernels
+/// one behind the other on the legacy stream, each waiting for the next: refused up front.
+#[test]
+fn gpu_ranks_sharing_a_gpu_on_the_legacy_stream_are_refused() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let comms = Comm::new_group(
+        "device",
+        &[Device::Cuda(0); 2],
+        "own-legacy",
+        options(Duration::from_secs(5)),
+    )
+    .unwrap();
+    std::thread::scope(|sc| {
+        for c in &comms {
+            sc.spawn(move || {
+                let s = device::new_stream(0).unwrap();
+                let mut mem = s.alloc_zeros::<u8>(64).unwrap();
+                s.synchronize().unwrap();
+                // No use_stream guard: the legacy default stream.
+                let e = c.all_reduce(view::<f32>(&mut mem, &s), ReduceOp::Sum).unwrap_err();
+                assert!(
+                    matches!(&e, Error::InvalidArgument { .. }) && e.to_string().contains("stream each"),
+                    "{e}"
+                );
+                // With a stream of its own the same call runs.
+                let _current = device::use_stream(&s);
+                c.all_reduce(view::<f32>(&mut mem, &s), ReduceOp::Sum).unwrap();
+                s.synchronize().unwrap();
+            });
+        }
+    });
+}
+
 /// The multimem all_reduce (kernels/multimem.cu) where GPU 0 supports multicast: one rank is
 /// the only team one GPU can form, so the switch reduces over one segment, which still runs
 /// the whole kernel (copy in, load-reduce and store through the multicast address, copy out)

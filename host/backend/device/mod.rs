@@ -46,6 +46,8 @@ pub(crate) struct DeviceBackend {
     policy: Policy,
     /// Every rank has a GPU of its own that supports multicast: windows bind a multicast object.
     multicast: bool,
+    /// Another rank of this process runs on this GPU: own kernels need a stream per rank.
+    gpu_shared_in_process: bool,
     timeout: std::time::Duration,
 }
 
@@ -78,6 +80,7 @@ pub(crate) fn create(init: &BackendInit) -> Result<Box<dyn Backend>> {
         transport: init.options.transport.clone(),
         abort_flag,
         multicast: team.multicast.is_ok(),
+        gpu_shared_in_process: team.gpu_shared_in_process[init.rank],
         one_host: team.one_host,
     };
     backend.own = match collectives::OwnCollectives::create(&backend, init.options.timeout) {
@@ -102,6 +105,24 @@ fn join_nccl(init: &BackendInit, team: &team::Team) -> Result<Option<NcclBackend
     NcclBackend::create(&nccl_init, false).map(Some)
 }
 
+impl DeviceBackend {
+    /// Ranks that share a GPU in one process cannot run their collective kernels on the
+    /// legacy default stream (raw 0 or `CU_STREAM_LEGACY`), which every thread shares: one
+    /// rank's kernel would queue behind another's that waits for it, until the timeout.
+    fn check_own_stream(&self, op: &'static str, stream: u64) -> Result<()> {
+        const LEGACY: u64 = 1;
+        if self.gpu_shared_in_process && (stream == 0 || stream == LEGACY) {
+            return Err(Error::invalid(
+                op,
+                "ranks that share a GPU in one process need a stream each \
+                 (ferrocomm::device::use_stream): on the legacy default stream one rank's \
+                 kernel would wait behind another's that waits for it",
+            ));
+        }
+        Ok(())
+    }
+}
+
 impl Backend for DeviceBackend {
     fn name(&self) -> &'static str {
         "device"
@@ -119,7 +140,10 @@ impl Backend for DeviceBackend {
         let own = self.own.as_ref().filter(|k| k.supports(op, opts.hints));
         match (self.policy.choose(op, opts.hints, own.is_some())?, &self.nccl, own) {
             (Route::Nccl, Some(nccl), _) => nccl.run_device(op, opts),
-            (_, _, Some(kernels)) => kernels.run(op, opts.hints, opts.stream, opts.timeout),
+            (_, _, Some(kernels)) => {
+                self.check_own_stream(op.name(), opts.stream)?;
+                kernels.run(op, opts.hints, opts.stream, opts.timeout)
+            }
             _ => stage::run(&self.host, op, opts),
         }
     }

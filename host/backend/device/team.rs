@@ -18,6 +18,8 @@ struct Record {
     gpu: std::result::Result<String, String>,
     /// transport::host_identity: a multicast object spans one host's GPUs only.
     host: String,
+    /// With `host`, which ranks run in one process.
+    pid: u32,
     nccl: std::result::Result<(), String>,
     multicast: std::result::Result<(), String>,
 }
@@ -28,12 +30,16 @@ pub(crate) struct Team {
     pub(crate) one_host: std::result::Result<(), String>,
     pub(crate) nccl: std::result::Result<(), String>,
     pub(crate) multicast: std::result::Result<(), String>,
+    /// Per rank: another rank of its process runs on its GPU. Such ranks need a stream each:
+    /// kernels that wait for each other cannot share one.
+    pub(crate) gpu_shared_in_process: Vec<bool>,
 }
 
 pub(crate) fn agree(init: &BackendInit, ordinal: usize) -> Result<Team> {
     let mine = Record {
         gpu: gpu_identity(ordinal),
         host: crate::transport::host_identity(init.rank, &init.options.transport),
+        pid: std::process::id(),
         nccl: match std::env::var("FERROCOMM_NCCL").as_deref() {
             Ok("0") => Err("disabled by FERROCOMM_NCCL=0".into()),
             _ => super::super::nccl::library::nccl().map(drop).map_err(|e| e.to_string()),
@@ -73,10 +79,24 @@ fn decide(records: &[Record]) -> Team {
         Some(r) => Err(format!("rank {r} is on another host than rank 0")),
         None => Ok(()),
     };
+    let same_gpu_and_process = |a: &Record, b: &Record| {
+        a.host == b.host && a.pid == b.pid && a.gpu.is_ok() && a.gpu.as_ref().ok() == b.gpu.as_ref().ok()
+    };
+    let gpu_shared_in_process = records
+        .iter()
+        .enumerate()
+        .map(|(r, rec)| {
+            records
+                .iter()
+                .enumerate()
+                .any(|(q, other)| q != r && same_gpu_and_process(rec, other))
+        })
+        .collect();
     Team {
         nccl: every("NCCL", |r| &r.nccl),
         multicast: one_host.clone().and_then(|()| every("multicast", |r| &r.multicast)),
         one_host,
+        gpu_shared_in_process,
     }
 }
 
@@ -107,6 +127,7 @@ mod tests {
         Record {
             gpu: Ok(gpu.into()),
             host: "h".into(),
+            pid: 1,
             nccl: yes_or(nccl, "no libnccl"),
             multicast: yes_or(multicast, "unsupported"),
         }
@@ -138,5 +159,20 @@ mod tests {
         assert!(t.nccl.is_ok());
         assert_eq!(t.multicast.unwrap_err(), "rank 1 is on another host than rank 0");
         assert!(t.one_host.is_err());
+    }
+
+    #[test]
+    fn ranks_of_one_process_on_one_gpu_are_told_apart_from_other_processes() {
+        let other_process = Record {
+            pid: 2,
+            ..rec("a", true, true)
+        };
+        let t = decide(&[
+            rec("a", true, true),
+            rec("a", true, true),
+            other_process,
+            rec("b", true, true),
+        ]);
+        assert_eq!(t.gpu_shared_in_process, [true, true, false, false]);
     }
 }
