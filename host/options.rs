@@ -123,7 +123,7 @@ pub struct CommOptions {
     pub transport: TransportOptions,
     /// Before every operation, check across ranks that all of them are making the same call
     /// with matching sizes, and fail it with `Error::Mismatch` otherwise
-    /// (`FERROCOMM_CHECK_CALLS=1`, default off: it costs one small exchange per operation).
+    /// (`FERROCOMM_CHECK_CALLS=1`, default off: it costs small exchanges before each call).
     /// For backends that cannot see a mismatch themselves, such as NCCL.
     pub check_calls: bool,
 }
