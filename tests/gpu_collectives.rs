@@ -412,42 +412,54 @@ fn gpu_all_to_all_v_with_any_sizes_matches_the_host_reference() {
     }
 }
 
-/// Rank 1 expects 12 elements from rank 0, which sends 10: rank 1's kernel records the
-/// mismatch, and rank 1's next call reports it, naming rank 0.
+/// Runs `f(comm, stream)` on `n` ranks on GPU 0 in this process, each on its own thread with a
+/// stream of its own (made current by `f` where it wants); returns the results in rank order.
+fn on_ranks<R: Send>(
+    n: usize,
+    name: &str,
+    options: CommOptions,
+    f: impl Fn(&Comm, &Arc<CudaStream>) -> R + Sync,
+) -> Vec<R> {
+    let comms = Comm::new_group("device", &vec![Device::Cuda(0); n], name, options).unwrap();
+    std::thread::scope(|sc| {
+        let hs: Vec<_> = comms
+            .iter()
+            .map(|c| sc.spawn(|| f(c, &device::new_stream(0).unwrap())))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// An all_to_all_v on the current stream `s` whose parts do not pair up: rank 1 expects 12
+/// elements from rank 0, which sends 10.
+fn mismatched_all_to_all_v(c: &Comm, s: &Arc<CudaStream>) -> ferrocomm::Result<()> {
+    let (send, recv) = if c.rank() == 0 {
+        ([4, 10], [4, 4])
+    } else {
+        ([4, 4], [12, 4])
+    };
+    let mut src = s.alloc_zeros::<u8>(4 * send.iter().sum::<usize>()).unwrap();
+    let mut dst = s.alloc_zeros::<u8>(4 * recv.iter().sum::<usize>()).unwrap();
+    let r = c.all_to_all_v(view::<f32>(&mut dst, s), view::<f32>(&mut src, s), &recv, &send);
+    s.synchronize().unwrap();
+    r
+}
+
+/// The mismatched all_to_all_v: rank 1's kernel records the mismatch, and rank 1's next call
+/// reports it, naming rank 0.
 #[test]
 fn gpu_mismatched_all_to_all_v_is_reported_by_the_receiver() {
     if !gpu_or_skip() {
         return;
     }
-    let comms = Comm::new_group(
-        "device",
-        &[Device::Cuda(0); 2],
-        "own-a2av-mismatch",
-        options(Duration::from_secs(5)),
-    )
-    .unwrap();
-    let errors: Vec<Option<Error>> = std::thread::scope(|sc| {
-        let hs: Vec<_> = comms
-            .iter()
-            .map(|c| {
-                sc.spawn(move || {
-                    let (me, s) = (c.rank(), device::new_stream(0).unwrap());
-                    let _current = device::use_stream(&s);
-                    let (send, recv) = if me == 0 { ([4, 10], [4, 4]) } else { ([4, 4], [12, 4]) };
-                    let mut src = s.alloc_zeros::<u8>(4 * send.iter().sum::<usize>()).unwrap();
-                    let mut dst = s.alloc_zeros::<u8>(4 * recv.iter().sum::<usize>()).unwrap();
-                    c.all_to_all_v(view::<f32>(&mut dst, &s), view::<f32>(&mut src, &s), &recv, &send)
-                        .unwrap();
-                    s.synchronize().unwrap();
-                    // The next call reports what the kernel recorded.
-                    let mut more = s.alloc_zeros::<u8>(16).unwrap();
-                    let e = c.all_reduce(view::<f32>(&mut more, &s), ReduceOp::Sum).err();
-                    s.synchronize().unwrap();
-                    e
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let errors = on_ranks(2, "own-a2av-mismatch", options(Duration::from_secs(5)), |c, s| {
+        let _current = device::use_stream(s);
+        mismatched_all_to_all_v(c, s).unwrap();
+        // The next call reports what the kernel recorded.
+        let mut more = s.alloc_zeros::<u8>(16).unwrap();
+        let e = c.all_reduce(view::<f32>(&mut more, s), ReduceOp::Sum).err();
+        s.synchronize().unwrap();
+        e
     });
     match &errors[1] {
         Some(Error::Mismatch { peer: 0, detail, .. }) => assert!(detail.contains("40 bytes"), "{detail}"),
@@ -462,35 +474,15 @@ fn gpu_mismatched_calls_are_refused_up_front_with_the_check_on() {
     if !gpu_or_skip() {
         return;
     }
-    let comms = Comm::new_group(
-        "device",
-        &[Device::Cuda(0); 2],
-        "own-checked",
-        options(Duration::from_secs(5)).with_check_calls(true),
-    )
-    .unwrap();
-    let results: Vec<(Error, f32)> = std::thread::scope(|sc| {
-        let hs: Vec<_> = comms
-            .iter()
-            .map(|c| {
-                sc.spawn(move || {
-                    let (me, s) = (c.rank(), device::new_stream(0).unwrap());
-                    let _current = device::use_stream(&s);
-                    let (send, recv) = if me == 0 { ([4, 10], [4, 4]) } else { ([4, 4], [12, 4]) };
-                    let mut src = s.alloc_zeros::<u8>(4 * send.iter().sum::<usize>()).unwrap();
-                    let mut dst = s.alloc_zeros::<u8>(4 * recv.iter().sum::<usize>()).unwrap();
-                    let e = c
-                        .all_to_all_v(view::<f32>(&mut dst, &s), view::<f32>(&mut src, &s), &recv, &send)
-                        .expect_err("the mismatched all_to_all_v was issued");
-                    let mut one = s.clone_htod(bytes_of(&[me as f32 + 1.0])).unwrap();
-                    c.all_reduce(view::<f32>(&mut one, &s), ReduceOp::Sum).unwrap();
-                    let got = s.clone_dtoh(&one).unwrap();
-                    s.synchronize().unwrap();
-                    (e, from_bytes::<f32>(&got)[0])
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let checked = options(Duration::from_secs(5)).with_check_calls(true);
+    let results = on_ranks(2, "own-checked", checked, |c, s| {
+        let _current = device::use_stream(s);
+        let e = mismatched_all_to_all_v(c, s).expect_err("the mismatched all_to_all_v was issued");
+        let mut one = s.clone_htod(bytes_of(&[c.rank() as f32 + 1.0])).unwrap();
+        c.all_reduce(view::<f32>(&mut one, s), ReduceOp::Sum).unwrap();
+        let got = s.clone_dtoh(&one).unwrap();
+        s.synchronize().unwrap();
+        (e, from_bytes::<f32>(&got)[0])
     });
     for (rank, (e, sum)) in results.iter().enumerate() {
         assert!(
@@ -508,31 +500,19 @@ fn gpu_ranks_sharing_a_gpu_on_the_legacy_stream_are_refused() {
     if !gpu_or_skip() {
         return;
     }
-    let comms = Comm::new_group(
-        "device",
-        &[Device::Cuda(0); 2],
-        "own-legacy",
-        options(Duration::from_secs(5)),
-    )
-    .unwrap();
-    std::thread::scope(|sc| {
-        for c in &comms {
-            sc.spawn(move || {
-                let s = device::new_stream(0).unwrap();
-                let mut mem = s.alloc_zeros::<u8>(64).unwrap();
-                s.synchronize().unwrap();
-                // No use_stream guard: the legacy default stream.
-                let e = c.all_reduce(view::<f32>(&mut mem, &s), ReduceOp::Sum).unwrap_err();
-                assert!(
-                    matches!(&e, Error::InvalidArgument { .. }) && e.to_string().contains("stream each"),
-                    "{e}"
-                );
-                // With a stream of its own the same call runs.
-                let _current = device::use_stream(&s);
-                c.all_reduce(view::<f32>(&mut mem, &s), ReduceOp::Sum).unwrap();
-                s.synchronize().unwrap();
-            });
-        }
+    on_ranks(2, "own-legacy", options(Duration::from_secs(5)), |c, s| {
+        let mut mem = s.alloc_zeros::<u8>(64).unwrap();
+        s.synchronize().unwrap();
+        // No use_stream guard: the legacy default stream.
+        let e = c.all_reduce(view::<f32>(&mut mem, s), ReduceOp::Sum).unwrap_err();
+        assert!(
+            matches!(&e, Error::InvalidArgument { .. }) && e.to_string().contains("stream each"),
+            "{e}"
+        );
+        // With a stream of its own the same call runs.
+        let _current = device::use_stream(s);
+        c.all_reduce(view::<f32>(&mut mem, s), ReduceOp::Sum).unwrap();
+        s.synchronize().unwrap();
     });
 }
 
@@ -546,27 +526,15 @@ fn gpu_multimem_all_reduce_where_multicast_exists() {
     if !gpu_or_skip() {
         return;
     }
-    let comms = Comm::new_group(
-        "device",
-        &[Device::Cuda(0); 2],
-        "multimem-shared",
-        options(Duration::from_secs(30)),
-    )
-    .unwrap();
-    std::thread::scope(|sc| {
-        for c in &comms {
-            sc.spawn(move || {
-                let s = device::new_stream(0).unwrap();
-                let _current = device::use_stream(&s);
-                let mut mem = s.alloc_zeros::<u8>(64).unwrap();
-                let err = c
-                    .with_options(OpOptions::new().hint("algorithm", "multimem"))
-                    .all_reduce(view::<f32>(&mut mem, &s), ReduceOp::Sum)
-                    .unwrap_err();
-                assert!(matches!(err, Error::InvalidArgument { .. }), "{err}");
-                assert!(err.to_string().contains("multicast"), "{err}");
-            });
-        }
+    on_ranks(2, "multimem-shared", options(Duration::from_secs(30)), |c, s| {
+        let _current = device::use_stream(s);
+        let mut mem = s.alloc_zeros::<u8>(64).unwrap();
+        let err = c
+            .with_options(OpOptions::new().hint("algorithm", "multimem"))
+            .all_reduce(view::<f32>(&mut mem, s), ReduceOp::Sum)
+            .unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument { .. }), "{err}");
+        assert!(err.to_string().contains("multicast"), "{err}");
     });
     if !device::multicast_supported(0).unwrap() {
         eprintln!("SKIPPED (in part): GPU 0 does not support multicast objects (needs sm_90+ behind NVSwitch)");

@@ -42,7 +42,6 @@ pub(crate) fn run(host: &CpuBackend, op: &mut Op<'_>, opts: &RunOptions) -> Resu
         .into_iter()
         .map(|d| Ok((d.ok_or_else(mixed)?, download(d)?)))
         .collect::<Result<_>>()?;
-    settle()?;
     {
         let mut in_iter = ins.iter();
         let mut out_iter = outs.iter_mut();
@@ -69,7 +68,7 @@ fn mixed() -> Error {
     Error::invalid("staged collective", "a host buffer among device buffers")
 }
 
-/// Enqueues the copy of `d` to the host on `stream`; the bytes are there once it is idle.
+/// Copies `d` to the host on `stream`, after the stream's earlier work.
 fn download(d: Option<DeviceBytes>, stream: sys::CUstream) -> Result<Vec<u8>> {
     let d = d.ok_or_else(mixed)?;
     let mut v = vec![0u8; d.len];
