@@ -11,7 +11,8 @@ ops: all_reduce reduce broadcast all_gather reduce_scatter all_to_all send_recv 
        or FERROCOMM_TRANSPORT=tcp)
      queue_pickup (proxy queue enqueue to pickup latency, one process)
      device_put device_pingpong (2 ranks on GPU 0, device backend)
-     device_all_reduce (--world ranks on GPU 0, bf16, graph replay, against NCCL at world 1)
+     device_all_reduce (--world ranks on GPU 0, bf16, graph replay, one- and two-shot or --algo;
+       against NCCL at world 1 and the copy roofline)
      nccl_all_reduce (ferrocomm's nccl backend against direct NCCL calls, world 1, GPU 0)
 sizes take K, M, G suffixes (powers of 1024)";
 
@@ -29,7 +30,8 @@ pub struct Args {
     pub dtype: String,
     pub redop: String,
     pub root: usize,
-    /// The backend's `algorithm` hint for collectives (cpu: oneshot, direct, ring).
+    /// The backend's `algorithm` hint for collectives (cpu: oneshot, direct, ring; device:
+    /// oneshot, twoshot, multimem).
     pub algo: Option<String>,
     pub check: bool,
     pub json: Option<PathBuf>,

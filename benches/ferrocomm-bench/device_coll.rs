@@ -1,13 +1,19 @@
 //! `device_all_reduce`: the device backend's own all_reduce kernels with `--world` ranks
 //! (default 8) on GPU 0 in this process, bf16 sum, each rank replaying a CUDA graph of one
-//! call; against NCCL's all_reduce at world size 1 on the same GPU, also replayed from a graph,
-//! in the same run. A rank's time per call is its replay loop's wall time over the replays;
-//! the slowest rank's is reported. The algorithm is the backend's choice by size, or the hint
-//! given by FERROCOMM_BENCH_ALGORITHM (`oneshot` / `twoshot` / `multimem`).
+//! call; in the same run, NCCL's all_reduce at world size 1 on the same GPU and a
+//! cuMemcpyDtoDAsync of the message, both also replayed from graphs. A rank's time per call is
+//! its replay loop's wall time over the replays; the slowest rank's is reported. Each row
+//! times the one- and the two-shot kernel (or only the algorithm `--algo` names).
+//!
+//! The roofline columns divide the memory bandwidth an algorithm reaches by the copy's: the
+//! algorithm's bytes are the reads and writes its kernels make (`bytes_moved`), summed over the
+//! ranks, since all of them share this GPU's memory; the copy's are its read and its write.
+//! Caches may serve some of the algorithm's reads of small messages, so the ratio means most
+//! where the ranks' buffers are far larger than the L2 (from 64 MiB).
 
 use crate::args::Args;
 use crate::nccl_direct::{Direct, NCCL_BFLOAT16};
-use ferrocomm::device::cudarc::driver::{sys, CudaGraph, CudaStream, DevicePtr};
+use ferrocomm::device::cudarc::driver::{sys, CudaGraph, CudaStream, DevicePtr, DevicePtrMut};
 use ferrocomm::device::{self, DeviceSliceMut};
 use ferrocomm::prelude::*;
 use ferrocomm::{bf16, Error, Result};
@@ -51,12 +57,9 @@ fn time_replays(g: &CudaGraph, s: &CudaStream, a: &Args, start: Option<&Barrier>
     Ok(t0.elapsed().as_secs_f64() * 1e6 / a.iters as f64)
 }
 
-/// The slowest rank's microseconds per call at `bytes`.
-fn ours(comms: &[Comm], bytes: usize, a: &Args) -> Result<f64> {
-    let opts = match std::env::var("FERROCOMM_BENCH_ALGORITHM") {
-        Ok(v) => OpOptions::new().hint("algorithm", v),
-        Err(_) => OpOptions::new(),
-    };
+/// The slowest rank's microseconds per call of `algorithm` at `bytes`.
+fn ours(comms: &[Comm], bytes: usize, algorithm: &str, a: &Args) -> Result<f64> {
+    let opts = OpOptions::new().hint("algorithm", algorithm);
     let start = Barrier::new(comms.len());
     let times: Vec<Result<f64>> = std::thread::scope(|sc| {
         let hs: Vec<_> = comms
@@ -102,6 +105,45 @@ fn nccl(direct: &Direct, bytes: usize, a: &Args) -> Result<f64> {
     time_replays(&g, &s, a, None)
 }
 
+/// Microseconds per cuMemcpyDtoDAsync of `bytes` between two buffers on GPU 0, replayed
+/// from a graph.
+fn copy(bytes: usize, a: &Args) -> Result<f64> {
+    let s = device::new_stream(0)?;
+    let src = s.alloc_zeros::<u8>(bytes).map_err(cuda("cuMemAlloc"))?;
+    let mut dst = s.alloc_zeros::<u8>(bytes).map_err(cuda("cuMemAlloc"))?;
+    let (from, _r) = src.device_ptr(&s);
+    let (to, _w) = dst.device_ptr_mut(&s);
+    let g = capture(&s, || {
+        // SAFETY: both buffers hold `bytes` on GPU 0 and outlive the graph; the stream orders
+        // the copy after their allocation.
+        let r = unsafe { sys::cuMemcpyDtoDAsync_v2(to, from, bytes, s.cu_stream()) };
+        r.result().map_err(cuda("cuMemcpyDtoDAsync"))
+    })?;
+    time_replays(&g, &s, a, None)
+}
+
+/// Bytes one rank's kernels read and write for an all_reduce of `bytes` over `world` ranks
+/// (kernels/oneshot.cu, twoshot.cu); none for multimem, whose reductions happen in the switch.
+fn bytes_moved(algorithm: &str, bytes: usize, world: usize) -> Option<f64> {
+    let (s, n) = (bytes as f64, world as f64);
+    match algorithm {
+        // Copy in (read + write), read every rank's segment, write the result.
+        "oneshot" => Some((n + 3.0) * s),
+        // Copy in; read our slice of every segment and write it twice (the output and our
+        // segment); read and write every other rank's slice: 2s + s + 2s/n + 2s(n-1)/n.
+        "twoshot" => Some(5.0 * s),
+        _ => None,
+    }
+}
+
+/// The algorithms each row times.
+fn algorithms(a: &Args) -> Vec<String> {
+    match &a.algo {
+        Some(one) => vec![one.clone()],
+        None => vec!["oneshot".into(), "twoshot".into()],
+    }
+}
+
 pub fn run(a: &Args) -> Result<()> {
     device::available(0)?;
     let world = a.world.max(2);
@@ -113,37 +155,70 @@ pub fn run(a: &Args) -> Result<()> {
     )?;
     // NCCL is optional: without it the column says why.
     let direct = Direct::new().map_err(|e| e.to_string());
+    let algos = algorithms(a);
     println!(
         "# ferrocomm-bench device_all_reduce: bf16 sum, {world} ranks on GPU 0 (device backend, graph replay), \
-         {} replays; NCCL world 1 on GPU 0 (graph replay){}",
+         {} replays; NCCL world 1 on GPU 0 (graph replay){}; copy = cuMemcpyDtoDAsync (graph replay), \
+         GB/s counting its read and write; roof = the algorithm's bytes read and written by all ranks \
+         per second over the copy's",
         a.iters,
         direct
             .as_ref()
             .err()
             .map_or(String::new(), |e| format!(": unavailable ({e})"))
     );
-    println!(
-        "#{:>11} {:>16} {:>14} {:>10}",
-        "size(B)", "ferrocomm(us)", "nccl w1(us)", "ours/nccl"
-    );
+    let mut header = format!("#{:>11}", "size(B)");
+    for algo in &algos {
+        header += &format!(" {:>13}", format!("{algo}(us)"));
+    }
+    header += &format!(" {:>12} {:>10} {:>10}", "nccl w1(us)", "best/nccl", "copy GB/s");
+    for algo in &algos {
+        header += &format!(" {:>13}", format!("{algo} roof"));
+    }
+    println!("{header}");
     let mut bytes = a.min_bytes.max(2) & !1;
     while bytes <= a.max_bytes {
-        let t = ours(&comms, bytes, a)?;
+        let times = algos
+            .iter()
+            .map(|algo| ours(&comms, bytes, algo, a))
+            .collect::<Result<Vec<f64>>>()?;
         let n = match &direct {
             Ok(d) => Some(nccl(d, bytes, a)?),
             Err(_) => None,
         };
-        println!(
-            "{:>12} {:>16.2} {:>14} {:>10}",
-            bytes,
-            t,
+        let copy_gbs = 2.0 * bytes as f64 / copy(bytes, a)? / 1e3;
+        let best = times.iter().copied().fold(f64::INFINITY, f64::min);
+        let mut row = format!("{bytes:>12}");
+        for t in &times {
+            row += &format!(" {t:>13.2}");
+        }
+        row += &format!(
+            " {:>12} {:>10} {:>10.1}",
             n.map_or("-".into(), |n| format!("{n:.2}")),
-            n.map_or("-".into(), |n| format!("{:.2}", t / n))
+            n.map_or("-".into(), |n| format!("{:.2}", best / n)),
+            copy_gbs
         );
+        for (algo, t) in algos.iter().zip(&times) {
+            let roof = bytes_moved(algo, bytes, world).map(|m| world as f64 * m / t / 1e3 / copy_gbs);
+            row += &format!(" {:>13}", roof.map_or("-".into(), |r| format!("{r:.3}")));
+        }
+        println!("{row}");
         bytes *= a.factor;
     }
     for c in &comms {
         c.finalize()?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bytes_moved;
+
+    #[test]
+    fn two_shot_moves_five_messages_and_one_shot_grows_with_the_world() {
+        assert_eq!(bytes_moved("twoshot", 1 << 20, 8), Some(5.0 * (1 << 20) as f64));
+        assert_eq!(bytes_moved("oneshot", 100, 8), Some(1100.0));
+        assert_eq!(bytes_moved("multimem", 100, 8), None);
+    }
 }
