@@ -63,7 +63,7 @@
 //! | `FERROCOMM_TRANSPORT` | `auto` (shared memory on one host, TCP between hosts) or `tcp` |
 //! | `FERROCOMM_SHM_RING_BYTES` | bytes of each shared-memory ring (1 MiB) |
 //! | `FERROCOMM_SOCKET_ADDR` | address to bind TCP links on |
-//! | `FERROCOMM_NET` | window operations toward other hosts: `auto` (RDMA where built with the `rdma` feature and a device opens, else TCP), `tcp` or `rdma` |
+//! | `FERROCOMM_NET` | window operations toward other hosts: `auto` (RDMA between ranks that both open a device, where built with the `rdma` feature; else TCP), `tcp` or `rdma` (an error where a rank cannot) |
 //! | `FERROCOMM_PROXY_POLL_US` | how long a window's proxy thread spins after its last queued descriptor before it sleeps, µs (2000 on hosts of 4+ cores, else 0) |
 //! | `FERROCOMM_CPU_DIRECT_MAX` | largest per-rank message sent directly, bytes (64 KiB) |
 //! | `FERROCOMM_CPU_CHUNK` | broadcast pipelining chunk, bytes (256 KiB) |

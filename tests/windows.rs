@@ -34,6 +34,40 @@ fn window_contract_over_the_tcp_proxy() {
     assert!(mapped.iter().all(|&m| !m), "peers on 'other hosts' must not be mapped");
 }
 
+/// `FERROCOMM_NET=rdma` between "other hosts": where an RDMA device opens (and the library has
+/// the `rdma` feature) the contract holds over it; elsewhere every rank gets `Unavailable`
+/// saying why, promptly, instead of waiting for peers' endpoints.
+#[test]
+fn window_over_rdma_runs_the_contract_or_is_unavailable_on_every_rank() {
+    let seed = fresh_seed();
+    let mut o = tcp_opts().with_timeout(Duration::from_secs(20));
+    o.transport.net = ferrocomm::NetTransport::Rdma;
+    let t0 = Instant::now();
+    let results = run_group(2, "win-rdma", o, |c| match c.new_window(c.size() * 4096) {
+        Ok(w) => {
+            common::window_suite::run_on(c, &w, seed);
+            None
+        }
+        Err(e) => Some(e),
+    });
+    match (&results[0], &results[1]) {
+        (None, None) => println!("RDMA device present: the window contract ran over RDMA"),
+        (Some(a), Some(b)) => {
+            for e in [a, b] {
+                assert!(matches!(e, Error::Unavailable { .. }), "{e}");
+                assert!(e.to_string().contains("RDMA") || e.to_string().contains("rdma"), "{e}");
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(15),
+                "refused only after {:?}",
+                t0.elapsed()
+            );
+            println!("SKIPPED rdma data path (every rank refused clearly): {a}");
+        }
+        (a, b) => panic!("ranks disagree: {a:?} / {b:?}"),
+    }
+}
+
 #[test]
 fn window_contract_on_registered_user_memory() {
     let seed = fresh_seed();

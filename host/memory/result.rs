@@ -6,14 +6,15 @@ use crate::error::Result;
 use cudarc::driver::sys::{self, CUdeviceptr, CUmemGenericAllocationHandle};
 
 /// The allocation properties of every window segment: pinned device memory on `ordinal`,
-/// exportable as a POSIX file descriptor.
-pub(crate) fn device_prop(ordinal: usize) -> sys::CUmemAllocationProp {
+/// exportable as a POSIX file descriptor, and reachable by NICs where `gpu_direct`.
+pub(crate) fn device_prop(ordinal: usize, gpu_direct: bool) -> sys::CUmemAllocationProp {
     // SAFETY: the struct is plain data for which all-zero is the documented default.
     let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
     prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
     prop.requestedHandleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
     prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
     prop.location.id = ordinal as i32;
+    prop.allocFlags.gpuDirectRDMACapable = gpu_direct.into();
     prop
 }
 
@@ -166,4 +167,22 @@ pub(crate) unsafe fn multicast_unbind(
     bytes: usize,
 ) -> Result<()> {
     check("cuMulticastUnbind", sys::cuMulticastUnbind(mc, dev, 0, bytes))
+}
+
+/// A dma-buf descriptor for `[va, va + bytes)`, mapped memory of this process.
+/// # Safety: the range is mapped and page-aligned; the driver supports dma-buf.
+#[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+pub(crate) unsafe fn dmabuf_fd(va: CUdeviceptr, bytes: usize) -> Result<i32> {
+    let mut fd: i32 = -1;
+    check(
+        "cuMemGetHandleForAddressRange",
+        sys::cuMemGetHandleForAddressRange(
+            (&mut fd as *mut i32).cast(),
+            va,
+            bytes,
+            sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+            0,
+        ),
+    )?;
+    Ok(fd)
 }

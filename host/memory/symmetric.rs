@@ -13,9 +13,16 @@ use std::sync::Arc;
 
 /// The allocation granularity of GPU `ordinal` for window segments.
 pub(crate) fn granularity(ordinal: usize) -> Result<usize> {
+    let prop = segment_prop(ordinal)?;
+    // SAFETY: the driver is loaded (segment_prop).
+    unsafe { result::granularity(&prop) }
+}
+
+/// Segments are made reachable by NICs (GPUDirect RDMA) wherever the driver allows it, so a
+/// window can carry its links to other hosts over RDMA (net::select_links).
+fn segment_prop(ordinal: usize) -> Result<cudarc::driver::sys::CUmemAllocationProp> {
     cuda::driver()?;
-    // SAFETY: the driver is loaded.
-    unsafe { result::granularity(&result::device_prop(ordinal)) }
+    Ok(result::device_prop(ordinal, super::dmabuf::gpu_direct_capable(ordinal)))
 }
 
 /// One physical allocation (a rank's segment), released when the last owner drops it.
@@ -35,7 +42,7 @@ impl Physical {
         let g = granularity(ordinal)?;
         let bytes = bytes.div_ceil(g).max(1) * g;
         // SAFETY: bytes is a multiple of the granularity of this prop.
-        let handle = unsafe { result::create(bytes, &result::device_prop(ordinal)) }?;
+        let handle = unsafe { result::create(bytes, &segment_prop(ordinal)?) }?;
         Ok(Arc::new(Physical { handle, bytes }))
     }
 

@@ -196,6 +196,25 @@ pub(crate) struct NetResources {
     _regions: Vec<rdma::Region>,
 }
 
+/// Where a window's data and signal pad live, as the NIC must register them.
+#[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+pub(crate) enum WindowMemory {
+    /// Host memory: (address, bytes) of the data and of the pad.
+    Host {
+        data: (*mut u8, usize),
+        pad: (*mut u8, usize),
+    },
+    /// The segment of GPU `ordinal` mapped at `segment` (`bytes` long, granularity-aligned),
+    /// with the data and the pad at (offset, bytes) in it: registered through a dma-buf.
+    Gpu {
+        ordinal: usize,
+        segment: u64,
+        bytes: usize,
+        data: (usize, usize),
+        pad: (usize, usize),
+    },
+}
+
 /// What a window needs to move its network links onto RDMA.
 #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
 pub(crate) struct RdmaPlan<'a> {
@@ -203,61 +222,82 @@ pub(crate) struct RdmaPlan<'a> {
     pub rank: usize,
     pub size: usize,
     pub store: &'a dyn crate::bootstrap::Store,
-    /// This rank's window data and signal pad: (address, bytes).
-    pub data: (*mut u8, usize),
-    pub pad: (*mut u8, usize),
+    pub memory: WindowMemory,
     pub timeout: Duration,
 }
 
+/// Whether this rank, which can use RDMA, reaches `peer` over it: only where the peer can
+/// too. Under `FERROCOMM_NET=rdma` a peer that cannot is an error (a rank that cannot itself
+/// fails with its own reason before asking).
+#[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+fn pair_over_rdma(choice: crate::options::NetTransport, peer_can: bool, peer: usize) -> Result<bool> {
+    match (peer_can, choice) {
+        (true, _) => Ok(true),
+        (false, crate::options::NetTransport::Rdma) => Err(Error::Unavailable {
+            backend: "rdma".into(),
+            reason: format!("FERROCOMM_NET=rdma, but rank {peer} cannot use RDMA (its error says why)"),
+        }),
+        (false, _) => Ok(false),
+    }
+}
+
 /// Carries `links` (TCP, indexed by rank) over RDMA when `FERROCOMM_NET` asks for it or, on
-/// `auto`, when a device opens. The TCP connections stay open beside them: the target's
-/// server thread notices when an origin goes away, which the waits report as a lost peer.
-/// Every rank of the window must make the same choice (they read the same environment).
-pub(crate) fn select_links(
-    links: &mut [Option<Arc<SharedLink>>],
-    plan: &RdmaPlan,
-) -> Result<(NetResources, Vec<Arc<SharedLink>>)> {
+/// `auto`, where both ends of a pair can: each rank first says through the store whether it
+/// opened a device and registered its window, so no rank waits for an endpoint its peer never
+/// publishes. The TCP links stay beneath them for atomics (`link::AtomicsAtHome`) and so that
+/// the target's server thread notices when an origin goes away, which the waits report as a
+/// lost peer. Every rank of the window must make the same choice (they read the same
+/// environment).
+pub(crate) fn select_links(links: &mut [Option<Arc<SharedLink>>], plan: &RdmaPlan) -> Result<NetResources> {
     use crate::options::NetTransport;
     if links.iter().all(Option::is_none) || plan.choice == NetTransport::Tcp {
-        return Ok((NetResources::default(), Vec::new()));
+        return Ok(NetResources::default());
     }
+    let can_key = |r: usize| format!("rdma/can/{r}");
     #[cfg(feature = "rdma")]
     {
-        let dev = match (rdma::Device::open(), plan.choice) {
-            (Ok(d), _) => d,
-            (Err(e), NetTransport::Rdma) => return Err(e),
-            (Err(e), _) => {
+        let opened = rdma::Device::open().and_then(|dev| {
+            let (data, pad) = register_window(&dev, &plan.memory)?;
+            Ok((dev, data, pad))
+        });
+        plan.store
+            .set(&can_key(plan.rank), if opened.is_ok() { b"1" } else { b"0" })?;
+        let (dev, data, pad) = match opened {
+            Ok(o) => o,
+            Err(e) if plan.choice == NetTransport::Rdma => return Err(e),
+            Err(e) => {
                 tracing::debug!("window links stay on TCP: {e}");
-                return Ok((NetResources::default(), Vec::new()));
+                return Ok(NetResources::default());
             }
         };
-        let data = rdma::Region::register(&dev, plan.data.0, plan.data.1)?;
-        let pad = rdma::Region::register(&dev, plan.pad.0, plan.pad.1)?;
-        let mut pending = Vec::new();
+        let mut rdma_peers = Vec::new();
         for (t, l) in links.iter().enumerate() {
             if l.is_some() {
-                let p = rdma::Pending::create(&dev)?;
-                let key = format!("rdma/{}/{t}", plan.rank);
-                plan.store.set(&key, p.endpoint(&data, &pad).encode().as_bytes())?;
-                pending.push((t, p));
+                let peer_can = plan.store.get(&can_key(t), plan.timeout)? == b"1";
+                if pair_over_rdma(plan.choice, peer_can, t)? {
+                    rdma_peers.push(t);
+                }
             }
         }
-        let mut tcp = Vec::new();
+        let mut pending = Vec::new();
+        for &t in &rdma_peers {
+            let p = rdma::Pending::create(&dev)?;
+            let key = format!("rdma/{}/{t}", plan.rank);
+            plan.store.set(&key, p.endpoint(&data, &pad).encode().as_bytes())?;
+            pending.push((t, p));
+        }
         for (t, p) in pending {
             let v = plan.store.get(&format!("rdma/{t}/{}", plan.rank), plan.timeout)?;
             let remote = rdma::Endpoint::decode(&String::from_utf8_lossy(&v))?;
-            let link = p.connect(&remote, t, plan.rank, plan.size, plan.timeout)?;
+            let fast = Box::new(p.connect(&remote, t, plan.rank, plan.size, plan.timeout)?);
             tracing::debug!(peer = t, device = dev.name, "window link over RDMA");
-            if let Some(old) = links[t].replace(Arc::new(SharedLink::new(Box::new(link)))) {
-                tcp.push(old);
+            if let Some(home) = links[t].take() {
+                links[t] = Some(Arc::new(SharedLink::new(Box::new(link::AtomicsAtHome { fast, home }))));
             }
         }
-        Ok((
-            NetResources {
-                _regions: vec![data, pad],
-            },
-            tcp,
-        ))
+        Ok(NetResources {
+            _regions: vec![data, pad],
+        })
     }
     #[cfg(not(feature = "rdma"))]
     match plan.choice {
@@ -265,6 +305,50 @@ pub(crate) fn select_links(
             backend: "rdma".into(),
             reason: "FERROCOMM_NET=rdma, but this build of ferrocomm lacks the `rdma` feature".into(),
         }),
-        _ => Ok((NetResources::default(), Vec::new())),
+        _ => {
+            // Peers built with the feature wait for our word.
+            plan.store.set(&can_key(plan.rank), b"0")?;
+            Ok(NetResources::default())
+        }
+    }
+}
+
+/// Registers the window's data and pad with `dev`.
+#[cfg(feature = "rdma")]
+fn register_window(dev: &Arc<rdma::Device>, memory: &WindowMemory) -> Result<(rdma::Region, rdma::Region)> {
+    use std::os::fd::AsFd;
+    match *memory {
+        WindowMemory::Host { data, pad } => Ok((
+            rdma::Region::register(dev, data.0, data.1)?,
+            rdma::Region::register(dev, pad.0, pad.1)?,
+        )),
+        WindowMemory::Gpu {
+            ordinal,
+            segment,
+            bytes,
+            data,
+            pad,
+        } => {
+            let fd = crate::memory::dmabuf::export(ordinal, segment, bytes)?;
+            let region = |(offset, len): (usize, usize)| {
+                rdma::Region::register_dmabuf(dev, fd.as_fd(), offset, len, segment + offset as u64)
+            };
+            Ok((region(data)?, region(pad)?))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pair_over_rdma;
+    use crate::options::NetTransport;
+
+    #[test]
+    fn a_pair_rides_rdma_only_where_the_peer_can_and_rdma_required_names_the_peer_that_cannot() {
+        assert!(pair_over_rdma(NetTransport::Auto, true, 3).unwrap());
+        assert!(!pair_over_rdma(NetTransport::Auto, false, 3).unwrap());
+        assert!(pair_over_rdma(NetTransport::Rdma, true, 3).unwrap());
+        let e = pair_over_rdma(NetTransport::Rdma, false, 3).unwrap_err();
+        assert!(e.to_string().contains("rank 3 cannot use RDMA"), "{e}");
     }
 }

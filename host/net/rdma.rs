@@ -3,7 +3,8 @@
 //! (set) or an atomic fetch-and-add (add), atomics the verbs atomics, all on the target's
 //! registered window. Every work request is signalled and waited for before the next is
 //! posted, so the link is ordered and `flush` has nothing left to wait for: simple and correct,
-//! not yet pipelined. The origin stages bytes through a registered buffer of its own.
+//! not yet pipelined. The origin stages bytes through a registered buffer of its own. A
+//! target's window may be host memory or GPU memory (registered through a dma-buf).
 //!
 //! Setup: `Device::open` picks the first device with an active port; each side registers its
 //! window (`Region`), creates a `Pending` queue pair, publishes its `Endpoint` through the
@@ -132,6 +133,9 @@ impl Drop for Device {
 /// Memory registered for local and remote access.
 pub(crate) struct Region {
     mr: *mut ibv_mr,
+    /// The address of the region's first byte in work requests: its host address, or the
+    /// I/O virtual address given to a dma-buf registration (whose `mr.addr` is the offset).
+    base: u64,
     _dev: Arc<Device>,
 }
 
@@ -139,27 +143,63 @@ pub(crate) struct Region {
 unsafe impl Send for Region {}
 unsafe impl Sync for Region {}
 
+const REMOTE_ACCESS: u32 = ibv_access_flags_IBV_ACCESS_LOCAL_WRITE
+    | ibv_access_flags_IBV_ACCESS_REMOTE_WRITE
+    | ibv_access_flags_IBV_ACCESS_REMOTE_READ
+    | ibv_access_flags_IBV_ACCESS_REMOTE_ATOMIC;
+
 impl Region {
     /// Registers `bytes` at `addr`, which must stay allocated while the region lives.
     pub(crate) fn register(dev: &Arc<Device>, addr: *mut u8, bytes: usize) -> Result<Region> {
-        let access = ibv_access_flags_IBV_ACCESS_LOCAL_WRITE
-            | ibv_access_flags_IBV_ACCESS_REMOTE_WRITE
-            | ibv_access_flags_IBV_ACCESS_REMOTE_READ
-            | ibv_access_flags_IBV_ACCESS_REMOTE_ATOMIC;
         // SAFETY: the caller keeps [addr, addr + bytes) allocated for the region's life.
-        let mr = unsafe { ibv_reg_mr(dev.pd, addr.cast(), bytes.max(1), access as i32) };
+        let mr = unsafe { ibv_reg_mr(dev.pd, addr.cast(), bytes.max(1), REMOTE_ACCESS as i32) };
         if mr.is_null() {
             return Err(os_error("ibv_reg_mr"));
         }
-        Ok(Region { mr, _dev: dev.clone() })
+        Ok(Region {
+            mr,
+            base: addr as u64,
+            _dev: dev.clone(),
+        })
+    }
+
+    /// Registers `bytes` from `offset` of the dma-buf `fd` (GPU memory: GPUDirect RDMA), reached
+    /// in work requests at `iova` onwards. The memory must stay allocated while the region
+    /// lives; the descriptor may be closed once this returns.
+    pub(crate) fn register_dmabuf(
+        dev: &Arc<Device>,
+        fd: std::os::fd::BorrowedFd<'_>,
+        offset: usize,
+        bytes: usize,
+        iova: u64,
+    ) -> Result<Region> {
+        use std::os::fd::AsRawFd;
+        // SAFETY: fd is a live dma-buf; the caller keeps the memory behind it allocated.
+        let mr = unsafe {
+            ibv_reg_dmabuf_mr(
+                dev.pd,
+                offset as u64,
+                bytes.max(1),
+                iova,
+                fd.as_raw_fd(),
+                REMOTE_ACCESS as i32,
+            )
+        };
+        if mr.is_null() {
+            return Err(os_error("ibv_reg_dmabuf_mr"));
+        }
+        Ok(Region {
+            mr,
+            base: iova,
+            _dev: dev.clone(),
+        })
     }
 
     fn addr(&self) -> u64 {
-        // SAFETY: mr is valid while the region lives.
-        unsafe { (*self.mr).addr as u64 }
+        self.base
     }
     fn lkey(&self) -> u32 {
-        // SAFETY: as above.
+        // SAFETY: mr is valid while the region lives.
         unsafe { (*self.mr).lkey }
     }
     fn rkey(&self) -> u32 {

@@ -49,9 +49,8 @@ pub(crate) struct CpuWindow {
     gone: Arc<Vec<AtomicBool>>,
     abort: Arc<AtomicBool>,
     server: Mutex<Server>,
-    /// Registered memory of the RDMA links, and the TCP links they replaced (kept open so
-    /// that peers' servers see when this rank goes away).
-    net_state: (crate::net::NetResources, Vec<Arc<SharedLink>>),
+    /// Our memory as registered for peers' RDMA links.
+    net_state: crate::net::NetResources,
     /// The proxy queue, started by the first `proxy_queue` call.
     queue: Mutex<Option<Arc<HostQueue>>>,
     timeout: Duration,
@@ -184,15 +183,17 @@ impl CpuWindow {
         }
         // Network links move to RDMA where FERROCOMM_NET chooses it (net::select_links).
         let mut links = net_links(&paths);
-        let (net, liveness) = crate::net::select_links(
+        let net = crate::net::select_links(
             &mut links,
             &crate::net::RdmaPlan {
                 choice: s.transport.net,
                 rank,
                 size,
                 store: &store,
-                data: (data, spec.bytes),
-                pad: (pad, pad_len),
+                memory: crate::net::WindowMemory::Host {
+                    data: (data, spec.bytes),
+                    pad: (pad, pad_len),
+                },
                 timeout: left(),
             },
         )?;
@@ -224,7 +225,7 @@ impl CpuWindow {
             gone,
             abort: s.abort.clone(),
             server: Mutex::new(server),
-            net_state: (net, liveness),
+            net_state: net,
             queue: Mutex::new(None),
             timeout: spec.timeout,
             born: Instant::now(),
@@ -487,7 +488,7 @@ impl Drop for CpuWindow {
         self.own.close();
         // The proxy thread reads our memory: it stops first; RDMA registrations go next.
         drop(self.queue.lock().unwrap_or_else(|p| p.into_inner()).take());
-        drop(std::mem::take(&mut self.net_state));
+        self.net_state = crate::net::NetResources::default();
         // Stop serving before the memory (maybe a user buffer) goes away.
         let server = std::mem::replace(
             &mut *self.server.lock().unwrap_or_else(|p| p.into_inner()),

@@ -1,12 +1,11 @@
 //! A device window's network side ([`Network`]), for ranks on other hosts: host verbs toward
-//! them run on TCP links (net/tcp.rs), kernels' puts and signals go through the window's proxy
-//! queue (queue.rs) onto the same links, and the window server applies their requests to this
-//! rank's GPU segment ([`GpuTarget`], one per connection). The proxy reads the sources of
-//! queued puts out of the segment ([`GpuData`]). Each has a stream of its own, created
-//! non-blocking so that its copies run beside a kernel that is waiting for them.
-//!
-//! RDMA links would need the GPU segment registered with the NIC (GPUDirect RDMA), which is
-//! not implemented: device windows across hosts use TCP.
+//! them run on links, kernels' puts and signals go through the window's proxy queue (queue.rs)
+//! onto the same links. Over TCP (net/tcp.rs) the window server applies their requests to this
+//! rank's GPU segment ([`GpuTarget`], one per connection); over RDMA (`FERROCOMM_NET`, feature
+//! `rdma`) the peers' NICs write the segment themselves, registered as a dma-buf (GPUDirect
+//! RDMA, net::select_links). The proxy reads the sources of queued puts out of the segment
+//! ([`GpuData`]). Each has a stream of its own, created non-blocking so that its copies run
+//! beside a kernel that is waiting for them.
 
 use super::queue::DeviceQueue;
 use crate::bootstrap::Store;
@@ -18,7 +17,8 @@ use crate::net::descriptor::Limits;
 use crate::net::link::SharedLink;
 use crate::net::proxy::LocalData;
 use crate::net::tcp::{self, Target, TcpLink};
-use crate::options::{NetTransport, TransportOptions};
+use crate::net::{select_links, NetResources, RdmaPlan, WindowMemory};
+use crate::options::TransportOptions;
 use crate::window::SignalOp;
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use std::net::TcpStream;
@@ -37,6 +37,9 @@ pub(super) struct Network {
     /// The connections we serve, to shut down on drop.
     served: Vec<TcpStream>,
     threads: Vec<JoinHandle<()>>,
+    /// Our segment's registration with the NIC, for RDMA links; dropped last, after the proxy
+    /// and the links.
+    _registered: NetResources,
 }
 
 /// What the window's set-up hands to [`Network::start`].
@@ -62,15 +65,6 @@ impl Network {
         if !(0..size).any(|t| by_net(rank, t)) {
             return Ok(None);
         }
-        // Every rank reads the same environment, so all refuse alike.
-        if p.transport.net == NetTransport::Rdma {
-            return Err(Error::Unavailable {
-                backend: "device".into(),
-                reason: "FERROCOMM_NET=rdma: device windows reach other hosts over TCP only \
-                         (registering GPU memory with the NIC, GPUDirect RDMA, is not implemented)"
-                    .into(),
-            });
-        }
         let mut mesh = crate::net::mesh::connect(p.store, rank, size, &by_net, p.transport, p.deadline)?;
         let timeout = p.segment.timeout;
         let mut links = Vec::with_capacity(size);
@@ -80,6 +74,25 @@ impl Network {
                 None => None,
             });
         }
+        // Links move to RDMA where FERROCOMM_NET chooses it and both ends can.
+        let h = &p.segment.handle;
+        let registered = select_links(
+            &mut links,
+            &RdmaPlan {
+                choice: p.transport.net,
+                rank,
+                size,
+                store: p.store,
+                memory: WindowMemory::Gpu {
+                    ordinal: p.ordinal,
+                    segment: p.segment.data(0),
+                    bytes: h.stride as usize,
+                    data: (0, h.data_bytes as usize),
+                    pad: (h.signal_offset as usize, h.signals as usize * size * 8),
+                },
+                timeout: p.deadline.saturating_duration_since(Instant::now()),
+            },
+        )?;
         let data = GpuData::new(p.segment.ctx.clone(), p.segment.data(0), timeout)?;
         let limits = Limits {
             size,
@@ -93,6 +106,7 @@ impl Network {
             gone: Arc::new((0..size).map(|_| AtomicBool::new(false)).collect()),
             served: Vec::new(),
             threads: Vec::new(),
+            _registered: registered,
         };
         // From here an error drops `net`, which stops the servers already started.
         for (origin, stream) in mesh.from {

@@ -501,7 +501,8 @@ impl Drop for DeviceWindow {
         // Unmapping under a running kernel would fault it; wait (bounded) first.
         let _ = self.ctx.bind_to_thread();
         let _ = self.finish("drop", Duration::from_secs(5));
-        // The proxy and the server threads use the segment: they stop before it is unmapped.
+        // The proxy, the server threads and the NIC registrations use the segment: they stop
+        // before it is unmapped.
         drop(self.net.take());
     }
 }
