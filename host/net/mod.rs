@@ -300,15 +300,15 @@ pub(crate) fn select_links(links: &mut [Option<Arc<SharedLink>>], plan: &RdmaPla
         })
     }
     #[cfg(not(feature = "rdma"))]
-    match plan.choice {
-        NetTransport::Rdma => Err(Error::Unavailable {
-            backend: "rdma".into(),
-            reason: "FERROCOMM_NET=rdma, but this build of ferrocomm lacks the `rdma` feature".into(),
-        }),
-        _ => {
-            // Peers built with the feature wait for our word.
-            plan.store.set(&can_key(plan.rank), b"0")?;
-            Ok(NetResources::default())
+    {
+        // Peers built with the feature wait for our word.
+        plan.store.set(&can_key(plan.rank), b"0")?;
+        match plan.choice {
+            NetTransport::Rdma => Err(Error::Unavailable {
+                backend: "rdma".into(),
+                reason: "FERROCOMM_NET=rdma, but this build of ferrocomm lacks the `rdma` feature".into(),
+            }),
+            _ => Ok(NetResources::default()),
         }
     }
 }
