@@ -95,28 +95,9 @@ impl Link for AtomicsAtHome {
 
 #[cfg(test)]
 mod tests {
-    use super::super::tcp::{self, Memory, TcpLink};
+    use super::super::tcp;
     use super::*;
-    use std::net::{TcpListener, TcpStream};
     use std::sync::Arc;
-    use std::time::Duration;
-
-    /// A TCP link (as rank 1 of 2) to a server on loopback that applies to `data` and `pad`.
-    fn served(data: &mut [u64], pad: &mut [u64]) -> (TcpLink, std::thread::JoinHandle<()>) {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let origin = TcpStream::connect(l.local_addr().unwrap()).unwrap();
-        let (stream, _) = l.accept().unwrap();
-        let mem = Memory {
-            data: data.as_mut_ptr().cast(),
-            bytes: data.len() * 8,
-            pad: pad.as_mut_ptr().cast(),
-            signals: pad.len() / 2,
-            size: 2,
-        };
-        let gone = Arc::new(vec![AtomicBool::new(false), AtomicBool::new(false)]);
-        let server = std::thread::spawn(move || tcp::serve(stream, 1, mem, gone));
-        (TcpLink::new(origin, 0, Duration::from_secs(5)).unwrap(), server)
-    }
 
     /// Two targets stand for the two paths, so each operation shows which one carried it:
     /// data, gets and signals the fast one, atomics the home one.
@@ -125,8 +106,8 @@ mod tests {
         let (mut fast_data, mut fast_pad) = (vec![0u64; 8], vec![0u64; 4]);
         let (mut home_data, mut home_pad) = (vec![0u64; 8], vec![0u64; 4]);
         home_data[3] = 40;
-        let (fast, fast_server) = served(&mut fast_data, &mut fast_pad);
-        let (home, home_server) = served(&mut home_data, &mut home_pad);
+        let (fast, fast_server) = tcp::loopback(1, &mut fast_data, &mut fast_pad);
+        let (home, home_server) = tcp::loopback(1, &mut home_data, &mut home_pad);
         let mut link = AtomicsAtHome {
             fast: Box::new(fast),
             home: Arc::new(SharedLink::new(Box::new(home))),

@@ -168,27 +168,13 @@ fn complete(plan: &Plan, consumer: &Consumer, record: &dyn Fn(Error)) -> u64 {
 mod tests {
     use super::super::descriptor::{Descriptor, OP_SHIFT, PUT};
     use super::super::fifo::{self, HostRing};
-    use super::super::tcp::{self, Memory, TcpLink};
+    use super::super::tcp;
     use super::*;
-    use std::net::{TcpListener, TcpStream};
-    use std::sync::atomic::AtomicBool;
     use std::time::Duration;
 
     /// A proxy whose one link goes to a server on this thread's loopback, applying to `target`.
     fn pipeline(source: &[u64], target: &mut [u64], pad: &mut [u64]) -> (HostRing, Proxy, std::thread::JoinHandle<()>) {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let origin = TcpStream::connect(l.local_addr().unwrap()).unwrap();
-        let (served, _) = l.accept().unwrap();
-        let mem = Memory {
-            data: target.as_mut_ptr().cast(),
-            bytes: target.len() * 8,
-            pad: pad.as_mut_ptr().cast(),
-            signals: pad.len() / 2,
-            size: 2,
-        };
-        let gone = Arc::new(vec![AtomicBool::new(false), AtomicBool::new(false)]);
-        let server = std::thread::spawn(move || tcp::serve(served, 0, mem, gone));
-        let link = TcpLink::new(origin, 1, Duration::from_secs(5)).unwrap();
+        let (link, server) = tcp::loopback(0, target, pad);
         let ring = HostRing::new(8).unwrap();
         let proxy = Proxy::start(Plan {
             ring: ring.ring(),

@@ -267,3 +267,22 @@ impl Link for TcpLink {
         self.reply_word("flush").map(|_| ())
     }
 }
+
+/// A link from rank `origin` of two to the other rank's server on this host's loopback,
+/// applying to `data` and `pad` (two slots per signal id), with the server's thread.
+#[cfg(test)]
+pub(crate) fn loopback(origin: usize, data: &mut [u64], pad: &mut [u64]) -> (TcpLink, std::thread::JoinHandle<()>) {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let from = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (served, _) = l.accept().unwrap();
+    let mem = Memory {
+        data: data.as_mut_ptr().cast(),
+        bytes: data.len() * 8,
+        pad: pad.as_mut_ptr().cast(),
+        signals: pad.len() / 2,
+        size: 2,
+    };
+    let gone = Arc::new(vec![AtomicBool::new(false), AtomicBool::new(false)]);
+    let server = std::thread::spawn(move || serve(served, origin, mem, gone));
+    (TcpLink::new(from, 1 - origin, Duration::from_secs(5)).unwrap(), server)
+}
