@@ -70,6 +70,7 @@
 //! | `FERROCOMM_LOG` | log filter, e.g. `debug` |
 //! | `FERROCOMM_NVRTC_PATH` | libnvrtc.so.13 (or its folder) for run-time kernel compilation |
 //! | `CUDA_HOME` | CUDA root: nvcc at build time, NVRTC at run time |
+//! | `CUDA_DEVICE_MAX_CONNECTIONS` | CUDA's hardware queues per context; ferrocomm sets 32 before it initialises CUDA unless set (ranks sharing a GPU in one process need their streams on separate queues) |
 //! | `FERROCOMM_NCCL_PATH` | libnccl.so.2 (or its folder); when set, the only place searched |
 //! | `FERROCOMM_NCCL` | `0`: the device backend does not use NCCL |
 //! | `FERROCOMM_NCCL_THRESHOLD` | smallest message the device backend sends to NCCL when it has its own kernel, bytes (256K) |

@@ -5,6 +5,7 @@
 
 pub(crate) mod module;
 pub(crate) mod nvrtc;
+pub(crate) mod queues;
 pub(crate) mod stream;
 
 use crate::error::{Error, Result};
@@ -38,6 +39,8 @@ pub(crate) fn driver() -> Result<()> {
 }
 
 fn probe() -> std::result::Result<(), String> {
+    // Before cuInit: CUDA reads it when a context is made.
+    let queues_set_by_user = queues::request();
     // SAFETY: only dlopen attempts; nothing is called yet.
     if !unsafe { sys::is_culib_present() } {
         return Err(format!(
@@ -65,8 +68,25 @@ fn probe() -> std::result::Result<(), String> {
         if n == 0 {
             return Err("the CUDA driver sees no GPU".into());
         }
+        queues::record(queues_set_by_user.as_deref(), primary_context_made(n));
     }
     Ok(())
+}
+
+/// Whether some GPU's primary context (the one ferrocomm uses) was already made, before
+/// ferrocomm's first use of CUDA: by another library of this process.
+///
+/// # Safety
+/// cuInit succeeded and the driver sees `devices` GPUs.
+unsafe fn primary_context_made(devices: i32) -> bool {
+    (0..devices).any(|ordinal| {
+        let (mut dev, mut flags, mut active) = (0, 0, 0);
+        sys::cuDeviceGet(&mut dev, ordinal).result().is_ok()
+            && sys::cuDevicePrimaryCtxGetState(dev, &mut flags, &mut active)
+                .result()
+                .is_ok()
+            && active != 0
+    })
 }
 
 /// The driver's name and description of an error code.

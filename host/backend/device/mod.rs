@@ -62,6 +62,11 @@ pub(crate) fn create(init: &BackendInit) -> Result<Box<dyn Backend>> {
     crate::device::library(ordinal)?;
     let abort_flag = Arc::new(Pinned::zeroed(1)?);
     let team = team::agree(init, ordinal)?;
+    if team.gpu_shared_in_process[init.rank] {
+        if let Some(why) = crate::cuda::queues::shared_gpu_concern() {
+            tracing::warn!(rank = init.rank, "ranks share GPU {ordinal} in this process: {why}");
+        }
+    }
     let nccl = join_nccl(init, &team)?;
     if let Err(why) = &team.multicast {
         tracing::debug!(reason = %why, "device windows without multicast objects");
