@@ -143,13 +143,20 @@ impl DeviceWindow {
         forget_released();
         let multicast = multicast?;
 
+        // Page-locked allocations come before the barrier below: once a peer has passed it,
+        // it may run kernels that wait for us, and CUDA may serialize such an allocation
+        // against every stream of the GPU (the programming guide's implicit synchronization),
+        // which would hold us back until those kernels time out.
+        let status = Pinned::zeroed(1)?;
+        let out = Pinned::zeroed(3)?;
+
         // Fresh pads and barrier slots read zero on every rank before anyone signals.
         memset_zero(map.addr(rank, 0), map.stride(), stream.cu_stream())?;
         stream.synchronize().map_err(|e| cuda::err("cuStreamSynchronize", e))?;
         let hints = BTreeMap::new();
-        b.host.run_barrier(&RunOptions::new(spec.timeout, &hints))?;
+        let barrier = || b.host.run_barrier(&RunOptions::new(spec.timeout, &hints));
+        barrier()?;
 
-        let status = Pinned::zeroed(1)?;
         let mut handle = WindowHandle {
             base: map.base(),
             stride: map.stride() as u64,
@@ -185,6 +192,12 @@ impl DeviceWindow {
             deadline: Instant::now() + spec.timeout,
         })?;
         handle.fifo = net.as_ref().map_or(0, |n| n.queue.device_addr());
+        // The network allocates its queue and staging memory after the barrier above (for the
+        // same reason as there, every rank finishes that before any uses the window). Ranks
+        // agree on whether there is a network: it exists where some rank is on another host.
+        if net.is_some() {
+            barrier()?;
+        }
         Ok(DeviceWindow {
             rank,
             net,
@@ -195,7 +208,7 @@ impl DeviceWindow {
             kernels,
             handle,
             status,
-            out: Pinned::zeroed(3)?,
+            out,
             _abort_flag: b.abort_flag.clone(),
             lock: Mutex::new(()),
             timeout: spec.timeout,
