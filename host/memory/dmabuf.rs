@@ -1,5 +1,5 @@
-//! GPU memory that a NIC reaches directly (GPUDirect RDMA): window segments are created
-//! RDMA-capable where the driver allows it, and a segment is handed to the verbs layer as a
+//! GPU memory that a NIC reaches directly (GPUDirect RDMA): with the `rdma` feature, window
+//! segments are created RDMA-capable where the driver allows it, and a segment is handed to the verbs layer as a
 //! dma-buf descriptor (net::select_links registers it with `ibv_reg_dmabuf_mr`). Whether the
 //! NIC's driver can import it is only known when it tries.
 

@@ -18,11 +18,13 @@ pub(crate) fn granularity(ordinal: usize) -> Result<usize> {
     unsafe { result::granularity(&prop) }
 }
 
-/// Segments are made reachable by NICs (GPUDirect RDMA) wherever the driver allows it, so a
-/// window can carry its links to other hosts over RDMA (net::select_links).
+/// In a build with the `rdma` feature, segments are made reachable by NICs (GPUDirect RDMA)
+/// wherever the driver allows it, so a window can carry its links to other hosts over RDMA
+/// (net::select_links); without it nothing would register them, so they are plain.
 fn segment_prop(ordinal: usize) -> Result<cudarc::driver::sys::CUmemAllocationProp> {
     cuda::driver()?;
-    Ok(result::device_prop(ordinal, super::dmabuf::gpu_direct_capable(ordinal)))
+    let gpu_direct = cfg!(feature = "rdma") && super::dmabuf::gpu_direct_capable(ordinal);
+    Ok(result::device_prop(ordinal, gpu_direct))
 }
 
 /// One physical allocation (a rank's segment), released when the last owner drops it.
