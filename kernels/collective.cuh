@@ -11,6 +11,8 @@
 // what earlier calls left in our segment, so no segment is overwritten while it is still read.
 // Epochs come from a per-rank, per-block counter in device memory that the kernels advance
 // themselves: they only grow, and a CUDA graph replaying a kernel gets a fresh epoch each time.
+// All of this assumes one call at a time per window: the host orders calls issued on
+// different streams (host/backend/device/call_order.rs).
 #pragma once
 #include "ferrocomm/ferrocomm.cuh"
 

@@ -4,7 +4,8 @@
 //! all_to_all (equal and v form, chunked through slots), × world sizes 2, 3, 4, 8 × sizes from
 //! one element to 64 MiB (above the window's 1 MiB, in chunks), against a host reference;
 //! every rank's all_reduce result bitwise equal, and equal between the two algorithms; a
-//! mismatched all_to_all_v is reported (and, with `check_calls`, refused before it runs); graph capture and replays with fresh inputs; the
+//! mismatched all_to_all_v is reported (and, with `check_calls`, refused before it runs); calls
+//! on two streams of a rank run in issue order; graph capture and replays with fresh inputs; the
 //! multimem all_reduce where the GPU supports multicast. Skips with a reason without a GPU;
 //! FERROCOMM_REQUIRE_GPU=1 turns a skip into a failure.
 
@@ -443,6 +444,56 @@ fn mismatched_all_to_all_v(c: &Comm, s: &Arc<CudaStream>) -> ferrocomm::Result<(
     let r = c.all_to_all_v(view::<f32>(&mut dst, s), view::<f32>(&mut src, s), &recv, &send);
     s.synchronize().unwrap();
     r
+}
+
+/// Calls of one communicator on two streams of a rank run one after the other (they share the
+/// collective window): every rank alternates all_reduces between two streams with no wait in
+/// between, and each result matches the host reference.
+#[test]
+fn gpu_calls_on_two_streams_run_in_issue_order() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let seed = fresh_seed();
+    let (world, calls, n) = (4, 16, 70_001);
+    let input =
+        |k: usize, r: usize| -> Vec<f32> { random_vec(&mut rng(seed ^ k as u64, r as u64), n, Some(ReduceOp::Sum)) };
+    let results = on_ranks(
+        world,
+        "own-two-streams",
+        options(Duration::from_secs(60)),
+        |c, first| {
+            let streams = [first.clone(), device::new_stream(0).unwrap()];
+            let mut mems = Vec::new();
+            for k in 0..calls {
+                let s = &streams[k % 2];
+                let mut mem = s.clone_htod(bytes_of(&input(k, c.rank()))).unwrap();
+                let _current = device::use_stream(s);
+                c.all_reduce(view::<f32>(&mut mem, s), ReduceOp::Sum).unwrap();
+                mems.push(mem);
+            }
+            let out: Vec<Vec<u8>> = mems
+                .iter()
+                .enumerate()
+                .map(|(k, m)| streams[k % 2].clone_dtoh(m).unwrap())
+                .collect();
+            streams.iter().for_each(|s| s.synchronize().unwrap());
+            c.finalize().unwrap();
+            out
+        },
+    );
+    for k in 0..calls {
+        let inputs: Vec<Vec<f32>> = (0..world).map(|r| input(k, r)).collect();
+        for (r, rank_results) in results.iter().enumerate() {
+            let got: Vec<f32> = from_bytes(&rank_results[k]);
+            for e in 0..n {
+                let vals: Vec<f32> = inputs.iter().map(|v| v[e]).collect();
+                if let Err(why) = f32::check_reduced(&vals, ReduceOp::Sum, got[e]) {
+                    panic!("rank {r}, call {k} (stream {}), element {e}: {why}", k % 2);
+                }
+            }
+        }
+    }
 }
 
 /// The mismatched all_to_all_v: rank 1's kernel records the mismatch, and rank 1's next call

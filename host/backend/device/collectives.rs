@@ -18,6 +18,7 @@
 //! kernel that its peers never join: plans depend only on the operation, the element counts
 //! every rank shares, and the world size. Addresses and alignment only pick the access width.
 
+use super::call_order::CallOrder;
 use super::route::parse_bytes;
 use super::window::DeviceWindow;
 use super::DeviceBackend;
@@ -78,6 +79,8 @@ enum AllReduceAlgo {
 
 pub(crate) struct OwnCollectives {
     window: DeviceWindow,
+    /// Calls on different streams run one after another (they share the window).
+    order: CallOrder,
     counters: CudaSlice<u64>,
     /// Kernels per (dtype, reduce op) name suffix, e.g. `bf16_sum`.
     one_shot: HashMap<&'static str, CudaFunction>,
@@ -185,6 +188,7 @@ impl OwnCollectives {
         let multicast = window.device().is_some_and(|(h, _)| h.multicast != 0);
         Ok(OwnCollectives {
             window,
+            order: CallOrder::new()?,
             counters,
             one_shot,
             two_shot,
@@ -344,7 +348,20 @@ impl OwnCollectives {
             .device()
             .ok_or_else(|| Error::invalid(name, "no device window"))?;
         let (counters, _sync) = self.counters.device_ptr(&window_stream);
-        let stream = cuda::stream::raw(stream);
+        self.order.run(stream, || {
+            self.enqueue(f, launch, handle, counters, cuda::stream::raw(stream))
+        })
+    }
+
+    /// Puts the kernel launches of one call on `stream`.
+    fn enqueue(
+        &self,
+        f: &CudaFunction,
+        launch: Launch,
+        handle: crate::device::WindowHandle,
+        counters: u64,
+        stream: sys::CUstream,
+    ) -> Result<()> {
         match launch.args {
             Args::AllToAll(mut a) => {
                 let mut params = Params::new(handle, counters + (SHOT_COUNTERS * 8) as u64);

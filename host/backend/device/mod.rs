@@ -4,6 +4,7 @@
 //! ferrocomm's one-shot kernels (collectives.rs) or through the host (stage.rs), as route.rs
 //! decides.
 
+mod call_order;
 mod collectives;
 mod multicast;
 mod queue;
