@@ -18,7 +18,7 @@ const VAR: &str = "CUDA_DEVICE_MAX_CONNECTIONS";
 /// The most hardware queues CUDA gives a context.
 const WANTED: u32 = 32;
 
-/// Why ranks sharing a GPU in this process may stall, if they may (decided by `prepare`).
+/// Why ranks sharing a GPU in this process may stall, if they may (decided by `record`).
 static CONCERN: OnceLock<Option<String>> = OnceLock::new();
 
 /// Called once, before this process's first cuInit through ferrocomm: asks for 32 queues
@@ -54,7 +54,7 @@ fn concern(user_value: Option<&str>, context_existed: bool) -> Option<String> {
              and a rank's kernel may then wait behind a peer's that waits for it, until the timeout; {fix}"
         )),
         None if context_existed => Some(format!(
-            "CUDA's context on this GPU was made before ferrocomm could ask for {WANTED} hardware \
+            "this process made its CUDA context before ferrocomm could ask for {WANTED} hardware \
              queues, so it has CUDA's default of 8: ranks' streams may share one, and a rank's kernel \
              may then wait behind a peer's that waits for it, until the timeout; {fix}"
         )),

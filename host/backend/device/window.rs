@@ -192,9 +192,9 @@ impl DeviceWindow {
             deadline: Instant::now() + spec.timeout,
         })?;
         handle.fifo = net.as_ref().map_or(0, |n| n.queue.device_addr());
-        // The network allocates its queue and staging memory after the barrier above (for the
-        // same reason as there, every rank finishes that before any uses the window). Ranks
-        // agree on whether there is a network: it exists where some rank is on another host.
+        // The network allocates its queue and staging memory after that barrier: for the same
+        // reason, every rank finishes doing so before any uses the window. Every rank has a
+        // network or none: there is one wherever some rank is on another host.
         if net.is_some() {
             barrier()?;
         }
