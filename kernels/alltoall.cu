@@ -40,10 +40,18 @@ FERROCOMM_DEVICE_INLINE u64* got_of(u64* c, i32 r) {
   return c + MAX_BLOCKS + MAX_BLOCKS * MAX_RANKS + blockIdx.x * MAX_RANKS + r;
 }
 
-// Block b's share of bytes [off, off + len) of a chunk, with 16-byte accesses if both ends allow.
-FERROCOMM_DEVICE_INLINE void copy_chunk_share(Byte* dst, const Byte* src, u64 len) {
+// Block b's share of the first `len` bytes of a chunk, with 16-byte accesses if both ends
+// allow. Every chunk is cut as a whole slot of `cut` bytes would be, so block b moves the same
+// slot bytes in every chunk: a short chunk cut by its own length would give block b bytes that
+// another block of the receiver may still be reading from the previous chunk (block b's
+// CONSUMED signal covers only what block b read).
+FERROCOMM_DEVICE_INLINE void copy_chunk_share(Byte* dst, const Byte* src, u64 len, u64 cut) {
   const u32 vectors = ((reinterpret_cast<u64>(dst) | reinterpret_cast<u64>(src)) & 15u) == 0;
-  copy_share(dst, src, share_of<16>(len, vectors));
+  Share s = share_of<16>(cut, vectors);
+  s.lo = min(s.lo, len);
+  s.hi = min(s.hi, len);
+  s.vhi = vectors ? max(s.lo, min(s.hi, (len / 16) * 16)) : s.lo;
+  copy_share(dst, src, s);
 }
 
 FERROCOMM_DEVICE_INLINE void all_to_all(const ferrocomm_window_handle& h, const AllToAll& a, u64* counters) {
@@ -52,8 +60,8 @@ FERROCOMM_DEVICE_INLINE void all_to_all(const ferrocomm_window_handle& h, const 
   const u64 payload = a.slot - HEADER_BYTES;
   const u64 call = *calls_of(counters) + 1;
   // Our own block needs no slot.
-  copy_chunk_share(reinterpret_cast<Byte*>(a.recv[me]), reinterpret_cast<const Byte*>(a.send[me]),
-                   min(a.send_len[me], a.recv_len[me]));
+  const u64 own = min(a.send_len[me], a.recv_len[me]);
+  copy_chunk_share(reinterpret_cast<Byte*>(a.recv[me]), reinterpret_cast<const Byte*>(a.send[me]), own, own);
   u64 rounds = 0;
   for (i32 r = 0; r < w.size(); ++r) {
     if (r == me) continue;
@@ -73,7 +81,7 @@ FERROCOMM_DEVICE_INLINE void all_to_all(const ferrocomm_window_handle& h, const 
         hdr[1] = call;
       }
       copy_chunk_share(slot + HEADER_BYTES, reinterpret_cast<const Byte*>(a.send[r]) + at,
-                       min(payload, a.send_len[r] - at));
+                       min(payload, a.send_len[r] - at), payload);
       w.signal(coop_block(), r, FILLED_ID + blockIdx.x, SignalOp::Set, chunk);
     }
     for (i32 p = 0; p < w.size(); ++p) {
@@ -89,7 +97,8 @@ FERROCOMM_DEVICE_INLINE void all_to_all(const ferrocomm_window_handle& h, const 
         }
         return;
       }
-      copy_chunk_share(reinterpret_cast<Byte*>(a.recv[p]) + at, slot + HEADER_BYTES, min(payload, a.recv_len[p] - at));
+      copy_chunk_share(reinterpret_cast<Byte*>(a.recv[p]) + at, slot + HEADER_BYTES, min(payload, a.recv_len[p] - at),
+                       payload);
       w.signal(coop_block(), p, CONSUMED_ID + blockIdx.x, SignalOp::Set, chunk);
     }
   }

@@ -49,7 +49,7 @@ FERROCOMM_DEVICE_INLINE u64 broadcast(CoopWarp, u64 v) {
 #endif
 }
 FERROCOMM_DEVICE_INLINE u64 broadcast(CoopBlock b, u64 v) {
-  __shared__ u64 slot;
+  FERROCOMM_SHARED(u64, slot);
   if (b.is_leader()) slot = v;
   b.sync();
   u64 out = slot;

@@ -1,8 +1,14 @@
-// The one header that decides CUDA or HIP. Every other header includes it and tests only the
-// macros it defines; none names a vendor itself.
+// The one header that decides CUDA, HIP or the host device (CPU threads; FERROCOMM_HOST_DEVICE,
+// see host/runtime.h). Every other header includes it and tests only the macros it defines;
+// none names a vendor itself.
 #pragma once
 
-#if defined(__HIPCC__) || defined(__HIP_PLATFORM_AMD__)
+#if defined(FERROCOMM_HOST_DEVICE)
+#define FERROCOMM_HOST 1
+#include "ferrocomm/host/runtime.h"
+#define FERROCOMM_WARP_SIZE 32
+#define FERROCOMM_SYNC_WARP() __syncwarp()
+#elif defined(__HIPCC__) || defined(__HIP_PLATFORM_AMD__)
 #define FERROCOMM_HIP 1
 #include <hip/hip_runtime.h>
 #define FERROCOMM_WARP_SIZE 64
@@ -28,6 +34,12 @@
 #endif
 
 #define FERROCOMM_DEVICE_INLINE __device__ __forceinline__
+// A static shared-memory variable of the block.
+#if FERROCOMM_HOST
+#define FERROCOMM_SHARED(type, name) FERROCOMM_HOST_SHARED(type, name)
+#else
+#define FERROCOMM_SHARED(type, name) __shared__ type name
+#endif
 #define FERROCOMM_SYNC_BLOCK() __syncthreads()
 // Block barrier that also tells whether `pred` held on every thread.
 #define FERROCOMM_SYNC_BLOCK_AND(pred) (__syncthreads_and(pred) != 0)

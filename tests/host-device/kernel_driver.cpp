@@ -1,0 +1,408 @@
+// Runs every kernel of kernels/*.cu and tests/gpu/kernels.cu on the host device with several
+// ranks at once, so that a sanitizer build (scripts/host-device-sanitize.sh: ThreadSanitizer,
+// then AddressSanitizer + UndefinedBehaviorSanitizer) instruments every memory access the
+// kernels make. The windows have the layout the device backend builds (abi.h;
+// host/backend/device/window.rs and collectives.rs): ranks are threads of this process and
+// share one allocation, segment r at base + r * stride.
+//
+// Results are checked against references computed here: collectives reduce in rank order in
+// f32, so they must match bit for bit. Exits 1 on the first wrong value (printing what), 0 when
+// everything matched.
+//
+// Usage: kernel_driver [max ranks, default 4]
+#define FERROCOMM_HOST_DEVICE 1
+#include "../../kernels/alltoall.cu"
+#include "../../kernels/bench.cu"
+#include "../../kernels/multimem.cu"
+#include "../../kernels/oneshot.cu"
+#include "../../kernels/rma.cu"
+#include "../../kernels/twoshot.cu"
+#include "../gpu/kernels.cu"
+
+#include <stdio.h>
+#include <stdlib.h>
+
+#include <functional>
+#include <random>
+#include <thread>
+#include <vector>
+
+extern "C" int ferrocomm_host_launch(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                                     unsigned long long shared_bytes, void (*body)(void*), void* ctx);
+
+namespace {
+
+using namespace ferrocomm::coll;
+
+[[noreturn]] void fail(const char* what, long long a, long long b, long long c) {
+  fprintf(stderr, "FAILED: %s (%lld, %lld, %lld)\n", what, a, b, c);
+  exit(1);
+}
+
+// One launch on this thread's rank: grid x block threads run `k`.
+void launch(unsigned blocks, unsigned threads, std::function<void()> k) {
+  auto body = [](void* p) { (*static_cast<std::function<void()>*>(p))(); };
+  const int rc = ferrocomm_host_launch(blocks, 1, 1, threads, 1, 1, 0, body, &k);
+  if (rc != 0) fail("ferrocomm_host_launch", rc, blocks, threads);
+}
+
+// A window of `size` ranks in one allocation, laid out as window.rs does.
+struct Group {
+  int size;
+  u64 data_bytes, signal_offset, barrier_offset, stride;
+  std::vector<unsigned char> memory;
+  std::vector<ferrocomm_status> status;
+  u32 abort_flag = 0;
+  std::vector<std::vector<u64>> counters;  // per rank: shot epochs + all_to_all counters
+
+  // Kernels hold addresses into it: never copied (a copy would also race with them).
+  Group(const Group&) = delete;
+  Group(Group&&) = default;
+
+  Group(int n, u64 bytes, u32 signals) : size(n), status(n) {
+    auto up = [](u64 x) { return (x + 255) / 256 * 256; };
+    data_bytes = bytes;
+    signal_offset = up(bytes);
+    barrier_offset = up(signal_offset + u64(signals) * n * 8);
+    stride = up(barrier_offset + (n + 1) * 8);
+    memory.assign(stride * n + 16, 0);
+    counters.assign(n, std::vector<u64>(MAX_BLOCKS + MAX_BLOCKS + 2 * MAX_BLOCKS * MAX_RANKS, 0));
+    memset(status.data(), 0, sizeof(ferrocomm_status) * n);
+    signals_ = signals;
+  }
+
+  ferrocomm_window_handle handle(int rank) {
+    ferrocomm_window_handle h{};
+    h.base = (reinterpret_cast<u64>(memory.data()) + 15) & ~15ull;
+    h.stride = stride;
+    h.data_bytes = data_bytes;
+    h.signal_offset = signal_offset;
+    h.barrier_offset = barrier_offset;
+    h.status = reinterpret_cast<u64>(&status[rank]);
+    h.abort_flag = reinterpret_cast<u64>(&abort_flag);
+    h.timeout_ns = 20ull * 1000 * 1000 * 1000;
+    h.rank = rank;
+    h.size = size;
+    h.signals = signals_;
+    return h;
+  }
+
+  void check_status(const char* what) {
+    for (int r = 0; r < size; ++r) {
+      if (status[r].code != FERROCOMM_STATUS_OK) fail(what, r, status[r].code, status[r].peer);
+    }
+  }
+
+  // Runs f(rank) on one thread per rank, all at once.
+  void ranks(const std::function<void(int)>& f) {
+    std::vector<std::thread> ts;
+    for (int r = 0; r < size; ++r) ts.emplace_back(f, r);
+    for (auto& t : ts) t.join();
+  }
+
+  u32 signals_;
+};
+
+u64 mix(u64 x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// Small values so sums stay exact enough to be interesting, and negative ones for min / max.
+template <class E>
+typename E::Raw value(int rank, u64 i, u64 seed) {
+  const float v = static_cast<float>(static_cast<int>(mix(seed ^ (u64(rank) << 40) ^ i) % 2001) - 1000) / 64.0f;
+  return E::put(v);
+}
+
+template <class E, u32 OP>
+typename E::Raw reference(int size, u64 i, u64 seed) {
+  float acc = E::get(value<E>(0, i, seed));
+  for (int r = 1; r < size; ++r) acc = combine<OP>(acc, E::get(value<E>(r, i, seed)));
+  if (OP == REDUCE_AVG) acc /= static_cast<float>(size);
+  return E::put(acc);
+}
+
+using ShotKernel = void (*)(ferrocomm_window_handle, const void*, void*, u64, u64*, u32);
+
+// all_reduce (one- or two-shot) of `n` elements on every rank, `calls` times in a row.
+template <class E, u32 OP>
+void check_all_reduce(Group& g, ShotKernel k, const char* name, u64 n, unsigned blocks, unsigned threads, int calls) {
+  using Raw = typename E::Raw;
+  for (int call = 0; call < calls; ++call) {
+    const u64 seed = mix(n * 131 + call);
+    std::vector<std::vector<Raw>> in(g.size), out(g.size);
+    for (int r = 0; r < g.size; ++r) {
+      in[r].resize(n + 8);
+      out[r].assign(n + 8, Raw(0x7777));
+      for (u64 i = 0; i < n; ++i) in[r][i] = value<E>(r, i, seed);
+    }
+    g.ranks([&](int r) {
+      ferrocomm_window_handle h = g.handle(r);
+      const u32 vectors = ((reinterpret_cast<u64>(in[r].data()) | reinterpret_cast<u64>(out[r].data())) & 15) == 0;
+      launch(blocks, threads, [&, h, vectors] { k(h, in[r].data(), out[r].data(), n, g.counters[r].data(), vectors); });
+    });
+    g.check_status(name);
+    for (int r = 0; r < g.size; ++r) {
+      for (u64 i = 0; i < n; ++i) {
+        if (out[r][i] != reference<E, OP>(g.size, i, seed)) fail(name, r, static_cast<long long>(i), g.size);
+      }
+      if (out[r][n] != Raw(0x7777)) fail("all_reduce wrote past its end", r, static_cast<long long>(n), g.size);
+    }
+  }
+}
+
+void check_all_gather(Group& g, u64 bytes, unsigned blocks, unsigned threads) {
+  std::vector<std::vector<unsigned char>> in(g.size), out(g.size);
+  for (int r = 0; r < g.size; ++r) {
+    in[r].resize(bytes);
+    for (u64 i = 0; i < bytes; ++i) in[r][i] = static_cast<unsigned char>(mix(r * 977 + i));
+    out[r].assign(bytes * g.size, 0xee);
+  }
+  g.ranks([&](int r) {
+    Parts parts{};
+    for (int p = 0; p < g.size; ++p) parts.ptr[p] = reinterpret_cast<u64>(out[r].data() + p * bytes);
+    ferrocomm_window_handle h = g.handle(r);
+    launch(blocks, threads, [&, h, parts] { ferrocomm_allgather_oneshot(h, in[r].data(), parts, bytes, g.counters[r].data(), 0); });
+  });
+  g.check_status("all_gather");
+  for (int r = 0; r < g.size; ++r) {
+    for (int p = 0; p < g.size; ++p) {
+      for (u64 i = 0; i < bytes; ++i) {
+        if (out[r][p * bytes + i] != in[p][i]) fail("all_gather", r, p, static_cast<long long>(i));
+      }
+    }
+  }
+}
+
+void check_reduce_scatter(Group& g, u64 n, unsigned blocks, unsigned threads) {
+  std::vector<std::vector<u32>> in(g.size), out(g.size);
+  const u64 seed = 99;
+  for (int r = 0; r < g.size; ++r) {
+    in[r].resize(n * g.size);
+    for (int b = 0; b < g.size; ++b) {
+      for (u64 i = 0; i < n; ++i) in[r][b * n + i] = value<F32>(r, b * n + i, seed);
+    }
+    out[r].assign(n, 0x7f7f7f7f);
+  }
+  g.ranks([&](int r) {
+    Parts parts{};
+    u64 addresses = reinterpret_cast<u64>(out[r].data());
+    for (int p = 0; p < g.size; ++p) {
+      parts.ptr[p] = reinterpret_cast<u64>(in[r].data() + p * n);
+      addresses |= parts.ptr[p];
+    }
+    // 16-byte accesses where every part allows them, as the host decides.
+    const u32 vectors = (addresses & 15) == 0;
+    ferrocomm_window_handle h = g.handle(r);
+    launch(blocks, threads, [&, h, parts, vectors] {
+      ferrocomm_reducescatter_oneshot_f32_sum(h, parts, out[r].data(), n, g.counters[r].data(), vectors);
+    });
+  });
+  g.check_status("reduce_scatter");
+  for (int r = 0; r < g.size; ++r) {
+    for (u64 i = 0; i < n; ++i) {
+      if (out[r][i] != reference<F32, REDUCE_SUM>(g.size, r * n + i, seed)) fail("reduce_scatter", r, static_cast<long long>(i), g.size);
+    }
+  }
+}
+
+// all_to_all with a different length per pair (below `max_len`), through slots of
+// `slot_payload` bytes: most pairs take several chunks, the last one short, which the 16
+// blocks cut differently from a full one.
+void check_all_to_all(Group& g, u64 region, u64 slot_payload, u64 max_len, int calls) {
+  for (int call = 0; call < calls; ++call) {
+    auto len = [&](int from, int to) { return (mix(from * 31 + to * 7 + call) % max_len) + (from == to ? 0 : 1); };
+    std::vector<std::vector<std::vector<unsigned char>>> send(g.size), recv(g.size);
+    for (int r = 0; r < g.size; ++r) {
+      send[r].resize(g.size);
+      recv[r].resize(g.size);
+      for (int p = 0; p < g.size; ++p) {
+        send[r][p].resize(len(r, p));
+        for (u64 i = 0; i < send[r][p].size(); ++i) send[r][p][i] = static_cast<unsigned char>(mix(r * 1000003 + p * 1009 + i + call));
+        recv[r][p].assign(len(p, r), 0xee);
+      }
+    }
+    g.ranks([&](int r) {
+      AllToAll a{};
+      for (int p = 0; p < g.size; ++p) {
+        a.send[p] = reinterpret_cast<u64>(send[r][p].data());
+        a.send_len[p] = send[r][p].size();
+        a.recv[p] = reinterpret_cast<u64>(recv[r][p].data());
+        a.recv_len[p] = recv[r][p].size();
+      }
+      a.region = region;
+      a.slot = HEADER_BYTES + slot_payload;
+      ferrocomm_window_handle h = g.handle(r);
+      u64* counters = g.counters[r].data() + MAX_BLOCKS;
+      launch(MAX_BLOCKS, 32, [=] { ferrocomm_alltoall(h, a, counters); });
+    });
+    g.check_status("all_to_all");
+    for (int r = 0; r < g.size; ++r) {
+      for (int p = 0; p < g.size; ++p) {
+        if (recv[r][p] != send[p][r]) fail("all_to_all", r, p, call);
+      }
+    }
+  }
+}
+
+// The host verbs' kernels (kernels/rma.cu) and the test kernels (tests/gpu/kernels.cu).
+void check_rma(Group& g) {
+  std::vector<u64> results(g.size * 3);
+  // signal / wait_signal: every rank adds 1 to slot [1][me] of every peer, then waits for the
+  // sum over sources of its own slot 1 to reach size - 1.
+  g.ranks([&](int r) {
+    ferrocomm_window_handle h = g.handle(r);
+    for (int p = 0; p < g.size; ++p) {
+      if (p != r) launch(1, 1, [=] { ferrocomm_signal(h, p, 1, FERROCOMM_SIGNAL_ADD, 1); });
+    }
+    u64* out = &results[r * 3];
+    launch(1, 1, [=, n = g.size] { ferrocomm_wait_signal(h, 1, SOURCE_SUM, FERROCOMM_CMP_GE, n - 1, out); });
+    launch(1, 64, [=] { ferrocomm_barrier(h); });
+  });
+  g.check_status("signal / wait_signal / barrier");
+  for (int r = 0; r < g.size; ++r) {
+    if (results[r * 3] != 1 || results[r * 3 + 2] != u64(g.size - 1)) fail("wait_signal", r, results[r * 3], results[r * 3 + 2]);
+  }
+  // fetch_add and compare_swap on word 0 of rank 0, from every rank; signal_from.
+  g.ranks([&](int r) {
+    ferrocomm_window_handle h = g.handle(r);
+    u64* out = &results[r * 3];
+    for (int i = 0; i < 5; ++i) launch(1, 1, [=] { ferrocomm_fetch_add(h, 0, 64, 1, out); });
+    launch(1, 1, [=] { ferrocomm_compare_swap(h, 0, 72, 0, u64(r) + 1, out + 1); });
+    launch(1, 1, [=, n = g.size] { ferrocomm_signal_from(h, (r + 1) % n, 2, FERROCOMM_SIGNAL_ADD, 3); });
+  });
+  g.check_status("fetch_add / compare_swap");
+  ferrocomm_window_handle h0 = g.handle(0);
+  Window w0(h0);
+  if (*w0.local_ptr<u64>(64) != u64(5 * g.size)) fail("fetch_add", 0, *w0.local_ptr<u64>(64), 5 * g.size);
+  int winners = 0;
+  for (int r = 0; r < g.size; ++r) winners += results[r * 3 + 1] == 0;
+  if (winners != 1 || *w0.local_ptr<u64>(72) == 0) fail("compare_swap", winners, *w0.local_ptr<u64>(72), 0);
+  for (int r = 0; r < g.size; ++r) {
+    Window w(g.handle(r));
+    if (w.read_signal(2, (r + 1) % g.size) != 3) fail("signal_from", r, w.read_signal(2, (r + 1) % g.size), 3);
+  }
+  // put_blocks: every rank puts 1000 bytes at offset 4096 of its right neighbour.
+  std::vector<std::vector<unsigned char>> src(g.size, std::vector<unsigned char>(1008));
+  g.ranks([&](int r) {
+    for (u64 i = 0; i < src[r].size(); ++i) src[r][i] = static_cast<unsigned char>(r * 7 + i);
+    ferrocomm_window_handle h = g.handle(r);
+    const int right = (r + 1) % g.size;
+    launch(3, 32, [=, &src] { ferrocomm_put_blocks(h, right, 4096, src[r].data(), 1000); });
+    launch(1, 1, [=] { ferrocomm_signal(h, right, 3, FERROCOMM_SIGNAL_SET, 1); });
+    u64* out = &results[r * 3];
+    launch(1, 1, [=, n = g.size] { ferrocomm_wait_signal(h, 3, (r + n - 1) % n, FERROCOMM_CMP_GE, 1, out); });
+  });
+  g.check_status("put_blocks");
+  for (int r = 0; r < g.size; ++r) {
+    const int left = (r + g.size - 1) % g.size;
+    const unsigned char* got = Window(g.handle(r)).local_ptr<unsigned char>(4096);
+    for (u64 i = 0; i < 1000; ++i) {
+      if (got[i] != src[left][i]) fail("put_blocks", r, static_cast<long long>(i), got[i]);
+    }
+  }
+}
+
+// The ring of every scope on a window of its own (signal values restart at 1), then the rest.
+void check_device_api(const std::function<Group()>& fresh) {
+  Group g = fresh();
+  std::vector<unsigned long long> wrong(g.size, 0);
+  std::vector<std::vector<u64>> tiles(g.size, std::vector<u64>(96));
+  const struct {
+    const char* name;
+    unsigned threads;
+  } scopes[] = {{"thread", 1}, {"warp", 32}, {"block", 64}};
+  for (auto s : scopes) {
+    Group g = fresh();
+    g.ranks([&](int r) {
+      ferrocomm_window_handle h = g.handle(r);
+      unsigned long long* w = &wrong[r];
+      u64* tile = tiles[r].data();
+      const char* name = s.name;
+      launch(1, s.threads, [=] {
+        if (name[0] == 't') ring_thread(h, tile, 96, 3, 7, w);
+        if (name[0] == 'w') ring_warp(h, tile, 96, 3, 7, w);
+        if (name[0] == 'b') ring_block(h, tile, 96, 3, 7, w);
+      });
+      launch(1, 64, [=] { ferrocomm_barrier(h); });
+      const int peer = (r + 1) % g.size;
+      launch(1, s.threads, [=] {
+        if (name[0] == 't') get_thread(h, peer, tile, 32);
+        if (name[0] == 'w') get_warp(h, peer, tile, 32);
+        if (name[0] == 'b') get_block(h, peer, tile, 32);
+      });
+      launch(1, 64, [=] { ferrocomm_barrier(h); });
+    });
+    g.check_status(s.name);
+    for (int r = 0; r < g.size; ++r) {
+      if (wrong[r]) fail("ring: words differed", r, static_cast<long long>(wrong[r]), 0);
+    }
+  }
+  g.ranks([&](int r) {
+    ferrocomm_window_handle h = g.handle(r);
+    unsigned long long* w = &wrong[r];
+    launch(1, 64, [=] { barrier_rounds(h, 3, w); });
+    launch(2, 32, [=] { fetch_add_storm(h, 3); });
+    launch(1, 64, [=] { ferrocomm_barrier(h); });
+  });
+  g.check_status("barrier_rounds / fetch_add_storm");
+  for (int r = 0; r < g.size; ++r) {
+    if (wrong[r]) fail("barrier_rounds", r, static_cast<long long>(wrong[r]), 0);
+  }
+}
+
+// A wait that nobody satisfies ends by its deadline with a status naming the wait.
+void check_timeout(Group& g) {
+  ferrocomm_window_handle h = g.handle(0);
+  h.timeout_ns = 50ull * 1000 * 1000;
+  std::vector<u64> out(1, 7);
+  u64* o = out.data();
+  launch(1, 32, [=] { wait_forever(h, o); });
+  if (out[0] != 0 || g.status[0].code != FERROCOMM_STATUS_TIMEOUT || g.status[0].op != FERROCOMM_OP_WAIT_SIGNAL) {
+    fail("wait_forever", static_cast<long long>(out[0]), g.status[0].code, g.status[0].op);
+  }
+  g.status[0] = ferrocomm_status{};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int max_ranks = argc > 1 ? atoi(argv[1]) : 4;
+  for (int n = 1; n <= max_ranks; n = n < 4 ? n + 1 : n * 2) {
+    // The collective window's first region (one/two-shot) and second (all_to_all slots).
+    const u64 region = 4096;
+    // A fresh window per part: each uses signal ids its own way.
+    const u64 slot_payload = 2048;
+    auto fresh = [&] { return Group(n, region + n * (HEADER_BYTES + slot_payload), 5 * MAX_BLOCKS); };
+    {
+      Group g = fresh();
+      check_rma(g);
+    }
+    check_device_api(fresh);
+    if (n == 1) {
+      Group g = fresh();
+      check_timeout(g);
+    }
+    Group g = fresh();
+    // Odd counts leave scalar tails; several blocks cut the message into shares.
+    for (u64 count : {u64(1), u64(37), u64(600)}) {
+      const unsigned blocks = count > 100 ? 3 : 1;
+      check_all_reduce<F32, REDUCE_SUM>(g, ferrocomm_allreduce_oneshot_f32_sum, "oneshot f32 sum", count, blocks, 32, 2);
+      check_all_reduce<F16, REDUCE_MAX>(g, ferrocomm_allreduce_oneshot_f16_max, "oneshot f16 max", count, blocks, 64, 1);
+      check_all_reduce<Bf16, REDUCE_AVG>(g, ferrocomm_allreduce_oneshot_bf16_avg, "oneshot bf16 avg", count, blocks, 32, 1);
+      check_all_reduce<F32, REDUCE_MIN>(g, ferrocomm_allreduce_twoshot_f32_min, "twoshot f32 min", count, blocks, 32, 2);
+      check_all_reduce<Bf16, REDUCE_SUM>(g, ferrocomm_allreduce_twoshot_bf16_sum, "twoshot bf16 sum", count, blocks, 64, 1);
+      check_all_reduce<F16, REDUCE_AVG>(g, ferrocomm_allreduce_twoshot_f16_avg, "twoshot f16 avg", count, blocks, 32, 1);
+    }
+    check_all_gather(g, 333, 2, 32);
+    check_reduce_scatter(g, 150, 2, 32);
+    check_reduce_scatter(g, 64, 2, 32);
+    check_all_to_all(g, region, slot_payload, 5000, 2);
+    printf("ok: %d rank%s\n", n, n == 1 ? "" : "s");
+    fflush(stdout);
+  }
+  return 0;
+}
