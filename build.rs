@@ -54,6 +54,8 @@ fn main() {
         })
         .collect();
     std::fs::write(out.join("kernel_headers.rs"), format!("&[\n{headers}]\n")).expect("write kernel_headers.rs");
+    #[cfg(feature = "host-kernels")]
+    host_kernels(&root, &out, &unity);
 
     let Some(nvcc) = find_nvcc(&root) else {
         if std::env::var("FERROCOMM_REQUIRE_NVCC").as_deref() == Ok("1") {
@@ -99,6 +101,45 @@ fn main() {
         );
     }
     println!("cargo:rustc-cfg=ferrocomm_fatbin");
+}
+
+// The host device's module: the same kernel sources, with the host-device runtime
+// (device-api/host/runtime.cpp), built by the system C++ compiler into a shared library that
+// the crate embeds and loads at run time, as the fatbin is on a GPU.
+#[cfg(feature = "host-kernels")]
+fn host_kernels(root: &Path, out: &Path, unity: &Path) {
+    println!("cargo:rerun-if-env-changed=CXX");
+    let library = out.join("libferrocomm_host_kernels.so");
+    let mut cmd = cc::Build::new().cpp(true).get_compiler().to_command();
+    cmd.args([
+        "-std=c++20",
+        "-O2",
+        "-g0",
+        "-fPIC",
+        "-shared",
+        "-pthread",
+        "-DFERROCOMM_HOST_DEVICE",
+    ])
+    .args(["-Wall", "-Wno-unknown-pragmas", "-Wno-unused-parameter", "-Werror"])
+    .arg("-I")
+    .arg(root.join("device-api/include"))
+    .arg("-I")
+    .arg(root.join("kernels"))
+    .args(["-x", "c++"])
+    .arg(unity)
+    .arg(root.join("device-api/host/runtime.cpp"))
+    .arg("-o")
+    .arg(&library);
+    let output = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run the C++ compiler for the host device: {e}"));
+    if !output.status.success() {
+        panic!(
+            "the C++ compiler failed on the host-device kernels:\n{}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
 }
 
 fn kernel_sources(dir: &Path) -> Vec<PathBuf> {

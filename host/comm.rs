@@ -21,6 +21,11 @@ pub enum Device {
     Cpu,
     /// CUDA device `ordinal`.
     Cuda(usize),
+    /// The host device `index`: the `device` backend with its kernels on CPU threads (one OS
+    /// thread per CUDA thread, every block of a launch at once) and its windows in shared host
+    /// memory, for machines without a GPU (a build with the `host-kernels` feature). Buffers
+    /// are host memory: collectives on them run the device backend's own kernels.
+    Host(usize),
 }
 
 const LIVE: u8 = 0;

@@ -93,6 +93,7 @@ mod cuda;
 pub mod device;
 mod dtype;
 mod error;
+mod host_device;
 mod log;
 mod memory;
 pub mod net;

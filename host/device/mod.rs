@@ -6,6 +6,7 @@
 //! modules are cudarc's and mix with any cudarc program.
 
 pub mod abi;
+pub(crate) mod kernels;
 mod slice;
 
 pub use crate::cuda::stream::CurrentStream;

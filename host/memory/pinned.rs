@@ -1,5 +1,7 @@
 //! Host-pinned memory mapped into the device: words a kernel writes and the host reads without
 //! a copy (a device wait's error record) or the host writes and kernels poll (the abort flag).
+//! On the host device ([`Pinned::host`]) plain host memory plays that part: its device address
+//! is its host address.
 
 use crate::cuda::{self, check};
 use crate::error::Result;
@@ -10,6 +12,8 @@ pub(crate) struct Pinned<T: Copy> {
     host: *mut T,
     device: sys::CUdeviceptr,
     len: usize,
+    /// Allocated by the Rust allocator (the host device), not by CUDA.
+    on_host: bool,
 }
 
 // SAFETY: the memory is owned by this value; accesses go through volatile reads and writes.
@@ -49,7 +53,30 @@ impl<T: Copy> Pinned<T> {
             host: p.cast(),
             device,
             len,
+            on_host: false,
         })
+    }
+
+    /// `len` zeroed values in host memory, for the host device.
+    pub(crate) fn host(len: usize) -> Pinned<T> {
+        let layout = Self::host_layout(len);
+        // SAFETY: the layout has a nonzero size (at least one element, padded to 64 bytes).
+        let p = unsafe { std::alloc::alloc_zeroed(layout) };
+        if p.is_null() {
+            std::alloc::handle_alloc_error(layout);
+        }
+        Pinned {
+            host: p.cast(),
+            device: p as u64,
+            len,
+            on_host: true,
+        }
+    }
+
+    /// Whole cache lines, so that kernels polling a word share its line with nothing else.
+    fn host_layout(len: usize) -> std::alloc::Layout {
+        let bytes = (std::mem::size_of::<T>() * len.max(1)).next_multiple_of(64);
+        std::alloc::Layout::from_size_align(bytes, std::mem::align_of::<T>().max(64)).expect("a small layout")
     }
 
     pub(crate) fn device_addr(&self) -> u64 {
@@ -78,6 +105,11 @@ impl<T: Copy> Pinned<T> {
 
 impl<T: Copy> Drop for Pinned<T> {
     fn drop(&mut self) {
+        if self.on_host {
+            // SAFETY: allocated in `host` with this layout; no kernel uses it any more.
+            unsafe { std::alloc::dealloc(self.host.cast(), Self::host_layout(self.len)) };
+            return;
+        }
         // SAFETY: allocated by cuMemHostAlloc; no kernel uses it once its owner is dropped.
         unsafe { sys::cuMemFreeHost(self.host.cast()) };
     }

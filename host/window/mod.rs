@@ -109,6 +109,11 @@ pub trait WindowBackend: Send + Sync {
     fn device(&self) -> Option<(WindowHandle, Arc<CudaStream>)> {
         None
     }
+    /// The handle kernels take: for windows in GPU memory, and for the host device's windows
+    /// (host memory that the host device's kernels use; `device` is then `None`).
+    fn handle(&self) -> Option<WindowHandle> {
+        self.device().map(|d| d.0)
+    }
     /// The window's proxy queue toward ranks reached over the network, started on first use.
     fn proxy_queue(&self) -> Result<Arc<crate::net::HostQueue>> {
         Err(Error::Unavailable {
@@ -359,7 +364,7 @@ impl<'buf> Window<'buf> {
     /// Valid while this window lives: drop the window only after kernels using it finished
     /// ([`Window::synchronize`]). Fails for windows in host memory.
     pub fn device_handle(&self) -> Result<WindowHandle> {
-        self.backend.device().map(|d| d.0).ok_or_else(|| {
+        self.backend.handle().ok_or_else(|| {
             Error::invalid(
                 "device_handle",
                 "this window is in host memory (use the device backend)",

@@ -47,7 +47,19 @@ fn run_group_with<R: Send>(
     options: CommOptions,
     f: impl Fn(&Comm) -> R + Sync,
 ) -> Vec<R> {
-    let comms = Comm::new_group(backend, &vec![Device::Cpu; n], name, options).expect("new_group");
+    run_group_on_device(backend, Device::Cpu, n, name, options, f)
+}
+
+/// `run_group` on a named backend with every rank on `device`.
+pub fn run_group_on_device<R: Send>(
+    backend: &str,
+    device: Device,
+    n: usize,
+    name: &str,
+    options: CommOptions,
+    f: impl Fn(&Comm) -> R + Sync,
+) -> Vec<R> {
+    let comms = Comm::new_group(backend, &vec![device; n], name, options).expect("new_group");
     std::thread::scope(|s| {
         let hs: Vec<_> = comms.iter().map(|c| s.spawn(|| f(c))).collect();
         hs.into_iter().map(|h| h.join().expect("rank panicked")).collect()

@@ -19,24 +19,24 @@
 //! every rank shares, and the world size. Addresses and alignment only pick the access width.
 
 use super::call_order::CallOrder;
+use super::gpu::{Gpu, Stream};
 use super::route::parse_bytes;
 use super::window::DeviceWindow;
 use super::DeviceBackend;
 use crate::cuda;
+use crate::device::kernels::{self, AllToAllArgs, Function, Parts, Queue, MAX_RANKS};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
+use crate::memory::Pinned;
 use crate::ops::{Buf, BufMut, DeviceBytes, Op};
-use crate::window::{WindowBackend, WindowSpec};
-use cudarc::driver::{sys, CudaFunction, CudaSlice, DevicePtr};
+use crate::window::WindowSpec;
+use cudarc::driver::{CudaSlice, DevicePtr};
 use std::collections::{BTreeMap, HashMap};
-use std::ffi::c_void;
 use std::time::Duration;
 
 /// kernels/collective.cuh's MAX_BLOCKS, MAX_RANKS and signal id groups.
 const MAX_BLOCKS: usize = 16;
-const MAX_RANKS: usize = 16;
 const SIGNAL_IDS: usize = 5 * MAX_BLOCKS;
-const THREADS: u32 = 256;
 /// Bytes of one block's share before another block helps.
 const BYTES_PER_BLOCK: usize = 64 << 10;
 /// kernels/alltoall.cu's per-slot headers.
@@ -44,28 +44,6 @@ const SLOT_HEADER_BYTES: usize = 16 * MAX_BLOCKS;
 /// u64 counters: one- and two-shot epochs, then all_to_all's calls, sent and received chunks.
 const SHOT_COUNTERS: usize = MAX_BLOCKS;
 const ALL_TO_ALL_COUNTERS: usize = MAX_BLOCKS + 2 * MAX_BLOCKS * MAX_RANKS;
-
-/// kernels/collective.cuh's `Parts`.
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct Parts {
-    ptr: [u64; MAX_RANKS],
-}
-
-/// kernels/alltoall.cu's `AllToAll`.
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct AllToAllArgs {
-    send: [u64; MAX_RANKS],
-    send_len: [u64; MAX_RANKS],
-    recv: [u64; MAX_RANKS],
-    recv_len: [u64; MAX_RANKS],
-    region: u64,
-    slot: u64,
-}
-
-const _: () = assert!(std::mem::size_of::<Parts>() == 8 * MAX_RANKS);
-const _: () = assert!(std::mem::size_of::<AllToAllArgs>() == 8 * (4 * MAX_RANKS + 2));
 
 /// The all_reduce algorithm (hint `algorithm` = `oneshot` / `twoshot` / `multimem`, else by
 /// size: multimem replaces two-shot where the window has a multicast object and the switch
@@ -79,19 +57,22 @@ enum AllReduceAlgo {
 
 pub(crate) struct OwnCollectives {
     window: DeviceWindow,
-    /// Calls on different streams run one after another (they share the window).
-    order: CallOrder,
-    counters: CudaSlice<u64>,
+    /// Calls on different streams run one after another (they share the window). The host
+    /// device runs each call to completion on the window's stream: no other order needed.
+    order: Option<CallOrder>,
+    counters: Counters,
+    /// On the host device, buffers in host memory are the kernels' memory.
+    host_device: bool,
     /// Kernels per (dtype, reduce op) name suffix, e.g. `bf16_sum`.
-    one_shot: HashMap<&'static str, CudaFunction>,
-    two_shot: HashMap<&'static str, CudaFunction>,
+    one_shot: HashMap<&'static str, Function>,
+    two_shot: HashMap<&'static str, Function>,
     /// Only the pairs of `multimem_suffix`.
-    multimem: HashMap<&'static str, CudaFunction>,
+    multimem: HashMap<&'static str, Function>,
     /// The window has a multicast object (the ranks agreed, so all or none have one).
     multicast: bool,
-    reduce_scatter: HashMap<&'static str, CudaFunction>,
-    all_gather: CudaFunction,
-    all_to_all: CudaFunction,
+    reduce_scatter: HashMap<&'static str, Function>,
+    all_gather: Function,
+    all_to_all: Function,
     /// The most bytes per rank one launch of the one- and two-shot kernels takes (the first
     /// region); larger messages run as several launches.
     max_bytes: usize,
@@ -159,44 +140,34 @@ impl OwnCollectives {
             timeout,
         };
         let window = DeviceWindow::create(b, &spec)?;
-        let (_, stream) = window
-            .device()
-            .ok_or_else(|| Error::invalid("device collectives", "no device window"))?;
-        let counters = stream
-            .alloc_zeros::<u64>(SHOT_COUNTERS + ALL_TO_ALL_COUNTERS)
-            .map_err(|e| cuda::err("cuMemAlloc", e))?;
-        stream.synchronize().map_err(|e| cuda::err("cuStreamSynchronize", e))?;
-        let module = crate::device::library(b.ordinal)?;
-        let load = |name: String| {
-            module
-                .load_function(&name)
-                .map_err(|e| cuda::err(&format!("cuModuleGetFunction({name})"), e))
-        };
+        let counters = Counters::new(b.gpu, window.handle_and_stream().1)?;
+        let load = |name: String| b.gpu.function(&name);
         let (mut one_shot, mut two_shot, mut reduce_scatter) = (HashMap::new(), HashMap::new(), HashMap::new());
         let mut multimem = HashMap::new();
         for d in [DType::F32, DType::F16, DType::BF16] {
             for op in [ReduceOp::Sum, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg] {
                 let Some(s) = suffix(d, op) else { continue };
-                one_shot.insert(s, load(format!("ferrocomm_allreduce_oneshot_{s}"))?);
-                two_shot.insert(s, load(format!("ferrocomm_allreduce_twoshot_{s}"))?);
-                reduce_scatter.insert(s, load(format!("ferrocomm_reducescatter_oneshot_{s}"))?);
+                one_shot.insert(s, load(format!("{}{s}", kernels::ALL_REDUCE_ONESHOT.name))?);
+                two_shot.insert(s, load(format!("{}{s}", kernels::ALL_REDUCE_TWOSHOT.name))?);
+                reduce_scatter.insert(s, load(format!("{}{s}", kernels::REDUCE_SCATTER.name))?);
                 if multimem_suffix(d, op).is_some() {
-                    multimem.insert(s, load(format!("ferrocomm_allreduce_multimem_{s}"))?);
+                    multimem.insert(s, load(format!("{}{s}", kernels::ALL_REDUCE_MULTIMEM.name))?);
                 }
             }
         }
-        let multicast = window.device().is_some_and(|(h, _)| h.multicast != 0);
+        let multicast = window.handle_and_stream().0.multicast != 0;
         Ok(OwnCollectives {
             window,
-            order: CallOrder::new()?,
+            order: (b.gpu != Gpu::Host).then(CallOrder::new).transpose()?,
             counters,
+            host_device: b.gpu == Gpu::Host,
             one_shot,
             two_shot,
             multimem,
             multicast,
             reduce_scatter,
-            all_gather: load("ferrocomm_allgather_oneshot".into())?,
-            all_to_all: load("ferrocomm_alltoall".into())?,
+            all_gather: load(kernels::ALL_GATHER.name.into())?,
+            all_to_all: load(kernels::ALL_TO_ALL.name.into())?,
             max_bytes,
             two_shot_min,
             size: b.size,
@@ -244,11 +215,12 @@ impl OwnCollectives {
     }
 
     /// The kernel for `op` and its launch, if one here runs it (see the module doc).
-    fn plan(&self, op: &Op<'_>, hints: &BTreeMap<String, String>) -> Result<Option<(&CudaFunction, Launch)>> {
+    fn plan(&self, op: &mut Op<'_>, hints: &BTreeMap<String, String>) -> Result<Option<(&Function, Launch)>> {
         let few_ranks = self.size <= MAX_RANKS;
+        let hd = self.host_device;
         let plan = match op {
             Op::AllReduce { buf, op } => {
-                let (Some(d), Some(s)) = (buf.device_bytes(), suffix(buf.dtype(), *op)) else {
+                let (Some(d), Some(s)) = (reach_mut(buf, hd), suffix(buf.dtype(), *op)) else {
                     return Ok(None);
                 };
                 let kernels = match self.all_reduce_algo(d.len, buf.dtype(), *op, hints)? {
@@ -265,7 +237,7 @@ impl OwnCollectives {
                 ))
             }
             Op::AllGather { input, outputs } => {
-                let (Some(i), Some(parts)) = (input.device_bytes(), parts_mut(outputs)) else {
+                let (Some(i), Some(parts)) = (reach(input, hd), parts_mut(outputs, hd)) else {
                     return Ok(None);
                 };
                 let equal = outputs.iter().all(|o| o.byte_len() == i.len);
@@ -277,7 +249,7 @@ impl OwnCollectives {
             }
             Op::ReduceScatter { inputs, output, op } => {
                 let (Some(o), Some(parts), Some(s)) =
-                    (output.device_bytes(), parts(inputs), suffix(output.dtype(), *op))
+                    (reach_mut(output, hd), parts(inputs, hd), suffix(output.dtype(), *op))
                 else {
                     return Ok(None);
                 };
@@ -297,7 +269,7 @@ impl OwnCollectives {
                 })
             }
             Op::AllToAll { inputs, outputs } => {
-                let (Some(send), Some(recv)) = (parts(inputs), parts_mut(outputs)) else {
+                let (Some(send), Some(recv)) = (parts(inputs, hd), parts_mut(outputs, hd)) else {
                     return Ok(None);
                 };
                 let mut a = AllToAllArgs {
@@ -307,7 +279,7 @@ impl OwnCollectives {
                     slot: ((self.max_bytes / self.size.max(1)) & !15) as u64,
                     ..Default::default()
                 };
-                for (r, (i, o)) in inputs.iter().zip(outputs).enumerate() {
+                for (r, (i, o)) in inputs.iter().zip(outputs.iter()).enumerate() {
                     a.send_len[r] = i.byte_len() as u64;
                     a.recv_len[r] = o.byte_len() as u64;
                 }
@@ -322,14 +294,14 @@ impl OwnCollectives {
     }
 
     /// Whether a kernel here runs `op` (an unknown hint counts as no).
-    pub(crate) fn supports(&self, op: &Op<'_>, hints: &BTreeMap<String, String>) -> bool {
+    pub(crate) fn supports(&self, op: &mut Op<'_>, hints: &BTreeMap<String, String>) -> bool {
         self.plan(op, hints).is_ok_and(|p| p.is_some())
     }
 
     /// Enqueues `op` on `stream`; `supports(op)` must hold.
     pub(crate) fn run(
         &self,
-        op: &Op<'_>,
+        op: &mut Op<'_>,
         hints: &BTreeMap<String, String>,
         stream: u64,
         timeout: Duration,
@@ -343,31 +315,41 @@ impl OwnCollectives {
         if launch.bytes == 0 && !matches!(launch.args, Args::AllToAll(_)) {
             return Ok(());
         }
-        let (handle, window_stream) = self
-            .window
-            .device()
-            .ok_or_else(|| Error::invalid(name, "no device window"))?;
-        let (counters, _sync) = self.counters.device_ptr(&window_stream);
-        self.order.run(stream, || {
-            self.enqueue(f, launch, handle, counters, cuda::stream::raw(stream))
-        })
+        let (handle, window_stream) = self.window.handle_and_stream();
+        let counters = self.counters.addr(window_stream);
+        match window_stream {
+            // Host buffers are used only during the call: the host device runs it on the
+            // window's stream and waits (bounded: the kernels' own waits end by `timeout`).
+            Stream::Host(_) => {
+                self.enqueue(f, launch, handle, counters, window_stream.queue())?;
+                self.window.finish(name, timeout)
+            }
+            Stream::Cuda(_) => {
+                let order = self
+                    .order
+                    .as_ref()
+                    .ok_or_else(|| Error::invalid(name, "no call order"))?;
+                order.run(stream, || {
+                    self.enqueue(f, launch, handle, counters, Queue::Cuda(cuda::stream::raw(stream)))
+                })
+            }
+        }
     }
 
-    /// Puts the kernel launches of one call on `stream`.
+    /// Puts the kernel launches of one call on `queue`.
     fn enqueue(
         &self,
-        f: &CudaFunction,
+        f: &Function,
         launch: Launch,
         handle: crate::device::WindowHandle,
         counters: u64,
-        stream: sys::CUstream,
+        queue: Queue<'_>,
     ) -> Result<()> {
         match launch.args {
-            Args::AllToAll(mut a) => {
-                let mut params = Params::new(handle, counters + (SHOT_COUNTERS * 8) as u64);
+            Args::AllToAll(a) => {
                 // The sizes differ between ranks, so the grid is fixed.
-                let blocks = MAX_BLOCKS as u32;
-                params.launch(f, blocks, &[(&mut *a as *mut AllToAllArgs).cast()], &[], stream)
+                let counters = counters + (SHOT_COUNTERS * 8) as u64;
+                kernels::ALL_TO_ALL.launch(f, queue, MAX_BLOCKS as u32, (handle, *a, counters))
             }
             // Messages larger than the window's region run as consecutive launches, one per
             // chunk (the same cut on every rank: it depends on the counts and the region).
@@ -375,14 +357,34 @@ impl OwnCollectives {
                 input,
                 output,
                 n,
-                mut vectors,
+                vectors,
             } => {
-                for (offset, mut count) in chunks(n, launch.unit, launch.chunk) {
-                    let (mut input, mut output) = (input.offset(offset, self.size), output.offset(offset, self.size));
-                    let mut params = Params::new(handle, counters);
-                    let args = [input.as_param(), output.as_param(), (&mut count as *mut u64).cast()];
+                for (offset, count) in chunks(n, launch.unit, launch.chunk) {
+                    let (input, output) = (input.offset(offset, self.size), output.offset(offset, self.size));
                     let blocks = Launch::blocks(count as usize * launch.unit);
-                    params.launch(f, blocks, &args, &[(&mut vectors as *mut u32).cast()], stream)?;
+                    match (input, output) {
+                        (Param::Ptr(i), Param::Ptr(o)) => {
+                            // One- two-shot and multimem all_reduce share a parameter list.
+                            kernels::ALL_REDUCE_ONESHOT.launch(
+                                f,
+                                queue,
+                                blocks,
+                                (handle, i, o, count, counters, vectors),
+                            )?
+                        }
+                        (Param::Ptr(i), Param::Table(o)) => {
+                            kernels::ALL_GATHER.launch(f, queue, blocks, (handle, i, *o, count, counters, vectors))?
+                        }
+                        (Param::Table(i), Param::Ptr(o)) => kernels::REDUCE_SCATTER.launch(
+                            f,
+                            queue,
+                            blocks,
+                            (handle, *i, o, count, counters, vectors),
+                        )?,
+                        (Param::Table(_), Param::Table(_)) => {
+                            return Err(Error::invalid("device collectives", "no kernel takes two tables"))
+                        }
+                    }
                 }
                 Ok(())
             }
@@ -441,14 +443,6 @@ impl Param {
             }
         }
     }
-
-    /// What cuLaunchKernel reads the parameter's value from.
-    fn as_param(&mut self) -> *mut c_void {
-        match self {
-            Param::Ptr(p) => (p as *mut u64).cast(),
-            Param::Table(t) => (&mut **t as *mut Parts).cast(),
-        }
-    }
 }
 
 struct Launch {
@@ -499,52 +493,6 @@ fn chunks(n: u64, unit: usize, chunk: usize) -> impl Iterator<Item = (u64, u64)>
     })
 }
 
-/// The parameters every collective kernel shares: the window handle first, the counters last
-/// (kernels/*.cu), with the kernel's own arguments between them.
-struct Params {
-    handle: crate::device::WindowHandle,
-    counters: u64,
-}
-
-impl Params {
-    fn new(handle: crate::device::WindowHandle, counters: u64) -> Params {
-        Params { handle, counters }
-    }
-
-    /// Launches `f` with the parameters (handle, `args`..., counters, `trailing`...).
-    fn launch(
-        &mut self,
-        f: &CudaFunction,
-        blocks: u32,
-        args: &[*mut c_void],
-        trailing: &[*mut c_void],
-        stream: sys::CUstream,
-    ) -> Result<()> {
-        let mut params = vec![(&mut self.handle as *mut crate::device::WindowHandle).cast::<c_void>()];
-        params.extend_from_slice(args);
-        params.push((&mut self.counters as *mut u64).cast());
-        params.extend_from_slice(trailing);
-        // SAFETY: `params` matches the kernel's parameter list (kernels/*.cu: shot kernels take
-        // handle, input, output, n, counters, vectors; all_to_all takes handle, args,
-        // counters) and points at values that outlive this call, which copies them.
-        cuda::check("cuLaunchKernel", unsafe {
-            sys::cuLaunchKernel(
-                f.cu_function(),
-                blocks,
-                1,
-                1,
-                THREADS,
-                1,
-                1,
-                0,
-                stream,
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        })
-    }
-}
-
 /// One device pointer per rank, if every part is in device memory and ranks fit the table.
 fn table(parts: impl ExactSizeIterator<Item = Option<DeviceBytes>>) -> Option<Parts> {
     if parts.len() > MAX_RANKS {
@@ -557,12 +505,73 @@ fn table(parts: impl ExactSizeIterator<Item = Option<DeviceBytes>>) -> Option<Pa
     Some(t)
 }
 
-fn parts(bufs: &[Buf<'_>]) -> Option<Parts> {
-    table(bufs.iter().map(Buf::device_bytes))
+/// Where the kernels find a buffer: its device memory, or on the host device its host memory
+/// (the host device's memory).
+fn reach(b: &Buf<'_>, host_device: bool) -> Option<DeviceBytes> {
+    match b.device_bytes() {
+        Some(d) => Some(d),
+        None if host_device => {
+            let bytes = b.host_bytes();
+            Some(DeviceBytes {
+                ordinal: 0,
+                ptr: bytes.as_ptr() as u64,
+                len: bytes.len(),
+            })
+        }
+        None => None,
+    }
 }
 
-fn parts_mut(bufs: &[BufMut<'_>]) -> Option<Parts> {
-    table(bufs.iter().map(BufMut::device_bytes))
+/// As `reach`, for a buffer the kernels write (the address comes from a unique borrow).
+fn reach_mut(b: &mut BufMut<'_>, host_device: bool) -> Option<DeviceBytes> {
+    match b.device_bytes() {
+        Some(d) => Some(d),
+        None if host_device => {
+            let bytes = b.host_bytes_mut();
+            Some(DeviceBytes {
+                ordinal: 0,
+                ptr: bytes.as_mut_ptr() as u64,
+                len: bytes.len(),
+            })
+        }
+        None => None,
+    }
+}
+
+fn parts(bufs: &[Buf<'_>], host_device: bool) -> Option<Parts> {
+    table(bufs.iter().map(|b| reach(b, host_device)))
+}
+
+fn parts_mut(bufs: &mut [BufMut<'_>], host_device: bool) -> Option<Parts> {
+    table(bufs.iter_mut().map(|b| reach_mut(b, host_device)))
+}
+
+/// The kernels' per-block counters: device memory on a GPU, host memory on the host device.
+enum Counters {
+    Cuda(CudaSlice<u64>),
+    Host(Pinned<u64>),
+}
+
+impl Counters {
+    fn new(gpu: Gpu, stream: &Stream) -> Result<Counters> {
+        let n = SHOT_COUNTERS + ALL_TO_ALL_COUNTERS;
+        match (gpu, stream) {
+            (Gpu::Cuda(_), Stream::Cuda(s)) => {
+                let c = s.alloc_zeros::<u64>(n).map_err(|e| cuda::err("cuMemAlloc", e))?;
+                s.synchronize().map_err(|e| cuda::err("cuStreamSynchronize", e))?;
+                Ok(Counters::Cuda(c))
+            }
+            _ => Ok(Counters::Host(gpu.records(n)?)),
+        }
+    }
+
+    fn addr(&self, stream: &Stream) -> u64 {
+        match (self, stream) {
+            (Counters::Cuda(c), Stream::Cuda(s)) => c.device_ptr(s).0,
+            (Counters::Host(p), _) => p.device_addr(),
+            (Counters::Cuda(c), Stream::Host(_)) => c.device_ptr(c.stream()).0,
+        }
+    }
 }
 
 fn aligned(p: &Parts) -> bool {

@@ -6,6 +6,7 @@
 
 mod call_order;
 mod collectives;
+mod gpu;
 mod multicast;
 mod queue;
 mod remote;
@@ -29,6 +30,8 @@ use route::{Policy, Route};
 use std::sync::Arc;
 
 pub(crate) struct DeviceBackend {
+    gpu: gpu::Gpu,
+    /// The CUDA device (0 on the host device, where nothing reads it).
     ordinal: usize,
     rank: usize,
     size: usize,
@@ -53,16 +56,19 @@ pub(crate) struct DeviceBackend {
 }
 
 pub(crate) fn create(init: &BackendInit) -> Result<Box<dyn Backend>> {
-    let Device::Cuda(ordinal) = init.device else {
-        return Err(Error::Unavailable {
-            backend: "device".into(),
-            reason: format!("it drives CUDA devices, not {:?}", init.device),
-        });
+    let (gpu, ordinal) = match init.device {
+        Device::Cuda(ordinal) => (gpu::Gpu::Cuda(ordinal), ordinal),
+        Device::Host(_) => (gpu::Gpu::Host, 0),
+        other => {
+            return Err(Error::Unavailable {
+                backend: "device".into(),
+                reason: format!("it drives CUDA devices and the host device, not {other:?}"),
+            })
+        }
     };
-    crate::cuda::context(ordinal)?;
-    crate::device::library(ordinal)?;
-    let abort_flag = Arc::new(Pinned::zeroed(1)?);
-    let team = team::agree(init, ordinal)?;
+    gpu.open()?;
+    let abort_flag: Arc<Pinned<u32>> = Arc::new(gpu.records(1)?);
+    let team = team::agree(init, gpu)?;
     if team.gpu_shared_in_process[init.rank] {
         if let Some(why) = crate::cuda::queues::shared_gpu_concern() {
             tracing::warn!(rank = init.rank, "ranks share GPU {ordinal} in this process: {why}");
@@ -74,6 +80,7 @@ pub(crate) fn create(init: &BackendInit) -> Result<Box<dyn Backend>> {
     }
     let policy = Policy::new(nccl.is_some(), |k| std::env::var(k).ok())?;
     let mut backend = DeviceBackend {
+        gpu,
         nccl,
         own: None,
         policy,
@@ -137,6 +144,15 @@ impl Backend for DeviceBackend {
     /// Operations on host buffers (and barriers) run on the CPU engine (same semantics, same
     /// oracle); on device buffers, through NCCL or the backend's own path (see `route`).
     fn run(&self, op: &mut Op<'_>, opts: &RunOptions) -> Result<()> {
+        if self.gpu == gpu::Gpu::Host {
+            // Host memory is the host device's memory: its kernels run what they can.
+            return match self.own.as_ref() {
+                Some(kernels) if kernels.supports(op, opts.hints) => {
+                    kernels.run(op, opts.hints, opts.stream, opts.timeout)
+                }
+                _ => self.host.run(op, opts),
+            };
+        }
         if !matches!(op.location()?, Some(Location::Cuda(_))) {
             return self.host.run(op, opts);
         }

@@ -5,6 +5,7 @@
 //! the window works on by unicast; the ranks agree on each step's outcome through the store,
 //! so none blocks in a bind that waits for a GPU its peer never added.
 
+use super::gpu::{Gpu, Segment};
 use super::sharing::Shared;
 use super::DeviceBackend;
 use crate::bootstrap::{PrefixStore, Store};
@@ -49,7 +50,14 @@ pub(super) fn join(
             bincode::deserialize(&raw).map_err(|e| Error::protocol("new_window", format!("multicast record: {e}")))?;
         match record.object {
             // Rank 0 keeps its object alive until every rank agreed it was added.
-            Ok(object) => object.open(0, "multicast object", deadline).map_err(|e| e.to_string()),
+            Ok(object) => object
+                .open(Gpu::Cuda(b.ordinal), 0, "multicast object", deadline)
+                .and_then(|s| {
+                    s.physical()
+                        .cloned()
+                        .ok_or_else(|| Error::invalid("new_window", "a multicast object that is not a GPU allocation"))
+                })
+                .map_err(|e| e.to_string()),
             Err(why) => {
                 tracing::debug!(reason = %why, "window without multicast: rank 0 could not create it");
                 return Ok(None);
@@ -92,7 +100,7 @@ fn create(
         Ok((mc, fd))
     });
     let object = match &made {
-        Ok((mc, _)) => Ok(Shared::publish(mc, &server)),
+        Ok((mc, _)) => Ok(Shared::publish(&Segment::Cuda(mc.clone()), &server)),
         Err(e) => Err(e.to_string()),
     };
     store.set("object", &encode(&Published { object })?)?;

@@ -11,6 +11,7 @@ use super::queue::DeviceQueue;
 use crate::bootstrap::Store;
 use crate::cuda;
 use crate::device::abi::WindowHandle;
+use crate::device::kernels::{self, Function, Queue};
 use crate::error::{Error, Result};
 use crate::memory::Pinned;
 use crate::net::descriptor::Limits;
@@ -20,7 +21,7 @@ use crate::net::tcp::{self, Target, TcpLink};
 use crate::net::{select_links, NetResources, RdmaPlan, WindowMemory};
 use crate::options::TransportOptions;
 use crate::window::SignalOp;
-use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream};
 use std::net::TcpStream;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -196,16 +197,17 @@ impl GpuTarget {
     /// Runs a one-thread atomic kernel on our own rank and returns its result.
     fn atomic(&self, f: &CudaFunction, offset: usize, a: u64, b: Option<u64>) -> Result<u64> {
         self.enter()?;
-        let (rank, offset, out) = (self.seg.handle.rank, offset as u64, self.out.device_addr());
-        let mut l = self.stream.launch_builder(f);
-        l.arg(&self.seg.handle).arg(&rank).arg(&offset).arg(&a);
-        if let Some(b) = &b {
-            l.arg(b);
+        let (h, rank, offset, out) = (
+            self.seg.handle,
+            self.seg.handle.rank,
+            offset as u64,
+            self.out.device_addr(),
+        );
+        let (f, queue) = (Function::Cuda(f.clone()), Queue::Cuda(self.stream.cu_stream()));
+        match b {
+            None => kernels::FETCH_ADD.launch(&f, queue, 1, (h, rank, offset, a, out))?,
+            Some(b) => kernels::COMPARE_SWAP.launch(&f, queue, 1, (h, rank, offset, a, b, out))?,
         }
-        l.arg(&out);
-        // SAFETY: ferrocomm_fetch_add takes (handle, peer, offset, value, out) and
-        // ferrocomm_compare_swap (handle, peer, offset, expected, desired, out), as pushed.
-        unsafe { l.launch(LaunchConfig::for_num_elems(1)) }.map_err(|e| cuda::err("cuLaunchKernel", e))?;
         self.wait("window server atomic")?;
         Ok(self.out.read(0))
     }
@@ -261,12 +263,13 @@ impl Target for GpuTarget {
             SignalOp::Set => 0,
             SignalOp::Add => 1,
         };
-        let mut l = self.stream.launch_builder(&self.seg.signal_from);
-        l.arg(&self.seg.handle).arg(&origin).arg(&id).arg(&op).arg(&value);
         // Stream order puts it after this origin's earlier copies: no wait needed here.
-        // SAFETY: ferrocomm_signal_from takes (handle, source, id, op, value), as pushed.
-        unsafe { l.launch(LaunchConfig::for_num_elems(1)) }.map_err(|e| cuda::err("cuLaunchKernel", e))?;
-        Ok(())
+        kernels::SIGNAL_FROM.launch(
+            &Function::Cuda(self.seg.signal_from.clone()),
+            Queue::Cuda(self.stream.cu_stream()),
+            1,
+            (self.seg.handle, origin, id, op, value),
+        )
     }
 
     fn fetch_add(&mut self, offset: usize, value: u64) -> Result<u64> {

@@ -1,8 +1,10 @@
-//! How a rank hands a GPU allocation (its window segment, or rank 0's multicast object) to its
-//! peers: it publishes a [`Shared`] record through the store. A peer in the same process takes
-//! the very same handle from this process's registry; a peer in another process fetches a
-//! descriptor from the owner's Unix socket (transport::fd_passing, uid-checked) and imports it.
+//! How a rank hands a device allocation (its window segment, or rank 0's multicast object) to
+//! its peers: it publishes a [`Shared`] record through the store. A peer in the same process
+//! takes the very same allocation from this process's registry; a peer in another process
+//! fetches a descriptor from the owner's Unix socket (transport::fd_passing, uid-checked) and
+//! imports it. GPU allocations and the host device's segments travel alike.
 
+use super::gpu::{Gpu, Segment};
 use crate::error::{Error, Result};
 use crate::memory::Physical;
 use crate::transport::fd_passing::{fetch_fds, FdServer};
@@ -15,42 +17,71 @@ use std::time::Instant;
 #[derive(Serialize, Deserialize)]
 pub(super) struct Shared {
     pub(super) pid: u32,
-    /// The handle's value, meaningful inside `pid` only.
-    handle: u64,
+    /// The allocation's key (gpu::Segment::key), meaningful inside `pid` only.
+    handle: (bool, u64),
     pub(super) bytes: usize,
     /// The Unix socket that hands out the allocation's descriptor to other processes.
     socket: String,
 }
 
-/// Allocations of this process's ranks by handle value, while their owners publish them.
-fn registry() -> &'static Mutex<HashMap<u64, Weak<Physical>>> {
-    static M: OnceLock<Mutex<HashMap<u64, Weak<Physical>>>> = OnceLock::new();
+/// A published allocation, held weakly: the registry keeps nothing alive.
+enum Held {
+    Cuda(Weak<Physical>),
+    Host(Weak<crate::host_device::Segment>),
+}
+
+impl Held {
+    fn of(s: &Segment) -> Held {
+        match s {
+            Segment::Cuda(p) => Held::Cuda(Arc::downgrade(p)),
+            Segment::Host(h) => Held::Host(Arc::downgrade(h)),
+        }
+    }
+
+    fn upgrade(&self) -> Option<Segment> {
+        match self {
+            Held::Cuda(w) => w.upgrade().map(Segment::Cuda),
+            Held::Host(w) => w.upgrade().map(Segment::Host),
+        }
+    }
+
+    fn alive(&self) -> bool {
+        match self {
+            Held::Cuda(w) => w.strong_count() > 0,
+            Held::Host(w) => w.strong_count() > 0,
+        }
+    }
+}
+
+/// Allocations of this process's ranks by key, while their owners publish them.
+fn registry() -> &'static Mutex<HashMap<(bool, u64), Held>> {
+    static M: OnceLock<Mutex<HashMap<(bool, u64), Held>>> = OnceLock::new();
     M.get_or_init(Default::default)
 }
 
 impl Shared {
     /// The record of `p`, served by `server`; in-process peers can take `p` until it is dropped.
-    pub(super) fn publish(p: &Arc<Physical>, server: &FdServer) -> Shared {
+    pub(super) fn publish(p: &Segment, server: &FdServer) -> Shared {
         registry()
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(p.raw_handle(), Arc::downgrade(p));
+            .insert(p.key(), Held::of(p));
         Shared {
             pid: std::process::id(),
-            handle: p.raw_handle(),
+            handle: p.key(),
             bytes: p.bytes(),
             socket: server.path().to_string_lossy().into_owned(),
         }
     }
 
     /// The allocation `owner` published: the same handle in this process, else imported.
-    pub(super) fn open(&self, owner: usize, what: &str, deadline: Instant) -> Result<Arc<Physical>> {
+    pub(super) fn open(&self, gpu: Gpu, owner: usize, what: &str, deadline: Instant) -> Result<Segment> {
         if self.pid == std::process::id() {
             return registry()
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .get(&self.handle)
-                .and_then(Weak::upgrade)
+                .and_then(Held::upgrade)
                 .ok_or_else(|| Error::PeerLost {
                     op: "new_window",
                     peer: owner,
@@ -58,7 +89,7 @@ impl Shared {
                 });
         }
         let fds = fetch_fds(std::path::Path::new(&self.socket), 1, deadline)?;
-        Physical::import(&fds[0], self.bytes)
+        gpu.import(&fds[0], self.bytes)
     }
 }
 
@@ -67,5 +98,5 @@ pub(super) fn forget_released() {
     registry()
         .lock()
         .unwrap_or_else(|e| e.into_inner())
-        .retain(|_, w| w.strong_count() > 0);
+        .retain(|_, w| w.alive());
 }

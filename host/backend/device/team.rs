@@ -7,6 +7,7 @@
 //! rank waits in an NCCL init or a multicast bind that a peer skips.
 
 use super::super::BackendInit;
+use super::gpu::Gpu;
 use crate::error::Result;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -35,7 +36,18 @@ pub(crate) struct Team {
     pub(crate) gpu_shared_in_process: Vec<bool>,
 }
 
-pub(crate) fn agree(init: &BackendInit, ordinal: usize) -> Result<Team> {
+pub(crate) fn agree(init: &BackendInit, gpu: Gpu) -> Result<Team> {
+    let Gpu::Cuda(ordinal) = gpu else {
+        // The host device: no GPU of its own, so no NCCL and no multicast.
+        let mine = Record {
+            gpu: Err("the host device".into()),
+            host: crate::transport::host_identity(init.rank, &init.options.transport),
+            pid: std::process::id(),
+            nccl: Err("the host device has no NCCL".into()),
+            multicast: Err("the host device has no multicast objects".into()),
+        };
+        return gather(init, mine);
+    };
     let mine = Record {
         gpu: gpu_identity(ordinal),
         host: crate::transport::host_identity(init.rank, &init.options.transport),
@@ -53,6 +65,10 @@ pub(crate) fn agree(init: &BackendInit, ordinal: usize) -> Result<Team> {
             },
         },
     };
+    gather(init, mine)
+}
+
+fn gather(init: &BackendInit, mine: Record) -> Result<Team> {
     let records = crate::bootstrap::all_gather_records(
         &*init.store,
         "device/team",

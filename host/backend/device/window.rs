@@ -1,27 +1,28 @@
-//! A window in GPU memory. Each rank's segment is a cuMem allocation; every rank maps the
-//! segments of its host side by side (memory::SymmetricMap), so kernels reach those peers by
-//! address. Peers in this process share the physical handle; peers in other processes of this
+//! A window in GPU memory. Each rank's segment is a cuMem allocation (a shared memory file on
+//! the host device, gpu.rs); every rank maps the segments of its host side by side
+//! (memory::SymmetricMap), so kernels reach those peers by address. Peers in this process share the physical handle; peers in other processes of this
 //! host receive it as a file descriptor (transport::fd_passing). Ranks on other hosts are
 //! reached over the network (remote.rs): host verbs on links, kernels through the proxy queue.
 //! Host verbs toward this host run on the rank's own stream: copies by copy engine, signals,
 //! waits and atomics by the small kernels of kernels/rma.cu, each complete when the call
 //! returns.
 
+use super::gpu::{Gpu, Mapping, Place, Segment, Stream};
 use super::remote::{self, GpuSegment, Network};
 use super::sharing::{forget_released, Shared};
 use super::DeviceBackend;
 use crate::backend::RunOptions;
 use crate::bootstrap::PrefixStore;
-use crate::cuda;
 use crate::device::abi::{self, DeviceStatus, WindowHandle};
+use crate::device::kernels::{self, Function};
 use crate::error::{Error, Result};
-use crate::memory::symmetric::{granularity, memset_zero};
-use crate::memory::{multicast, MulticastMap, Physical, Pinned, SymmetricMap};
+use crate::memory::symmetric::granularity;
+use crate::memory::{multicast, MulticastMap, Pinned};
 use crate::net::link::SharedLink;
 use crate::transport::fd_passing::FdServer;
 use crate::transport::host_identity;
 use crate::window::{Cmp, Observed, SignalOp, SignalSource, WindowBackend, WindowSpec};
-use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream, LaunchArgs, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaStream};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::os::fd::AsRawFd;
@@ -40,7 +41,7 @@ struct SegmentInfo {
 /// What `DeviceWindow::exchange` learnt: per rank, its segment where it is on this host, its
 /// process and its host.
 struct Peers {
-    segments: Vec<Option<Arc<Physical>>>,
+    segments: Vec<Option<Segment>>,
     pids: Vec<u32>,
     hosts: Vec<String>,
 }
@@ -65,11 +66,19 @@ fn lcm(a: usize, b: usize) -> usize {
 
 /// The library kernels a window calls.
 struct Kernels {
-    signal: CudaFunction,
-    signal_from: CudaFunction,
-    wait_signal: CudaFunction,
-    fetch_add: CudaFunction,
-    compare_swap: CudaFunction,
+    signal: Function,
+    signal_from: Function,
+    wait_signal: Function,
+    fetch_add: Function,
+    compare_swap: Function,
+}
+
+/// The CUDA function behind `f` (the window server's kernels are launched by remote.rs).
+fn cuda_function(f: &Function) -> Result<CudaFunction> {
+    match f {
+        Function::Cuda(f) => Ok(f.clone()),
+        Function::Host(_) => Err(Error::invalid("new_window", "a host-device kernel for a GPU window")),
+    }
 }
 
 pub(crate) struct DeviceWindow {
@@ -79,9 +88,9 @@ pub(crate) struct DeviceWindow {
     net: Option<Network>,
     /// The handle carries its address; kept until drop, before `map` (unbound first).
     _multicast: Option<MulticastMap>,
-    map: SymmetricMap,
-    ctx: Arc<CudaContext>,
-    stream: Arc<CudaStream>,
+    map: Mapping,
+    gpu: Gpu,
+    stream: Stream,
     kernels: Kernels,
     handle: WindowHandle,
     status: Pinned<DeviceStatus>,
@@ -103,14 +112,10 @@ impl DeviceWindow {
             ));
         }
         let (rank, size) = (b.rank, b.size);
-        let ctx = cuda::context(b.ordinal)?;
-        let stream = ctx.new_stream().map_err(|e| cuda::err("cuStreamCreate", e))?;
-        let module = crate::device::library(b.ordinal)?;
-        let f = |name: &str| {
-            module
-                .load_function(name)
-                .map_err(|e| cuda::err(&format!("cuModuleGetFunction({name})"), e))
-        };
+        let gpu = b.gpu;
+        gpu.enter()?;
+        let stream = gpu.stream()?;
+        let f = |name: &str| gpu.function(name);
         let kernels = Kernels {
             signal: f("ferrocomm_signal")?,
             signal_from: f("ferrocomm_signal_from")?,
@@ -131,14 +136,15 @@ impl DeviceWindow {
         } else {
             None
         };
-        let own = Physical::create(b.ordinal, segment_bytes)?;
+        let own = gpu.segment(segment_bytes)?;
         let exchanged = Self::exchange(b, spec, &own);
         forget_released();
         let peers = exchanged?;
-        let map = SymmetricMap::new(b.ordinal, peers.segments)?;
-        let multicast = match multicast_unit {
-            Some(g) => super::multicast::join(b, spec.id, &own, &peers.pids, g, spec.timeout),
-            None => Ok(None),
+        let hosts = peers.hosts;
+        let map = gpu.map(peers.segments)?;
+        let multicast = match (multicast_unit, own.physical()) {
+            (Some(g), Some(own)) => super::multicast::join(b, spec.id, own, &peers.pids, g, spec.timeout),
+            _ => Ok(None),
         };
         forget_released();
         let multicast = multicast?;
@@ -147,12 +153,13 @@ impl DeviceWindow {
         // it may run kernels that wait for us, and CUDA may serialize such an allocation
         // against every stream of the GPU (the programming guide's implicit synchronization),
         // which would hold us back until those kernels time out.
-        let status = Pinned::zeroed(1)?;
-        let out = Pinned::zeroed(3)?;
+        let status = gpu.records(1)?;
+        let out = gpu.records(3)?;
 
         // Fresh pads and barrier slots read zero on every rank before anyone signals.
-        memset_zero(map.addr(rank, 0), map.stride(), stream.cu_stream())?;
-        stream.synchronize().map_err(|e| cuda::err("cuStreamSynchronize", e))?;
+        // SAFETY: our own mapped segment, which outlives the wait below.
+        unsafe { stream.zero(map.addr(rank, 0), map.stride()) }?;
+        stream.wait_idle("new_window", spec.timeout)?;
         let hints = BTreeMap::new();
         let barrier = || b.host.run_barrier(&RunOptions::new(spec.timeout, &hints));
         barrier()?;
@@ -175,22 +182,40 @@ impl DeviceWindow {
         };
         // After the barrier: no rank's request can reach a pad before its owner zeroed it.
         let store = PrefixStore::new(format!("dwindow{}", spec.id), b.store.clone());
-        let net = Network::start(remote::Plan {
-            store: &store,
-            hosts: &peers.hosts,
-            transport: &b.transport,
-            segment: GpuSegment {
-                ctx: ctx.clone(),
-                handle,
-                signal_from: kernels.signal_from.clone(),
-                fetch_add: kernels.fetch_add.clone(),
-                compare_swap: kernels.compare_swap.clone(),
-                timeout: spec.timeout,
-            },
-            stream: &stream,
-            ordinal: b.ordinal,
-            deadline: Instant::now() + spec.timeout,
-        })?;
+        let net = match gpu {
+            Gpu::Cuda(ordinal) => Network::start(remote::Plan {
+                store: &store,
+                hosts: &hosts,
+                transport: &b.transport,
+                segment: GpuSegment {
+                    ctx: gpu
+                        .context()
+                        .ok_or_else(|| Error::invalid("new_window", "no CUDA context"))?,
+                    handle,
+                    signal_from: cuda_function(&kernels.signal_from)?,
+                    fetch_add: cuda_function(&kernels.fetch_add)?,
+                    compare_swap: cuda_function(&kernels.compare_swap)?,
+                    timeout: spec.timeout,
+                },
+                stream: stream
+                    .cuda()
+                    .ok_or_else(|| Error::invalid("new_window", "no CUDA stream"))?,
+                ordinal,
+                deadline: Instant::now() + spec.timeout,
+            })?,
+            Gpu::Host => {
+                let _ = &store;
+                if let Some(r) = hosts.iter().position(|h| *h != hosts[rank]) {
+                    return Err(Error::Unavailable {
+                        backend: "device (host device)".into(),
+                        reason: format!(
+                            "rank {r} is on another host: host-device windows reach ranks of this host only"
+                        ),
+                    });
+                }
+                None
+            }
+        };
         handle.fifo = net.as_ref().map_or(0, |n| n.queue.device_addr());
         // The network allocates its queue and staging memory after that barrier: for the same
         // reason, every rank finishes doing so before any uses the window. Every rank has a
@@ -203,7 +228,7 @@ impl DeviceWindow {
             net,
             _multicast: multicast,
             map,
-            ctx,
+            gpu,
             stream,
             kernels,
             handle,
@@ -216,7 +241,7 @@ impl DeviceWindow {
     }
 
     /// Publishes our segment and collects every rank's of this host, in rank order.
-    fn exchange(b: &DeviceBackend, spec: &WindowSpec, own: &Arc<Physical>) -> Result<Peers> {
+    fn exchange(b: &DeviceBackend, spec: &WindowSpec, own: &Segment) -> Result<Peers> {
         let store = PrefixStore::new(format!("dwindow{}", spec.id), b.store.clone());
         let server = FdServer::bind()?;
         let me = SegmentInfo {
@@ -264,7 +289,7 @@ impl DeviceWindow {
                     if r == b.rank {
                         Ok(Some(own.clone()))
                     } else if here(info) {
-                        info.segment.open(r, "segment", deadline).map(Some)
+                        info.segment.open(b.gpu, r, "segment", deadline).map(Some)
                     } else {
                         Ok(None)
                     }
@@ -287,7 +312,7 @@ impl DeviceWindow {
     /// Waits for the stream (bounded: device waits end by their own deadline, so `limit` only
     /// guards against a kernel that never ends), then turns a recorded device error into ours.
     pub(crate) fn finish(&self, op: &'static str, limit: Duration) -> Result<()> {
-        match cuda::stream::wait_idle(self.stream.cu_stream(), op, limit + Duration::from_secs(1)) {
+        match self.stream.wait_idle(op, limit + Duration::from_secs(1)) {
             Err(Error::Timeout { op, peer, .. }) => return Err(Error::Timeout { op, peer, after: limit }),
             r => r?,
         }
@@ -341,22 +366,15 @@ impl DeviceWindow {
         })
     }
 
-    /// Launches one library kernel as a single thread.
-    fn launch_one(mut b: LaunchArgs<'_>) -> Result<()> {
-        let cfg = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (1, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: every library kernel takes exactly the arguments its caller pushes, in order.
-        unsafe { b.launch(cfg) }.map_err(|e| cuda::err("cuLaunchKernel", e))?;
-        Ok(())
-    }
-
     fn enter(&self) -> Result<std::sync::MutexGuard<'_, ()>> {
         let g = self.lock.lock().unwrap_or_else(|p| p.into_inner());
-        self.ctx.bind_to_thread().map_err(|e| cuda::err("cuCtxSetCurrent", e))?;
+        self.gpu.enter()?;
         Ok(g)
+    }
+
+    /// The handle kernels take and the rank's stream, for the collectives on this window.
+    pub(crate) fn handle_and_stream(&self) -> (WindowHandle, &Stream) {
+        (self.handle, &self.stream)
     }
 }
 
@@ -367,14 +385,13 @@ impl WindowBackend for DeviceWindow {
         }
         let _g = self.enter()?;
         // SAFETY: Window checked the range; the copy completes before `src` is released.
-        cuda::check("cuMemcpyHtoDAsync", unsafe {
-            sys::cuMemcpyHtoDAsync_v2(
-                self.map.addr(dst, offset),
-                src.as_ptr().cast(),
+        unsafe {
+            self.stream.copy(
+                Place::Device(self.map.addr(dst, offset)),
+                Place::Host(src.as_ptr() as usize),
                 src.len(),
-                self.stream.cu_stream(),
             )
-        })?;
+        }?;
         self.finish("put", self.timeout)
     }
 
@@ -384,14 +401,13 @@ impl WindowBackend for DeviceWindow {
         }
         let _g = self.enter()?;
         // SAFETY: Window checked the range; `dst` outlives the synchronised copy.
-        cuda::check("cuMemcpyDtoHAsync", unsafe {
-            sys::cuMemcpyDtoHAsync_v2(
-                dst.as_mut_ptr().cast(),
-                self.map.addr(src, offset),
+        unsafe {
+            self.stream.copy(
+                Place::Host(dst.as_mut_ptr() as usize),
+                Place::Device(self.map.addr(src, offset)),
                 dst.len(),
-                self.stream.cu_stream(),
             )
-        })?;
+        }?;
         self.finish("get", self.timeout)
     }
 
@@ -401,9 +417,12 @@ impl WindowBackend for DeviceWindow {
         }
         let _g = self.enter()?;
         let (peer, id, op) = (dst as i32, id as u32, signal_op(op));
-        let mut b = self.stream.launch_builder(&self.kernels.signal);
-        b.arg(&self.handle).arg(&peer).arg(&id).arg(&op).arg(&value);
-        Self::launch_one(b)?;
+        kernels::SIGNAL.launch(
+            &self.kernels.signal,
+            self.stream.queue(),
+            1,
+            (self.handle, peer, id, op, value),
+        )?;
         self.finish("signal", self.timeout)
     }
 
@@ -417,9 +436,12 @@ impl WindowBackend for DeviceWindow {
             SignalSource::Sum => abi::SOURCE_SUM,
         };
         let (id, cmp, out) = (id as u32, cmp_code(cmp), self.out.device_addr());
-        let mut b = self.stream.launch_builder(&self.kernels.wait_signal);
-        b.arg(&h).arg(&id).arg(&source).arg(&cmp).arg(&value).arg(&out);
-        Self::launch_one(b)?;
+        kernels::WAIT_SIGNAL.launch(
+            &self.kernels.wait_signal,
+            self.stream.queue(),
+            1,
+            (h, id, source, cmp, value, out),
+        )?;
         self.finish("wait_signal", timeout)?;
         if self.out.read(0) == 0 {
             let peer = usize::try_from(source).ok();
@@ -451,9 +473,12 @@ impl WindowBackend for DeviceWindow {
         }
         let _g = self.enter()?;
         let (peer, offset, out) = (dst as i32, offset as u64, self.out.device_addr());
-        let mut b = self.stream.launch_builder(&self.kernels.fetch_add);
-        b.arg(&self.handle).arg(&peer).arg(&offset).arg(&value).arg(&out);
-        Self::launch_one(b)?;
+        kernels::FETCH_ADD.launch(
+            &self.kernels.fetch_add,
+            self.stream.queue(),
+            1,
+            (self.handle, peer, offset, value, out),
+        )?;
         self.finish("fetch_add", self.timeout)?;
         Ok(self.out.read(0))
     }
@@ -464,14 +489,12 @@ impl WindowBackend for DeviceWindow {
         }
         let _g = self.enter()?;
         let (peer, offset, out) = (dst as i32, offset as u64, self.out.device_addr());
-        let mut b = self.stream.launch_builder(&self.kernels.compare_swap);
-        b.arg(&self.handle)
-            .arg(&peer)
-            .arg(&offset)
-            .arg(&expected)
-            .arg(&desired)
-            .arg(&out);
-        Self::launch_one(b)?;
+        kernels::COMPARE_SWAP.launch(
+            &self.kernels.compare_swap,
+            self.stream.queue(),
+            1,
+            (self.handle, peer, offset, expected, desired, out),
+        )?;
         self.finish("compare_swap", self.timeout)?;
         Ok(self.out.read(0))
     }
@@ -500,7 +523,11 @@ impl WindowBackend for DeviceWindow {
     }
 
     fn device(&self) -> Option<(WindowHandle, Arc<CudaStream>)> {
-        Some((self.handle, self.stream.clone()))
+        self.stream.cuda().map(|s| (self.handle, s.clone()))
+    }
+
+    fn handle(&self) -> Option<WindowHandle> {
+        Some(self.handle)
     }
 
     fn synchronize(&self, timeout: Duration) -> Result<()> {
@@ -512,7 +539,7 @@ impl WindowBackend for DeviceWindow {
 impl Drop for DeviceWindow {
     fn drop(&mut self) {
         // Unmapping under a running kernel would fault it; wait (bounded) first.
-        let _ = self.ctx.bind_to_thread();
+        let _ = self.gpu.enter();
         let _ = self.finish("drop", Duration::from_secs(5));
         // The proxy, the server threads and the NIC registrations use the segment: they stop
         // before it is unmapped.
