@@ -54,6 +54,14 @@ fn main() {
         })
         .collect();
     std::fs::write(out.join("kernel_headers.rs"), format!("&[\n{headers}]\n")).expect("write kernel_headers.rs");
+    // Every file of the device API as it is on disk now, for the test that HEADERS serves them
+    // all (a test binary may run far from the source tree).
+    let api = root.join("device-api/include");
+    let mut files = Vec::new();
+    list_files(&api, &api, &mut files);
+    files.sort();
+    let listing: String = files.iter().map(|f| format!("{f:?},\n")).collect();
+    std::fs::write(out.join("device_api_files.rs"), format!("&[\n{listing}]\n")).expect("write device_api_files.rs");
     #[cfg(feature = "host-kernels")]
     host_kernels(&root, &out, &unity);
 
@@ -139,6 +147,19 @@ fn host_kernels(root: &Path, out: &Path, unity: &Path) {
             String::from_utf8_lossy(&output.stdout),
             String::from_utf8_lossy(&output.stderr)
         );
+    }
+}
+
+/// Paths of the files under `dir`, relative to `base`, with `/` separators.
+fn list_files(base: &Path, dir: &Path, out: &mut Vec<String>) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for e in entries.flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            list_files(base, &p, out);
+        } else if let Ok(rel) = p.strip_prefix(base) {
+            out.push(rel.to_string_lossy().replace('\\', "/"));
+        }
     }
 }
 

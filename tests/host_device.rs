@@ -28,6 +28,37 @@ mod with_kernels {
         }
     }
 
+    /// Ranks in three processes: each maps the others' segments (descriptors passed over a
+    /// Unix socket), and the window contract and the collectives hold as in one process.
+    #[test]
+    fn window_contract_and_collectives_across_processes() {
+        let seed = fresh_seed().to_string();
+        let n = 3;
+        let job = start_direct(
+            "with_kernels::host_device_process_rank",
+            n,
+            &[("HD_TEST_SEED", seed.as_str())],
+        );
+        let deadline = std::time::Instant::now() + Duration::from_secs(240);
+        for (r, child) in job.ranks.into_iter().enumerate() {
+            let (status, out, _) = wait_child(child, deadline);
+            assert!(status.is_some_and(|s| s.success()), "rank {r} failed: {out}");
+            assert!(out.contains(&format!("rank {r} ok")), "rank {r}: {out}");
+        }
+    }
+
+    /// Entry of window_contract_and_collectives_across_processes.
+    #[test]
+    #[ignore]
+    fn host_device_process_rank() {
+        let c = new_comm("device", Device::Host(0), "hd-procs", opts()).unwrap();
+        let seed: u64 = std::env::var("HD_TEST_SEED").unwrap().parse().unwrap();
+        let mapped = common::window_suite::run_all(&c, seed);
+        assert!(mapped, "ranks of one host map each other's segments across processes");
+        common::suite::run_all(&c, seed);
+        println!("rank {} ok", c.rank());
+    }
+
     #[test]
     fn collectives_on_the_host_device_match_the_reference() {
         let seed = fresh_seed();

@@ -125,6 +125,20 @@ fn proxy_queue_to_the_other_host(comm: &Comm, seed: u64) {
     w.barrier().unwrap();
 }
 
+#[test]
+fn children_keep_where_the_libraries_are_but_not_the_job() {
+    let names = [
+        "RANK",
+        "FERROCOMM_TIMEOUT",
+        "FERROCOMM_NVRTC_PATH",
+        "FERROCOMM_NCCL_PATH",
+        "PATH",
+        "SLURM_PROCID",
+    ];
+    let removed = job_variables(names.iter().map(|s| s.to_string()));
+    assert_eq!(removed, ["RANK", "FERROCOMM_TIMEOUT", "SLURM_PROCID"]);
+}
+
 fn child_command(mode: &str) -> Command {
     let mut c = test_entry_command("child_entry");
     c.env(MODE, mode);

@@ -23,16 +23,37 @@ pub fn run(a: &Args) -> Result<()> {
     device::available(0)?;
     let comms = Comm::new_group("device", &[Device::Cuda(0); 2], "bench-gpu", CommOptions::from_env()?)?;
     match a.op.as_str() {
-        "device_put" => put(&comms[0], a),
+        "device_put" => put(&comms, a),
         "device_pingpong" => pingpong(&comms, a),
         other => Err(Error::Config(format!("unknown device op {other}"))),
     }
 }
 
-/// Rank 0 alone moves data into rank 1's segment; rank 1 only has to exist.
-fn put(c: &Comm, a: &Args) -> Result<()> {
+/// Rank 0 alone moves data into rank 1's segment. Window creation is collective: both ranks
+/// make the window (each on a thread of its own), then rank 1 waits at the barrier that ends
+/// the measurement.
+fn put(comms: &[Comm], a: &Args) -> Result<()> {
+    std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .map(|c| {
+                s.spawn(move || -> Result<()> {
+                    let w = c.new_window(a.max_bytes)?;
+                    let r = if c.rank() == 0 { measure_put(&w, a) } else { Ok(()) };
+                    w.barrier()?;
+                    r
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err(Error::Config("rank panicked".into()))))
+            .collect::<Result<Vec<()>>>()
+            .map(drop)
+    })
+}
+
+fn measure_put(w: &Window, a: &Args) -> Result<()> {
     let max = a.max_bytes;
-    let w = c.new_window(max)?;
     let stream = w.stream()?;
     let h = w.device_handle()?;
     let src = stream.alloc_zeros::<u8>(max).map_err(cuda("alloc"))?;

@@ -1,9 +1,11 @@
 // The launcher of the host device (device-api/include/ferrocomm/host/runtime.h): runs one
 // kernel launch to completion on CPU threads, one per CUDA thread, every block at once.
 //
-// All threads are created before any runs the kernel: they wait at a gate, so a launch whose
-// threads cannot all be created runs none of them (a partial grid would hang in its barriers)
-// and reports the error instead.
+// Threads come from a process-wide pool that grows to the largest number of threads in
+// flight and keeps them parked between launches (creating thousands of threads per launch
+// would dominate every small collective). A launch first takes every thread it needs and only
+// then starts them: a launch whose threads cannot all be had runs none of them (a partial grid
+// would hang in its barriers) and reports the error instead.
 #define FERROCOMM_HOST_DEVICE 1
 #include "ferrocomm/host/runtime.h"
 
@@ -11,6 +13,7 @@
 #include <pthread.h>
 
 #include <memory>
+#include <mutex>
 #include <new>
 #include <vector>
 
@@ -21,37 +24,92 @@ using namespace ferrocomm_host;
 struct Launch {
   void (*body)(void*);
   void* ctx;
-  std::atomic<int> gate{0};  // 1: run, 2: give up
+  std::atomic<unsigned long long> remaining{0};
 };
 
-struct Start {
-  Launch* launch;
+struct Task {
+  Launch* launch = nullptr;
   Thread thread;
 };
 
-void* run_thread(void* arg) {
-  Start* s = static_cast<Start*>(arg);
-  for (;;) {
-    const int g = s->launch->gate.load(std::memory_order_acquire);
-    if (g == 2) return nullptr;
-    if (g == 1) break;
-    s->launch->gate.wait(0, std::memory_order_acquire);
-  }
-  current = &s->thread;
-  s->launch->body(s->launch->ctx);
-  current = nullptr;
-  return nullptr;
-}
+// A pooled thread: parked until `state` says RUN, then runs `task` and parks again.
+struct Worker {
+  enum : int { PARKED = 0, RUN = 1 };
+  std::atomic<int> state{PARKED};
+  Task* task = nullptr;
+};
 
 // Stacks of kernel threads: device code keeps little on its stack; sanitizers want more.
 constexpr size_t STACK_BYTES = 512 * 1024;
 constexpr unsigned long long SHARED_BYTES = 48 * 1024;
 
+std::mutex pool_lock;
+std::vector<Worker*> idle;
+
+void park(Worker* w) {
+  std::lock_guard<std::mutex> g(pool_lock);
+  idle.push_back(w);
+}
+
+void* work(void* arg) {
+  Worker* w = static_cast<Worker*>(arg);
+  for (;;) {
+    while (w->state.load(std::memory_order_acquire) != Worker::RUN) w->state.wait(Worker::PARKED, std::memory_order_acquire);
+    Task* t = w->task;
+    Launch* l = t->launch;
+    current = &t->thread;
+    l->body(l->ctx);
+    current = nullptr;
+    w->state.store(Worker::PARKED, std::memory_order_relaxed);
+    // Back in the pool before the launch may return: the next launch finds it. After the
+    // decrement the launch (on its launcher's stack) may be gone: nothing touches it after.
+    park(w);
+    if (l->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) l->remaining.notify_all();
+  }
+  return nullptr;
+}
+
+// `n` parked workers, creating what the pool lacks; on failure returns what it took and an errno.
+int take(size_t n, std::vector<Worker*>& out) {
+  {
+    std::lock_guard<std::mutex> g(pool_lock);
+    while (out.size() < n && !idle.empty()) {
+      out.push_back(idle.back());
+      idle.pop_back();
+    }
+  }
+  pthread_attr_t attr;
+  pthread_attr_init(&attr);
+  pthread_attr_setstacksize(&attr, STACK_BYTES);
+  int failure = 0;
+  while (out.size() < n && !failure) {
+    Worker* w = new (std::nothrow) Worker;
+    if (w == nullptr) {
+      failure = ENOMEM;
+      break;
+    }
+    pthread_t id;
+    failure = pthread_create(&id, &attr, work, w);
+    if (failure) {
+      delete w;
+    } else {
+      pthread_detach(id);
+      out.push_back(w);
+    }
+  }
+  pthread_attr_destroy(&attr);
+  if (failure) {
+    for (Worker* w : out) park(w);
+    out.clear();
+  }
+  return failure;
+}
+
 }  // namespace
 
 // Runs `body(ctx)` on grid x block threads with CUDA's thread indices set, and returns when
 // all have returned. 0 on success, else an errno value (EINVAL: an empty or oversized shape;
-// EAGAIN / ENOMEM: the threads could not be created).
+// EAGAIN / ENOMEM: the threads could not be had).
 extern "C" int ferrocomm_host_launch(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                                      unsigned long long shared_bytes, void (*body)(void*), void* ctx) {
   const unsigned long long blocks = 1ull * gx * gy * gz, threads = 1ull * bx * by * bz;
@@ -59,12 +117,11 @@ extern "C" int ferrocomm_host_launch(unsigned gx, unsigned gy, unsigned gz, unsi
   const unsigned long long shared = shared_bytes + SHARED_BYTES;
   const unsigned warps = static_cast<unsigned>((threads + WARP - 1) / WARP);
 
-  Launch launch{body, ctx};
   std::unique_ptr<Block[]> block_state(new (std::nothrow) Block[blocks]);
   std::unique_ptr<Warp[]> warp_state(new (std::nothrow) Warp[blocks * warps]);
   std::unique_ptr<unsigned char[]> shared_mem(new (std::nothrow) unsigned char[blocks * shared]);
-  std::unique_ptr<Start[]> starts(new (std::nothrow) Start[blocks * threads]);
-  if (!block_state || !warp_state || !shared_mem || !starts) return ENOMEM;
+  std::unique_ptr<Task[]> tasks(new (std::nothrow) Task[blocks * threads]);
+  if (!block_state || !warp_state || !shared_mem || !tasks) return ENOMEM;
   for (unsigned long long b = 0; b < blocks; ++b) {
     Block& blk = block_state[b];
     blk.barrier.size = static_cast<unsigned>(threads);
@@ -80,32 +137,34 @@ extern "C" int ferrocomm_host_launch(unsigned gx, unsigned gy, unsigned gz, unsi
     memset(blk.shared, 0, shared);
   }
 
-  pthread_attr_t attr;
-  pthread_attr_init(&attr);
-  pthread_attr_setstacksize(&attr, STACK_BYTES);
-  std::vector<pthread_t> created;
-  created.reserve(blocks * threads);
-  int failure = 0;
-  for (unsigned long long b = 0; b < blocks && !failure; ++b) {
-    for (unsigned long long t = 0; t < threads && !failure; ++t) {
-      Start& s = starts[b * threads + t];
-      s.launch = &launch;
-      s.thread.block = &block_state[b];
-      s.thread.linear = static_cast<unsigned>(t);
-      s.thread.block_dim = dim3{bx, by, bz};
-      s.thread.grid_dim = dim3{gx, gy, gz};
-      s.thread.thread_idx = dim3{static_cast<unsigned>(t % bx), static_cast<unsigned>(t / bx % by),
-                                 static_cast<unsigned>(t / (1ull * bx * by))};
-      s.thread.block_idx = dim3{static_cast<unsigned>(b % gx), static_cast<unsigned>(b / gx % gy),
-                                static_cast<unsigned>(b / (1ull * gx * gy))};
-      pthread_t id;
-      failure = pthread_create(&id, &attr, run_thread, &s);
-      if (!failure) created.push_back(id);
+  std::vector<Worker*> workers;
+  workers.reserve(blocks * threads);
+  if (const int failure = take(blocks * threads, workers)) return failure;
+
+  Launch launch{body, ctx};
+  launch.remaining.store(blocks * threads, std::memory_order_relaxed);
+  for (unsigned long long b = 0; b < blocks; ++b) {
+    for (unsigned long long t = 0; t < threads; ++t) {
+      Task& task = tasks[b * threads + t];
+      task.launch = &launch;
+      task.thread.block = &block_state[b];
+      task.thread.linear = static_cast<unsigned>(t);
+      task.thread.block_dim = dim3{bx, by, bz};
+      task.thread.grid_dim = dim3{gx, gy, gz};
+      task.thread.thread_idx = dim3{static_cast<unsigned>(t % bx), static_cast<unsigned>(t / bx % by),
+                                    static_cast<unsigned>(t / (1ull * bx * by))};
+      task.thread.block_idx = dim3{static_cast<unsigned>(b % gx), static_cast<unsigned>(b / gx % gy),
+                                   static_cast<unsigned>(b / (1ull * gx * gy))};
+      Worker* w = workers[b * threads + t];
+      w->task = &task;
+      w->state.store(Worker::RUN, std::memory_order_release);
+      w->state.notify_one();
     }
   }
-  pthread_attr_destroy(&attr);
-  launch.gate.store(failure ? 2 : 1, std::memory_order_release);
-  launch.gate.notify_all();
-  for (pthread_t id : created) pthread_join(id, nullptr);
-  return failure;
+  for (;;) {
+    const unsigned long long left = launch.remaining.load(std::memory_order_acquire);
+    if (left == 0) break;
+    launch.remaining.wait(left, std::memory_order_acquire);
+  }
+  return 0;
 }

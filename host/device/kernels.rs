@@ -15,6 +15,7 @@ pub(crate) enum Shape {
     /// of a larger block would apply it many times).
     Thread,
     /// One block of this many threads (a barrier: every rank's one block meets).
+    #[cfg_attr(not(all(test, feature = "host-kernels")), allow(dead_code))]
     Block(u32),
     /// Blocks chosen per launch, of this many threads each.
     Grid(u32),
@@ -112,6 +113,12 @@ const _: () = assert!(std::mem::size_of::<AllToAllArgs>() == 8 * (4 * MAX_RANKS 
 /// Threads per block of the collective kernels (their `__launch_bounds__`).
 pub(crate) const COLLECTIVE_THREADS: u32 = 256;
 
+/// The most threads per block the host device gives a grid-shaped kernel: the kernels work
+/// with any multiple of the warp (every loop strides by blockDim), and two warps keep
+/// intra-block and intra-warp paths covered without thousands of threads per launch. One-
+/// thread and one-block shapes run exactly as declared.
+pub(crate) const HOST_GRID_THREADS: u32 = 64;
+
 // kernels/rma.cu. Pointers are u64 device addresses.
 pub(crate) const SIGNAL: Kernel<(WindowHandle, i32, u32, u32, u64)> = Kernel::new("ferrocomm_signal", Shape::Thread);
 pub(crate) const SIGNAL_FROM: Kernel<(WindowHandle, i32, u32, u32, u64)> =
@@ -119,6 +126,8 @@ pub(crate) const SIGNAL_FROM: Kernel<(WindowHandle, i32, u32, u32, u64)> =
 /// (handle, id, source, cmp, value, out)
 pub(crate) const WAIT_SIGNAL: Kernel<(WindowHandle, u32, i32, u32, u64, u64)> =
     Kernel::new("ferrocomm_wait_signal", Shape::Thread);
+// Launched by the host-device tests below; the bench and the GPU tests load them by name.
+#[cfg_attr(not(all(test, feature = "host-kernels")), allow(dead_code))]
 pub(crate) const BARRIER: Kernel<(WindowHandle,)> = Kernel::new("ferrocomm_barrier", Shape::Block(64));
 /// (handle, peer, offset, value, out)
 pub(crate) const FETCH_ADD: Kernel<(WindowHandle, i32, u64, u64, u64)> =
@@ -127,6 +136,7 @@ pub(crate) const FETCH_ADD: Kernel<(WindowHandle, i32, u64, u64, u64)> =
 pub(crate) const COMPARE_SWAP: Kernel<(WindowHandle, i32, u64, u64, u64, u64)> =
     Kernel::new("ferrocomm_compare_swap", Shape::Thread);
 /// (handle, peer, dst_offset, src, bytes)
+#[cfg_attr(not(all(test, feature = "host-kernels")), allow(dead_code))]
 pub(crate) const PUT_BLOCKS: Kernel<(WindowHandle, i32, u64, u64, u64)> =
     Kernel::new("ferrocomm_put_blocks", Shape::Grid(256));
 
@@ -189,8 +199,12 @@ impl<A: KernelArgs> Kernel<A> {
                 })
             }
             (Function::Host(f), Queue::Host(stream)) => {
-                let (f, name) = (*f, self.name);
-                stream.enqueue(move || run_on_host(name, f, grid, block, args));
+                let block = match self.shape {
+                    Shape::Grid(_) => block.min(HOST_GRID_THREADS),
+                    _ => block,
+                };
+                let f = *f;
+                stream.enqueue(move || run_on_host(f, grid, block, args));
                 Ok(())
             }
             _ => Err(Error::invalid(
@@ -202,13 +216,7 @@ impl<A: KernelArgs> Kernel<A> {
 }
 
 /// Runs one launch of `f` to completion on the host device.
-pub(crate) fn run_on_host<A: KernelArgs>(
-    name: &'static str,
-    f: host_device::Function,
-    grid: u32,
-    block: u32,
-    args: A,
-) -> Result<()> {
+pub(crate) fn run_on_host<A: KernelArgs>(f: host_device::Function, grid: u32, block: u32, args: A) -> Result<()> {
     extern "C" fn body<A: KernelArgs>(ctx: *mut c_void) {
         // SAFETY: ctx is the (function, args) pair below, alive until the launch returns.
         let (f, args) = unsafe { &*(ctx as *const (*const c_void, A)) };
@@ -219,7 +227,7 @@ pub(crate) fn run_on_host<A: KernelArgs>(
     // SAFETY: `body::<A>` reads ctx only during the launch, which returns after every thread.
     unsafe {
         host_device::module()?.run(
-            name,
+            f.name,
             (grid, 1, 1),
             (block, 1, 1),
             0,
@@ -243,5 +251,69 @@ mod tests {
         assert_eq!(FETCH_ADD.dims(7), (1, 1));
         assert_eq!(COMPARE_SWAP.dims(7), (1, 1));
         assert_eq!(ALL_REDUCE_ONESHOT.dims(3), (3, COLLECTIVE_THREADS));
+    }
+
+    /// Two ranks as threads on the host device, their segments side by side as a window
+    /// lays them out (abi.h): the declared launches do what the verbs promise.
+    #[cfg(feature = "host-kernels")]
+    #[test]
+    fn declared_launches_run_the_verbs_once_on_the_host_device() {
+        use crate::host_device::{Segment, SegmentMap};
+        use crate::memory::Pinned;
+        let (data, signals, ranks) = (4096u64, 4u64, 2usize);
+        let signal_offset = data;
+        let barrier_offset = signal_offset + signals * ranks as u64 * 8;
+        let bytes = (barrier_offset + (ranks as u64 + 1) * 8) as usize;
+        let map = SegmentMap::new((0..ranks).map(|_| Some(Segment::create(bytes).unwrap())).collect()).unwrap();
+        let status: Pinned<crate::device::DeviceStatus> = Pinned::host(ranks);
+        let out: Pinned<u64> = Pinned::host(ranks);
+        let handle = |rank: usize| WindowHandle {
+            base: map.base(),
+            stride: map.stride() as u64,
+            data_bytes: data,
+            signal_offset,
+            barrier_offset,
+            status: status.device_addr() + (rank * 32) as u64,
+            timeout_ns: 10_000_000_000,
+            rank: rank as i32,
+            size: ranks as i32,
+            signals: signals as u32,
+            ..Default::default()
+        };
+        let module = host_device::module().unwrap();
+        let f = |k: &'static str| module.function(k).unwrap();
+        let src: Vec<u8> = (0..1000u32).map(|i| (i * 7) as u8).collect();
+        std::thread::scope(|s| {
+            for rank in 0..ranks {
+                let (h, out, src) = (handle(rank), out.device_addr() + 8 * rank as u64, &src);
+                let f = &f;
+                s.spawn(move || {
+                    for _ in 0..3 {
+                        let (grid, block) = FETCH_ADD.dims(3);
+                        run_on_host(f(FETCH_ADD.name), grid, block, (h, 0i32, 64u64, 1u64, out)).unwrap();
+                    }
+                    if rank == 0 {
+                        let (grid, block) = PUT_BLOCKS.dims(3);
+                        let args = (h, 1i32, 128u64, src.as_ptr() as u64, 1000u64);
+                        run_on_host(f(PUT_BLOCKS.name), grid, block.min(HOST_GRID_THREADS), args).unwrap();
+                    }
+                    let (grid, block) = BARRIER.dims(1);
+                    run_on_host(f(BARRIER.name), grid, block, (h,)).unwrap();
+                });
+            }
+        });
+        for r in 0..ranks {
+            assert_eq!(status.read(r).code, 0, "rank {r} recorded {:?}", status.read(r));
+        }
+        // SAFETY: inside rank 0's and rank 1's mapped segments; every launch has returned.
+        unsafe {
+            assert_eq!(
+                *(map.addr(0, 64) as *const u64),
+                6,
+                "3 adds from each of 2 ranks, each once"
+            );
+            let got = std::slice::from_raw_parts(map.addr(1, 128) as *const u8, 1000);
+            assert_eq!(got, &src[..], "put_blocks moved the bytes");
+        }
     }
 }

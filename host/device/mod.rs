@@ -73,7 +73,13 @@ pub const HEADERS: &[(&str, &str)] = &[
     header!("impl/signal.cuh"),
     header!("impl/proxy.cuh"),
     header!("impl/barrier.cuh"),
+    header!("host/runtime.h"),
 ];
+
+/// Every file of device-api/include as the build found it (paths relative to it): the
+/// headers [`HEADERS`] must serve.
+#[doc(hidden)]
+pub const DEVICE_API_FILES: &[&str] = include!(concat!(env!("OUT_DIR"), "/device_api_files.rs"));
 
 /// The library's kernel sources and their shared headers, for NVRTC when the build had no nvcc.
 const KERNEL_SOURCES: &[(&str, &str)] = include!(concat!(env!("OUT_DIR"), "/kernel_sources.rs"));

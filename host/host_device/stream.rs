@@ -1,5 +1,6 @@
 //! Streams of the host device: ordered queues, each drained by a worker thread of its own, so
-//! work is enqueued and returns as on a GPU stream, and runs in issue order. A job that fails
+//! work is enqueued and returns as on a GPU stream, and runs in issue order; an event is a
+//! point in that order. A job that fails
 //! (a launch the host device cannot run) leaves its error for the next wait, like a sticky CUDA
 //! error; jobs after it still run, so a later wait cannot hang on a job that never ran.
 
@@ -93,13 +94,6 @@ impl Stream {
         }
     }
 
-    /// Makes later work of this stream wait for `event` (the caller does not block). The
-    /// wait is bounded by `limit`; past it, the error is left for this stream's next wait.
-    pub(crate) fn wait_event(&self, event: &Event, limit: Duration) {
-        let event = event.clone();
-        self.enqueue(move || event.wait("stream wait for an event", limit));
-    }
-
     /// Blocks until everything enqueued so far has finished (then reports the first error a
     /// job left), or `limit` passes (`Error::Timeout` naming `op`).
     pub(crate) fn wait_idle(&self, op: &'static str, limit: Duration) -> Result<()> {
@@ -109,18 +103,9 @@ impl Stream {
             None => Ok(()),
         }
     }
-
-    /// An identity for the crate's raw stream values (never 0 or 1, CUDA's legacy streams).
-    pub(crate) fn id(&self) -> u64 {
-        Arc::as_ptr(&self.shared) as u64
-    }
 }
 
 impl Event {
-    pub(crate) fn is_complete(&self) -> bool {
-        self.shared.lock().done >= self.ticket
-    }
-
     pub(crate) fn wait(&self, op: &'static str, limit: Duration) -> Result<()> {
         let deadline = Instant::now() + limit;
         let mut s = self.shared.lock();
@@ -180,9 +165,7 @@ mod tests {
                 Ok(())
             });
         }
-        let e = s.record();
-        e.wait("test", Duration::from_secs(10)).unwrap();
-        assert!(e.is_complete());
+        s.record().wait("test", Duration::from_secs(10)).unwrap();
         assert_eq!(*log.lock().unwrap(), (0..50).collect::<Vec<_>>());
     }
 
@@ -202,27 +185,6 @@ mod tests {
         ));
         assert_eq!(ran.load(Ordering::SeqCst), 1, "jobs after a failed one still run");
         s.wait_idle("test", Duration::from_secs(10)).unwrap();
-    }
-
-    #[test]
-    fn a_stream_waits_for_another_streams_event() {
-        let (a, b) = (Stream::new().unwrap(), Stream::new().unwrap());
-        let flag = Arc::new(AtomicU64::new(0));
-        let f = flag.clone();
-        a.enqueue(move || {
-            std::thread::sleep(Duration::from_millis(50));
-            f.store(1, Ordering::SeqCst);
-            Ok(())
-        });
-        b.wait_event(&a.record(), Duration::from_secs(10));
-        let seen = Arc::new(AtomicU64::new(9));
-        let (f, s2) = (flag.clone(), seen.clone());
-        b.enqueue(move || {
-            s2.store(f.load(Ordering::SeqCst), Ordering::SeqCst);
-            Ok(())
-        });
-        b.wait_idle("test", Duration::from_secs(10)).unwrap();
-        assert_eq!(seen.load(Ordering::SeqCst), 1);
     }
 
     #[test]

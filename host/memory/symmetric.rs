@@ -31,6 +31,8 @@ fn segment_prop(ordinal: usize) -> Result<cudarc::driver::sys::CUmemAllocationPr
 pub(crate) struct Physical {
     handle: CUmemGenericAllocationHandle,
     bytes: usize,
+    /// Created exportable as a POSIX file descriptor (ranks in other processes can map it).
+    exportable: bool,
 }
 
 // SAFETY: a generic allocation handle is a process-wide value with no thread affinity.
@@ -43,14 +45,34 @@ impl Physical {
     pub(crate) fn create(ordinal: usize, bytes: usize) -> Result<Arc<Physical>> {
         let g = granularity(ordinal)?;
         let bytes = bytes.div_ceil(g).max(1) * g;
+        let mut prop = segment_prop(ordinal)?;
         // SAFETY: bytes is a multiple of the granularity of this prop.
-        let handle = unsafe { result::create(bytes, &segment_prop(ordinal)?) }?;
-        Ok(Arc::new(Physical { handle, bytes }))
+        let (handle, exportable) = match unsafe { result::create(bytes, &prop) } {
+            Ok(h) => (h, true),
+            Err(e) if retry_without_fd(&e) => {
+                // Some drivers (virtual machines, WSL) cannot make memory exportable as a file
+                // descriptor: ranks of this process can still share it.
+                tracing::debug!("window memory without a POSIX file descriptor handle: {e}");
+                prop.requestedHandleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE;
+                // SAFETY: as above; the granularity does not depend on the handle type.
+                (unsafe { result::create(bytes, &prop) }?, false)
+            }
+            Err(e) => return Err(e),
+        };
+        Ok(Arc::new(Physical {
+            handle,
+            bytes,
+            exportable,
+        }))
     }
 
     /// Takes ownership of a handle the driver made (a multicast object), released on drop.
     pub(crate) fn adopt(handle: CUmemGenericAllocationHandle, bytes: usize) -> Arc<Physical> {
-        Arc::new(Physical { handle, bytes })
+        Arc::new(Physical {
+            handle,
+            bytes,
+            exportable: true,
+        })
     }
 
     pub(crate) fn bytes(&self) -> usize {
@@ -64,6 +86,14 @@ impl Physical {
 
     /// A descriptor another process imports with [`Physical::import`].
     pub(crate) fn export(&self) -> Result<OwnedFd> {
+        if !self.exportable {
+            return Err(Error::Unavailable {
+                backend: "device".into(),
+                reason: "this driver cannot export GPU memory as a file descriptor, so ranks in other \
+                         processes cannot map this rank's window (ranks of one process can)"
+                    .into(),
+            });
+        }
         // SAFETY: the handle is live and was created exportable as a POSIX fd.
         let fd = unsafe { result::export_fd(self.handle) }?;
         // SAFETY: the driver returned a fresh descriptor that we now own.
@@ -75,8 +105,19 @@ impl Physical {
         cuda::driver()?;
         // SAFETY: the fd came from export() of a peer on this host (fd_passing checked its uid).
         let handle = unsafe { result::import_fd(fd.as_raw_fd()) }?;
-        Ok(Arc::new(Physical { handle, bytes }))
+        Ok(Arc::new(Physical {
+            handle,
+            bytes,
+            exportable: true,
+        }))
     }
+}
+
+/// Whether cuMemCreate's error says the requested POSIX-FD handle type is not supported, so
+/// the allocation is worth retrying without it.
+fn retry_without_fd(e: &Error) -> bool {
+    matches!(e, Error::Backend { call, message, .. }
+        if call == "cuMemCreate" && message.contains("CUDA_ERROR_NOT_SUPPORTED"))
 }
 
 impl Drop for Physical {
@@ -188,4 +229,30 @@ pub(crate) fn memset_zero(addr: CUdeviceptr, bytes: usize, stream: sys::CUstream
     check("cuMemsetD8Async", unsafe {
         sys::cuMemsetD8Async(addr, 0, bytes, stream)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_an_unsupported_handle_type_is_retried() {
+        let err = |call: &str, message: &str| Error::Backend {
+            backend: "cuda".into(),
+            call: call.into(),
+            message: message.into(),
+        };
+        assert!(retry_without_fd(&err(
+            "cuMemCreate",
+            "CUDA_ERROR_NOT_SUPPORTED: operation not supported"
+        )));
+        assert!(!retry_without_fd(&err(
+            "cuMemCreate",
+            "CUDA_ERROR_OUT_OF_MEMORY: out of memory"
+        )));
+        assert!(!retry_without_fd(&err(
+            "cuMemMap",
+            "CUDA_ERROR_NOT_SUPPORTED: operation not supported"
+        )));
+    }
 }

@@ -209,6 +209,18 @@ pub fn random_vec<T: TestElem>(r: &mut StdRng, n: usize, op: Option<ReduceOp>) -
 /// This test binary running only its ignored test `entry`, with none of the caller's job
 /// variables: each test sets the job environment it means to test.
 pub fn test_entry_command(entry: &str) -> std::process::Command {
+    let mut c = std::process::Command::new(std::env::current_exe().expect("test binary"));
+    c.args(["--ignored", "--exact", entry, "--nocapture", "--test-threads=1"]);
+    for k in job_variables(std::env::vars().map(|(k, _)| k)) {
+        c.env_remove(k);
+    }
+    c
+}
+
+/// The variables of `names` that describe a job (rank, store, launcher, ferrocomm settings).
+/// Where libraries are (FERROCOMM_NVRTC_PATH, FERROCOMM_NCCL_PATH) is not a job setting: a
+/// child that lost them would not find NVRTC or NCCL where the machine keeps them elsewhere.
+pub fn job_variables(names: impl Iterator<Item = String>) -> Vec<String> {
     const JOB_VARS: [&str; 6] = [
         "RANK",
         "WORLD_SIZE",
@@ -218,14 +230,11 @@ pub fn test_entry_command(entry: &str) -> std::process::Command {
         "MASTER_PORT",
     ];
     const JOB_PREFIXES: [&str; 5] = ["FERROCOMM_", "OMPI_COMM_WORLD_", "PMI_", "SLURM_", "MPI_LOCALRANKID"];
-    let mut c = std::process::Command::new(std::env::current_exe().expect("test binary"));
-    c.args(["--ignored", "--exact", entry, "--nocapture", "--test-threads=1"]);
-    for (k, _) in std::env::vars() {
-        if JOB_VARS.contains(&k.as_str()) || JOB_PREFIXES.iter().any(|p| k.starts_with(p)) {
-            c.env_remove(k);
-        }
-    }
-    c
+    const LIBRARY_VARS: [&str; 2] = ["FERROCOMM_NVRTC_PATH", "FERROCOMM_NCCL_PATH"];
+    names
+        .filter(|k| JOB_VARS.contains(&k.as_str()) || JOB_PREFIXES.iter().any(|p| k.starts_with(p)))
+        .filter(|k| !LIBRARY_VARS.contains(&k.as_str()))
+        .collect()
 }
 
 /// `n` ranks started straight from this test binary (no launcher), with a store server of

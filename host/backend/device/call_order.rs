@@ -56,6 +56,18 @@ impl CallOrder {
     }
 }
 
+impl CallOrder {
+    /// Blocks until the last call that was not captured has finished on its stream, or
+    /// `limit` passes: the window its kernels use must outlive them.
+    pub(crate) fn wait_last(&self, limit: std::time::Duration) -> Result<()> {
+        let s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if s.last.is_none() {
+            return Ok(());
+        }
+        s.behind_last.wait("releasing the device collectives' window", limit)
+    }
+}
+
 /// Whether a call on `stream` must wait for the previous one, made on `last`.
 fn needs_wait(last: Option<u64>, stream: u64) -> bool {
     last.is_some_and(|l| l != stream || stream == PER_THREAD)

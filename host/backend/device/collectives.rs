@@ -78,6 +78,8 @@ pub(crate) struct OwnCollectives {
     max_bytes: usize,
     /// all_reduce messages from this size take the two-shot kernel.
     two_shot_min: usize,
+    /// The communicator's timeout: the bound of the wait for running kernels on drop.
+    timeout: Duration,
     size: usize,
 }
 
@@ -170,6 +172,7 @@ impl OwnCollectives {
             all_to_all: load(kernels::ALL_TO_ALL.name.into())?,
             max_bytes,
             two_shot_min,
+            timeout,
             size: b.size,
         })
     }
@@ -394,6 +397,20 @@ impl OwnCollectives {
     /// Reports a kernel's recorded failure.
     pub(crate) fn check(&self, op: &'static str, timeout: Duration) -> Result<()> {
         self.window.take_status(op, timeout)
+    }
+}
+
+impl Drop for OwnCollectives {
+    /// The kernels of the last calls ran on the users' streams, not the window's: the window
+    /// (dropped right after this) must not be unmapped under them. Bounded: their own waits end
+    /// by the communicator's timeout.
+    fn drop(&mut self) {
+        if let Some(order) = &self.order {
+            let _ = self.window.enter_gpu();
+            if let Err(e) = order.wait_last(self.timeout + Duration::from_secs(1)) {
+                tracing::warn!("device collectives still running when their window is released: {e}");
+            }
+        }
     }
 }
 

@@ -372,6 +372,11 @@ impl DeviceWindow {
         Ok(g)
     }
 
+    /// Makes the device current on the calling thread.
+    pub(crate) fn enter_gpu(&self) -> Result<()> {
+        self.gpu.enter()
+    }
+
     /// The handle kernels take and the rank's stream, for the collectives on this window.
     pub(crate) fn handle_and_stream(&self) -> (WindowHandle, &Stream) {
         (self.handle, &self.stream)
