@@ -5,6 +5,8 @@
 
 mod common;
 use common::*;
+#[cfg(feature = "host-kernels")]
+use ferrocomm::{bf16, f16, Error};
 
 fn opts() -> CommOptions {
     options(Duration::from_secs(30))
@@ -57,6 +59,239 @@ mod with_kernels {
         assert!(mapped, "ranks of one host map each other's segments across processes");
         common::suite::run_all(&c, seed);
         println!("rank {} ok", c.rank());
+    }
+
+    /// `f(comm)` on `world` host-device ranks as threads.
+    fn on_ranks<R: Send>(world: usize, name: &str, f: impl Fn(&Comm) -> R + Sync) -> Vec<R> {
+        run_group_on_device("device", Device::Host(0), world, name, opts(), f)
+    }
+
+    /// The all_reduce sweep of tests/gpu_collectives.rs: sizes from one element to past the
+    /// window's 1 MiB region (chunked launches), every op, one- and two-shot; every rank's
+    /// result bitwise equal, equal between the algorithms, and within the reference's bound.
+    fn sweep<T: TestElem>(world: usize, seed: u64, sizes: &[usize]) {
+        const OPS: [ReduceOp; 4] = [ReduceOp::Sum, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg];
+        let input = |k: usize, r: usize, n: usize, op: ReduceOp| -> Vec<T> {
+            random_vec(&mut rng(seed ^ (k as u64) << 4, r as u64), n, Some(op))
+        };
+        let results = on_ranks(world, &format!("hd-sweep-{world}-{:?}", T::DTYPE), |c| {
+            let mut out = Vec::new();
+            for (k, &n) in sizes.iter().enumerate() {
+                for op in OPS {
+                    for algo in ["oneshot", "twoshot"] {
+                        let mut buf = input(k, c.rank(), n, op);
+                        c.with_options(OpOptions::new().hint("algorithm", algo))
+                            .all_reduce(&mut buf, op)
+                            .unwrap();
+                        out.push(buf);
+                    }
+                }
+            }
+            out
+        });
+        let mut i = 0;
+        for (k, &n) in sizes.iter().enumerate() {
+            for op in OPS {
+                for algo in ["oneshot", "twoshot"] {
+                    for r in 1..world {
+                        assert!(
+                            results[r][i] == results[0][i],
+                            "{algo} n={n} {op}: rank {r} differs from rank 0"
+                        );
+                    }
+                    if algo == "twoshot" {
+                        assert!(
+                            results[0][i] == results[0][i - 1],
+                            "n={n} {op}: two-shot bits differ from one-shot"
+                        );
+                    }
+                    let inputs: Vec<Vec<T>> = (0..world).map(|r| input(k, r, n, op)).collect();
+                    for e in 0..n {
+                        let vals: Vec<T> = inputs.iter().map(|v| v[e]).collect();
+                        if let Err(why) = T::check_reduced(&vals, op, results[0][i][e]) {
+                            panic!("world {world} {:?} {algo} n={n} {op} element {e}: {why}", T::DTYPE);
+                        }
+                    }
+                    i += 1;
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn one_and_two_shot_all_reduce_match_the_reference_and_each_other() {
+        let seed = fresh_seed();
+        for world in [2, 3, 8] {
+            sweep::<f32>(world, seed, &[1, 7, 8, 1000, 4099, 65_539]);
+        }
+        sweep::<f16>(4, seed, &[1, 33, 4099]);
+        sweep::<bf16>(3, seed, &[5, 1000, 70_001]);
+        // 1.2 MiB of f32: past the window's region, so several launches per call.
+        sweep::<f32>(2, seed, &[300_001]);
+    }
+
+    /// all_gather, all_to_all, reduce_scatter and reduce_scatter_list through the kernels.
+    #[test]
+    fn gather_scatter_and_all_to_all_match_the_reference() {
+        let seed = fresh_seed();
+        for world in [2, 3, 4] {
+            on_ranks(world, &format!("hd-ags-{world}"), |c| {
+                let me = c.rank();
+                let input = |k: u64, r: usize, len: usize, op: Option<ReduceOp>| -> Vec<f32> {
+                    random_vec(&mut rng(seed ^ k << 8, r as u64), len, op)
+                };
+                for n in [1usize, 13, 4096, 20_001] {
+                    let k = n as u64;
+                    let mut out = vec![f32::poison(); n * world];
+                    c.all_gather(&mut out, &input(k, me, n, None)).unwrap();
+                    let want: Vec<f32> = (0..world).flat_map(|r| input(k, r, n, None)).collect();
+                    assert!(out == want, "rank {me}: all_gather of {n} differs");
+
+                    let mut out = vec![f32::poison(); n * world];
+                    c.all_to_all(&mut out, &input(k + 1, me, n * world, None)).unwrap();
+                    let want: Vec<f32> = (0..world)
+                        .flat_map(|r| input(k + 1, r, n * world, None)[me * n..(me + 1) * n].to_vec())
+                        .collect();
+                    assert!(out == want, "rank {me}: all_to_all of {n} per peer differs");
+
+                    for op in [ReduceOp::Sum, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg] {
+                        let mut out = vec![f32::poison(); n];
+                        c.reduce_scatter(&mut out, &input(k + 2, me, n * world, Some(op)), op)
+                            .unwrap();
+                        let inputs: Vec<Vec<f32>> = (0..world).map(|r| input(k + 2, r, n * world, Some(op))).collect();
+                        for e in 0..n {
+                            let vals: Vec<f32> = inputs.iter().map(|v| v[me * n + e]).collect();
+                            if let Err(why) = f32::check_reduced(&vals, op, out[e]) {
+                                panic!("rank {me} reduce_scatter n={n} {op} element {e}: {why}");
+                            }
+                        }
+                    }
+                    // Blocks in separate allocations: the kernel takes one pointer per block.
+                    let all = input(k + 3, me, n * world, Some(ReduceOp::Sum));
+                    let blocks: Vec<&[f32]> = all.chunks(n).collect();
+                    let mut out = vec![f32::poison(); n];
+                    c.reduce_scatter_list(&mut out, blocks, ReduceOp::Sum).unwrap();
+                    let inputs: Vec<Vec<f32>> = (0..world)
+                        .map(|r| input(k + 3, r, n * world, Some(ReduceOp::Sum)))
+                        .collect();
+                    for e in 0..n {
+                        let vals: Vec<f32> = inputs.iter().map(|v| v[me * n + e]).collect();
+                        if let Err(why) = f32::check_reduced(&vals, ReduceOp::Sum, out[e]) {
+                            panic!("rank {me} reduce_scatter_list n={n} element {e}: {why}");
+                        }
+                    }
+                }
+            });
+        }
+    }
+
+    /// all_to_all_v with empty, small, medium and slot-spanning parts between every pair.
+    #[test]
+    fn all_to_all_v_with_any_sizes_matches_the_reference() {
+        let seed = fresh_seed();
+        for world in [2, 3, 8] {
+            let counts: Vec<Vec<Vec<usize>>> = (0..4)
+                .map(|k| {
+                    let mut g = rng(seed ^ 0xa2a, k);
+                    (0..world)
+                        .map(|_| {
+                            (0..world)
+                                .map(|_| match g.gen_range(0..4) {
+                                    0 => 0,
+                                    1 => g.gen_range(1..64),
+                                    2 => g.gen_range(64..20_000),
+                                    _ => g.gen_range(40_000..120_000),
+                                })
+                                .collect()
+                        })
+                        .collect()
+                })
+                .collect();
+            let input = |k: usize, p: usize| -> Vec<f32> {
+                random_vec(
+                    &mut rng(seed ^ (k as u64) << 12, p as u64),
+                    counts[k][p].iter().sum(),
+                    None,
+                )
+            };
+            on_ranks(world, &format!("hd-a2av-{world}"), |c| {
+                let me = c.rank();
+                for (k, round) in counts.iter().enumerate() {
+                    let send = &round[me];
+                    let recv: Vec<usize> = (0..world).map(|p| round[p][me]).collect();
+                    let mut out = vec![f32::poison(); recv.iter().sum::<usize>()];
+                    c.all_to_all_v(&mut out, &input(k, me), &recv, send).unwrap();
+                    let mut at = 0;
+                    for p in 0..world {
+                        let from: usize = round[p][..me].iter().sum();
+                        let want = &input(k, p)[from..from + recv[p]];
+                        assert!(
+                            out[at..at + recv[p]] == *want,
+                            "world {world} round {k}: rank {me}'s part from rank {p} differs"
+                        );
+                        at += recv[p];
+                    }
+                }
+            });
+        }
+    }
+
+    /// Parts that do not pair up: the receiving kernel records the mismatch instead of
+    /// copying, and its rank gets `Error::Mismatch` naming the sender and both sizes.
+    #[test]
+    fn a_mismatched_all_to_all_v_is_reported_by_the_receiver() {
+        let errors = on_ranks(2, "hd-a2av-mismatch", |c| {
+            let (send, recv) = if c.rank() == 0 {
+                ([4, 10], [4, 4])
+            } else {
+                ([4, 4], [12, 4])
+            };
+            let input = vec![1f32; send.iter().sum()];
+            let mut out = vec![0f32; recv.iter().sum()];
+            c.all_to_all_v(&mut out, &input, &recv, &send).err()
+        });
+        match &errors[1] {
+            Some(Error::Mismatch { peer: 0, detail, .. }) => assert!(detail.contains("40 bytes"), "{detail}"),
+            other => panic!("rank 1 should report rank 0's mismatched part, got {other:?}"),
+        }
+    }
+
+    /// A device wait nobody satisfies ends by its deadline as `Error::Timeout` naming the
+    /// awaited rank; `abort` ends one at once as `Error::Closed`.
+    #[test]
+    fn device_waits_end_by_their_deadline_or_an_abort() {
+        on_ranks(2, "hd-waits", |c| {
+            let w = c.new_window(4096).unwrap();
+            let t0 = std::time::Instant::now();
+            let peer = 1 - c.rank();
+            match w.wait_signal_timeout(0, SignalSource::Rank(peer), Cmp::Ge, 1, Duration::from_millis(200)) {
+                Err(Error::Timeout { peer: Some(p), .. }) => assert_eq!(p, peer),
+                other => panic!("expected a timeout naming rank {peer}, got {other:?}"),
+            }
+            assert!(t0.elapsed() < Duration::from_secs(5));
+            w.barrier().unwrap();
+        });
+        let comms = Comm::new_group("device", &[Device::Host(0); 2], "hd-abort", opts()).unwrap();
+        let wins: Vec<_> = std::thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .iter()
+                .map(|c| s.spawn(move || c.new_window(64).unwrap()))
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        std::thread::scope(|s| {
+            let w0 = &wins[0];
+            let t0 = std::time::Instant::now();
+            let waiter = s.spawn(move || w0.wait_signal(0, SignalSource::Rank(1), Cmp::Ge, 1));
+            std::thread::sleep(Duration::from_millis(100));
+            comms[0].abort();
+            let r = waiter.join().unwrap();
+            assert!(matches!(r, Err(Error::Closed { state: "aborted", .. })), "{r:?}");
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "the abort ended the kernel's wait"
+            );
+        });
     }
 
     #[test]
