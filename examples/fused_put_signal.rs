@@ -3,7 +3,9 @@
 //! one process on GPU 0 (`FERROCOMM_EXAMPLE_RANKS`, default 2). The kernel is compiled at run
 //! time with NVRTC, with ferrocomm's device API headers available to it.
 //!
-//! Without a GPU it prints why and exits successfully.
+//! Without a GPU it prints why and exits successfully. It is GPU-only: the host device has no
+//! run-time compiler for users' kernels. The verbs it uses (put_signal, wait_signal, signal at
+//! block scope) run on the host device in tests/host-device/kernel_driver.cpp's ring kernels.
 
 use ferrocomm::device::cudarc::driver::{LaunchConfig, PushKernelArg};
 use ferrocomm::device::{self, CompileOptions};

@@ -354,6 +354,47 @@ void check_device_api(const std::function<Group()>& fresh) {
   }
 }
 
+// The remaining verbs (warp fence, block flush, warp wait by ANY), the benchmark's ping-pong,
+// and the kernels that need multicast, which the host device reports absent as a GPU without
+// NVSwitch does.
+void check_rest(Group& g) {
+  std::vector<u64> out(g.size * 3, 0);
+  g.ranks([&](int r) {
+    ferrocomm_window_handle h = g.handle(r);
+    const int right = (r + 1) % g.size;
+    launch(1, 1, [=] { ferrocomm_signal(h, right, 2, FERROCOMM_SIGNAL_SET, 5); });
+    u64* o = &out[r * 3];
+    launch(1, 64, [=] { wait_any_warp(h, 2, 5, o); });
+  });
+  g.check_status("wait_any_warp");
+  for (int r = 0; r < g.size; ++r) {
+    const u64 left = static_cast<u64>((r + g.size - 1) % g.size);
+    if (out[r * 3] != 1 || out[r * 3 + 1] != left || out[r * 3 + 2] != 5) fail("wait_any_warp", r, out[r * 3 + 1], out[r * 3 + 2]);
+  }
+  if (g.size == 2) {
+    g.ranks([&](int r) {
+      ferrocomm_window_handle h = g.handle(r);
+      u64* o = &out[r * 3];
+      launch(1, 1, [=] { ferrocomm_bench_pingpong(h, 1 - r, 3, 50, r == 0, 0, o); });
+    });
+    g.check_status("ping-pong");
+    if (out[0] != 1 || out[3] != 1) fail("ping-pong did not finish", static_cast<long long>(out[0]), static_cast<long long>(out[3]), 0);
+  }
+  // No multicast address on the host device: the kernels say so and touch nothing.
+  std::vector<unsigned long long> wrong(1, 0);
+  ferrocomm_window_handle h = g.handle(0);
+  unsigned long long* w = wrong.data();
+  launch(1, 32, [=] { multicast_roundtrip(h, 4, 1, w); });
+  if (wrong[0] != (2ull << 32)) fail("multicast_roundtrip should report no multimem", static_cast<long long>(wrong[0]), 0, 0);
+  std::vector<u32> x(64, 0);
+  u64* counters = g.counters[0].data();
+  launch(1, 32, [=, &x] { ferrocomm_allreduce_multimem_f32_sum(h, x.data(), x.data(), 64, counters, 1); });
+  if (g.status[0].code != FERROCOMM_STATUS_INVALID || g.status[0].op != FERROCOMM_OP_COLLECTIVE) {
+    fail("a multimem all_reduce without multicast should record INVALID", g.status[0].code, g.status[0].op, 0);
+  }
+  g.status[0] = ferrocomm_status{};
+}
+
 // A wait that nobody satisfies ends by its deadline with a status naming the wait.
 void check_timeout(Group& g) {
   ferrocomm_window_handle h = g.handle(0);
@@ -382,6 +423,10 @@ int main(int argc, char** argv) {
       check_rma(g);
     }
     check_device_api(fresh);
+    {
+      Group g = fresh();
+      check_rest(g);
+    }
     if (n == 1) {
       Group g = fresh();
       check_timeout(g);

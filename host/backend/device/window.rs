@@ -1,7 +1,8 @@
 //! A window in GPU memory. Each rank's segment is a cuMem allocation (a shared memory file on
 //! the host device, gpu.rs); every rank maps the segments of its host side by side
-//! (memory::SymmetricMap), so kernels reach those peers by address. Peers in this process share the physical handle; peers in other processes of this
-//! host receive it as a file descriptor (transport::fd_passing). Ranks on other hosts are
+//! (memory::SymmetricMap), so kernels reach those peers by address. Peers in this process
+//! share the physical handle; peers in other processes of this host receive it as a file
+//! descriptor (transport::fd_passing). Ranks on other hosts are
 //! reached over the network (remote.rs): host verbs on links, kernels through the proxy queue.
 //! Host verbs toward this host run on the rank's own stream: copies by copy engine, signals,
 //! waits and atomics by the small kernels of kernels/rma.cu, each complete when the call
@@ -181,10 +182,9 @@ impl DeviceWindow {
             flags: 0,
         };
         // After the barrier: no rank's request can reach a pad before its owner zeroed it.
-        let store = PrefixStore::new(format!("dwindow{}", spec.id), b.store.clone());
         let net = match gpu {
             Gpu::Cuda(ordinal) => Network::start(remote::Plan {
-                store: &store,
+                store: &PrefixStore::new(format!("dwindow{}", spec.id), b.store.clone()),
                 hosts: &hosts,
                 transport: &b.transport,
                 segment: GpuSegment {
@@ -204,7 +204,6 @@ impl DeviceWindow {
                 deadline: Instant::now() + spec.timeout,
             })?,
             Gpu::Host => {
-                let _ = &store;
                 if let Some(r) = hosts.iter().position(|h| *h != hosts[rank]) {
                     return Err(Error::Unavailable {
                         backend: "device (host device)".into(),
