@@ -294,6 +294,73 @@ mod with_kernels {
         });
     }
 
+    fn tcp_opts() -> CommOptions {
+        let mut o = opts();
+        o.transport.force_tcp = true;
+        o
+    }
+
+    /// Every rank on a host of its own (the TCP transport): host verbs ride the window's links
+    /// and the window server applies them to the host device's segments.
+    #[test]
+    fn window_contract_over_the_tcp_proxy_on_the_host_device() {
+        let seed = fresh_seed();
+        let mapped = run_group_on_device("device", Device::Host(0), 3, "hd-win-tcp", tcp_opts(), |c| {
+            common::window_suite::run_all(c, seed)
+        });
+        assert!(mapped.iter().all(|&m| !m), "peers on 'other hosts' must not be mapped");
+    }
+
+    /// tests/gpu/kernels.cu compiled for the host device, once per test binary.
+    fn test_kernels() -> &'static ferrocomm::device::HostModule {
+        static M: std::sync::OnceLock<ferrocomm::device::HostModule> = std::sync::OnceLock::new();
+        M.get_or_init(|| {
+            ferrocomm::device::compile_host(include_str!("gpu/kernels.cu"), &Default::default())
+                .expect("compile tests/gpu/kernels.cu for the host device")
+        })
+    }
+
+    /// The ring of tests/gpu/kernels.cu at `scope` (`threads` a block): each rank's kernel puts
+    /// a tile of `words` into its right neighbour's window with a signal, `iters` times, and
+    /// checks its left neighbour's tile word by word inside the kernel. The tile lies in the
+    /// window's second half, where the proxy queue can read it for peers on other hosts.
+    fn ring(c: &Comm, scope: &str, threads: u32, words: u64, iters: u32, seed: u64) {
+        let w = c.new_window(2 * words as usize * 8).unwrap();
+        let h = w.device_handle().unwrap();
+        let tile = w.local_ptr() as u64 + words * 8;
+        let wrong = std::sync::atomic::AtomicU64::new(0);
+        let args = (h, tile, words, iters, seed, wrong.as_ptr() as u64);
+        // SAFETY: ring_* takes (handle, u64* tile, u64 words, u32 iters, u64 seed,
+        // unsigned long long* wrong); the tile lies in the window, `wrong` outlives the launch.
+        unsafe { test_kernels().launch(&format!("ring_{scope}"), 1, threads, args) }
+            .unwrap_or_else(|e| panic!("ring_{scope}: {e}"));
+        w.synchronize()
+            .unwrap_or_else(|e| panic!("ring_{scope} rank {}: {e}", c.rank()));
+        assert_eq!(wrong.into_inner(), 0, "ring_{scope} rank {}: words differed", c.rank());
+        w.barrier().unwrap();
+    }
+
+    /// The kernels of the GPU window tests, through users' kernels compiled for the host device:
+    /// in one process on mapped segments, and with every rank on a host of its own, where the
+    /// kernels' puts and signals go through the proxy queue (device-api impl/proxy.cuh) and the
+    /// peers' window servers.
+    #[test]
+    fn user_kernels_drive_windows_at_every_scope_directly_and_through_the_proxy() {
+        let seed = fresh_seed();
+        for n in [2, 3, 4] {
+            run_group_on_device("device", Device::Host(0), n, &format!("hd-ring{n}"), opts(), |c| {
+                for (scope, threads) in [("thread", 1), ("warp", 32), ("block", 64)] {
+                    ring(c, scope, threads, 1024, 50, seed);
+                }
+            });
+        }
+        run_group_on_device("device", Device::Host(0), 3, "hd-ring-tcp", tcp_opts(), |c| {
+            for (scope, threads) in [("thread", 1), ("warp", 32), ("block", 64)] {
+                ring(c, scope, threads, 1024, 20, seed);
+            }
+        });
+    }
+
     #[test]
     fn collectives_on_the_host_device_match_the_reference() {
         let seed = fresh_seed();

@@ -48,19 +48,23 @@ impl<A> Kernel<A> {
     }
 }
 
-/// A kernel's parameter list: the values, in order, each of the C type of its parameter
-/// (kernels/*.cu). Implemented for tuples of such values.
+/// A kernel's parameter list: the values, in order, each of the C type of its parameter.
+/// Implemented for tuples (of one to seven values) of plain numbers, `u64` device addresses
+/// and `#[repr(C)]` structs such as [`WindowHandle`].
 ///
 /// # Safety
 /// Every element must have the layout and calling-convention class of the C parameter it
-/// stands for (plain integers, `u64` for pointers, `#[repr(C)]` structs).
-pub(crate) unsafe trait KernelArgs: Copy + Send + 'static {
+/// stands for; the tuple implementations are sound for the types named above, and a launch
+/// is sound only if the kernel takes exactly those parameters.
+pub unsafe trait KernelArgs: Copy + Send + 'static {
     /// The address of each value, as cuLaunchKernel reads them.
+    #[doc(hidden)]
     fn param_addresses(&mut self) -> Vec<*mut c_void>;
     /// Calls the host-device function at `f` with the values.
     ///
     /// # Safety
-    /// `f` is the kernel the declaration names, compiled for the host device.
+    /// `f` takes exactly these parameters.
+    #[doc(hidden)]
     unsafe fn call(&self, f: *const c_void);
 }
 
@@ -226,8 +230,7 @@ pub(crate) fn run_on_host<A: KernelArgs>(f: host_device::Function, grid: u32, bl
     let mut ctx = (f.address, args);
     // SAFETY: `body::<A>` reads ctx only during the launch, which returns after every thread.
     unsafe {
-        host_device::module()?.run(
-            f.name,
+        f.run(
             (grid, 1, 1),
             (block, 1, 1),
             0,

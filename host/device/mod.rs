@@ -12,6 +12,7 @@ mod slice;
 pub use crate::cuda::stream::CurrentStream;
 pub use abi::{DeviceStatus, ProxyQueue, WindowHandle};
 pub use cudarc;
+pub use kernels::KernelArgs;
 pub use slice::{DeviceSlice, DeviceSliceMut};
 
 /// The NCCL library ferrocomm found (the search of the `nccl` backend: `FERROCOMM_NCCL_PATH`,
@@ -133,6 +134,35 @@ pub fn compile(ordinal: usize, source: &str, options: &CompileOptions) -> Result
         .map_err(|e| cuda::err("cuModuleLoadData", e))?;
     cuda::module::load_whole(&module, ANCHOR)?;
     Ok(module)
+}
+
+/// Kernels compiled for the host device ([`compile_host`]): `Device::Host`'s counterpart of a
+/// CUDA module, for users' kernels that drive host-device windows.
+pub struct HostModule {
+    module: crate::host_device::Module,
+}
+
+impl HostModule {
+    /// Runs kernel `name` over `grid` blocks of `block` threads (every block at once, one OS
+    /// thread per CUDA thread) with `args`, and returns when every thread has returned. Ranks
+    /// that wait for each other's kernels launch from threads of their own.
+    ///
+    /// # Safety
+    /// The kernel must take exactly the parameters `args` holds, and every address among
+    /// them must be valid for what the kernel does with it.
+    pub unsafe fn launch<A: KernelArgs>(&self, name: &str, grid: u32, block: u32, args: A) -> Result<()> {
+        let f = self.module.function(name)?;
+        kernels::run_on_host(f, grid, block, args)
+    }
+}
+
+/// Compiles `source` (CUDA C++ that includes `ferrocomm/ferrocomm.cuh`) for the host device
+/// with the system C++ compiler (`$CXX`, else `c++`; C++20), as [`compile`] does with NVRTC
+/// for a GPU. `options.options` are extra compiler flags (`-DTILE=128`); `arch` is ignored.
+pub fn compile_host(source: &str, options: &CompileOptions) -> Result<HostModule> {
+    Ok(HostModule {
+        module: crate::host_device::compile::compile(source, &options.options)?,
+    })
 }
 
 /// A new non-blocking stream on GPU `ordinal`'s primary context, safe to make while other

@@ -2,19 +2,21 @@
 //! `host-kernels`), so the device backend runs end to end on a machine without a GPU. It is the
 //! device of [`crate::Device::Host`].
 //!
-//! What a GPU driver gives the backend, this module gives on the CPU: a module of kernels
-//! (the embedded shared library, loaded once per process), kernel launches (every block of a
-//! launch runs at once, one OS thread per CUDA thread: device-api/host/runtime.cpp), streams
-//! (ordered queues with a worker thread each: stream.rs) and memory that ranks in several
-//! processes map side by side (memfd segments: memory.rs). Without the feature every entry
-//! point returns `Error::Unavailable`.
+//! What a GPU driver gives the backend, this module gives on the CPU: modules of kernels (the
+//! library's own, embedded and loaded once per process, and users', compiled at run time:
+//! compile.rs), kernel launches (every block of a launch runs at once, one OS thread per CUDA
+//! thread: device-api/host/runtime.cpp), streams (ordered queues with a worker thread each:
+//! stream.rs) and memory that ranks in several processes map side by side (memfd segments:
+//! memory.rs). Without the feature the library's module is `Error::Unavailable`.
 
+pub(crate) mod compile;
 pub(crate) mod memory;
 pub(crate) mod stream;
 
 use crate::error::{Error, Result};
+use std::collections::HashSet;
 use std::ffi::c_void;
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 
 pub(crate) use memory::{Segment, SegmentMap};
 pub(crate) use stream::Stream;
@@ -22,20 +24,24 @@ pub(crate) use stream::Stream;
 /// The C signature of `ferrocomm_host_launch` (device-api/host/runtime.cpp).
 type LaunchFn = unsafe extern "C" fn(u32, u32, u32, u32, u32, u32, u64, extern "C" fn(*mut c_void), *mut c_void) -> i32;
 
-/// The loaded kernel library.
+/// A loaded module: a shared library of kernels with its own launcher (its kernels read the
+/// thread indices that launcher sets, in the library's own thread-local state).
 pub(crate) struct Module {
     library: libloading::Library,
     launch: LaunchFn,
 }
 
-/// A kernel of the module: the address of its `extern "C"` host function.
+/// A kernel of a module: the address of its `extern "C"` host function, and its module's
+/// launcher.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Function {
     pub(crate) name: &'static str,
     pub(crate) address: *const c_void,
+    launch: LaunchFn,
 }
 
-// SAFETY: a code address of a library that stays loaded for the life of the process.
+// SAFETY: code addresses of a library that stays loaded while its module lives; the library
+// kernels' module lives for the process, users' modules outlive their launches.
 unsafe impl Send for Function {}
 unsafe impl Sync for Function {}
 
@@ -83,49 +89,84 @@ fn load() -> std::result::Result<Module, String> {
     let mut file = unsafe { std::fs::File::from_raw_fd(fd) };
     file.write_all(IMAGE)
         .map_err(|e| format!("writing the host-device kernels: {e}"))?;
-    let path = format!("/proc/self/fd/{}", file.as_raw_fd());
-    // SAFETY: our own library; its initialisers only set up C++ runtime state.
-    let library = unsafe { libloading::Library::new(&path) }.map_err(|e| format!("loading {path}: {e}"))?;
-    // SAFETY: the symbol has the signature of LaunchFn (device-api/host/runtime.cpp).
-    let launch = unsafe { library.get::<LaunchFn>(b"ferrocomm_host_launch\0") }
-        .map(|s| *s)
-        .map_err(|e| format!("the host-device library lacks ferrocomm_host_launch: {e}"))?;
-    Ok(Module { library, launch })
+    Module::open(&format!("/proc/self/fd/{}", file.as_raw_fd())).map_err(|e| e.to_string())
+}
+
+/// `name` as a `&'static str`, each distinct name leaked once.
+fn intern(name: &str) -> &'static str {
+    static NAMES: OnceLock<Mutex<HashSet<&'static str>>> = OnceLock::new();
+    let mut names = NAMES
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    if let Some(n) = names.get(name) {
+        return n;
+    }
+    let leaked: &'static str = Box::leak(name.to_owned().into_boxed_str());
+    names.insert(leaked);
+    leaked
 }
 
 impl Module {
-    /// The kernel `name` (an `extern "C" __global__` function of kernels/).
-    pub(crate) fn function(&self, name: &'static str) -> Result<Function> {
-        let symbol = format!("{name}\0");
-        // SAFETY: only the address is taken; callers call it with the kernel's declared
-        // parameters (crate::device::kernels).
-        let address = unsafe { self.library.get::<*const c_void>(symbol.as_bytes()) }
+    /// Loads the module at `path`.
+    pub(crate) fn open(path: &str) -> Result<Module> {
+        // SAFETY: a library of host-device kernels; its initialisers only set up C++ runtime
+        // state.
+        let library = unsafe { libloading::Library::new(path) }
+            .map_err(|e| unavailable(format!("loading the host-device kernels {path}: {e}")))?;
+        // SAFETY: the symbol has the signature of LaunchFn (device-api/host/runtime.cpp).
+        let launch = unsafe { library.get::<LaunchFn>(b"ferrocomm_host_launch\0") }
             .map(|s| *s)
-            .map_err(|e| unavailable(format!("the host-device library has no kernel {name}: {e}")))?;
-        Ok(Function { name, address })
+            .map_err(|e| unavailable(format!("{path} lacks ferrocomm_host_launch: {e}")))?;
+        Ok(Module { library, launch })
     }
 
-    /// Runs `body(ctx)` on `grid` x `block` threads with CUDA's indices set, and returns once
-    /// all have returned.
+    /// The kernel `name` (an `extern "C" __global__` function of the module).
+    pub(crate) fn function(&self, name: &str) -> Result<Function> {
+        let symbol = format!("{name}\0");
+        // SAFETY: only the address is taken; callers call it with the kernel's parameters
+        // (crate::device::kernels).
+        let address = unsafe { self.library.get::<*const c_void>(symbol.as_bytes()) }
+            .map(|s| *s)
+            .map_err(|e| {
+                Error::invalid(
+                    "kernel launch",
+                    format!("the host-device module has no kernel {name}: {e}"),
+                )
+            })?;
+        Ok(Function {
+            name: intern(name),
+            address,
+            launch: self.launch,
+        })
+    }
+}
+
+impl Function {
+    /// Runs `body(ctx)` on `grid` x `block` threads with CUDA's indices set, through the
+    /// function's module, and returns once all have returned.
     ///
     /// # Safety
     /// `body` must be sound to call on any thread with `ctx`, which stays valid until return.
     pub(crate) unsafe fn run(
         &self,
-        name: &str,
         grid: (u32, u32, u32),
         block: (u32, u32, u32),
         shared_bytes: u32,
         body: extern "C" fn(*mut c_void),
         ctx: *mut c_void,
     ) -> Result<()> {
-        let (g, b) = (grid, block);
-        let rc = (self.launch)(g.0, g.1, g.2, b.0, b.1, b.2, shared_bytes as u64, body, ctx);
+        let (g, b, name) = (grid, block, self.name);
+        // SAFETY: the caller's contract; `launch` is the module's own launcher.
+        let rc = unsafe { (self.launch)(g.0, g.1, g.2, b.0, b.1, b.2, shared_bytes as u64, body, ctx) };
         match rc {
             0 => Ok(()),
             libc::EINVAL => Err(Error::invalid(
                 "kernel launch",
-                format!("{name}: grid {grid:?} x block {block:?} is empty or larger than the host device runs (1024 threads a block, 65536 a launch)"),
+                format!(
+                    "{name}: grid {grid:?} x block {block:?} is empty or larger than the host device runs \
+                     (1024 threads a block, 65536 a launch)"
+                ),
             )),
             e => Err(Error::Backend {
                 backend: "host device".into(),

@@ -8,7 +8,7 @@ use crate::device::kernels::{Function, Queue};
 use crate::error::{Error, Result};
 use crate::host_device;
 use crate::memory::{Physical, Pinned, SymmetricMap};
-use cudarc::driver::{sys, CudaContext, CudaStream};
+use cudarc::driver::{sys, CudaStream};
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 use std::time::Duration;
@@ -41,13 +41,6 @@ impl Gpu {
         }
     }
 
-    pub(crate) fn context(self) -> Option<Arc<CudaContext>> {
-        match self {
-            Gpu::Cuda(ordinal) => cuda::context(ordinal).ok(),
-            Gpu::Host => None,
-        }
-    }
-
     /// The library kernel `name`.
     pub(crate) fn function(self, name: &str) -> Result<Function> {
         match self {
@@ -55,11 +48,7 @@ impl Gpu {
                 .load_function(name)
                 .map(Function::Cuda)
                 .map_err(|e| cuda::err(&format!("cuModuleGetFunction({name})"), e)),
-            Gpu::Host => {
-                // The names are a fixed set, loaded once per window or communicator.
-                let name: &'static str = Box::leak(name.to_owned().into_boxed_str());
-                host_device::module()?.function(name).map(Function::Host)
-            }
+            Gpu::Host => host_device::module()?.function(name).map(Function::Host),
         }
     }
 

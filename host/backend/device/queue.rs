@@ -4,6 +4,7 @@
 //! queue record itself are host-pinned and mapped into the GPU; only `head`, which producers
 //! take tickets from with device atomics, lives in device memory.
 
+use super::gpu::{Gpu, Stream};
 use crate::cuda;
 use crate::device::abi::ProxyQueue;
 use crate::error::Result;
@@ -12,7 +13,7 @@ use crate::net::descriptor::Limits;
 use crate::net::fifo::Ring;
 use crate::net::link::SharedLink;
 use crate::net::proxy::{LocalData, Plan, Proxy};
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{CudaSlice, DevicePtr};
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
@@ -28,28 +29,46 @@ pub(super) struct DeviceQueue {
     _words: Pinned<u64>,
     _remote: Pinned<u8>,
     record: Pinned<ProxyQueue>,
-    _head: CudaSlice<u64>,
+    _head: Head,
+}
+
+/// The ticket counter producers take from with device atomics: device memory on a GPU, host
+/// memory on the host device. Held, never read here: kernels use it by address.
+#[allow(dead_code)]
+enum Head {
+    Cuda(CudaSlice<u64>),
+    Host(Pinned<u64>),
 }
 
 impl DeviceQueue {
     /// `links[r]` is the link to rank `r` where it is reached over the network.
     pub(super) fn start(
-        stream: &Arc<CudaStream>,
+        gpu: Gpu,
+        stream: &Stream,
         links: Vec<Option<Arc<SharedLink>>>,
         data: Box<dyn LocalData>,
         limits: Limits,
-        ordinal: usize,
     ) -> Result<DeviceQueue> {
-        let words = Pinned::<u64>::zeroed(2 * LINE + 2 * SLOTS)?;
-        let remote = Pinned::<u8>::zeroed(links.len())?;
+        let words = gpu.records::<u64>(2 * LINE + 2 * SLOTS)?;
+        let remote = gpu.records::<u8>(links.len())?;
         for (r, l) in links.iter().enumerate() {
             remote.write(r, u8::from(l.is_some()));
         }
-        let head = stream.alloc_zeros::<u64>(1).map_err(|e| cuda::err("cuMemAlloc", e))?;
-        stream.synchronize().map_err(|e| cuda::err("cuStreamSynchronize", e))?;
+        let (head, head_addr) = match stream {
+            Stream::Cuda(s) => {
+                let head = s.alloc_zeros::<u64>(1).map_err(|e| cuda::err("cuMemAlloc", e))?;
+                s.synchronize().map_err(|e| cuda::err("cuStreamSynchronize", e))?;
+                let addr = head.device_ptr(s).0;
+                (Head::Cuda(head), addr)
+            }
+            Stream::Host(_) => {
+                let head = gpu.records::<u64>(1)?;
+                let addr = head.device_addr();
+                (Head::Host(head), addr)
+            }
+        };
         let word = |i: usize| words.device_addr() + (i * 8) as u64;
-        let record = Pinned::<ProxyQueue>::zeroed(1)?;
-        let (head_addr, head_in_use) = head.device_ptr(stream);
+        let record = gpu.records::<ProxyQueue>(1)?;
         record.write(
             0,
             ProxyQueue {
@@ -77,11 +96,13 @@ impl DeviceQueue {
             links,
             data,
             limits,
-            cpus: cuda::pci_bus_id(ordinal)
-                .ok()
-                .and_then(|bus| crate::net::affinity::cpus_near_pci_device(&bus)),
+            cpus: match gpu {
+                Gpu::Cuda(ordinal) => cuda::pci_bus_id(ordinal)
+                    .ok()
+                    .and_then(|bus| crate::net::affinity::cpus_near_pci_device(&bus)),
+                Gpu::Host => None,
+            },
         })?;
-        drop(head_in_use);
         Ok(DeviceQueue {
             proxy,
             _words: words,

@@ -7,11 +7,11 @@
 //! ([`GpuData`]). Each has a stream of its own, created non-blocking so that its copies run
 //! beside a kernel that is waiting for them.
 
+use super::gpu::{Gpu, Place, Stream};
 use super::queue::DeviceQueue;
 use crate::bootstrap::Store;
-use crate::cuda;
 use crate::device::abi::WindowHandle;
-use crate::device::kernels::{self, Function, Queue};
+use crate::device::kernels::{self, Function};
 use crate::error::{Error, Result};
 use crate::memory::Pinned;
 use crate::net::descriptor::Limits;
@@ -21,7 +21,6 @@ use crate::net::tcp::{self, Target, TcpLink};
 use crate::net::{select_links, NetResources, RdmaPlan, WindowMemory};
 use crate::options::TransportOptions;
 use crate::window::SignalOp;
-use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream};
 use std::net::TcpStream;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -52,9 +51,9 @@ pub(super) struct Plan<'a> {
     pub transport: &'a TransportOptions,
     pub segment: GpuSegment,
     /// The rank's own stream, for the queue's allocations.
-    pub stream: &'a Arc<CudaStream>,
-    /// The GPU, whose nearby CPUs run the proxy thread.
-    pub ordinal: usize,
+    pub stream: &'a Stream,
+    /// The device, whose nearby CPUs run the proxy thread.
+    pub gpu: Gpu,
     pub deadline: Instant,
 }
 
@@ -84,23 +83,33 @@ impl Network {
                 rank,
                 size,
                 store: p.store,
-                memory: WindowMemory::Gpu {
-                    ordinal: p.ordinal,
-                    segment: p.segment.data(0),
-                    bytes: h.stride as usize,
-                    data: (0, h.data_bytes as usize),
-                    pad: (h.signal_offset as usize, h.signals as usize * size * 8),
+                memory: match p.gpu {
+                    Gpu::Cuda(ordinal) => WindowMemory::Gpu {
+                        ordinal,
+                        segment: p.segment.data(0),
+                        bytes: h.stride as usize,
+                        data: (0, h.data_bytes as usize),
+                        pad: (h.signal_offset as usize, h.signals as usize * size * 8),
+                    },
+                    // The host device's segment is host memory.
+                    Gpu::Host => WindowMemory::Host {
+                        data: (p.segment.data(0) as *mut u8, h.data_bytes as usize),
+                        pad: (
+                            p.segment.data(h.signal_offset as usize) as *mut u8,
+                            h.signals as usize * size * 8,
+                        ),
+                    },
                 },
                 timeout: p.deadline.saturating_duration_since(Instant::now()),
             },
         )?;
-        let data = GpuData::new(p.segment.ctx.clone(), p.segment.data(0), timeout)?;
+        let data = GpuData::new(p.gpu, p.segment.data(0), timeout)?;
         let limits = Limits {
             size,
             bytes: p.segment.handle.data_bytes as usize,
             signals: p.segment.handle.signals as usize,
         };
-        let queue = DeviceQueue::start(p.stream, links.clone(), Box::new(data), limits, p.ordinal)?;
+        let queue = DeviceQueue::start(p.gpu, p.stream, links.clone(), Box::new(data), limits)?;
         let mut net = Network {
             links,
             queue,
@@ -148,54 +157,51 @@ impl Drop for Network {
 /// What a server thread needs to reach this rank's segment.
 #[derive(Clone)]
 pub(super) struct GpuSegment {
-    pub ctx: Arc<CudaContext>,
+    pub gpu: Gpu,
     /// This rank's handle: its segment is `handle.base + rank * stride`.
     pub handle: WindowHandle,
     /// kernels/rma.cu's ferrocomm_signal_from, ferrocomm_fetch_add, ferrocomm_compare_swap.
-    pub signal_from: CudaFunction,
-    pub fetch_add: CudaFunction,
-    pub compare_swap: CudaFunction,
+    pub signal_from: Function,
+    pub fetch_add: Function,
+    pub compare_swap: Function,
     /// Bound of each wait for this rank's own stream (copies and one-thread kernels).
     pub timeout: Duration,
 }
 
 impl GpuSegment {
-    fn data(&self, offset: usize) -> sys::CUdeviceptr {
+    fn data(&self, offset: usize) -> u64 {
         self.handle.base + self.handle.rank as u64 * self.handle.stride + offset as u64
     }
 }
 
-/// One origin's requests applied to this rank's GPU segment, in order on one stream.
+/// One origin's requests applied to this rank's segment, in order on one stream.
 pub(super) struct GpuTarget {
     seg: GpuSegment,
-    stream: Arc<CudaStream>,
+    stream: Stream,
     /// An atomic's result.
     out: Pinned<u64>,
 }
 
 impl GpuTarget {
     pub(super) fn new(seg: GpuSegment) -> Result<GpuTarget> {
-        let stream = seg.ctx.new_stream().map_err(|e| cuda::err("cuStreamCreate", e))?;
+        seg.gpu.enter()?;
         Ok(GpuTarget {
+            stream: seg.gpu.stream()?,
+            out: seg.gpu.records(1)?,
             seg,
-            stream,
-            out: Pinned::zeroed(1)?,
         })
     }
 
     fn enter(&self) -> Result<()> {
-        self.seg
-            .ctx
-            .bind_to_thread()
-            .map_err(|e| cuda::err("cuCtxSetCurrent", e))
+        self.seg.gpu.enter()
     }
 
     fn wait(&self, op: &'static str) -> Result<()> {
-        cuda::stream::wait_idle(self.stream.cu_stream(), op, self.seg.timeout)
+        self.stream.wait_idle(op, self.seg.timeout)
     }
 
     /// Runs a one-thread atomic kernel on our own rank and returns its result.
-    fn atomic(&self, f: &CudaFunction, offset: usize, a: u64, b: Option<u64>) -> Result<u64> {
+    fn atomic(&self, f: &Function, offset: usize, a: u64, b: Option<u64>) -> Result<u64> {
         self.enter()?;
         let (h, rank, offset, out) = (
             self.seg.handle,
@@ -203,10 +209,10 @@ impl GpuTarget {
             offset as u64,
             self.out.device_addr(),
         );
-        let (f, queue) = (Function::Cuda(f.clone()), Queue::Cuda(self.stream.cu_stream()));
+        let queue = self.stream.queue();
         match b {
-            None => kernels::FETCH_ADD.launch(&f, queue, 1, (h, rank, offset, a, out))?,
-            Some(b) => kernels::COMPARE_SWAP.launch(&f, queue, 1, (h, rank, offset, a, b, out))?,
+            None => kernels::FETCH_ADD.launch(f, queue, 1, (h, rank, offset, a, out))?,
+            Some(b) => kernels::COMPARE_SWAP.launch(f, queue, 1, (h, rank, offset, a, b, out))?,
         }
         self.wait("window server atomic")?;
         Ok(self.out.read(0))
@@ -217,7 +223,7 @@ impl Drop for GpuTarget {
     fn drop(&mut self) {
         // It ends on its server thread, which may never have made the context current; the
         // stream and pinned memory are released right after this, under it.
-        let _ = self.seg.ctx.bind_to_thread();
+        let _ = self.seg.gpu.enter();
     }
 }
 
@@ -228,15 +234,15 @@ impl Target for GpuTarget {
 
     fn write(&mut self, offset: usize, src: &[u8]) -> Result<()> {
         self.enter()?;
-        // SAFETY: the server checked the range against the segment's data.
-        cuda::check("cuMemcpyHtoDAsync", unsafe {
-            sys::cuMemcpyHtoDAsync_v2(
-                self.seg.data(offset),
-                src.as_ptr().cast(),
+        // SAFETY: the server checked the range against the segment's data; `src` outlives the
+        // wait below.
+        unsafe {
+            self.stream.copy(
+                Place::Device(self.seg.data(offset)),
+                Place::Host(src.as_ptr() as usize),
                 src.len(),
-                self.stream.cu_stream(),
             )
-        })?;
+        }?;
         // `src` is the server's buffer, reused for the next request: the copy must have read it
         // (an asynchronous copy from pageable memory may return before it has).
         self.wait("window server put")
@@ -245,14 +251,13 @@ impl Target for GpuTarget {
     fn read(&mut self, offset: usize, dst: &mut [u8]) -> Result<()> {
         self.enter()?;
         // SAFETY: as for `write`; `dst` outlives the wait below.
-        cuda::check("cuMemcpyDtoHAsync", unsafe {
-            sys::cuMemcpyDtoHAsync_v2(
-                dst.as_mut_ptr().cast(),
-                self.seg.data(offset),
+        unsafe {
+            self.stream.copy(
+                Place::Host(dst.as_mut_ptr() as usize),
+                Place::Device(self.seg.data(offset)),
                 dst.len(),
-                self.stream.cu_stream(),
             )
-        })?;
+        }?;
         self.wait("window server get")
     }
 
@@ -265,8 +270,8 @@ impl Target for GpuTarget {
         };
         // Stream order puts it after this origin's earlier copies: no wait needed here.
         kernels::SIGNAL_FROM.launch(
-            &Function::Cuda(self.seg.signal_from.clone()),
-            Queue::Cuda(self.stream.cu_stream()),
+            &self.seg.signal_from,
+            self.stream.queue(),
             1,
             (self.seg.handle, origin, id, op, value),
         )
@@ -286,20 +291,19 @@ impl Target for GpuTarget {
     }
 }
 
-/// This rank's GPU window data as the proxy reads put sources: a device-to-host copy each.
+/// This rank's window data as the proxy reads put sources: a device-to-host copy each.
 pub(super) struct GpuData {
-    ctx: Arc<CudaContext>,
-    stream: Arc<CudaStream>,
-    base: sys::CUdeviceptr,
+    gpu: Gpu,
+    stream: Stream,
+    base: u64,
     timeout: Duration,
 }
 
 impl GpuData {
-    pub(super) fn new(ctx: Arc<CudaContext>, base: sys::CUdeviceptr, timeout: Duration) -> Result<GpuData> {
-        let stream = ctx.new_stream().map_err(|e| cuda::err("cuStreamCreate", e))?;
+    pub(super) fn new(gpu: Gpu, base: u64, timeout: Duration) -> Result<GpuData> {
         Ok(GpuData {
-            ctx,
-            stream,
+            stream: gpu.stream()?,
+            gpu,
             base,
             timeout,
         })
@@ -309,24 +313,23 @@ impl GpuData {
 impl Drop for GpuData {
     fn drop(&mut self) {
         // Dropped on the proxy thread: the stream is destroyed under its context.
-        let _ = self.ctx.bind_to_thread();
+        let _ = self.gpu.enter();
     }
 }
 
 impl LocalData for GpuData {
     fn read(&mut self, offset: usize, dst: &mut [u8]) -> Result<()> {
-        self.ctx.bind_to_thread().map_err(|e| cuda::err("cuCtxSetCurrent", e))?;
+        self.gpu.enter()?;
         // SAFETY: the descriptor's range was checked against the window data; `dst` outlives
         // the wait. The kernel that queued the put released its source before the descriptor
         // (impl/proxy.cuh), and we read the descriptor with acquire.
-        cuda::check("cuMemcpyDtoHAsync", unsafe {
-            sys::cuMemcpyDtoHAsync_v2(
-                dst.as_mut_ptr().cast(),
-                self.base + offset as u64,
+        unsafe {
+            self.stream.copy(
+                Place::Host(dst.as_mut_ptr() as usize),
+                Place::Device(self.base + offset as u64),
                 dst.len(),
-                self.stream.cu_stream(),
             )
-        })?;
-        cuda::stream::wait_idle(self.stream.cu_stream(), "proxy read of a put source", self.timeout)
+        }?;
+        self.stream.wait_idle("proxy read of a put source", self.timeout)
     }
 }

@@ -23,7 +23,7 @@ use crate::net::link::SharedLink;
 use crate::transport::fd_passing::FdServer;
 use crate::transport::host_identity;
 use crate::window::{Cmp, Observed, SignalOp, SignalSource, WindowBackend, WindowSpec};
-use cudarc::driver::{CudaFunction, CudaStream};
+use cudarc::driver::CudaStream;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::os::fd::AsRawFd;
@@ -72,14 +72,6 @@ struct Kernels {
     wait_signal: Function,
     fetch_add: Function,
     compare_swap: Function,
-}
-
-/// The CUDA function behind `f` (the window server's kernels are launched by remote.rs).
-fn cuda_function(f: &Function) -> Result<CudaFunction> {
-    match f {
-        Function::Cuda(f) => Ok(f.clone()),
-        Function::Host(_) => Err(Error::invalid("new_window", "a host-device kernel for a GPU window")),
-    }
 }
 
 pub(crate) struct DeviceWindow {
@@ -182,39 +174,22 @@ impl DeviceWindow {
             flags: 0,
         };
         // After the barrier: no rank's request can reach a pad before its owner zeroed it.
-        let net = match gpu {
-            Gpu::Cuda(ordinal) => Network::start(remote::Plan {
-                store: &PrefixStore::new(format!("dwindow{}", spec.id), b.store.clone()),
-                hosts: &hosts,
-                transport: &b.transport,
-                segment: GpuSegment {
-                    ctx: gpu
-                        .context()
-                        .ok_or_else(|| Error::invalid("new_window", "no CUDA context"))?,
-                    handle,
-                    signal_from: cuda_function(&kernels.signal_from)?,
-                    fetch_add: cuda_function(&kernels.fetch_add)?,
-                    compare_swap: cuda_function(&kernels.compare_swap)?,
-                    timeout: spec.timeout,
-                },
-                stream: stream
-                    .cuda()
-                    .ok_or_else(|| Error::invalid("new_window", "no CUDA stream"))?,
-                ordinal,
-                deadline: Instant::now() + spec.timeout,
-            })?,
-            Gpu::Host => {
-                if let Some(r) = hosts.iter().position(|h| *h != hosts[rank]) {
-                    return Err(Error::Unavailable {
-                        backend: "device (host device)".into(),
-                        reason: format!(
-                            "rank {r} is on another host: host-device windows reach ranks of this host only"
-                        ),
-                    });
-                }
-                None
-            }
-        };
+        let net = Network::start(remote::Plan {
+            store: &PrefixStore::new(format!("dwindow{}", spec.id), b.store.clone()),
+            hosts: &hosts,
+            transport: &b.transport,
+            segment: GpuSegment {
+                gpu,
+                handle,
+                signal_from: kernels.signal_from.clone(),
+                fetch_add: kernels.fetch_add.clone(),
+                compare_swap: kernels.compare_swap.clone(),
+                timeout: spec.timeout,
+            },
+            stream: &stream,
+            gpu,
+            deadline: Instant::now() + spec.timeout,
+        })?;
         handle.fifo = net.as_ref().map_or(0, |n| n.queue.device_addr());
         // The network allocates its queue and staging memory after that barrier: for the same
         // reason, every rank finishes doing so before any uses the window. Every rank has a
