@@ -1,15 +1,17 @@
 //! A user kernel that computes a tile, puts it into its right neighbour's window and signals
-//! it, all without leaving the kernel: compute and communication fused. Ranks are streams of
-//! one process on GPU 0 (`FERROCOMM_EXAMPLE_RANKS`, default 2). The kernel is compiled at run
-//! time with NVRTC, with ferrocomm's device API headers available to it.
+//! it, all without leaving the kernel: compute and communication fused. Ranks are threads of
+//! one process (`FERROCOMM_EXAMPLE_RANKS`, default 2) on GPU 0, or on the host device where
+//! there is no GPU (or with `FERROCOMM_EXAMPLE_DEVICE=host`). The kernel is compiled at run
+//! time, with ferrocomm's device API headers available to it: by NVRTC for the GPU, by the
+//! system C++ compiler for the host device.
 //!
-//! Without a GPU it prints why and exits successfully. It is GPU-only: the host device has no
-//! run-time compiler for users' kernels. The verbs it uses (put_signal, wait_signal, signal at
-//! block scope) run on the host device in tests/host-device/kernel_driver.cpp's ring kernels.
+//! With neither (no GPU, and a build without the `host-kernels` feature) it prints why and
+//! exits successfully.
 
 use ferrocomm::device::cudarc::driver::{LaunchConfig, PushKernelArg};
-use ferrocomm::device::{self, CompileOptions};
+use ferrocomm::device::{self, CompileOptions, HostModule};
 use ferrocomm::prelude::*;
+use std::sync::Arc;
 
 const KERNEL: &str = r#"
 #include "ferrocomm/ferrocomm.cuh"
@@ -25,6 +27,9 @@ extern "C" __global__ void fused_put_signal(ferrocomm_window_handle h, float* ti
   const int right = (w.rank() + 1) % w.size(), left = (w.rank() + w.size() - 1) % w.size();
   for (unsigned s = 0; s < steps; ++s) {
     for (unsigned i = b.thread_rank(); i < n; i += b.size()) tile[i] = (w.rank() + 1) * (i % 97 + s);
+    // The put's threads copy other elements than each wrote: the whole tile first (at step 0
+    // no wait below would sync the block).
+    b.sync();
     if (s > 0 && !w.wait_signal(b, 1, right, Cmp::Ge, s).ok) return;
     w.put_signal(b, right, 0, tile, n * sizeof(float), 0, SignalOp::Set, s + 1);
     if (!w.wait_signal(b, 0, left, Cmp::Ge, s + 1).ok) return;
@@ -37,63 +42,43 @@ extern "C" __global__ void fused_put_signal(ferrocomm_window_handle h, float* ti
 }
 "#;
 
+/// The kernel, compiled for the device the ranks run on.
+enum Kernel {
+    Cuda(Arc<ferrocomm::device::cudarc::driver::CudaModule>),
+    Host(HostModule),
+}
+
 fn main() -> ferrocomm::Result<()> {
-    if let Err(e) = device::available(0) {
-        println!("SKIPPED: fused_put_signal needs a CUDA GPU: {e}");
-        return Ok(());
-    }
     let n_ranks: usize = std::env::var("FERROCOMM_EXAMPLE_RANKS")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(2);
-    let (n, steps) = (1u32 << 16, 20u32);
-    let module = device::compile(0, KERNEL, &CompileOptions::default())?;
-    let comms = Comm::new_group(
-        "device",
-        &vec![Device::Cuda(0); n_ranks],
-        "fused",
-        CommOptions::from_env()?,
-    )?;
+    let want_host = std::env::var("FERROCOMM_EXAMPLE_DEVICE").as_deref() == Ok("host");
+    let (device, kernel) = match device::available(0) {
+        Ok(()) if !want_host => (
+            Device::Cuda(0),
+            Kernel::Cuda(device::compile(0, KERNEL, &CompileOptions::default())?),
+        ),
+        gpu => {
+            // The host device needs the library's host kernels as well as a C++ compiler.
+            if let Err(e) = Comm::new_group("device", &[Device::Host(0)], "probe", CommOptions::from_env()?) {
+                println!("SKIPPED: fused_put_signal needs a CUDA GPU ({gpu:?}) or the host device ({e})");
+                return Ok(());
+            }
+            (
+                Device::Host(0),
+                Kernel::Host(device::compile_host(KERNEL, &CompileOptions::default())?),
+            )
+        }
+    };
+    println!("fused_put_signal: {n_ranks} ranks on {device:?}");
+    let comms = Comm::new_group("device", &vec![device; n_ranks], "fused", CommOptions::from_env()?)?;
     std::thread::scope(|s| {
         let ranks: Vec<_> = comms
             .iter()
             .map(|c| {
-                let module = module.clone();
-                s.spawn(move || -> ferrocomm::Result<()> {
-                    let w = c.new_window(n as usize * 4)?;
-                    let stream = w.stream()?;
-                    let handle = w.device_handle()?;
-                    let cuda = |e: ferrocomm::device::cudarc::driver::DriverError| ferrocomm::Error::Backend {
-                        backend: "cuda".into(),
-                        call: "example".into(),
-                        message: format!("{e:?}"),
-                    };
-                    let f = module.load_function("fused_put_signal").map_err(cuda)?;
-                    let tile = stream.alloc_zeros::<f32>(n as usize).map_err(cuda)?;
-                    let sum = stream.alloc_zeros::<f64>(1).map_err(cuda)?;
-                    let mut launch = stream.launch_builder(&f);
-                    launch.arg(&handle).arg(&tile).arg(&n).arg(&steps).arg(&sum);
-                    let cfg = LaunchConfig {
-                        grid_dim: (1, 1, 1),
-                        block_dim: (256, 1, 1),
-                        shared_mem_bytes: 0,
-                    };
-                    // SAFETY: the arguments match the kernel's parameters in order and type.
-                    unsafe { launch.launch(cfg) }.map_err(cuda)?;
-                    w.synchronize()?;
-                    let got = stream.clone_dtoh(&sum).map_err(cuda)?[0];
-                    // Every value is an integer below 2^24, so the float sums are exact.
-                    let left = (c.rank() + c.size() - 1) % c.size();
-                    let want: f64 = (0..steps)
-                        .map(|s| (0..n).map(|i| ((left + 1) as f64) * ((i % 97 + s) as f64)).sum::<f64>())
-                        .sum();
-                    println!(
-                        "rank {}: checksum of rank {left}'s tiles {got} (expected {want})",
-                        c.rank()
-                    );
-                    assert_eq!(got, want, "rank {}: wrong data from rank {left}", c.rank());
-                    w.barrier()
-                })
+                let kernel = &kernel;
+                s.spawn(move || rank(c, kernel))
             })
             .collect();
         ranks.into_iter().try_for_each(|h| {
@@ -105,4 +90,57 @@ fn main() -> ferrocomm::Result<()> {
             })
         })
     })
+}
+
+/// One rank: runs the kernel (one block of 256 threads) and checks the checksum of what its
+/// left neighbour sent.
+fn rank(c: &Comm, kernel: &Kernel) -> ferrocomm::Result<()> {
+    let (n, steps) = (1u32 << 16, 20u32);
+    let w = c.new_window(n as usize * 4)?;
+    let handle = w.device_handle()?;
+    let got = match kernel {
+        Kernel::Cuda(module) => {
+            let stream = w.stream()?;
+            let cuda = |e: ferrocomm::device::cudarc::driver::DriverError| ferrocomm::Error::Backend {
+                backend: "cuda".into(),
+                call: "example".into(),
+                message: format!("{e:?}"),
+            };
+            let f = module.load_function("fused_put_signal").map_err(cuda)?;
+            let tile = stream.alloc_zeros::<f32>(n as usize).map_err(cuda)?;
+            let sum = stream.alloc_zeros::<f64>(1).map_err(cuda)?;
+            let mut launch = stream.launch_builder(&f);
+            launch.arg(&handle).arg(&tile).arg(&n).arg(&steps).arg(&sum);
+            let cfg = LaunchConfig {
+                grid_dim: (1, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: the arguments match the kernel's parameters in order and type.
+            unsafe { launch.launch(cfg) }.map_err(cuda)?;
+            w.synchronize()?;
+            stream.clone_dtoh(&sum).map_err(cuda)?[0]
+        }
+        Kernel::Host(module) => {
+            let mut tile = vec![0f32; n as usize];
+            let mut sum = 0f64;
+            let args = (handle, tile.as_mut_ptr() as u64, n, steps, &mut sum as *mut f64 as u64);
+            // SAFETY: the arguments match the kernel's parameters in order and type; `tile`
+            // and `sum` outlive the launch, which returns when the kernel has.
+            unsafe { module.launch("fused_put_signal", 1, 256, args) }?;
+            w.synchronize()?;
+            sum
+        }
+    };
+    // Every value is an integer below 2^24, so the float sums are exact.
+    let left = (c.rank() + c.size() - 1) % c.size();
+    let want: f64 = (0..steps)
+        .map(|s| (0..n).map(|i| ((left + 1) as f64) * ((i % 97 + s) as f64)).sum::<f64>())
+        .sum();
+    println!(
+        "rank {}: checksum of rank {left}'s tiles {got} (expected {want})",
+        c.rank()
+    );
+    assert_eq!(got, want, "rank {}: wrong data from rank {left}", c.rank());
+    w.barrier()
 }

@@ -222,6 +222,18 @@ inline float atomicAdd(float* p, float v) {
   }
   return __uint_as_float(seen);
 }
+inline double atomicAdd(double* p, double v) {
+  unsigned long long* bits = reinterpret_cast<unsigned long long*>(p);
+  unsigned long long seen = __atomic_load_n(bits, __ATOMIC_RELAXED);
+  for (;;) {
+    double old;
+    memcpy(&old, &seen, 8);
+    const double sum = old + v;
+    unsigned long long next;
+    memcpy(&next, &sum, 8);
+    if (__atomic_compare_exchange_n(bits, &seen, next, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) return old;
+  }
+}
 template <class T>
 inline T atomicCAS(T* p, T expected, T desired) {
   __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
