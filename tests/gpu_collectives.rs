@@ -353,23 +353,7 @@ fn gpu_all_to_all_v_with_any_sizes_matches_the_host_reference() {
         )
         .unwrap();
         // counts[k][p][r]: elements rank p sends rank r in round k (a slot is 1 MiB / world).
-        let counts: Vec<Vec<Vec<usize>>> = (0..6)
-            .map(|k| {
-                let mut g = rng(seed ^ 0xa2a, k);
-                (0..world)
-                    .map(|_| {
-                        (0..world)
-                            .map(|_| match g.gen_range(0..4) {
-                                0 => 0,
-                                1 => g.gen_range(1..64),
-                                2 => g.gen_range(64..20_000),
-                                _ => g.gen_range(100_000..400_000),
-                            })
-                            .collect()
-                    })
-                    .collect()
-            })
-            .collect();
+        let counts = random_all_to_all_counts(seed, world, 6, 100_000..400_000);
         let input = |k: usize, p: usize| -> Vec<f32> {
             random_vec(
                 &mut rng(seed ^ (k as u64) << 12, p as u64),

@@ -190,23 +190,7 @@ mod with_kernels {
     fn all_to_all_v_with_any_sizes_matches_the_reference() {
         let seed = fresh_seed();
         for world in [2, 3, 8] {
-            let counts: Vec<Vec<Vec<usize>>> = (0..4)
-                .map(|k| {
-                    let mut g = rng(seed ^ 0xa2a, k);
-                    (0..world)
-                        .map(|_| {
-                            (0..world)
-                                .map(|_| match g.gen_range(0..4) {
-                                    0 => 0,
-                                    1 => g.gen_range(1..64),
-                                    2 => g.gen_range(64..20_000),
-                                    _ => g.gen_range(40_000..120_000),
-                                })
-                                .collect()
-                        })
-                        .collect()
-                })
-                .collect();
+            let counts = random_all_to_all_counts(seed, world, 4, 40_000..120_000);
             let input = |k: usize, p: usize| -> Vec<f32> {
                 random_vec(
                     &mut rng(seed ^ (k as u64) << 12, p as u64),
@@ -272,13 +256,7 @@ mod with_kernels {
             w.barrier().unwrap();
         });
         let comms = Comm::new_group("device", &[Device::Host(0); 2], "hd-abort", opts()).unwrap();
-        let wins: Vec<_> = std::thread::scope(|s| {
-            let hs: Vec<_> = comms
-                .iter()
-                .map(|c| s.spawn(move || c.new_window(64).unwrap()))
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
-        });
+        let wins = windows_on(&comms, 64);
         std::thread::scope(|s| {
             let w0 = &wins[0];
             let t0 = std::time::Instant::now();
@@ -358,6 +336,93 @@ mod with_kernels {
             for (scope, threads) in [("thread", 1), ("warp", 32), ("block", 64)] {
                 ring(c, scope, threads, 1024, 20, seed);
             }
+        });
+    }
+
+    /// Runs test kernel `name` once; the caller's arguments match its parameters.
+    fn launch<A: ferrocomm::device::KernelArgs>(name: &str, grid: u32, block: u32, args: A) {
+        // SAFETY: every caller passes the kernel's parameters (tests/gpu/kernels.cu) with
+        // addresses that outlive the launch, which returns when the kernel has.
+        unsafe { test_kernels().launch(name, grid, block, args) }.unwrap_or_else(|e| panic!("{name}: {e}"));
+    }
+
+    /// The window kernels of tests/gpu_windows.rs on the host device: get at every scope from
+    /// every peer, the device barrier over rounds, atomics from every thread, a device wait
+    /// that times out (and the window still usable after it).
+    #[test]
+    fn the_gpu_window_tests_kernels_run_on_the_host_device() {
+        let seed = fresh_seed();
+        let pattern = |r: usize, i: u64| (seed ^ ((r as u64) << 48) ^ i).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        run_group_on_device("device", Device::Host(0), 4, "hd-get", opts(), |c| {
+            let words = 4099usize;
+            let w = c.new_window(words * 8).unwrap();
+            let mine: Vec<u64> = (0..words as u64).map(|i| pattern(c.rank(), i)).collect();
+            w.write_local(0, &mine).unwrap();
+            w.barrier().unwrap();
+            let h = w.device_handle().unwrap();
+            for (scope, threads) in [("thread", 1), ("warp", 32), ("block", 256)] {
+                for peer in 0..c.size() {
+                    let mut dst = vec![0u64; words];
+                    launch(
+                        &format!("get_{scope}"),
+                        1,
+                        threads,
+                        (h, peer as i32, dst.as_mut_ptr() as u64, words as u64),
+                    );
+                    w.synchronize().unwrap();
+                    for (i, g) in dst.iter().enumerate() {
+                        assert_eq!(*g, pattern(peer, i as u64), "get_{scope} from {peer}: word {i}");
+                    }
+                }
+            }
+            w.barrier().unwrap();
+        });
+        for n in [2, 5, 8] {
+            run_group_on_device("device", Device::Host(0), n, &format!("hd-barrier{n}"), opts(), |c| {
+                let w = c.new_window(64 * 8).unwrap();
+                let wrong = std::sync::atomic::AtomicU64::new(0);
+                launch(
+                    "barrier_rounds",
+                    1,
+                    64,
+                    (w.device_handle().unwrap(), 50u32, wrong.as_ptr() as u64),
+                );
+                w.synchronize().unwrap();
+                assert_eq!(wrong.into_inner(), 0, "a rank read a word before the barrier");
+            });
+        }
+        let n = 4;
+        let totals = run_group_on_device("device", Device::Host(0), n, "hd-atomics", opts(), |c| {
+            let w = c.new_window(64).unwrap();
+            launch("fetch_add_storm", 4, 32, (w.device_handle().unwrap(), 20u32));
+            w.synchronize().unwrap();
+            w.barrier().unwrap();
+            let mut word = [0u64];
+            w.get(0, 0, &mut word).unwrap();
+            w.barrier().unwrap();
+            word[0]
+        });
+        assert!(totals.iter().all(|&t| t == (n * 4 * 32 * 20) as u64), "{totals:?}");
+        run_group_on_device("device", Device::Host(0), 2, "hd-timeout", opts(), |c| {
+            let w = c.new_window(4096).unwrap();
+            let mut h = w.device_handle().unwrap();
+            h.timeout_ns = 50_000_000;
+            let mut out = [7u64];
+            let t0 = std::time::Instant::now();
+            launch("wait_forever", 1, 128, (h, out.as_mut_ptr() as u64));
+            let err = w.synchronize().unwrap_err();
+            assert!(matches!(err, Error::Timeout { op: "synchronize", .. }), "{err}");
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "the device wait overran its deadline"
+            );
+            assert_eq!(out[0], 0, "the wait reported success");
+            // Still usable: a signal round trip works afterwards.
+            c.barrier().unwrap();
+            let peer = 1 - c.rank();
+            w.signal(peer, 5, SignalOp::Add, 1).unwrap();
+            assert_eq!(w.wait_signal(5, SignalSource::Rank(peer), Cmp::Ge, 1).unwrap().value, 1);
+            w.barrier().unwrap();
         });
     }
 

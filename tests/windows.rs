@@ -134,13 +134,7 @@ fn a_waiter_whose_peer_drops_its_window_gets_peer_lost() {
 #[test]
 fn abort_ends_a_window_wait() {
     let comms = Comm::new_group("cpu", &[Device::Cpu; 2], "win-abort", opts()).unwrap();
-    let wins: Vec<_> = std::thread::scope(|s| {
-        let hs: Vec<_> = comms
-            .iter()
-            .map(|c| s.spawn(move || c.new_window(64).unwrap()))
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    let wins = windows_on(&comms, 64);
     std::thread::scope(|s| {
         let w0 = &wins[0];
         let waiter = s.spawn(move || w0.wait_signal(0, SignalSource::Rank(1), Cmp::Ge, 1));

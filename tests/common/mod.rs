@@ -298,3 +298,41 @@ pub fn wait_child(
     }
     (status, out, ended)
 }
+
+/// Every rank's window of `bytes`, made at once (window creation is collective).
+pub fn windows_on(comms: &[Comm], bytes: usize) -> Vec<ferrocomm::Window<'_>> {
+    std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .map(|c| s.spawn(move || c.new_window(bytes).unwrap()))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// `rounds` random all_to_all_v plans for `world` ranks: `[round][from][to]` element counts,
+/// a quarter each empty, small, medium and drawn from `large`.
+pub fn random_all_to_all_counts(
+    seed: u64,
+    world: usize,
+    rounds: u64,
+    large: std::ops::Range<usize>,
+) -> Vec<Vec<Vec<usize>>> {
+    (0..rounds)
+        .map(|k| {
+            let mut g = rng(seed ^ 0xa2a, k);
+            (0..world)
+                .map(|_| {
+                    (0..world)
+                        .map(|_| match g.gen_range(0..4) {
+                            0 => 0,
+                            1 => g.gen_range(1..64),
+                            2 => g.gen_range(64..20_000),
+                            _ => g.gen_range(large.clone()),
+                        })
+                        .collect()
+                })
+                .collect()
+        })
+        .collect()
+}
