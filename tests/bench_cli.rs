@@ -10,6 +10,41 @@ fn bench(args: &[&str]) -> std::process::Output {
         .expect("run ferrocomm-bench")
 }
 
+/// The device path of the bench on the host device: every size of one- and two-shot checked
+/// bit for bit on every rank, at 1, 2, 3, 4 and 8 ranks.
+#[cfg(feature = "host-kernels")]
+#[test]
+fn device_all_reduce_on_the_host_device_passes_its_check() {
+    for world in ["1", "2", "3", "4", "8"] {
+        let out = bench(&[
+            "device_all_reduce",
+            "--device",
+            "host",
+            "--world",
+            world,
+            "-b",
+            "2",
+            "-e",
+            "128K",
+            "-f",
+            "8",
+            "-n",
+            "2",
+            "-w",
+            "1",
+            "--check",
+        ]);
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "world {world}: {}\n{text}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(text.contains("checked bit for bit"), "{text}");
+        assert_eq!(text.lines().filter(|l| !l.starts_with('#')).count(), 6, "{text}");
+    }
+}
+
 #[test]
 fn every_op_passes_its_check_across_processes() {
     let ops = [

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 pub const USAGE: &str = "usage: ferrocomm-bench <op> [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP]
        [--backend cpu] [--world N] [--threads] [--dtype f32] [--redop sum] [--root 0]
-       [--algo NAME]
+       [--algo NAME] [--device cuda|host]
        [--check] [--json FILE] [--csv FILE] [--plot FILE.png] [--graph]
 ops: all_reduce reduce broadcast all_gather reduce_scatter all_to_all send_recv put get signal
      queue_put (put + signal through the window's proxy queue; needs ranks on other hosts,
@@ -12,7 +12,8 @@ ops: all_reduce reduce broadcast all_gather reduce_scatter all_to_all send_recv 
      queue_pickup (proxy queue enqueue to pickup latency, one process)
      device_put device_pingpong (2 ranks on GPU 0, device backend)
      device_all_reduce (--world ranks on GPU 0, bf16, graph replay, one- and two-shot or --algo;
-       against NCCL at world 1 and the copy roofline)
+       against NCCL at world 1 and the copy roofline; --device host: on the host device, CPU
+       threads, no GPU figures, --check compares every result bit for bit)
      nccl_all_reduce (ferrocomm's nccl backend against direct NCCL calls, world 1, GPU 0)
 sizes take K, M, G suffixes (powers of 1024)";
 
@@ -33,6 +34,8 @@ pub struct Args {
     /// The backend's `algorithm` hint for collectives (cpu: oneshot, direct, ring; device:
     /// oneshot, twoshot, multimem).
     pub algo: Option<String>,
+    /// Where the device rows run: `cuda` (GPU 0) or `host` (the host device).
+    pub device: String,
     pub check: bool,
     pub json: Option<PathBuf>,
     pub csv: Option<PathBuf>,
@@ -67,6 +70,7 @@ pub fn parse(argv: &[String]) -> Result<Args, String> {
         redop: "sum".into(),
         root: 0,
         algo: None,
+        device: "cuda".into(),
         check: false,
         json: None,
         csv: None,
@@ -90,6 +94,7 @@ pub fn parse(argv: &[String]) -> Result<Args, String> {
             "--redop" | "-o" => a.redop = val()?,
             "--root" | "-r" => a.root = num(val()?)?,
             "--algo" => a.algo = Some(val()?),
+            "--device" => a.device = val()?,
             "--check" | "-c" => a.check = true,
             "--json" => a.json = Some(val()?.into()),
             "--csv" => a.csv = Some(val()?.into()),
