@@ -10,8 +10,8 @@ fn bench(args: &[&str]) -> std::process::Output {
         .expect("run ferrocomm-bench")
 }
 
-/// The device path of the bench on the host device: every size of one- and two-shot checked
-/// bit for bit on every rank, at 1, 2, 3, 4 and 8 ranks.
+/// The device rows of the bench on the host device: every size of one- and two-shot checked
+/// bit for bit on every rank, at 1, 2, 3, 4 and 8 ranks; the SM put checked; the ping-pong.
 #[cfg(feature = "host-kernels")]
 #[test]
 fn device_all_reduce_on_the_host_device_passes_its_check() {
@@ -42,6 +42,36 @@ fn device_all_reduce_on_the_host_device_passes_its_check() {
         );
         assert!(text.contains("checked bit for bit"), "{text}");
         assert_eq!(text.lines().filter(|l| !l.starts_with('#')).count(), 6, "{text}");
+    }
+    // The other device rows: an SM put into the peer's window (checked) and the kernels'
+    // ping-pong (both must finish).
+    for args in [
+        &[
+            "device_put",
+            "--device",
+            "host",
+            "-b",
+            "1K",
+            "-e",
+            "1M",
+            "-f",
+            "16",
+            "-n",
+            "2",
+            "-w",
+            "1",
+            "--check",
+        ][..],
+        &["device_pingpong", "--device", "host", "-n", "100"][..],
+    ] {
+        let out = bench(args);
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{args:?}: {}\n{text}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(text.contains("host device"), "{text}");
     }
 }
 

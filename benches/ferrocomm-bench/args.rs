@@ -10,7 +10,8 @@ ops: all_reduce reduce broadcast all_gather reduce_scatter all_to_all send_recv 
      queue_put (put + signal through the window's proxy queue; needs ranks on other hosts,
        or FERROCOMM_TRANSPORT=tcp)
      queue_pickup (proxy queue enqueue to pickup latency, one process)
-     device_put device_pingpong (2 ranks on GPU 0, device backend)
+     device_put device_pingpong (2 ranks on GPU 0, device backend; --device host: on the host
+       device, --check verifies the put)
      device_all_reduce (--world ranks on GPU 0, bf16, graph replay, one- and two-shot or --algo;
        against NCCL at world 1 and the copy roofline; --device host: on the host device, CPU
        threads, no GPU figures, --check compares every result bit for bit)

@@ -254,13 +254,10 @@ fn main() {
             backend: a.backend.clone(),
             reason: "--graph captures CUDA graphs and needs a GPU backend".into(),
         })
-    } else if a.op == "device_all_reduce" && a.device == "host" {
-        host_device::all_reduce(&a)
+    } else if a.op.starts_with("device_") && a.device == "host" {
+        host_device::run(&a)
     } else if a.op.starts_with("device_") && a.device != "cuda" {
-        Err(Error::Config(format!(
-            "--device {}: {} runs on cuda; device_all_reduce also on host",
-            a.device, a.op
-        )))
+        Err(Error::Config(format!("--device {}: expected cuda or host", a.device)))
     } else if a.op == "device_all_reduce" {
         device_coll::run(&a)
     } else if a.op.starts_with("device_") {

@@ -139,7 +139,13 @@ pub fn compile(ordinal: usize, source: &str, options: &CompileOptions) -> Result
 /// Kernels compiled for the host device ([`compile_host`]): `Device::Host`'s counterpart of a
 /// CUDA module, for users' kernels that drive host-device windows.
 pub struct HostModule {
-    module: crate::host_device::Module,
+    module: HostModuleRef,
+}
+
+/// A user's module, or the library's own (loaded once per process).
+enum HostModuleRef {
+    Owned(crate::host_device::Module),
+    Library(&'static crate::host_device::Module),
 }
 
 impl HostModule {
@@ -151,9 +157,20 @@ impl HostModule {
     /// The kernel must take exactly the parameters `args` holds, and every address among
     /// them must be valid for what the kernel does with it.
     pub unsafe fn launch<A: KernelArgs>(&self, name: &str, grid: u32, block: u32, args: A) -> Result<()> {
-        let f = self.module.function(name)?;
+        let f = match &self.module {
+            HostModuleRef::Owned(m) => m.function(name)?,
+            HostModuleRef::Library(m) => m.function(name)?,
+        };
         kernels::run_on_host(f, grid, block, args)
     }
+}
+
+/// The library's own kernels (kernels/*.cu, e.g. `ferrocomm_put_blocks`) on the host device,
+/// as [`library_function`] finds them on a GPU. Needs the `host-kernels` feature.
+pub fn host_library() -> Result<HostModule> {
+    Ok(HostModule {
+        module: HostModuleRef::Library(crate::host_device::module()?),
+    })
 }
 
 /// Compiles `source` (CUDA C++ that includes `ferrocomm/ferrocomm.cuh`) for the host device
@@ -161,7 +178,7 @@ impl HostModule {
 /// for a GPU. `options.options` are extra compiler flags (`-DTILE=128`); `arch` is ignored.
 pub fn compile_host(source: &str, options: &CompileOptions) -> Result<HostModule> {
     Ok(HostModule {
-        module: crate::host_device::compile::compile(source, &options.options)?,
+        module: HostModuleRef::Owned(crate::host_device::compile::compile(source, &options.options)?),
     })
 }
 
