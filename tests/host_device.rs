@@ -57,6 +57,10 @@ mod with_kernels {
         let seed: u64 = std::env::var("HD_TEST_SEED").unwrap().parse().unwrap();
         let mapped = common::window_suite::run_all(&c, seed);
         assert!(mapped, "ranks of one host map each other's segments across processes");
+        // Users' kernels on segments mapped from other processes.
+        for (scope, threads) in [("thread", 1), ("warp", 32), ("block", 64)] {
+            ring(&c, scope, threads, 1024, 20, seed);
+        }
         common::suite::run_all(&c, seed);
         println!("rank {} ok", c.rank());
     }
@@ -237,6 +241,35 @@ mod with_kernels {
         match &errors[1] {
             Some(Error::Mismatch { peer: 0, detail, .. }) => assert!(detail.contains("40 bytes"), "{detail}"),
             other => panic!("rank 1 should report rank 0's mismatched part, got {other:?}"),
+        }
+    }
+
+    /// The same mismatch with `check_calls` on: both ranks get `Error::Mismatch` from the call
+    /// itself, before a kernel runs, and the communicator goes on working.
+    #[test]
+    fn mismatched_calls_are_refused_up_front_with_the_check_on() {
+        let checked = opts().with_check_calls(true);
+        let results = run_group_on_device("device", Device::Host(0), 2, "hd-checked", checked, |c| {
+            let (send, recv) = if c.rank() == 0 {
+                ([4, 10], [4, 4])
+            } else {
+                ([4, 4], [12, 4])
+            };
+            let input = vec![1f32; send.iter().sum()];
+            let mut out = vec![0f32; recv.iter().sum()];
+            let e = c
+                .all_to_all_v(&mut out, &input, &recv, &send)
+                .expect_err("the mismatched all_to_all_v was issued");
+            let mut one = [c.rank() as f32 + 1.0];
+            c.all_reduce(&mut one, ReduceOp::Sum).unwrap();
+            (e, one[0])
+        });
+        for (rank, (e, sum)) in results.iter().enumerate() {
+            assert!(
+                matches!(e, Error::Mismatch { op: "all_to_all", peer, .. } if *peer == 1 - rank),
+                "rank {rank}: {e}"
+            );
+            assert_eq!(*sum, 3.0, "rank {rank}: the all_reduce after the refused call");
         }
     }
 
