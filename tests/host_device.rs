@@ -369,6 +369,18 @@ mod with_kernels {
             for (scope, threads) in [("thread", 1), ("warp", 32), ("block", 64)] {
                 ring(c, scope, threads, 1024, 20, seed);
             }
+            // A kernel's flush waits for the proxy to complete what it queued; then a wait by
+            // ANY sees the left neighbour's signal (sent by its host verb over the link).
+            let w = c.new_window(4096).unwrap();
+            let (right, left) = ((c.rank() + 1) % c.size(), (c.rank() + c.size() - 1) % c.size());
+            w.signal(right, 2, SignalOp::Set, 5).unwrap();
+            let mut out = [0u64; 3];
+            let args = (w.device_handle().unwrap(), 2u32, 5u64, out.as_mut_ptr() as u64);
+            // SAFETY: wait_any_warp takes (handle, u32 id, u64 value, u64* out); `out` outlives it.
+            unsafe { test_kernels().launch("wait_any_warp", 1, 64, args) }.unwrap();
+            w.synchronize().unwrap();
+            assert_eq!(out, [1, left as u64, 5], "rank {}: wait by ANY after a flush", c.rank());
+            w.barrier().unwrap();
         });
     }
 

@@ -12,6 +12,7 @@
 #include <errno.h>
 #include <pthread.h>
 
+#include <condition_variable>
 #include <memory>
 #include <mutex>
 #include <new>
@@ -21,10 +22,14 @@ namespace {
 
 using namespace ferrocomm_host;
 
+// Lives on the launcher's stack. Workers count down under `lock`, so the launcher (which
+// waits holding it) cannot return before the last worker has let go of it.
 struct Launch {
-  void (*body)(void*);
-  void* ctx;
-  std::atomic<unsigned long long> remaining{0};
+  void (*body)(void*) = nullptr;
+  void* ctx = nullptr;
+  unsigned long long remaining = 0;
+  std::mutex lock;
+  std::condition_variable finished;
 };
 
 struct Task {
@@ -61,10 +66,11 @@ void* work(void* arg) {
     l->body(l->ctx);
     current = nullptr;
     w->state.store(Worker::PARKED, std::memory_order_relaxed);
-    // Back in the pool before the launch may return: the next launch finds it. After the
-    // decrement the launch (on its launcher's stack) may be gone: nothing touches it after.
+    // Back in the pool before the launch may return: the next launch finds it. Once the
+    // lock is released the launch (on its launcher's stack) may be gone.
     park(w);
-    if (l->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) l->remaining.notify_all();
+    std::lock_guard<std::mutex> g(l->lock);
+    if (--l->remaining == 0) l->finished.notify_all();
   }
   return nullptr;
 }
@@ -141,8 +147,10 @@ extern "C" int ferrocomm_host_launch(unsigned gx, unsigned gy, unsigned gz, unsi
   workers.reserve(blocks * threads);
   if (const int failure = take(blocks * threads, workers)) return failure;
 
-  Launch launch{body, ctx};
-  launch.remaining.store(blocks * threads, std::memory_order_relaxed);
+  Launch launch;
+  launch.body = body;
+  launch.ctx = ctx;
+  launch.remaining = blocks * threads;
   for (unsigned long long b = 0; b < blocks; ++b) {
     for (unsigned long long t = 0; t < threads; ++t) {
       Task& task = tasks[b * threads + t];
@@ -161,10 +169,7 @@ extern "C" int ferrocomm_host_launch(unsigned gx, unsigned gy, unsigned gz, unsi
       w->state.notify_one();
     }
   }
-  for (;;) {
-    const unsigned long long left = launch.remaining.load(std::memory_order_acquire);
-    if (left == 0) break;
-    launch.remaining.wait(left, std::memory_order_acquire);
-  }
+  std::unique_lock<std::mutex> g(launch.lock);
+  launch.finished.wait(g, [&] { return launch.remaining == 0; });
   return 0;
 }

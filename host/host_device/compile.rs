@@ -6,7 +6,6 @@
 use super::Module;
 use crate::error::{Error, Result};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 
 /// device-api/host/runtime.cpp: every host-device module carries its own launcher.
 const RUNTIME: &str = include_str!("../../device-api/host/runtime.cpp");
@@ -20,15 +19,23 @@ pub(crate) fn compile(source: &str, options: &[String]) -> Result<Module> {
     built
 }
 
+/// A fresh folder only this user can enter (mkdtemp: mode 0700, a name nobody could claim
+/// first), so no one else can plant the library we load.
 fn scratch_dir() -> Result<PathBuf> {
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    let dir = std::env::temp_dir().join(format!(
-        "ferrocomm-host-kernels-{}-{}",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    ));
-    std::fs::create_dir_all(&dir).map_err(|e| Error::io("host-device compile: a scratch folder", e))?;
-    Ok(dir)
+    use std::os::unix::ffi::OsStringExt;
+    let template = std::env::temp_dir().join("ferrocomm-host-kernels-XXXXXX");
+    let mut bytes = template.into_os_string().into_vec();
+    bytes.push(0);
+    // SAFETY: a NUL-terminated, writable template that mkdtemp fills in place.
+    let made = unsafe { libc::mkdtemp(bytes.as_mut_ptr().cast()) };
+    if made.is_null() {
+        return Err(Error::io(
+            "host-device compile: a scratch folder",
+            std::io::Error::last_os_error(),
+        ));
+    }
+    bytes.pop();
+    Ok(PathBuf::from(std::ffi::OsString::from_vec(bytes)))
 }
 
 fn build(dir: &Path, source: &str, options: &[String]) -> Result<Module> {

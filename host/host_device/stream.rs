@@ -134,7 +134,14 @@ fn drain(shared: &Shared) {
     loop {
         if let Some(job) = s.jobs.pop_front() {
             drop(s);
-            let r = job();
+            // A job that panics is an error of that job; the queue goes on.
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)).unwrap_or_else(|_| {
+                Err(Error::Backend {
+                    backend: "host device".into(),
+                    call: "stream job".into(),
+                    message: "a job on the stream panicked".into(),
+                })
+            });
             s = shared.lock();
             if let Err(e) = r {
                 s.error.get_or_insert(e);

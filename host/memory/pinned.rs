@@ -75,7 +75,11 @@ impl<T: Copy> Pinned<T> {
 
     /// Whole cache lines, so that kernels polling a word share its line with nothing else.
     fn host_layout(len: usize) -> std::alloc::Layout {
-        let bytes = (std::mem::size_of::<T>() * len.max(1)).next_multiple_of(64);
+        let bytes = std::mem::size_of::<T>()
+            .checked_mul(len.max(1))
+            .expect("a record count that fits memory")
+            .max(1)
+            .next_multiple_of(64);
         std::alloc::Layout::from_size_align(bytes, std::mem::align_of::<T>().max(64)).expect("a small layout")
     }
 

@@ -321,11 +321,16 @@ impl OwnCollectives {
         let (handle, window_stream) = self.window.handle_and_stream();
         let counters = self.counters.addr(window_stream);
         match window_stream {
-            // Host buffers are used only during the call: the host device runs it on the
-            // window's stream and waits (bounded: the kernels' own waits end by `timeout`).
+            // Host buffers belong to the call: the host device runs it on the window's stream
+            // and returns only once every launch has ended, even after a timeout (a kernel still
+            // running would write a buffer its caller may free). Each launch's waits end by the
+            // call's own deadline, so the wait for all of them is bounded.
             Stream::Host(_) => {
+                let mut handle = handle;
+                handle.timeout_ns = timeout.as_nanos().min(u64::MAX as u128) as u64;
+                let launches = launch.count();
                 self.enqueue(f, launch, handle, counters, window_stream.queue())?;
-                self.window.finish(name, timeout)
+                self.window.finish(name, (timeout + Duration::from_secs(1)) * launches)
             }
             Stream::Cuda(_) => {
                 let order = self
@@ -487,6 +492,14 @@ impl Launch {
     /// The grid of a shot launch follows its chunk, which every rank shares.
     fn blocks(bytes: usize) -> u32 {
         bytes.div_ceil(BYTES_PER_BLOCK).clamp(1, MAX_BLOCKS) as u32
+    }
+
+    /// How many kernel launches the call makes.
+    fn count(&self) -> u32 {
+        match &self.args {
+            Args::AllToAll(_) => 1,
+            Args::Shot { n, .. } => chunks(*n, self.unit, self.chunk).count().max(1) as u32,
+        }
     }
 
     /// all_to_all chunks by itself, in one launch.
