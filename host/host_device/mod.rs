@@ -25,9 +25,10 @@ pub(crate) use stream::Stream;
 type LaunchFn = unsafe extern "C" fn(u32, u32, u32, u32, u32, u32, u64, extern "C" fn(*mut c_void), *mut c_void) -> i32;
 
 /// A loaded module: a shared library of kernels with its own launcher (its kernels read the
-/// thread indices that launcher sets, in the library's own thread-local state).
+/// thread indices that launcher sets, in the library's own thread-local state). Never
+/// unloaded: its launcher's pooled threads stay parked in its code for the life of the process.
 pub(crate) struct Module {
-    library: libloading::Library,
+    library: std::mem::ManuallyDrop<libloading::Library>,
     launch: LaunchFn,
 }
 
@@ -118,7 +119,10 @@ impl Module {
         let launch = unsafe { library.get::<LaunchFn>(b"ferrocomm_host_launch\0") }
             .map(|s| *s)
             .map_err(|e| unavailable(format!("{path} lacks ferrocomm_host_launch: {e}")))?;
-        Ok(Module { library, launch })
+        Ok(Module {
+            library: std::mem::ManuallyDrop::new(library),
+            launch,
+        })
     }
 
     /// The kernel `name` (an `extern "C" __global__` function of the module).
