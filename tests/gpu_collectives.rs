@@ -418,11 +418,7 @@ fn on_ranks<R: Send>(
 /// An all_to_all_v on the current stream `s` whose parts do not pair up: rank 1 expects 12
 /// elements from rank 0, which sends 10.
 fn mismatched_all_to_all_v(c: &Comm, s: &Arc<CudaStream>) -> ferrocomm::Result<()> {
-    let (send, recv) = if c.rank() == 0 {
-        ([4, 10], [4, 4])
-    } else {
-        ([4, 4], [12, 4])
-    };
+    let (send, recv) = mismatched_all_to_all_v_counts(c.rank());
     let mut src = s.alloc_zeros::<u8>(4 * send.iter().sum::<usize>()).unwrap();
     let mut dst = s.alloc_zeros::<u8>(4 * recv.iter().sum::<usize>()).unwrap();
     let r = c.all_to_all_v(view::<f32>(&mut dst, s), view::<f32>(&mut src, s), &recv, &send);

@@ -224,20 +224,19 @@ mod with_kernels {
         }
     }
 
+    /// The all_to_all_v of `mismatched_all_to_all_v_counts` on host buffers.
+    fn mismatched_all_to_all_v(c: &Comm) -> ferrocomm::Result<()> {
+        let (send, recv) = mismatched_all_to_all_v_counts(c.rank());
+        let input = vec![1f32; send.iter().sum()];
+        let mut out = vec![0f32; recv.iter().sum()];
+        c.all_to_all_v(&mut out, &input, &recv, &send)
+    }
+
     /// Parts that do not pair up: the receiving kernel records the mismatch instead of
     /// copying, and its rank gets `Error::Mismatch` naming the sender and both sizes.
     #[test]
     fn a_mismatched_all_to_all_v_is_reported_by_the_receiver() {
-        let errors = on_ranks(2, "hd-a2av-mismatch", |c| {
-            let (send, recv) = if c.rank() == 0 {
-                ([4, 10], [4, 4])
-            } else {
-                ([4, 4], [12, 4])
-            };
-            let input = vec![1f32; send.iter().sum()];
-            let mut out = vec![0f32; recv.iter().sum()];
-            c.all_to_all_v(&mut out, &input, &recv, &send).err()
-        });
+        let errors = on_ranks(2, "hd-a2av-mismatch", |c| mismatched_all_to_all_v(c).err());
         match &errors[1] {
             Some(Error::Mismatch { peer: 0, detail, .. }) => assert!(detail.contains("40 bytes"), "{detail}"),
             other => panic!("rank 1 should report rank 0's mismatched part, got {other:?}"),
@@ -250,16 +249,7 @@ mod with_kernels {
     fn mismatched_calls_are_refused_up_front_with_the_check_on() {
         let checked = opts().with_check_calls(true);
         let results = run_group_on_device("device", Device::Host(0), 2, "hd-checked", checked, |c| {
-            let (send, recv) = if c.rank() == 0 {
-                ([4, 10], [4, 4])
-            } else {
-                ([4, 4], [12, 4])
-            };
-            let input = vec![1f32; send.iter().sum()];
-            let mut out = vec![0f32; recv.iter().sum()];
-            let e = c
-                .all_to_all_v(&mut out, &input, &recv, &send)
-                .expect_err("the mismatched all_to_all_v was issued");
+            let e = mismatched_all_to_all_v(c).expect_err("the mismatched all_to_all_v was issued");
             let mut one = [c.rank() as f32 + 1.0];
             c.all_reduce(&mut one, ReduceOp::Sum).unwrap();
             (e, one[0])
@@ -306,9 +296,7 @@ mod with_kernels {
     }
 
     fn tcp_opts() -> CommOptions {
-        let mut o = opts();
-        o.transport.force_tcp = true;
-        o
+        tcp_options(Duration::from_secs(30))
     }
 
     /// Every rank on a host of its own (the TCP transport): host verbs ride the window's links
@@ -340,11 +328,14 @@ mod with_kernels {
         let h = w.device_handle().unwrap();
         let tile = w.local_ptr() as u64 + words * 8;
         let wrong = std::sync::atomic::AtomicU64::new(0);
-        let args = (h, tile, words, iters, seed, wrong.as_ptr() as u64);
-        // SAFETY: ring_* takes (handle, u64* tile, u64 words, u32 iters, u64 seed,
-        // unsigned long long* wrong); the tile lies in the window, `wrong` outlives the launch.
-        unsafe { test_kernels().launch(&format!("ring_{scope}"), 1, threads, args) }
-            .unwrap_or_else(|e| panic!("ring_{scope}: {e}"));
+        // ring_* takes (handle, u64* tile, u64 words, u32 iters, u64 seed, unsigned long long*
+        // wrong); the tile lies in the window.
+        launch(
+            &format!("ring_{scope}"),
+            1,
+            threads,
+            (h, tile, words, iters, seed, wrong.as_ptr() as u64),
+        );
         w.synchronize()
             .unwrap_or_else(|e| panic!("ring_{scope} rank {}: {e}", c.rank()));
         assert_eq!(wrong.into_inner(), 0, "ring_{scope} rank {}: words differed", c.rank());
@@ -375,9 +366,9 @@ mod with_kernels {
             let (right, left) = ((c.rank() + 1) % c.size(), (c.rank() + c.size() - 1) % c.size());
             w.signal(right, 2, SignalOp::Set, 5).unwrap();
             let mut out = [0u64; 3];
+            // wait_any_warp takes (handle, u32 id, u64 value, u64* out).
             let args = (w.device_handle().unwrap(), 2u32, 5u64, out.as_mut_ptr() as u64);
-            // SAFETY: wait_any_warp takes (handle, u32 id, u64 value, u64* out); `out` outlives it.
-            unsafe { test_kernels().launch("wait_any_warp", 1, 64, args) }.unwrap();
+            launch("wait_any_warp", 1, 64, args);
             w.synchronize().unwrap();
             assert_eq!(out, [1, left as u64, 5], "rank {}: wait by ANY after a flush", c.rank());
             w.barrier().unwrap();

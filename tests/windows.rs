@@ -11,9 +11,7 @@ fn opts() -> CommOptions {
 }
 
 fn tcp_opts() -> CommOptions {
-    let mut o = opts();
-    o.transport.force_tcp = true;
-    o
+    tcp_options(Duration::from_secs(30))
 }
 
 #[test]

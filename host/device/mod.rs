@@ -178,7 +178,7 @@ pub fn host_library() -> Result<HostModule> {
 /// for a GPU. `options.options` are extra compiler flags (`-DTILE=128`); `arch` is ignored.
 pub fn compile_host(source: &str, options: &CompileOptions) -> Result<HostModule> {
     Ok(HostModule {
-        module: HostModuleRef::Owned(crate::host_device::compile::compile(source, &options.options)?),
+        module: HostModuleRef::Owned(crate::host_device::compile::compile(source, &options.options, HEADERS)?),
     })
 }
 

@@ -10,10 +10,11 @@ use std::path::{Path, PathBuf};
 /// device-api/host/runtime.cpp: every host-device module carries its own launcher.
 const RUNTIME: &str = include_str!("../../device-api/host/runtime.cpp");
 
-/// Compiles `source` with `options` (extra compiler flags, e.g. `-DTILE=128`) into a module.
-pub(crate) fn compile(source: &str, options: &[String]) -> Result<Module> {
+/// Compiles `source` with `options` (extra compiler flags, e.g. `-DTILE=128`) into a module;
+/// `headers` are the (include name, text) pairs it may include (the device API).
+pub(crate) fn compile(source: &str, options: &[String], headers: &[(&str, &str)]) -> Result<Module> {
     let dir = scratch_dir()?;
-    let built = build(&dir, source, options);
+    let built = build(&dir, source, options, headers);
     // The loaded library stays mapped after its file is gone.
     let _ = std::fs::remove_dir_all(&dir);
     built
@@ -38,7 +39,7 @@ fn scratch_dir() -> Result<PathBuf> {
     Ok(PathBuf::from(std::ffi::OsString::from_vec(bytes)))
 }
 
-fn build(dir: &Path, source: &str, options: &[String]) -> Result<Module> {
+fn build(dir: &Path, source: &str, options: &[String], headers: &[(&str, &str)]) -> Result<Module> {
     let write = |name: &str, text: &str| -> Result<()> {
         let path = dir.join("include").join(name);
         if let Some(parent) = path.parent() {
@@ -46,7 +47,7 @@ fn build(dir: &Path, source: &str, options: &[String]) -> Result<Module> {
         }
         std::fs::write(&path, text).map_err(|e| Error::io("host-device compile: headers", e))
     };
-    for (name, text) in crate::device::HEADERS {
+    for (name, text) in headers {
         write(name, text)?;
     }
     let kernel = dir.join("kernel.cpp");

@@ -70,6 +70,14 @@ pub fn options(timeout: Duration) -> CommOptions {
     CommOptions::from_env().expect("options").with_timeout(timeout)
 }
 
+/// `options(timeout)` with every rank on a "host" of its own: the TCP transport, and windows
+/// reached through links, window servers and proxy queues.
+pub fn tcp_options(timeout: Duration) -> CommOptions {
+    let mut o = options(timeout);
+    o.transport.force_tcp = true;
+    o
+}
+
 /// A fresh seed for this run, printed so a failure can be replayed with FERROCOMM_TEST_SEED.
 pub fn fresh_seed() -> u64 {
     let seed = std::env::var("FERROCOMM_TEST_SEED")
@@ -335,4 +343,14 @@ pub fn random_all_to_all_counts(
                 .collect()
         })
         .collect()
+}
+
+/// (send, receive) element counts of a two-rank all_to_all_v whose parts do not pair up:
+/// rank 1 expects 12 elements from rank 0, which sends 10.
+pub fn mismatched_all_to_all_v_counts(rank: usize) -> ([usize; 2], [usize; 2]) {
+    if rank == 0 {
+        ([4, 10], [4, 4])
+    } else {
+        ([4, 4], [12, 4])
+    }
 }

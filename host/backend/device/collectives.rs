@@ -319,7 +319,7 @@ impl OwnCollectives {
             return Ok(());
         }
         let (handle, window_stream) = self.window.handle_and_stream();
-        let counters = self.counters.addr(window_stream);
+        let counters = self.counters.addr();
         match window_stream {
             // Host buffers belong to the call: the host device runs it on the window's stream
             // and returns only once every launch has ended, even after a timeout (a kernel still
@@ -595,11 +595,12 @@ impl Counters {
         }
     }
 
-    fn addr(&self, stream: &Stream) -> u64 {
-        match (self, stream) {
-            (Counters::Cuda(c), Stream::Cuda(s)) => c.device_ptr(s).0,
-            (Counters::Host(p), _) => p.device_addr(),
-            (Counters::Cuda(c), Stream::Host(_)) => c.device_ptr(c.stream()).0,
+    /// Their device address. CUDA counters were allocated on the window's stream, which
+    /// orders their first use.
+    fn addr(&self) -> u64 {
+        match self {
+            Counters::Cuda(c) => c.device_ptr(c.stream()).0,
+            Counters::Host(p) => p.device_addr(),
         }
     }
 }

@@ -245,10 +245,8 @@ impl Stream {
                             sys::cuMemcpyDtoHAsync_v2(h as *mut std::ffi::c_void, d, bytes, stream)
                         }
                         (Place::Device(d), Place::Device(s)) => sys::cuMemcpyDtoDAsync_v2(d, s, bytes, stream),
-                        (Place::Host(d), Place::Host(s)) => {
-                            std::ptr::copy_nonoverlapping(s as *const u8, d as *mut u8, bytes);
-                            sys::CUresult::CUDA_SUCCESS
-                        }
+                        // Not a device copy: no caller has one to make.
+                        (Place::Host(_), Place::Host(_)) => sys::CUresult::CUDA_ERROR_INVALID_VALUE,
                     }
                 })
             }
