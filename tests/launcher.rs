@@ -1,0 +1,239 @@
+//! ferrocomm-run's handling of signals: SIGINT and SIGTERM reach every rank, ranks that ignore
+//! them are SIGKILLed after the grace period, the launcher exits with 128 + the signal's number,
+//! and no rank outlives it, not even when the launcher itself is SIGKILLed.
+//!
+//! The ranks are `sh` scripts that write their pid to a file and then `exec sleep 600`, so the
+//! pid the test reads is the sleeping rank's own.
+
+mod common;
+
+use common::wait_child;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+const RANKS: usize = 3;
+/// How long the ranks may take to start and write their pids (others may be building).
+const START_LIMIT: Duration = Duration::from_secs(30);
+
+/// Whether `pid` is a live process: a zombie (dead, not yet reaped by whoever inherited it) is
+/// not.
+fn alive(pid: i32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    // The state follows the command name, which is in parentheses and may hold anything.
+    let state = stat.rsplit_once(") ").and_then(|(_, rest)| rest.chars().next());
+    !matches!(state, Some('Z' | 'X') | None)
+}
+
+/// Polls until none of `pids` is alive or `limit` passes; returns those still alive.
+fn wait_gone(pids: &[i32], limit: Duration) -> Vec<i32> {
+    let deadline = Instant::now() + limit;
+    loop {
+        let left: Vec<i32> = pids.iter().copied().filter(|&p| alive(p)).collect();
+        if left.is_empty() || Instant::now() > deadline {
+            return left;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn send(pid: u32, sig: libc::c_int) {
+    // SAFETY: kill touches no memory; `pid` is our unreaped child, so it cannot be reused.
+    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, sig) }, 0, "kill({pid}, {sig})");
+}
+
+/// A launcher running `RANKS` sleeping ranks, with each rank's pid. Dropping it kills whatever
+/// a failed test left running.
+struct Job {
+    launcher: Option<Child>,
+    dir: PathBuf,
+    /// Rank pids, then the pids of what the ranks started (where the script writes them).
+    pids: Vec<i32>,
+}
+
+impl Job {
+    /// Starts the launcher with `args` before `--` and `envs`; each rank runs `script`, which
+    /// must write `$$` (or another pid) to the file `$PIDS/<name>` once it is ready for
+    /// signals. `files` names the pid files to wait for.
+    fn start(name: &str, args: &[&str], envs: &[(&str, &str)], script: &str, files: &[String]) -> Job {
+        let dir = std::env::temp_dir().join(format!("ferrocomm-launcher-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_ferrocomm-run"));
+        cmd.args(["-n", &RANKS.to_string()])
+            .args(args)
+            .args(["--", "sh", "-c", script])
+            .env_remove("FERROCOMM_RUN_GRACE")
+            .envs(envs.iter().copied())
+            .env("PIDS", &dir)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped());
+        // The launcher leaves a signal alone that it inherits as ignored (as from a script's
+        // background job); the test must not depend on how it was itself started.
+        // SAFETY: signal() is async-signal-safe and allocates nothing.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::signal(libc::SIGINT, libc::SIG_DFL);
+                libc::signal(libc::SIGTERM, libc::SIG_DFL);
+                Ok(())
+            })
+        };
+        let mut job = Job {
+            launcher: Some(cmd.spawn().expect("start ferrocomm-run")),
+            dir,
+            pids: Vec::new(),
+        };
+        let deadline = Instant::now() + START_LIMIT;
+        for f in files {
+            let path = job.dir.join(f);
+            let pid = loop {
+                // The script renames a finished file into place, so a file read is complete.
+                if let Some(pid) = std::fs::read_to_string(&path).ok().and_then(|s| s.trim().parse().ok()) {
+                    break pid;
+                }
+                assert!(Instant::now() < deadline, "no pid file {f} within {START_LIMIT:?}");
+                std::thread::sleep(Duration::from_millis(10));
+            };
+            job.pids.push(pid);
+        }
+        job
+    }
+
+    /// Sends `sig` to the launcher.
+    fn signal(&self, sig: libc::c_int) {
+        send(self.launcher.as_ref().unwrap().id(), sig);
+    }
+
+    /// Waits at most `limit` for the launcher to exit; panics if it does not.
+    fn wait(&mut self, limit: Duration) -> ExitStatus {
+        let (status, out, _) = wait_child(self.launcher.take().unwrap(), Instant::now() + limit);
+        status.unwrap_or_else(|| panic!("the launcher did not exit within {limit:?}:\n{out}"))
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        if let Some(mut l) = self.launcher.take() {
+            let _ = l.kill();
+            let _ = l.wait();
+        }
+        for &pid in &self.pids {
+            if alive(pid) {
+                // SAFETY: kill touches no memory.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// `prefix` (run first), then the rank announces its pid and becomes `sleep 600`.
+fn sleeper(prefix: &str) -> String {
+    format!(r#"{prefix} echo $$ > "$PIDS/$RANK.tmp" && mv "$PIDS/$RANK.tmp" "$PIDS/$RANK" && exec sleep 600"#)
+}
+
+fn rank_files() -> Vec<String> {
+    (0..RANKS).map(|r| r.to_string()).collect()
+}
+
+/// The launcher forwards `sig`: every rank dies of it at once (well before the grace period
+/// would SIGKILL it), the launcher exits with 128 + `sig`, and it reaped every rank first.
+fn forwards(name: &str, sig: libc::c_int) {
+    let grace = Duration::from_secs(5);
+    let mut job = Job::start(name, &[], &[("FERROCOMM_RUN_GRACE", "5")], &sleeper(""), &rank_files());
+    let t0 = Instant::now();
+    job.signal(sig);
+    let status = job.wait(grace + Duration::from_secs(2));
+    let took = t0.elapsed();
+    assert_eq!(status.code(), Some(128 + sig), "launcher status {status:?}");
+    assert!(
+        took < grace,
+        "the ranks should have died of the forwarded signal, not of SIGKILL after {grace:?} (took {took:?})"
+    );
+    let left: Vec<i32> = job.pids.iter().copied().filter(|&p| alive(p)).collect();
+    assert!(left.is_empty(), "ranks {left:?} outlived the launcher");
+}
+
+#[test]
+fn sigterm_reaches_every_rank_and_the_launcher_exits_143() {
+    forwards("term", libc::SIGTERM);
+}
+
+#[test]
+fn sigint_reaches_every_rank_and_the_launcher_exits_130() {
+    forwards("int", libc::SIGINT);
+}
+
+#[test]
+fn a_rank_that_ignores_sigterm_is_killed_after_the_grace_period() {
+    let grace = Duration::from_secs(3);
+    // Rank 1 ignores SIGTERM (the ignoring survives exec); the others die of it.
+    let script = sleeper(r#"if [ "$RANK" = 1 ]; then trap '' TERM; fi;"#);
+    let mut job = Job::start("ignore", &["--grace", "3"], &[], &script, &rank_files());
+    let t0 = Instant::now();
+    job.signal(libc::SIGTERM);
+    // Ranks 0 and 2 end at once: the launcher still runs, waiting for rank 1.
+    assert_eq!(
+        wait_gone(&[job.pids[0], job.pids[2]], grace / 2),
+        Vec::<i32>::new(),
+        "ranks that obey SIGTERM did not end at once"
+    );
+    assert!(
+        alive(job.pids[1]),
+        "rank 1 ignores SIGTERM, so only SIGKILL can have ended it"
+    );
+    let status = job.wait(grace + Duration::from_secs(2));
+    let took = t0.elapsed();
+    assert_eq!(status.code(), Some(143), "launcher status {status:?}");
+    assert!(
+        took >= grace,
+        "rank 1 was killed before the grace period ended ({took:?})"
+    );
+    assert!(!alive(job.pids[1]), "rank 1 outlived the launcher");
+}
+
+#[test]
+fn a_second_signal_kills_every_rank_at_once() {
+    // Every rank ignores SIGTERM and the grace period is long: only the second signal ends them.
+    let script = sleeper("trap '' TERM;");
+    let mut job = Job::start("twice", &["--grace", "600"], &[], &script, &rank_files());
+    job.signal(libc::SIGTERM);
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(job.pids.iter().all(|&p| alive(p)), "the ranks ignore SIGTERM");
+    job.signal(libc::SIGINT);
+    let status = job.wait(Duration::from_secs(5));
+    // The first signal decides the exit code.
+    assert_eq!(status.code(), Some(143), "launcher status {status:?}");
+    let left: Vec<i32> = job.pids.iter().copied().filter(|&p| alive(p)).collect();
+    assert!(left.is_empty(), "ranks {left:?} outlived the launcher");
+}
+
+#[test]
+fn a_forwarded_signal_reaches_what_a_rank_started_in_its_group() {
+    // Each rank (a shell) starts a sleep in the background, which stays in the rank's process
+    // group, and waits for it.
+    let script = r#"sleep 600 & echo $! > "$PIDS/c$RANK.tmp" && mv "$PIDS/c$RANK.tmp" "$PIDS/c$RANK"; echo $$ > "$PIDS/$RANK.tmp" && mv "$PIDS/$RANK.tmp" "$PIDS/$RANK"; wait"#;
+    let mut files = rank_files();
+    files.extend((0..RANKS).map(|r| format!("c{r}")));
+    let mut job = Job::start("group", &["--grace", "5"], &[], script, &files);
+    job.signal(libc::SIGTERM);
+    let status = job.wait(Duration::from_secs(7));
+    assert_eq!(status.code(), Some(143), "launcher status {status:?}");
+    // The background sleeps are not the launcher's children: whoever inherits them reaps them.
+    let left = wait_gone(&job.pids, Duration::from_secs(5));
+    assert!(left.is_empty(), "{left:?} survived SIGTERM to the ranks' groups");
+}
+
+#[test]
+fn a_sigkilled_launcher_leaves_no_rank() {
+    let mut job = Job::start("kill", &[], &[], &sleeper(""), &rank_files());
+    job.signal(libc::SIGKILL);
+    let status = job.wait(Duration::from_secs(5));
+    assert_eq!(status.signal(), Some(libc::SIGKILL), "launcher status {status:?}");
+    // The kernel kills the orphaned ranks (PR_SET_PDEATHSIG); none of them reaps them here.
+    let left = wait_gone(&job.pids, Duration::from_secs(5));
+    assert!(left.is_empty(), "ranks {left:?} outlived the SIGKILLed launcher");
+}
