@@ -23,7 +23,8 @@ pub trait Collectives<'a>: Sized {
         OpOptions::default()
     }
 
-    /// The same calls with a per-operation timeout or hints.
+    /// The same calls with a per-operation timeout or hints; the hints override the
+    /// communicator's (`CommOptions::hints`) key by key.
     fn with_options(&self, opts: OpOptions) -> WithOptions<'_, Self> {
         WithOptions { inner: self, opts }
     }

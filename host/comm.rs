@@ -5,7 +5,7 @@ use crate::bootstrap::{self, MemoryStore, PrefixStore, Store, TcpStoreServer};
 use crate::dtype::Element;
 use crate::error::{Error, Result};
 use crate::ops::{Location, Op};
-use crate::options::{CommOptions, OpOptions};
+use crate::options::{merge_hints, AbortOnError, CommOptions, OpOptions};
 use crate::window::{Window, WindowOptions, WindowSpec};
 use crate::work::{op_task, Executor, Scope, Task};
 use std::collections::HashMap;
@@ -45,7 +45,9 @@ struct Inner {
     prefix: String,
     splits: AtomicU64,
     windows: AtomicU64,
-    state: AtomicU8,
+    /// LIVE, FINALIZED or ABORTED; shared with the tasks of `AbortOnError`, which abort from
+    /// wherever the operation ran.
+    state: Arc<AtomicU8>,
     /// Rank 0 may host the job's store server; it lives as long as this communicator.
     _server: Option<TcpStoreServer>,
 }
@@ -168,7 +170,7 @@ impl Comm {
                 prefix,
                 splits: AtomicU64::new(0),
                 windows: AtomicU64::new(0),
-                state: AtomicU8::new(LIVE),
+                state: Arc::new(AtomicU8::new(LIVE)),
                 _server: server,
             }),
         })
@@ -248,16 +250,32 @@ impl Comm {
         }
     }
 
-    /// Checks `op` and makes its task; shared by the synchronous and asynchronous paths.
+    /// Checks `op` and makes its task; shared by the synchronous and asynchronous paths, so
+    /// every operation's result passes through the one place that applies `abort_on_error`.
     pub(crate) fn prepare<'a>(&self, op: Op<'a>, opts: &OpOptions) -> Result<Task<'a>> {
         self.validate(&op)?;
-        let timeout = opts.timeout.unwrap_or(self.inner.options.timeout);
-        let check = self
-            .inner
-            .options
-            .check_calls
-            .then_some((self.inner.rank, self.inner.size));
-        Ok(op_task(op, timeout, opts, check))
+        let options = &self.inner.options;
+        let timeout = opts.timeout.unwrap_or(options.timeout);
+        let hints = merge_hints(&options.hints, &opts.hints);
+        let check = options.check_calls.then_some((self.inner.rank, self.inner.size));
+        let task = op_task(op, timeout, hints, check);
+        let mode = options.abort_on_error;
+        if mode == AbortOnError::Off {
+            return Ok(task);
+        }
+        // Inside the task, so that asynchronous operations (which fail on the worker thread,
+        // long before anyone waits for their Work) abort as promptly as synchronous ones.
+        let state = self.inner.state.clone();
+        let (rank, name) = (self.inner.rank, self.inner.name.clone());
+        Ok(Box::new(move |b: &dyn crate::Backend, fence| {
+            let r = task(b, fence);
+            if let Err(e) = &r {
+                if mode.acts_on(e) {
+                    abort_after_failure(mode, e, &state, b, rank, &name);
+                }
+            }
+            r
+        }))
     }
 
     fn validate(&self, op: &Op<'_>) -> Result<()> {
@@ -409,7 +427,37 @@ impl Comm {
     /// Fails every running and later operation of this rank at once, from any thread; peers
     /// waiting on this rank get `Error::PeerLost`.
     pub fn abort(&self) {
-        self.inner.state.store(ABORTED, Ordering::Release);
-        self.inner.exec.backend().abort();
+        abort_rank(&self.inner.state, self.inner.exec.backend());
+    }
+}
+
+/// What `Comm::abort` does, for callers that hold the parts rather than the `Comm`.
+fn abort_rank(state: &AtomicU8, backend: &dyn crate::Backend) {
+    state.store(ABORTED, Ordering::Release);
+    backend.abort();
+}
+
+/// `AbortOnError::Comm` and `Process` after an operation failed with `e`: the communicator
+/// aborts first either way, so peers learn at once even when the process then exits.
+fn abort_after_failure(
+    mode: AbortOnError,
+    e: &crate::Error,
+    state: &AtomicU8,
+    backend: &dyn crate::Backend,
+    rank: usize,
+    name: &str,
+) {
+    tracing::warn!(comm = name, rank, error = %e, ?mode, "operation failed: aborting the communicator");
+    abort_rank(state, backend);
+    if mode == AbortOnError::Process {
+        tracing::error!(comm = name, rank, error = %e, "operation failed: exiting the process (abort_on_error = process)");
+        let code = AbortOnError::EXIT_CODE;
+        // Also on stderr: the process may have no tracing subscriber, and its last words
+        // should say why it ended.
+        eprintln!(
+            "ferrocomm: rank {rank} of communicator `{name}`: {e}; exiting with status {code} \
+             (FERROCOMM_ABORT_ON_ERROR=process)"
+        );
+        std::process::exit(code);
     }
 }

@@ -122,7 +122,7 @@ pub use comm::{new_comm, Comm, Device};
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{Error, Result};
 pub use ops::{Buf, BufMut, DeviceBytes, Location, Op, P2p};
-pub use options::{default_timeout, CommOptions, NetTransport, OpOptions, TransportOptions};
+pub use options::{default_timeout, AbortOnError, CommOptions, NetTransport, OpOptions, TransportOptions};
 pub use window::{Cmp, Observed, SignalOp, SignalSource, Window, WindowBackend, WindowOptions, WindowSpec};
 pub use work::{Fence, FenceSlot, Scope, Work};
 

@@ -11,7 +11,7 @@ use crate::backend::{Backend, RunOptions};
 use crate::error::{Error, Result};
 use crate::ops::Op;
 use crate::options::OpOptions;
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::marker::PhantomData;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
@@ -101,16 +101,16 @@ struct Job {
     done: Arc<Completion>,
 }
 
-/// The task that runs one operation with its options; `check` (this rank, the world size)
-/// first checks the call against the other ranks' (see `call_check`).
+/// The task that runs one operation with its timeout and hints (the communicator's defaults
+/// merged with the operation's own); `check` (this rank, the world size) first checks the call
+/// against the other ranks' (see `call_check`).
 /// The stream is the issuing thread's current one, read now: the task may run on the worker.
 pub(crate) fn op_task<'a>(
     mut op: Op<'a>,
     timeout: Duration,
-    opts: &OpOptions,
+    hints: BTreeMap<String, String>,
     check: Option<(usize, usize)>,
 ) -> Task<'a> {
-    let hints = opts.hints.clone();
     let stream = crate::cuda::stream::current();
     Box::new(move |b: &dyn Backend, fence: Option<&FenceSlot>| {
         // A world of one cannot disagree with itself.

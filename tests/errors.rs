@@ -258,26 +258,33 @@ fn different_operations_in_shared_memory_rounds_are_a_mismatch_without_waiting_f
     assert!(start.elapsed() < timeout / 2, "mismatches took {:?}", start.elapsed());
 }
 
+/// A hint is advice: where `oneshot` cannot run (too large a contribution, an operation without
+/// shared-memory rounds) the operation runs with the default choice (tests/hints.rs has more);
+/// a value the backend does not know is refused before any byte moves.
 #[test]
-fn the_oneshot_hint_is_refused_where_it_cannot_run() {
+fn the_oneshot_hint_is_ignored_where_it_cannot_run_and_a_bad_value_is_refused() {
     let r = run_group(2, "oneshot-hint", options(Duration::from_secs(5)), |c| {
         let one = c.with_options(OpOptions::new().hint("algorithm", "oneshot"));
         let mut small = vec![1.0f32; 4];
         let ok = one.all_reduce(&mut small, ReduceOp::Sum).map(|_| small[0]);
         let mut big = vec![1.0f32; 32 << 10];
-        let too_big = one.all_reduce(&mut big, ReduceOp::Sum);
-        let other_op = one.broadcast(&mut small, 0);
-        (ok, too_big, other_op)
+        let too_big = one
+            .all_reduce(&mut big, ReduceOp::Sum)
+            .map(|_| big.iter().all(|&x| x == 2.0));
+        let mut root = vec![c.rank() as f32 + 5.0; 4];
+        let other_op = one.broadcast(&mut root, 0).map(|_| root[3]);
+        let bad = c
+            .with_options(OpOptions::new().hint("algorithm", "banana"))
+            .all_reduce(&mut small, ReduceOp::Sum);
+        (ok, too_big, other_op, bad)
     });
-    for (ok, too_big, other_op) in r {
+    for (ok, too_big, other_op, bad) in r {
         assert_eq!(ok.unwrap(), 2.0);
+        assert!(too_big.unwrap());
+        assert_eq!(other_op.unwrap(), 5.0);
         assert!(
-            matches!(too_big, Err(Error::InvalidArgument { op: "all_reduce", .. })),
-            "{too_big:?}"
-        );
-        assert!(
-            matches!(other_op, Err(Error::InvalidArgument { op: "broadcast", .. })),
-            "{other_op:?}"
+            matches!(bad, Err(Error::InvalidArgument { op: "all_reduce", .. })),
+            "{bad:?}"
         );
     }
 }

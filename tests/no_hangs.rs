@@ -155,14 +155,69 @@ fn abort_from_another_thread_ends_a_waiting_operation_and_peers_see_it() {
     assert!(matches!(e, Err(Error::PeerLost { peer: 0, .. })), "{e:?}");
 }
 
+/// CommOptions::timeout documents it: on the CPU engine a timed-out operation leaves the
+/// communicator broken (a message may be half sent), and every later call says so at once;
+/// argument errors before any byte moves do not break it.
 #[test]
 fn after_a_failed_transfer_the_communicator_refuses_further_operations() {
+    const BROKEN: &str = "broken by an earlier failed operation";
     let done = std::sync::Barrier::new(2);
     run_group(2, "broken", options(Duration::from_millis(300)), |c| {
         if c.rank() == 0 {
-            assert!(matches!(c.barrier(), Err(Error::Timeout { .. })));
+            let e = c.all_reduce(&mut [1.0f32; 4], ReduceOp::Sum);
+            assert!(
+                matches!(
+                    e,
+                    Err(Error::Timeout {
+                        op: "all_reduce",
+                        peer: Some(1),
+                        ..
+                    })
+                ),
+                "{e:?}"
+            );
+            let t0 = Instant::now();
             let e = c.barrier();
-            assert!(matches!(e, Err(Error::Closed { .. })), "{e:?}");
+            assert!(
+                matches!(
+                    e,
+                    Err(Error::Closed {
+                        op: "barrier",
+                        state: BROKEN
+                    })
+                ),
+                "{e:?}"
+            );
+            let e = c
+                .with_options(OpOptions::new().timeout(Duration::from_secs(30)))
+                .send(&[1u8], 1);
+            assert!(
+                matches!(
+                    e,
+                    Err(Error::Closed {
+                        op: "send",
+                        state: BROKEN
+                    })
+                ),
+                "{e:?}"
+            );
+            let mut buf = [0u8; 4];
+            let e = c.scope(|s| s.broadcast(&mut buf, 0).and_then(|w| w.wait()));
+            assert!(
+                matches!(
+                    e,
+                    Err(Error::Closed {
+                        op: "broadcast",
+                        state: BROKEN
+                    })
+                ),
+                "{e:?}"
+            );
+            assert!(t0.elapsed() < Duration::from_millis(250), "took {:?}", t0.elapsed());
+            // Argument errors are still found first, and finalize still works.
+            let e = c.all_reduce(&mut [1.0f32; 4], ReduceOp::BXor);
+            assert!(matches!(e, Err(Error::UnsupportedReduce { .. })), "{e:?}");
+            c.finalize().unwrap();
         }
         done.wait();
     });

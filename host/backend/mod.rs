@@ -32,6 +32,10 @@ pub struct BackendInit<'a> {
 /// Per-operation settings, resolved against the communicator's defaults.
 pub struct RunOptions<'a> {
     pub timeout: Duration,
+    /// The communicator's hints overridden key by key by the operation's own. A backend
+    /// ignores (with a debug event) a key it does not know or a value it cannot honour for
+    /// this operation, and refuses a value it does not know for a key it reads with
+    /// `Error::InvalidArgument` (see `CommOptions::hints`).
     pub hints: &'a BTreeMap<String, String>,
     /// The issuing thread's current CUDA stream (raw `CUstream`, 0 = the legacy default
     /// stream). A synchronous operation on device buffers is enqueued on it.
@@ -50,6 +54,20 @@ impl<'a> RunOptions<'a> {
             stream: 0,
             fence: None,
         }
+    }
+}
+
+/// Notes that `backend` ignores the hint `key=value` for `op`, and why. A hint a backend does
+/// not know, or cannot honour for this operation, never fails the operation (see
+/// `CommOptions::hints`): it runs with the backend's own choice, and this debug event says so.
+pub(crate) fn hint_ignored(backend: &str, op: &str, key: &str, value: &str, why: &str) {
+    tracing::debug!(backend, op, hint = %format_args!("{key}={value}"), reason = why, "hint ignored");
+}
+
+/// [`hint_ignored`] for every hint whose key is not in `known`.
+pub(crate) fn unknown_hints_ignored(backend: &str, op: &str, hints: &BTreeMap<String, String>, known: &[&str]) {
+    for (k, v) in hints.iter().filter(|(k, _)| !known.contains(&k.as_str())) {
+        hint_ignored(backend, op, k, v, "not a hint of this backend");
     }
 }
 

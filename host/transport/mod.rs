@@ -7,6 +7,7 @@
 
 mod accept;
 pub(crate) mod board;
+mod fault;
 pub(crate) mod fd_passing;
 mod liveness;
 mod ring;
@@ -14,6 +15,7 @@ mod setup;
 mod shm;
 mod tcp;
 
+pub(crate) use fault::{Cause, FaultRecord};
 pub(crate) use liveness::ProcessWatch;
 pub(crate) use setup::{bind_listener, connect_all, host_identity, published_addr, Announcer, Transport};
 pub(crate) use shm::{OwnerState, Segment};

@@ -3,7 +3,8 @@
 //! use a ring (reduce-scatter, all-gather) or a chunked chain (broadcast), which work for any
 //! world size. Each step hands all its messages to the engine at once.
 
-use super::engine::{Engine, OpCtx, Tag, Xfer};
+use super::engine::{Engine, OpCtx, Xfer};
+use super::header::Tag;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 use crate::reduce::{epilogue, prologue, reduce_into};
@@ -13,6 +14,16 @@ use std::ops::Range;
 pub(crate) enum Algo {
     Direct,
     Ring,
+}
+
+impl Algo {
+    /// The algorithm as a call header carries it.
+    pub(crate) fn code(self) -> u8 {
+        match self {
+            Algo::Direct => 0,
+            Algo::Ring => 1,
+        }
+    }
 }
 
 /// Two independent aligned scratch areas, reused across operations.
@@ -136,22 +147,43 @@ pub(crate) fn all_reduce(
     algo: Algo,
 ) -> Result<()> {
     let n = e.size;
-    prologue(dtype, op, buf);
-    if n > 1 {
+    // A premul_sum contribution is scaled in scratch: nothing lands in `buf` before every
+    // peer's call has been checked (a mismatched call leaves it untouched).
+    let premul = matches!(op, ReduceOp::PremulSum(_));
+    if n == 1 {
+        prologue(dtype, op, buf);
+    } else {
         match algo {
             Algo::Direct => {
-                let (all, _) = s.two(buf.len() * n, 0);
+                let (all, scaled) = s.two(buf.len() * n, if premul { buf.len() } else { 0 });
                 let mut slots = parts_of(all, std::iter::repeat(buf.len()).take(n));
                 slots[e.rank].copy_from_slice(buf);
-                direct_all_to_all_same(e, ctx, tag, buf, &mut slots)?;
+                prologue(dtype, op, slots[e.rank]);
+                let mine: &[u8] = if premul {
+                    scaled.copy_from_slice(slots[e.rank]);
+                    scaled
+                } else {
+                    buf
+                };
+                direct_all_to_all_same(e, ctx, tag, mine, &mut slots)?;
                 fold_in_rank_order(dtype, op, buf, &slots);
             }
             Algo::Ring => {
                 let lens = block_lens(buf.len() / dtype.size(), n, dtype.size());
-                let (tmp, _) = s.two(lens[0], 0);
-                let mut parts = parts_of(buf, lens);
+                let (tmp, scaled) = s.two(lens[0], if premul { buf.len() } else { 0 });
+                let work: &mut [u8] = if premul {
+                    scaled.copy_from_slice(buf);
+                    prologue(dtype, op, scaled);
+                    scaled
+                } else {
+                    buf
+                };
+                let mut parts = parts_of(work, lens);
                 ring_reduce_scatter(e, ctx, tag, &mut parts, dtype, op, tmp)?;
                 ring_all_gather(e, ctx, tag, &mut parts)?;
+                if premul {
+                    buf.copy_from_slice(scaled);
+                }
             }
         }
     }

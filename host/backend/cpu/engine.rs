@@ -1,98 +1,19 @@
 //! The progress engine: framed messages over the links, all pending transfers of one step
 //! advanced together so that no order of sends and receives can deadlock.
 //!
-//! Every message starts with a 32-byte header: magic, operation, dtype, reduce op, a sequence
-//! number per ordered rank pair, and the payload length. The receiver knows what it expects;
-//! any difference means the ranks called different operations (or the same one with different
-//! arguments) and becomes `Error::Mismatch` instead of corrupted data.
+//! Every message starts with a header (header.rs); the first message of a collective between
+//! two ranks carries the whole call, and every rank checks every peer's call before a byte
+//! lands in a user buffer, so a mismatched call is `Error::Mismatch` on every rank and never
+//! corrupted data.
 
+use super::header::{self, Call, Header, Tag, HEADER_BYTES};
 use crate::error::{Error, Result};
 use crate::transport::{back_off, Link, Transport};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-const MAGIC: u32 = 0xFE44_0C01;
-pub(crate) const HEADER_BYTES: usize = 32;
 /// How often a stalled engine looks at deadlines, abort flags and peer liveness.
 const CHECK_EVERY: Duration = Duration::from_millis(5);
-
-/// What a message claims to be. Equal tags on both sides mean matching calls.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Tag {
-    pub op: u8,
-    pub dtype: u8,
-    pub redop: u8,
-    pub nbytes: u64,
-}
-
-fn op_name(code: u8) -> &'static str {
-    match code {
-        1 => "all_reduce",
-        2 => "reduce",
-        3 => "broadcast",
-        4 => "all_gather",
-        5 => "reduce_scatter",
-        6 => "all_to_all",
-        7 => "scatter",
-        8 => "gather",
-        9 => "barrier",
-        10 => "send/recv",
-        _ => "unknown",
-    }
-}
-
-impl Tag {
-    /// The tag in one word, as a shared-memory round records it (the length travels apart).
-    pub(crate) fn label(&self) -> u64 {
-        self.op as u64 | (self.dtype as u64) << 8 | (self.redop as u64) << 16
-    }
-
-    pub(crate) fn from_label(label: u64, nbytes: u64) -> Tag {
-        Tag {
-            op: label as u8,
-            dtype: (label >> 8) as u8,
-            redop: (label >> 16) as u8,
-            nbytes,
-        }
-    }
-
-    pub(crate) fn describe(&self) -> String {
-        let dtype = crate::dtype::DType::from_code(self.dtype).map_or("-", |d| d.name());
-        format!(
-            "{} ({} bytes, dtype {dtype}, reduce code {})",
-            op_name(self.op),
-            self.nbytes,
-            self.redop
-        )
-    }
-}
-
-fn encode(tag: Tag, seq: u64) -> [u8; HEADER_BYTES] {
-    let mut h = [0u8; HEADER_BYTES];
-    h[0..4].copy_from_slice(&MAGIC.to_le_bytes());
-    h[4] = tag.op;
-    h[5] = tag.dtype;
-    h[6] = tag.redop;
-    h[8..16].copy_from_slice(&seq.to_le_bytes());
-    h[16..24].copy_from_slice(&tag.nbytes.to_le_bytes());
-    h
-}
-
-fn decode(h: &[u8; HEADER_BYTES]) -> Option<(Tag, u64)> {
-    let word = |r: std::ops::Range<usize>| h[r].iter().rev().fold(0u64, |a, &b| (a << 8) | b as u64);
-    if word(0..4) as u32 != MAGIC {
-        return None;
-    }
-    Some((
-        Tag {
-            op: h[4],
-            dtype: h[5],
-            redop: h[6],
-            nbytes: word(16..24),
-        },
-        word(8..16),
-    ))
-}
 
 /// One pending message.
 pub(crate) enum Xfer<'b> {
@@ -102,15 +23,21 @@ pub(crate) enum Xfer<'b> {
         hpos: usize,
         data: &'b [u8],
         pos: usize,
+        /// Carries its collective's call (the first message to this peer).
+        call: bool,
     },
     Recv {
         peer: usize,
-        expect: Tag,
-        seq: u64,
+        expect: Header,
         hdr: [u8; HEADER_BYTES],
         hpos: usize,
         data: &'b mut [u8],
         pos: usize,
+        /// Must carry the collective's call.
+        call: bool,
+        /// Part of a collective's first exchange: no byte lands in `data` before every call
+        /// of that exchange has been checked.
+        gated: bool,
     },
 }
 
@@ -127,6 +54,28 @@ impl Xfer<'_> {
             Xfer::Recv { hpos, data, pos, .. } => *hpos == HEADER_BYTES && *pos == data.len(),
         }
     }
+
+    fn is_call(&self) -> bool {
+        match self {
+            Xfer::Send { call, .. } | Xfer::Recv { call, .. } => *call,
+        }
+    }
+
+    /// A call receive whose header has not arrived (and been checked) yet.
+    fn call_pending(&self) -> bool {
+        matches!(self, Xfer::Recv { call: true, hpos, .. } if *hpos < HEADER_BYTES)
+    }
+}
+
+/// The collective being run, until its first exchange has checked every peer's call.
+struct OpenCall {
+    call: Call,
+    /// The algorithm's first exchange sends to and receives from every peer, so its messages
+    /// carry the call; otherwise `preamble` does.
+    covers_all: bool,
+    first_pending: bool,
+    /// Header-only call messages to and from every peer, sent with the first exchange.
+    preamble: Vec<Xfer<'static>>,
 }
 
 /// Paces a host wait: backs off while nothing happens, and says when a stalled wait should
@@ -203,6 +152,9 @@ pub(crate) struct Engine {
     tx_stamp: Vec<u64>,
     rx_stamp: Vec<u64>,
     sweep: u64,
+    /// Collectives started on this communicator (shared-memory rounds included).
+    calls: u64,
+    open: Option<OpenCall>,
 }
 
 impl Engine {
@@ -216,6 +168,8 @@ impl Engine {
             tx_stamp: vec![0; size],
             rx_stamp: vec![0; size],
             sweep: 0,
+            calls: 0,
+            open: None,
         }
     }
 
@@ -232,46 +186,120 @@ impl Engine {
         self.recv_seq[peer]
     }
 
-    /// Queues a message to `peer`. Messages to one peer arrive in the order they are created.
-    pub(crate) fn send<'b>(&mut self, peer: usize, tag: Tag, data: &'b [u8]) -> Xfer<'b> {
-        let seq = self.send_seq[peer];
-        self.send_seq[peer] += 1;
-        Xfer::Send {
-            peer,
-            hdr: encode(
-                Tag {
-                    nbytes: data.len() as u64,
-                    ..tag
-                },
-                seq,
-            ),
-            hpos: 0,
-            data,
-            pos: 0,
+    /// Starts a collective whose algorithm follows at once. Every rank sends each peer its
+    /// call in the first message of the collective, and no byte lands in a user buffer before
+    /// every peer's call has been checked, so a mismatched call is found on every rank before
+    /// it writes anything. `covers_all`: the algorithm's first exchange sends to and receives
+    /// from every peer, and its messages carry the call; otherwise header-only call messages
+    /// travel with the first exchange.
+    pub(crate) fn begin_call(&mut self, tag: Tag, call: Call, covers_all: bool) {
+        self.calls += 1;
+        let call = Call {
+            seq: self.calls,
+            ..call
+        };
+        let mut open = OpenCall {
+            call,
+            covers_all,
+            first_pending: true,
+            preamble: Vec::new(),
+        };
+        if !covers_all {
+            let tag = Tag { nbytes: 0, ..tag };
+            let (me, size) = (self.rank, self.size);
+            for p in (0..size).filter(|&p| p != me) {
+                let send = self.xfer_send(p, tag, &[], Some(call));
+                let recv = self.xfer_recv(p, tag, Default::default(), Some(call), true);
+                open.preamble.extend([send, recv]);
+            }
+        }
+        self.open = Some(open);
+    }
+
+    /// A collective that runs as a shared-memory round, outside the framed messages.
+    pub(crate) fn count_call(&mut self) {
+        self.calls += 1;
+    }
+
+    /// Ends the collective started by `begin_call`.
+    pub(crate) fn end_call(&mut self) {
+        self.open = None;
+    }
+
+    /// The call a message created now carries, and whether a receive created now is gated.
+    fn first_exchange(&self) -> (Option<Call>, bool) {
+        match &self.open {
+            Some(o) if o.first_pending => (o.covers_all.then_some(o.call), true),
+            _ => (None, false),
         }
     }
 
-    /// Expects a message from `peer` of exactly `data.len()` bytes.
-    pub(crate) fn recv<'b>(&mut self, peer: usize, tag: Tag, data: &'b mut [u8]) -> Xfer<'b> {
+    fn xfer_send<'b>(&mut self, peer: usize, tag: Tag, data: &'b [u8], call: Option<Call>) -> Xfer<'b> {
+        let seq = self.send_seq[peer];
+        self.send_seq[peer] += 1;
+        let h = Header {
+            tag: Tag {
+                nbytes: data.len() as u64,
+                ..tag
+            },
+            seq,
+            call,
+        };
+        Xfer::Send {
+            peer,
+            hdr: header::encode(&h),
+            hpos: 0,
+            data,
+            pos: 0,
+            call: call.is_some(),
+        }
+    }
+
+    fn xfer_recv<'b>(
+        &mut self,
+        peer: usize,
+        tag: Tag,
+        data: &'b mut [u8],
+        call: Option<Call>,
+        gated: bool,
+    ) -> Xfer<'b> {
         let seq = self.recv_seq[peer];
         self.recv_seq[peer] += 1;
-        let expect = Tag {
-            nbytes: data.len() as u64,
-            ..tag
+        let expect = Header {
+            tag: Tag {
+                nbytes: data.len() as u64,
+                ..tag
+            },
+            seq,
+            call,
         };
         Xfer::Recv {
             peer,
             expect,
-            seq,
             hdr: [0; HEADER_BYTES],
             hpos: 0,
             data,
             pos: 0,
+            call: call.is_some(),
+            gated,
         }
     }
 
+    /// Queues a message to `peer`. Messages to one peer arrive in the order they are created.
+    pub(crate) fn send<'b>(&mut self, peer: usize, tag: Tag, data: &'b [u8]) -> Xfer<'b> {
+        let (call, _) = self.first_exchange();
+        self.xfer_send(peer, tag, data, call)
+    }
+
+    /// Expects a message from `peer` of exactly `data.len()` bytes.
+    pub(crate) fn recv<'b>(&mut self, peer: usize, tag: Tag, data: &'b mut [u8]) -> Xfer<'b> {
+        let (call, gated) = self.first_exchange();
+        self.xfer_recv(peer, tag, data, call, gated)
+    }
+
     /// Advances one message as far as its link allows; returns whether anything moved.
-    fn step(link: &mut Link, x: &mut Xfer<'_>, op: &'static str) -> Result<bool> {
+    /// `gate_open`: every call of the first exchange has been checked.
+    fn step(link: &mut Link, x: &mut Xfer<'_>, op: &'static str, gate_open: bool) -> Result<bool> {
         let lost = |peer: usize, reason: String| Error::PeerLost { op, peer, reason };
         match x {
             Xfer::Send {
@@ -280,6 +308,7 @@ impl Engine {
                 hpos,
                 data,
                 pos,
+                ..
             } => {
                 let mut moved = false;
                 if *hpos < HEADER_BYTES {
@@ -300,11 +329,12 @@ impl Engine {
             Xfer::Recv {
                 peer,
                 expect,
-                seq,
                 hdr,
                 hpos,
                 data,
                 pos,
+                gated,
+                ..
             } => {
                 let mut moved = false;
                 if *hpos < HEADER_BYTES {
@@ -314,9 +344,9 @@ impl Engine {
                     if *hpos < HEADER_BYTES {
                         return Ok(moved);
                     }
-                    check_header(op, *peer, hdr, *expect, *seq)?;
+                    header::check(op, *peer, hdr, expect)?;
                 }
-                if *pos < data.len() {
+                if *pos < data.len() && (gate_open || !*gated) {
                     let n = link.read(&mut data[*pos..]).map_err(|r| lost(*peer, r))?;
                     *pos += n;
                     moved |= n > 0;
@@ -326,11 +356,13 @@ impl Engine {
         }
     }
 
-    /// One pass over the pending messages; returns (all done, anything moved).
-    fn sweep(&mut self, ctx: &OpCtx<'_>, xfers: &mut [Xfer<'_>]) -> Result<(bool, bool)> {
+    /// One pass over the pending messages, `pre` before `xfers`; returns (all done, anything
+    /// moved).
+    fn sweep<'b>(&mut self, ctx: &OpCtx<'_>, pre: &mut [Xfer<'b>], xfers: &mut [Xfer<'b>]) -> Result<(bool, bool)> {
         self.sweep += 1;
+        let gate_open = !pre.iter().chain(xfers.iter()).any(Xfer::call_pending);
         let (mut all_done, mut moved) = (true, false);
-        for x in xfers.iter_mut() {
+        for x in pre.iter_mut().chain(xfers.iter_mut()) {
             if x.done() {
                 continue;
             }
@@ -344,7 +376,7 @@ impl Engine {
                 continue; // an earlier message to/from this peer is still in flight
             }
             *stamp = self.sweep;
-            moved |= Self::step(&mut self.transport.links[peer], x, ctx.op)?;
+            moved |= Self::step(&mut self.transport.links[peer], x, ctx.op, gate_open)?;
             if !x.done() {
                 continue;
             }
@@ -358,32 +390,115 @@ impl Engine {
     }
 
     /// Runs every message to completion, or fails with the reason and the peer.
-    pub(crate) fn exchange(&mut self, ctx: &OpCtx<'_>, xfers: &mut [Xfer<'_>]) -> Result<()> {
+    pub(crate) fn exchange<'b>(&mut self, ctx: &OpCtx<'_>, xfers: &mut [Xfer<'b>]) -> Result<()> {
+        let first = match &mut self.open {
+            Some(o) if o.first_pending => {
+                o.first_pending = false;
+                Some(std::mem::take(&mut o.preamble))
+            }
+            _ => None,
+        };
+        let Some(preamble) = first else {
+            return self.run(ctx, &mut [], xfers);
+        };
+        let mut pre: Vec<Xfer<'b>> = preamble.into_iter().collect();
+        let r = self.run(ctx, &mut pre, xfers);
+        if let Err(e @ Error::Mismatch { .. }) = r {
+            self.drain_calls(ctx, &mut pre, xfers);
+            return Err(e);
+        }
+        r
+    }
+
+    fn run<'b>(&mut self, ctx: &OpCtx<'_>, pre: &mut [Xfer<'b>], xfers: &mut [Xfer<'b>]) -> Result<()> {
         let mut pace = Pacer::new();
         loop {
-            let (done, moved) = self.sweep(ctx, xfers)?;
+            let (done, moved) = self.sweep(ctx, pre, xfers)?;
             if done {
                 return Ok(());
             }
             if moved {
                 pace.progressed();
             } else if let Some(now) = pace.stalled() {
-                self.check_stalled(ctx, xfers, now)?;
+                self.check_stalled(ctx, pre, xfers, now)?;
             }
         }
     }
 
-    fn check_stalled(&mut self, ctx: &OpCtx<'_>, xfers: &mut [Xfer<'_>], now: Instant) -> Result<()> {
-        ctx.check(now, || xfers.iter().find(|x| !x.done()).map(|x| x.peer()))?;
-        let gone = xfers.iter().filter(|x| !x.done()).find_map(|x| {
-            let p = x.peer();
-            self.transport.links[p].check_peer(p).err().map(|g| (p, g))
-        });
+    /// After a mismatch in a collective's first exchange: sends our call to every peer and
+    /// takes in every peer's, payload discarded, so that every rank reads every call, finds the
+    /// mismatch itself and blocks on no send to us. The algorithm's other messages are dropped:
+    /// a communicator is closed after a mismatch. Ends at the operation's deadline, on a broken
+    /// link or on our abort: the mismatch is the error either way.
+    fn drain_calls<'b>(&mut self, ctx: &OpCtx<'_>, pre: &mut [Xfer<'b>], xfers: &mut [Xfer<'b>]) {
+        let mut sink = [0u8; 4096];
+        let mut pace = Pacer::new();
+        // Peers that sent no call to wait for: gone, or in a shared-memory round instead.
+        let mut moved_on = vec![false; self.size];
+        loop {
+            let mut pending = false;
+            let mut moved = false;
+            for x in pre.iter_mut().chain(xfers.iter_mut()).filter(|x| x.is_call()) {
+                if moved_on[x.peer()] {
+                    continue;
+                }
+                let link = &mut self.transport.links[x.peer()];
+                let r = match x {
+                    Xfer::Send { .. } => Self::step(link, x, ctx.op, false).map_err(drop),
+                    Xfer::Recv { hdr, hpos, pos, .. } => drain_one(link, hdr, hpos, pos, &mut sink).map_err(drop),
+                };
+                match r {
+                    Ok(m) => moved |= m,
+                    Err(()) => return,
+                }
+                pending |= match x {
+                    Xfer::Send { .. } => !x.done(),
+                    Xfer::Recv { hdr, hpos, pos, .. } => {
+                        *hpos < HEADER_BYTES || header::announced_len(hdr).is_some_and(|n| (*pos as u64) < n)
+                    }
+                };
+            }
+            if !pending {
+                return;
+            }
+            if moved {
+                pace.progressed();
+            } else if let Some(now) = pace.stalled() {
+                if ctx.check(now, || None).is_err() {
+                    return;
+                }
+                for (p, m) in moved_on.iter_mut().enumerate().filter(|(p, _)| *p != self.rank) {
+                    let ahead = (self.transport.board.as_ref()).is_some_and(|b| b.peer_latest(p) >= b.next_round());
+                    *m |= ahead || self.transport.links[p].check_peer(p).is_err();
+                }
+            }
+        }
+    }
+
+    fn check_stalled<'b>(
+        &mut self,
+        ctx: &OpCtx<'_>,
+        pre: &mut [Xfer<'b>],
+        xfers: &mut [Xfer<'b>],
+        now: Instant,
+    ) -> Result<()> {
+        let waiting = |pre: &[Xfer<'_>], xfers: &[Xfer<'_>]| -> Vec<usize> {
+            pre.iter()
+                .chain(xfers.iter())
+                .filter(|x| !x.done())
+                .map(|x| x.peer())
+                .collect()
+        };
+        let pending = waiting(pre, xfers);
+        ctx.check(now, || pending.first().copied())?;
+        let gone = pending
+            .iter()
+            .find_map(|&p| self.transport.links[p].check_peer(p).err().map(|g| (p, g)));
         if let Some((peer, g)) = gone {
             // The peer may have written its last bytes just before leaving: its state store is a
             // Release, our read an Acquire, so one more sweep sees everything it sent.
-            self.sweep(ctx, xfers)?;
-            if xfers.iter().any(|x| !x.done() && x.peer() == peer) {
+            self.sweep(ctx, pre, xfers)?;
+            if waiting(pre, xfers).contains(&peer) {
                 return Err(Error::PeerLost {
                     op: ctx.op,
                     peer: g.rank,
@@ -394,15 +509,11 @@ impl Engine {
         // A peer that has started a shared-memory round we have not reached is running another
         // operation. It published the round after its last message to us, so one more sweep
         // first takes in anything it sent for this one.
-        let Some(x) = &self.transport.board else { return Ok(()) };
-        let ahead = xfers
-            .iter()
-            .filter(|t| !t.done())
-            .map(|t| t.peer())
-            .find(|&p| x.peer_latest(p) >= x.next_round());
+        let Some(b) = &self.transport.board else { return Ok(()) };
+        let ahead = pending.iter().copied().find(|&p| b.peer_latest(p) >= b.next_round());
         if let Some(peer) = ahead {
-            self.sweep(ctx, xfers)?;
-            if xfers.iter().any(|t| !t.done() && t.peer() == peer) {
+            self.sweep(ctx, pre, xfers)?;
+            if waiting(pre, xfers).contains(&peer) {
                 return Err(Error::Mismatch {
                     op: ctx.op,
                     peer,
@@ -416,24 +527,30 @@ impl Engine {
     }
 }
 
-fn check_header(op: &'static str, peer: usize, hdr: &[u8; HEADER_BYTES], expect: Tag, seq: u64) -> Result<()> {
-    let mismatch = |detail: String| Error::Mismatch { op, peer, detail };
-    let Some((got, got_seq)) = decode(hdr) else {
-        return Err(mismatch(
-            "received bytes that are not a ferrocomm message header".into(),
-        ));
-    };
-    if got != expect {
-        return Err(mismatch(format!(
-            "it sent {}, this rank expected {}",
-            got.describe(),
-            expect.describe()
-        )));
+/// Reads one message's header and then discards the payload it announces; `pos` counts the
+/// discarded bytes. A header that is not one cannot be drained past: it is left as it is.
+fn drain_one(
+    link: &mut Link,
+    hdr: &mut [u8; HEADER_BYTES],
+    hpos: &mut usize,
+    pos: &mut usize,
+    sink: &mut [u8],
+) -> std::result::Result<bool, crate::transport::Gone> {
+    let mut moved = false;
+    if *hpos < HEADER_BYTES {
+        let n = link.read(&mut hdr[*hpos..])?;
+        *hpos += n;
+        moved |= n > 0;
+        if *hpos < HEADER_BYTES {
+            return Ok(moved);
+        }
     }
-    if got_seq != seq {
-        return Err(mismatch(format!(
-            "message {got_seq} arrived where message {seq} was expected"
-        )));
+    let left = header::announced_len(hdr).unwrap_or(0).saturating_sub(*pos as u64);
+    if left > 0 {
+        let take = left.min(sink.len() as u64) as usize;
+        let n = link.read(&mut sink[..take])?;
+        *pos += n;
+        moved |= n > 0;
     }
-    Ok(())
+    Ok(moved)
 }

@@ -3,6 +3,7 @@
 
 mod algorithms;
 mod engine;
+mod header;
 mod oneshot;
 mod window;
 
@@ -12,17 +13,20 @@ use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::ops::{Location, Op, P2p};
 use crate::options::{env_parse, TransportOptions};
-use crate::transport::{self, OwnerState};
+use crate::transport::{self, Cause, FaultRecord, OwnerState};
 use crate::window::{WindowBackend, WindowSpec};
 use algorithms::{Algo, Scratch};
-use engine::{Engine, OpCtx, Tag, Xfer};
+use engine::{Engine, OpCtx, Xfer};
+use header::{Call, Tag, ANY_COUNT};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-/// Size thresholds of algorithm choice. `FERROCOMM_CPU_DIRECT_MAX` (bytes per rank, default
-/// 64 KiB): at or below, direct exchanges; above, ring or chain. `FERROCOMM_CPU_CHUNK` (default
-/// 256 KiB): the pipelining unit of broadcast.
+/// Algorithm choice. `FERROCOMM_CPU_DIRECT_MAX` (bytes per rank, default 64 KiB): at or below,
+/// direct exchanges; above, ring or chain. `FERROCOMM_CPU_CHUNK` (default 256 KiB): the
+/// pipelining unit of broadcast. The hint `algorithm` = `oneshot` (shared-memory rounds),
+/// `direct` or `ring` overrides the size rule where it can be honoured and is ignored where
+/// not; any other value is refused (see `CommOptions::hints`).
 #[derive(Clone, Copy, Debug)]
 struct Tuning {
     direct_max: usize,
@@ -41,43 +45,55 @@ impl Tuning {
         })
     }
 
+    /// The operations that may run as shared-memory rounds: `use_board` decides for them first.
+    const BOARD_OPS: [&'static str; 3] = ["all_reduce", "all_gather", "all_to_all"];
+
+    /// The algorithm of every operation but the shared-memory rounds: the hint's, else by size.
     fn choose(&self, op: &'static str, bytes: usize, opts: &RunOptions) -> Result<Algo> {
-        let algo = match opts.hints.get("algorithm").map(String::as_str) {
-            Some("direct") => Algo::Direct,
-            Some("ring") => Algo::Ring,
-            Some("oneshot") => {
-                return Err(Error::invalid(
-                    op,
-                    "the `oneshot` algorithm serves all_reduce, all_gather and all_to_all only",
-                ))
+        // `use_board` saw the hints of the board operations first and said what it ignored.
+        let first_look = !Self::BOARD_OPS.contains(&op);
+        let algo = match Self::wanted(op, opts.hints, first_look)? {
+            Some(Wanted::Direct) => Algo::Direct,
+            Some(Wanted::Ring) => Algo::Ring,
+            wanted => {
+                if wanted == Some(Wanted::OneShot) && first_look {
+                    super::hint_ignored(
+                        "cpu",
+                        op,
+                        "algorithm",
+                        "oneshot",
+                        "shared-memory rounds serve all_reduce, all_gather and all_to_all only",
+                    );
+                }
+                self.by_size(bytes)
             }
-            Some(other) => {
-                return Err(Error::invalid(
-                    op,
-                    format!("unknown algorithm hint `{other}` (cpu backend: oneshot, direct, ring)"),
-                ))
-            }
-            None if bytes <= self.direct_max => Algo::Direct,
-            None => Algo::Ring,
         };
         tracing::trace!(op, bytes, ?algo, "cpu algorithm");
         Ok(algo)
     }
 
+    fn by_size(&self, bytes: usize) -> Algo {
+        if bytes <= self.direct_max {
+            Algo::Direct
+        } else {
+            Algo::Ring
+        }
+    }
+
     /// Does this all_reduce, all_gather or all_to_all go through the board (oneshot.rs)?
-    /// `available`: every rank shares this host and a contribution fits a slot.
+    /// `available`: every rank shares this host and a contribution fits a slot (alike on every
+    /// rank, so ranks that ignore the hint all do).
     fn use_board(&self, op: &'static str, bytes: usize, opts: &RunOptions, available: bool) -> Result<bool> {
-        let board = match opts.hints.get("algorithm").map(String::as_str) {
-            Some("oneshot") if !available => {
-                return Err(Error::invalid(
-                    op,
-                    format!(
-                        "the `oneshot` algorithm needs every rank on this host and at most {} KiB per rank",
-                        transport::board::SLOT_BYTES >> 10
-                    ),
-                ))
+        let board = match Self::wanted(op, opts.hints, true)? {
+            Some(Wanted::OneShot) if available => true,
+            Some(Wanted::OneShot) => {
+                let why = format!(
+                    "shared-memory rounds need every rank on this host and at most {} KiB per rank",
+                    transport::board::SLOT_BYTES >> 10
+                );
+                super::hint_ignored("cpu", op, "algorithm", "oneshot", &why);
+                false
             }
-            Some("oneshot") => true,
             Some(_) => false,
             None => available && bytes <= self.direct_max,
         };
@@ -86,7 +102,45 @@ impl Tuning {
         }
         Ok(board)
     }
+
+    /// The `algorithm` hint of one operation. A value the backend does not know is an argument
+    /// error (a typo must not pass for advice); keys of other backends are ignored, and noted
+    /// on the `first_look` of an operation's hints.
+    fn wanted(
+        op: &'static str,
+        hints: &std::collections::BTreeMap<String, String>,
+        first_look: bool,
+    ) -> Result<Option<Wanted>> {
+        if first_look {
+            super::unknown_hints_ignored("cpu", op, hints, &["algorithm"]);
+        }
+        Ok(Some(match hints.get("algorithm").map(String::as_str) {
+            None => return Ok(None),
+            Some("oneshot") => Wanted::OneShot,
+            Some("direct") => Wanted::Direct,
+            Some("ring") => Wanted::Ring,
+            Some(other) => {
+                return Err(Error::invalid(
+                    op,
+                    format!("hint algorithm={other:?}: the cpu backend accepts \"oneshot\", \"direct\" or \"ring\""),
+                ))
+            }
+        }))
+    }
 }
+
+/// Values of the `algorithm` hint (see `Tuning`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Wanted {
+    /// Shared-memory rounds, for the operations in `Tuning::BOARD_OPS`.
+    OneShot,
+    Direct,
+    Ring,
+}
+
+/// Tests of `Tuning`'s decisions, kept beside it.
+#[cfg(test)]
+mod tuning_tests;
 
 struct State {
     engine: Engine,
@@ -100,6 +154,8 @@ pub(crate) struct CpuBackend {
     state: Mutex<State>,
     abort: Arc<AtomicBool>,
     announce: transport::Announcer,
+    /// The first cause of a failure, shared by every rank (see transport/fault.rs).
+    faults: FaultRecord,
     tuning: Tuning,
     /// What windows need to set themselves up.
     rank: usize,
@@ -139,12 +195,24 @@ pub(crate) fn create_host(init: &BackendInit) -> Result<CpuBackend> {
         }),
         abort: Arc::new(AtomicBool::new(false)),
         announce,
+        faults: FaultRecord::new(init.store.clone(), init.rank),
         tuning,
         rank: init.rank,
         size: init.size,
         store: init.store.clone(),
         transport: init.options.transport.clone(),
     })
+}
+
+/// The call of a collective whose per-rank lengths may differ (all_to_all_v, gather and scatter
+/// of objects): each message's length is checked instead of one count.
+fn any_count_call(root: usize) -> Call {
+    Call {
+        count: ANY_COUNT,
+        root: root as u32,
+        algo: Algo::Direct.code(),
+        seq: 0,
+    }
 }
 
 fn tag(code: u8, dtype: DType, op: Option<ReduceOp>) -> Tag {
@@ -194,24 +262,38 @@ impl Backend for CpuBackend {
             broken,
         } = &mut *st;
         let r = self.dispatch(engine, scratch, &ctx, op, opts);
-        if let Err(e) = &r {
-            // Argument errors are found before any byte moves; everything else may leave a
-            // message half sent.
-            if !matches!(e, Error::InvalidArgument { .. }) {
-                *broken = true;
-                // Tell peers that wait on us which rank is at the root, so every survivor
-                // reports the lost rank rather than the rank that failed next to it.
-                self.announce.announce(match e {
-                    Error::PeerLost { peer, .. } | Error::Timeout { peer: Some(peer), .. } => OwnerState::Lost(*peer),
-                    _ => OwnerState::Aborted,
-                });
-            }
+        engine.end_call();
+        let Err(e) = r else { return Ok(()) };
+        // Argument errors are found before any byte moves; everything else may leave a
+        // message half sent.
+        if matches!(e, Error::InvalidArgument { .. }) {
+            return Err(e);
         }
-        r
+        *broken = true;
+        if self.abort.load(Ordering::Acquire) {
+            // Our own abort shut our links: what the transfer saw is its echo, not a lost peer.
+            return Err(Error::Closed {
+                op: name,
+                state: "aborted",
+            });
+        }
+        // Record the cause before peers learn we failed, so that every survivor reports the
+        // rank at the root rather than this one, which failed next to it.
+        let e = self.faults.resolve(e);
+        self.announce.announce(match &e {
+            Error::PeerLost { peer, .. } | Error::Timeout { peer: Some(peer), .. } => OwnerState::Lost(*peer),
+            _ => OwnerState::Aborted,
+        });
+        Err(e)
     }
 
     fn abort(&self) {
         self.abort.store(true, Ordering::Release);
+        self.faults.record(Cause::Lost {
+            root: self.rank,
+            noticed_by: self.rank,
+            reason: "aborted".into(),
+        });
         self.announce.announce(OwnerState::Aborted);
     }
 
@@ -227,64 +309,85 @@ impl Backend for CpuBackend {
             store: &self.store,
             transport: &self.transport,
             abort: self.abort.clone(),
+            faults: self.faults.clone(),
         };
         Ok(Box::new(window::CpuWindow::create(spec, &setup)?))
     }
 }
 
 impl CpuBackend {
+    /// The communicator's fault record, for backends that use this engine as control plane.
+    pub(crate) fn faults(&self) -> FaultRecord {
+        self.faults.clone()
+    }
+
     /// A barrier over the communicator, for backends that use this engine as control plane.
     pub(crate) fn run_barrier(&self, opts: &RunOptions) -> Result<()> {
         self.run(&mut Op::Barrier, opts)
     }
 
     fn dispatch(&self, e: &mut Engine, s: &mut Scratch, ctx: &OpCtx, op: &mut Op<'_>, opts: &RunOptions) -> Result<()> {
+        if matches!(op, Op::Scatter { .. } | Op::Gather { .. } | Op::Barrier | Op::Batch(_)) {
+            // These take no hint, but a malformed one is still refused and an unknown one noted.
+            Tuning::wanted(ctx.op, opts.hints, true)?;
+        }
         let algo = |bytes: usize| self.tuning.choose(ctx.op, bytes, opts);
+        // Opens the collective's call (header.rs) right before its algorithm runs.
+        let begin = |e: &mut Engine, t: Tag, count: usize, root: usize, a: Algo, covers_all: bool| {
+            let call = Call {
+                count: count as u64,
+                root: root as u32,
+                algo: a.code(),
+                seq: 0,
+            };
+            e.begin_call(t, call, covers_all && e.size > 1);
+        };
+        let elems = |bytes: usize, d: DType| bytes / d.size();
         match op {
             Op::AllReduce { buf, op } => {
                 let (d, o, bytes) = (buf.dtype(), *op, buf.host_bytes().len());
                 let t = tag(1, d, Some(o));
                 if self.tuning.use_board(ctx.op, bytes, opts, oneshot::fits(e, bytes))? {
+                    e.count_call();
                     return oneshot::all_reduce(e, ctx, t, buf.host_bytes_mut(), d, o);
                 }
                 let a = algo(bytes)?;
+                begin(e, t, elems(bytes, d), 0, a, a == Algo::Direct);
                 algorithms::all_reduce(e, s, ctx, t, buf.host_bytes_mut(), d, o, a)
             }
             Op::Reduce { buf, op, root } => {
-                let (d, o) = (buf.dtype(), *op);
-                let a = algo(buf.host_bytes().len())?;
-                algorithms::reduce(e, s, ctx, tag(2, d, Some(o)), buf.host_bytes_mut(), d, o, *root, a)
+                let (d, o, bytes) = (buf.dtype(), *op, buf.host_bytes().len());
+                let (t, a) = (tag(2, d, Some(o)), algo(bytes)?);
+                begin(e, t, elems(bytes, d), *root, a, false);
+                algorithms::reduce(e, s, ctx, t, buf.host_bytes_mut(), d, o, *root, a)
             }
             Op::Broadcast { buf, root } => {
-                let d = buf.dtype();
-                let a = algo(buf.host_bytes().len())?;
-                algorithms::broadcast(
-                    e,
-                    ctx,
-                    tag(3, d, None),
-                    buf.host_bytes_mut(),
-                    *root,
-                    a,
-                    self.tuning.chunk,
-                )
+                let (d, bytes) = (buf.dtype(), buf.host_bytes().len());
+                let (t, a) = (tag(3, d, None), algo(bytes)?);
+                begin(e, t, elems(bytes, d), *root, a, false);
+                algorithms::broadcast(e, ctx, t, buf.host_bytes_mut(), *root, a, self.tuning.chunk)
             }
             Op::AllGather { input, outputs } => {
-                let t = tag(4, input.dtype(), None);
+                let (d, t) = (input.dtype(), tag(4, input.dtype(), None));
                 let mut outs: Vec<&mut [u8]> = outputs.iter_mut().map(|o| o.host_bytes_mut()).collect();
                 // Decided on what every rank knows alike (all_gather_v: counts differ by rank).
                 let total = outs.iter().map(|o| o.len()).sum();
                 let largest = outs.iter().map(|o| o.len()).max().unwrap_or(0);
                 if self.tuning.use_board(ctx.op, total, opts, oneshot::fits(e, largest))? {
+                    e.count_call();
                     return oneshot::all_gather(e, ctx, t, input.host_bytes(), &mut outs);
                 }
                 let a = algo(total)?;
+                begin(e, t, elems(total, d), 0, a, a == Algo::Direct);
                 algorithms::all_gather(e, ctx, t, input.host_bytes(), &mut outs, a)
             }
             Op::ReduceScatter { inputs, output, op } => {
                 let (d, o) = (output.dtype(), *op);
                 let ins: Vec<&[u8]> = inputs.iter().map(|i| i.host_bytes()).collect();
-                let a = algo(ins.iter().map(|i| i.len()).sum())?;
-                algorithms::reduce_scatter(e, s, ctx, tag(5, d, Some(o)), &ins, output.host_bytes_mut(), d, o, a)
+                let total = ins.iter().map(|i| i.len()).sum();
+                let (t, a) = (tag(5, d, Some(o)), algo(total)?);
+                begin(e, t, elems(total, d), 0, a, a == Algo::Direct);
+                algorithms::reduce_scatter(e, s, ctx, t, &ins, output.host_bytes_mut(), d, o, a)
             }
             Op::AllToAll { inputs, outputs } => {
                 let t = tag(6, inputs[0].dtype(), None);
@@ -292,33 +395,41 @@ impl CpuBackend {
                 let mut outs: Vec<&mut [u8]> = outputs.iter_mut().map(|o| o.host_bytes_mut()).collect();
                 // Whether the blocks fit is settled inside the round (all_to_all_v: sizes differ
                 // by rank), so here only the board and the hint count.
-                if self.tuning.use_board(ctx.op, 0, opts, oneshot::fits(e, 0))?
-                    && oneshot::all_to_all(e, ctx, t, &ins, &mut outs)?
-                {
-                    return Ok(());
+                if self.tuning.use_board(ctx.op, 0, opts, oneshot::fits(e, 0))? {
+                    e.count_call();
+                    if oneshot::all_to_all(e, ctx, t, &ins, &mut outs)? {
+                        return Ok(());
+                    }
                 }
+                // all_to_all_v: ranks' counts differ; each message's length is checked instead.
+                e.begin_call(t, any_count_call(0), e.size > 1);
                 algorithms::all_to_all(e, ctx, t, &ins, &mut outs)
             }
             Op::Scatter { inputs, output, root } => {
                 let ins: Option<Vec<&[u8]>> = inputs.as_ref().map(|v| v.iter().map(|i| i.host_bytes()).collect());
-                let d = output.dtype();
-                algorithms::scatter(e, ctx, tag(7, d, None), ins.as_deref(), output.host_bytes_mut(), *root)
+                // Per-rank lengths may differ (objects scatter their encodings): each message's
+                // length is checked instead of a count.
+                let t = tag(7, output.dtype(), None);
+                e.begin_call(t, any_count_call(*root), false);
+                algorithms::scatter(e, ctx, t, ins.as_deref(), output.host_bytes_mut(), *root)
             }
             Op::Gather { input, outputs, root } => {
                 let mut outs: Option<Vec<&mut [u8]>> = outputs
                     .as_mut()
                     .map(|v| v.iter_mut().map(|o| o.host_bytes_mut()).collect());
-                algorithms::gather(
-                    e,
-                    ctx,
-                    tag(8, input.dtype(), None),
-                    input.host_bytes(),
-                    outs.as_deref_mut(),
-                    *root,
-                )
+                let t = tag(8, input.dtype(), None);
+                e.begin_call(t, any_count_call(*root), false);
+                algorithms::gather(e, ctx, t, input.host_bytes(), outs.as_deref_mut(), *root)
             }
-            Op::Barrier if oneshot::fits(e, 0) => oneshot::barrier(e, ctx, tag(9, DType::U8, None)),
-            Op::Barrier => algorithms::barrier(e, ctx, tag(9, DType::U8, None)),
+            Op::Barrier if oneshot::fits(e, 0) => {
+                e.count_call();
+                oneshot::barrier(e, ctx, tag(9, DType::U8, None))
+            }
+            Op::Barrier => {
+                let t = tag(9, DType::U8, None);
+                begin(e, t, 0, 0, Algo::Direct, true);
+                algorithms::barrier(e, ctx, t)
+            }
             Op::Batch(list) => {
                 let mut x: Vec<Xfer> = Vec::with_capacity(list.len());
                 for p in list.iter_mut() {

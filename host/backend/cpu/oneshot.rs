@@ -4,7 +4,8 @@
 //! algorithm does, so every rank computes bit-identical results. Every round reads every
 //! peer's contribution, which the board's slot reuse relies on.
 
-use super::engine::{Engine, OpCtx, Pacer, Tag};
+use super::engine::{Engine, OpCtx, Pacer};
+use super::header::Tag;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::reduce::{epilogue, prologue, reduce_into};
@@ -96,16 +97,28 @@ pub(crate) fn all_reduce(
     op: ReduceOp,
 ) -> Result<()> {
     let (n, me, len) = (e.size, e.rank, buf.len());
-    prologue(dtype, op, buf);
-    let round = e.publish_round(tag.label(), &[buf]);
+    // A premul_sum contribution is scaled in a copy: nothing lands in `buf` before every peer's
+    // call has been checked.
+    let premul = matches!(op, ReduceOp::PremulSum(_));
+    let round = if premul {
+        let mut words = vec![0u64; len.div_ceil(8)];
+        // SAFETY: u64 storage viewed as bytes, within the allocation (aligned for every dtype).
+        let scaled = unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), len) };
+        scaled.copy_from_slice(buf);
+        prologue(dtype, op, scaled);
+        e.publish_round(tag.label(), &[scaled])
+    } else {
+        e.publish_round(tag.label(), &[buf])
+    };
+    // Every peer's call is checked before anything lands in `buf`.
+    for r in (0..n).filter(|&r| r != me) {
+        await_peer(e, ctx, r, round, tag, Some(len))?;
+    }
     // buf = c0 op c1 op ... in rank order; our own contribution is read back from the board.
     for r in 0..n {
-        if r != me {
-            await_peer(e, ctx, r, round, tag, Some(len))?;
-        }
         let src = board(e).data(r, round, len);
         match r {
-            0 if me == 0 => {}
+            0 if me == 0 && !premul => {}
             0 => buf.copy_from_slice(src),
             _ => reduce_into(dtype, op, buf, src),
         }
@@ -117,12 +130,15 @@ pub(crate) fn all_reduce(
 pub(crate) fn all_gather(e: &mut Engine, ctx: &OpCtx, tag: Tag, input: &[u8], outputs: &mut [&mut [u8]]) -> Result<()> {
     let me = e.rank;
     let round = e.publish_round(tag.label(), &[input]);
+    // Every peer's call is checked before anything lands in `outputs`. Ranks may contribute
+    // different lengths (all_gather_v): outputs say how much each sends.
+    for (r, out) in outputs.iter().enumerate().filter(|(r, _)| *r != me) {
+        await_peer(e, ctx, r, round, tag, Some(out.len()))?;
+    }
     for (r, out) in outputs.iter_mut().enumerate() {
         if r == me {
             out.copy_from_slice(input);
         } else {
-            // Ranks may contribute different lengths (all_gather_v): out says how much r sends.
-            await_peer(e, ctx, r, round, tag, Some(out.len()))?;
             out.copy_from_slice(board(e).data(r, round, out.len()));
         }
     }
@@ -162,13 +178,10 @@ pub(crate) fn all_to_all(
     if declined {
         return Ok(false);
     }
-    for (r, out) in outputs.iter_mut().enumerate() {
-        if r == me {
-            out.copy_from_slice(inputs[me]);
-            continue;
-        }
+    // Every block's length is checked before anything lands in `outputs`.
+    for (r, out) in outputs.iter().enumerate().filter(|(r, _)| *r != me) {
         match board(e).part(r, round, me) {
-            Some(block) if block.len() == out.len() => out.copy_from_slice(block),
+            Some(block) if block.len() == out.len() => {}
             got => {
                 return Err(Error::Mismatch {
                     op: ctx.op,
@@ -181,6 +194,14 @@ pub(crate) fn all_to_all(
                 })
             }
         }
+    }
+    for (r, out) in outputs.iter_mut().enumerate() {
+        let block = if r == me {
+            inputs[me]
+        } else {
+            board(e).part(r, round, me).expect("checked above")
+        };
+        out.copy_from_slice(block);
     }
     Ok(true)
 }

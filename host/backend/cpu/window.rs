@@ -12,7 +12,7 @@ use crate::net::proxy::HostData;
 use crate::net::tcp::{self, Memory, TcpLink};
 use crate::net::HostQueue;
 use crate::options::TransportOptions;
-use crate::transport::{check_owner, host_identity, OwnerState, PeerGone, ProcessWatch, Segment};
+use crate::transport::{check_owner, host_identity, FaultRecord, OwnerState, PeerGone, ProcessWatch, Segment};
 use crate::window::{Cmp, Observed, SignalOp, SignalSource, WindowBackend, WindowSpec};
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -48,6 +48,8 @@ pub(crate) struct CpuWindow {
     /// Set by our proxy when an origin's connection ends: that origin can no longer signal us.
     gone: Arc<Vec<AtomicBool>>,
     abort: Arc<AtomicBool>,
+    /// The communicator's first cause of failure (see transport/fault.rs).
+    faults: FaultRecord,
     server: Mutex<Server>,
     /// Our memory as registered for peers' RDMA links.
     net_state: crate::net::NetResources,
@@ -87,6 +89,7 @@ pub(crate) struct Setup<'a> {
     pub store: &'a Arc<dyn Store>,
     pub transport: &'a TransportOptions,
     pub abort: Arc<AtomicBool>,
+    pub faults: FaultRecord,
 }
 
 impl CpuWindow {
@@ -224,6 +227,7 @@ impl CpuWindow {
             paths,
             gone,
             abort: s.abort.clone(),
+            faults: s.faults.clone(),
             server: Mutex::new(server),
             net_state: net,
             queue: Mutex::new(None),
@@ -272,13 +276,17 @@ impl CpuWindow {
     }
 
     /// Records in our segment that we failed because `rank` was lost, so ranks waiting on us
-    /// report `rank` too; passes the result through.
+    /// report `rank` too; reports the communicator's first cause (see transport/fault.rs).
     fn note_loss<T>(&self, r: Result<T>) -> Result<T> {
         // A timed-out wait is not a loss: nothing is half done, and the caller may wait again.
-        if let Err(Error::PeerLost { peer, .. }) = &r {
+        let e = match r {
+            Err(e @ Error::PeerLost { .. }) => self.faults.resolve(e),
+            other => return other,
+        };
+        if let Error::PeerLost { peer, .. } = &e {
             self.own.set_state(OwnerState::Lost(*peer));
         }
-        r
+        Err(e)
     }
 
     /// Before a one-sided access to a mapped peer: is it still there? The state word is one

@@ -23,6 +23,7 @@ use super::gpu::{Gpu, Stream};
 use super::route::parse_bytes;
 use super::window::DeviceWindow;
 use super::DeviceBackend;
+use crate::backend::hint_ignored;
 use crate::cuda;
 use crate::device::kernels::{self, AllToAllArgs, Function, Parts, Queue, MAX_RANKS};
 use crate::dtype::{DType, ReduceOp};
@@ -177,56 +178,52 @@ impl OwnCollectives {
         })
     }
 
-    /// The algorithm and its kernel name suffix for an all_reduce of `bytes` of `dtype`.
+    /// The algorithm of an all_reduce of `bytes` of `dtype` with `op`; `explain`: note a hint
+    /// that cannot be honoured (once per call: `supports` plans quietly before `run` does).
     fn all_reduce_algo(
         &self,
         bytes: usize,
         dtype: DType,
         op: ReduceOp,
         hints: &BTreeMap<String, String>,
-    ) -> Result<AllReduceAlgo> {
+        explain: bool,
+    ) -> AllReduceAlgo {
         let switch_reduces = self.multicast && multimem_suffix(dtype, op).is_some();
-        Ok(match hints.get("algorithm").map(String::as_str) {
-            Some("oneshot") => AllReduceAlgo::OneShot,
-            Some("twoshot") => AllReduceAlgo::TwoShot,
-            Some("multimem") if switch_reduces => AllReduceAlgo::Multimem,
-            Some("multimem") if !self.multicast => {
-                return Err(Error::invalid(
-                    "all_reduce",
-                    "hint algorithm=\"multimem\": this communicator's windows have no multicast object (that needs \
-                     every rank on a GPU of its own that supports multicast; FERROCOMM_LOG=debug says why not)",
-                ))
-            }
-            Some("multimem") => {
-                return Err(Error::invalid(
-                    "all_reduce",
-                    format!("hint algorithm=\"multimem\": the switch does not reduce {dtype:?} with {op}"),
-                ))
-            }
-            Some(other) => {
-                return Err(Error::invalid(
-                    "all_reduce",
-                    format!(
-                        "hint algorithm={other:?}: the device backend has \"oneshot\", \"twoshot\" and \"multimem\""
-                    ),
-                ))
-            }
-            None if bytes >= self.two_shot_min && switch_reduces => AllReduceAlgo::Multimem,
-            None if bytes >= self.two_shot_min => AllReduceAlgo::TwoShot,
-            None => AllReduceAlgo::OneShot,
-        })
+        let hint = hints.get("algorithm").map(String::as_str);
+        let (algo, ignored) = pick_all_reduce(hint, bytes, self.two_shot_min, self.multicast, switch_reduces);
+        if let (Some(why), Some(value), true) = (ignored, hint, explain) {
+            let why = format!("{why} ({dtype:?} with {op})");
+            hint_ignored("device", "all_reduce", "algorithm", value, &why);
+        }
+        algo
     }
 
     /// The kernel for `op` and its launch, if one here runs it (see the module doc).
-    fn plan(&self, op: &mut Op<'_>, hints: &BTreeMap<String, String>) -> Result<Option<(&Function, Launch)>> {
+    fn plan(
+        &self,
+        op: &mut Op<'_>,
+        hints: &BTreeMap<String, String>,
+        explain: bool,
+    ) -> Result<Option<(&Function, Launch)>> {
         let few_ranks = self.size <= MAX_RANKS;
         let hd = self.host_device;
+        if explain && !matches!(op, Op::AllReduce { .. }) {
+            if let Some(a) = hints.get("algorithm").filter(|a| *a != "oneshot") {
+                hint_ignored(
+                    "device",
+                    op.name(),
+                    "algorithm",
+                    a,
+                    "this operation's kernel has one algorithm",
+                );
+            }
+        }
         let plan = match op {
             Op::AllReduce { buf, op } => {
                 let (Some(d), Some(s)) = (reach_mut(buf, hd), suffix(buf.dtype(), *op)) else {
                     return Ok(None);
                 };
-                let kernels = match self.all_reduce_algo(d.len, buf.dtype(), *op, hints)? {
+                let kernels = match self.all_reduce_algo(d.len, buf.dtype(), *op, hints, explain) {
                     AllReduceAlgo::OneShot => &self.one_shot,
                     AllReduceAlgo::TwoShot => &self.two_shot,
                     AllReduceAlgo::Multimem => &self.multimem,
@@ -296,9 +293,9 @@ impl OwnCollectives {
         Ok(plan)
     }
 
-    /// Whether a kernel here runs `op` (an unknown hint counts as no).
+    /// Whether a kernel here runs `op` (the hints were checked: see `route::check_hints`).
     pub(crate) fn supports(&self, op: &mut Op<'_>, hints: &BTreeMap<String, String>) -> bool {
-        self.plan(op, hints).is_ok_and(|p| p.is_some())
+        self.plan(op, hints, false).is_ok_and(|p| p.is_some())
     }
 
     /// Enqueues `op` on `stream`; `supports(op)` must hold.
@@ -313,7 +310,7 @@ impl OwnCollectives {
         // A kernel of an earlier call that gave up: report it (and start clean).
         self.window.take_status(name, timeout)?;
         let (f, launch) = self
-            .plan(op, hints)?
+            .plan(op, hints, true)?
             .ok_or_else(|| Error::invalid(name, "no device kernel for this operation"))?;
         if launch.bytes == 0 && !matches!(launch.args, Args::AllToAll(_)) {
             return Ok(());
@@ -605,13 +602,71 @@ impl Counters {
     }
 }
 
+/// The all_reduce algorithm: the hint's where the kernels can honour it, else by size
+/// (multimem replaces two-shot where the switch reduces the pair); with why a hint was not
+/// honoured. Values outside `route::check_hints`' list do not reach here.
+fn pick_all_reduce(
+    hint: Option<&str>,
+    bytes: usize,
+    two_shot_min: usize,
+    multicast: bool,
+    switch_reduces: bool,
+) -> (AllReduceAlgo, Option<&'static str>) {
+    let by_size = match bytes >= two_shot_min {
+        true if switch_reduces => AllReduceAlgo::Multimem,
+        true => AllReduceAlgo::TwoShot,
+        false => AllReduceAlgo::OneShot,
+    };
+    match hint {
+        None => (by_size, None),
+        Some("oneshot") => (AllReduceAlgo::OneShot, None),
+        Some("twoshot") => (AllReduceAlgo::TwoShot, None),
+        Some("multimem") if switch_reduces => (AllReduceAlgo::Multimem, None),
+        Some("multimem") if !multicast => (
+            by_size,
+            Some(
+                "this communicator's windows have no multicast object (that needs every rank on a GPU \
+                 of its own that supports multicast; FERROCOMM_LOG=debug says why not)",
+            ),
+        ),
+        Some("multimem") => (by_size, Some("the switch does not reduce this pair")),
+        Some(_) => (by_size, Some("the device kernels run oneshot, twoshot or multimem")),
+    }
+}
+
 fn aligned(p: &Parts) -> bool {
     p.ptr.iter().all(|a| a % 16 == 0)
 }
 
 #[cfg(test)]
 mod tests {
-    use super::chunks;
+    use super::{chunks, pick_all_reduce, AllReduceAlgo};
+
+    #[test]
+    fn all_reduce_hints_are_honoured_where_the_kernels_can_and_ignored_where_not() {
+        use AllReduceAlgo::*;
+        let pick = |hint, bytes, multicast, switch| pick_all_reduce(hint, bytes, 1024, multicast, switch);
+        // By size: one-shot below the two-shot threshold, multimem instead of two-shot where
+        // the switch reduces.
+        assert_eq!(pick(None, 1023, false, false), (OneShot, None));
+        assert_eq!(pick(None, 1024, false, false), (TwoShot, None));
+        assert_eq!(pick(None, 1024, true, true), (Multimem, None));
+        assert_eq!(pick(None, 1024, true, false), (TwoShot, None));
+        // Honoured at any size.
+        assert_eq!(pick(Some("twoshot"), 8, false, false), (TwoShot, None));
+        assert_eq!(pick(Some("oneshot"), 1 << 20, true, true), (OneShot, None));
+        assert_eq!(pick(Some("multimem"), 8, true, true), (Multimem, None));
+        // Not honourable: the size rule, and why.
+        let (algo, why) = pick(Some("multimem"), 8, false, false);
+        assert_eq!(algo, OneShot);
+        assert!(why.unwrap().contains("multicast"));
+        let (algo, why) = pick(Some("multimem"), 4096, true, false);
+        assert_eq!(algo, TwoShot);
+        assert!(why.unwrap().contains("does not reduce"));
+        // The CPU engine's algorithms are no kernel's.
+        let (algo, why) = pick(Some("ring"), 8, false, false);
+        assert_eq!((algo, why.is_some()), (OneShot, true));
+    }
 
     #[test]
     fn chunks_cover_the_message_once_in_region_sized_launches() {

@@ -18,7 +18,7 @@ mod window;
 
 use super::cpu::{self, CpuBackend};
 use super::nccl::NcclBackend;
-use super::{Backend, BackendInit, RunOptions};
+use super::{hint_ignored, Backend, BackendInit, RunOptions};
 use crate::bootstrap::{PrefixStore, Store};
 use crate::error::{Error, Result};
 use crate::memory::Pinned;
@@ -136,6 +136,12 @@ impl DeviceBackend {
     }
 }
 
+/// Runs `run` with `opts` narrowed to the hints the CPU engine knows (see `route::engine_hints`).
+fn on_engine(op: &'static str, opts: &RunOptions, run: impl FnOnce(&RunOptions) -> Result<()>) -> Result<()> {
+    let hints = route::engine_hints(op, opts.hints);
+    run(&RunOptions { hints: &hints, ..*opts })
+}
+
 impl Backend for DeviceBackend {
     fn name(&self) -> &'static str {
         "device"
@@ -144,29 +150,46 @@ impl Backend for DeviceBackend {
     /// Operations on host buffers (and barriers) run on the CPU engine (same semantics, same
     /// oracle); on device buffers, through NCCL or the backend's own path (see `route`).
     fn run(&self, op: &mut Op<'_>, opts: &RunOptions) -> Result<()> {
+        let name = op.name();
+        route::check_hints(name, opts.hints)?;
         if self.gpu == gpu::Gpu::Host {
-            // Host memory is the host device's memory: its kernels run what they can.
+            // Host memory is the host device's memory: its kernels run what they can, unless
+            // the hints ask for one of the CPU engine's algorithms.
             return match self.own.as_ref() {
-                Some(kernels) if kernels.supports(op, opts.hints) => {
+                Some(kernels) if !route::wants_engine(opts.hints) && kernels.supports(op, opts.hints) => {
                     kernels.run(op, opts.hints, opts.stream, opts.timeout)
                 }
-                _ => self.host.run(op, opts),
+                _ => on_engine(name, opts, |o| self.host.run(op, o)),
             };
         }
         if !matches!(op.location()?, Some(Location::Cuda(_))) {
-            return self.host.run(op, opts);
+            if let Some(r) = opts.hints.get("route") {
+                hint_ignored("device", name, "route", r, "host buffers run on the CPU engine");
+            }
+            return on_engine(name, opts, |o| self.host.run(op, o));
         }
         // The issuing thread, or the worker for an asynchronous call, may not have the GPU's
         // context current yet.
         crate::cuda::context(self.ordinal)?;
         let own = self.own.as_ref().filter(|k| k.supports(op, opts.hints));
         match (self.policy.choose(op, opts.hints, own.is_some())?, &self.nccl, own) {
-            (Route::Nccl, Some(nccl), _) => nccl.run_device(op, opts),
+            (Route::Nccl, Some(nccl), _) => {
+                if let Some(a) = opts.hints.get("algorithm") {
+                    hint_ignored(
+                        "device",
+                        name,
+                        "algorithm",
+                        a,
+                        "NCCL runs this operation and picks its own",
+                    );
+                }
+                nccl.run_device(op, opts)
+            }
             (_, _, Some(kernels)) => {
-                self.check_own_stream(op.name(), opts.stream)?;
+                self.check_own_stream(name, opts.stream)?;
                 kernels.run(op, opts.hints, opts.stream, opts.timeout)
             }
-            _ => stage::run(&self.host, op, opts),
+            _ => on_engine(name, opts, |o| stage::run(&self.host, op, o)),
         }
     }
 

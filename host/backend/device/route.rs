@@ -6,12 +6,67 @@
 //! bytes (256 KiB by default); every other operation goes to NCCL at any size: all_to_all,
 //! whose sizes may differ between ranks (no size rule could agree), and the operations whose
 //! own path is the staged host copy. Per operation, the hint `route` = `nccl` or `device` overrides the
-//! size rule; `nccl` without NCCL (or for a bitwise reduction, which NCCL lacks) falls back to
+//! size rule; `nccl` without NCCL (or for a bitwise reduction, which NCCL lacks) is ignored for
 //! the own path: the device backend never fails for want of NCCL.
+//!
+//! The device backend's hints (see `CommOptions::hints` for the rule): `route`, and
+//! `algorithm` = `oneshot` / `twoshot` / `multimem` for its all_reduce kernels or `oneshot` /
+//! `direct` / `ring` for the CPU engine that runs host buffers and the staged copy. A value
+//! outside these lists is refused; a value that cannot be honoured where the operation runs is
+//! ignored (debug event), and so is any other key.
 
+use crate::backend::{hint_ignored, unknown_hints_ignored};
 use crate::error::{Error, Result};
 use crate::ops::Op;
 use std::collections::BTreeMap;
+
+/// The values of the device backend's hints.
+const ROUTES: [&str; 2] = ["nccl", "device"];
+const ALGORITHMS: [&str; 5] = ["oneshot", "twoshot", "multimem", "direct", "ring"];
+/// The `algorithm` values of the CPU engine (host/backend/cpu).
+const ENGINE_ALGORITHMS: [&str; 3] = ["oneshot", "direct", "ring"];
+
+/// Refuses a value the device backend does not know for a hint it reads, before anything
+/// runs; notes (debug) the keys it does not read.
+pub(crate) fn check_hints(op: &'static str, hints: &BTreeMap<String, String>) -> Result<()> {
+    unknown_hints_ignored("device", op, hints, &["route", "algorithm"]);
+    for (key, accepted) in [("route", &ROUTES[..]), ("algorithm", &ALGORITHMS[..])] {
+        if let Some(v) = hints.get(key).filter(|v| !accepted.contains(&v.as_str())) {
+            return Err(Error::invalid(
+                op,
+                format!("hint {key}={v:?}: the device backend accepts {}", quoted(accepted)),
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn quoted(values: &[&str]) -> String {
+    let q: Vec<String> = values.iter().map(|v| format!("{v:?}")).collect();
+    q.join(", ")
+}
+
+/// Whether the hints ask for one of the CPU engine's own algorithms (`direct`, `ring`): on the
+/// host device, whose buffers are host memory, the engine then runs the operation.
+pub(crate) fn wants_engine(hints: &BTreeMap<String, String>) -> bool {
+    matches!(hints.get("algorithm").map(String::as_str), Some("direct" | "ring"))
+}
+
+/// The hints for the CPU engine underneath (host buffers, the staged copy): `algorithm` where
+/// the engine knows the value. The kernels' algorithms cannot be honoured there and are
+/// ignored; `route` has been applied already, and other keys were noted by `check_hints`.
+pub(crate) fn engine_hints(op: &'static str, hints: &BTreeMap<String, String>) -> BTreeMap<String, String> {
+    match hints.get("algorithm") {
+        Some(a) if ENGINE_ALGORITHMS.contains(&a.as_str()) => BTreeMap::from([("algorithm".into(), a.clone())]),
+        Some(a) => {
+            let why =
+                "the CPU engine runs this operation (host buffers or the staged copy); it has oneshot, direct and ring";
+            hint_ignored("device", op, "algorithm", a, why);
+            BTreeMap::new()
+        }
+        None => BTreeMap::new(),
+    }
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Route {
@@ -73,10 +128,19 @@ impl Policy {
             None if own_kernel && same_size_everywhere(op) && bytes < self.threshold => Route::Own,
             None => Route::Nccl,
         };
-        let route = if self.nccl_present && nccl_supports(op) {
-            wanted
-        } else {
-            Route::Own
+        let route = match (self.nccl_present, nccl_supports(op)) {
+            (true, true) => wanted,
+            (present, _) => {
+                if let Some(v) = hints.get("route").filter(|v| *v == "nccl") {
+                    let why = if present {
+                        "NCCL has no bitwise reductions"
+                    } else {
+                        "NCCL is not available to every rank"
+                    };
+                    hint_ignored("device", op.name(), "route", v, why);
+                }
+                Route::Own
+            }
         };
         tracing::debug!(
             op = op.name(),
@@ -169,6 +233,46 @@ mod tests {
         assert_eq!(policy(false, None).choose(&tiny, &none, true).unwrap(), Route::Own);
         let device = BTreeMap::from([("route".to_string(), "device".to_string())]);
         assert_eq!(policy(true, None).choose(&tiny, &device, true).unwrap(), Route::Own);
+    }
+
+    fn hints(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn unknown_values_of_known_hints_are_refused_and_unknown_keys_pass() {
+        for ok in [
+            hints(&[]),
+            hints(&[("foo", "bar")]),
+            hints(&[("route", "nccl"), ("algorithm", "twoshot")]),
+            hints(&[("route", "device"), ("algorithm", "ring")]),
+        ] {
+            check_hints("all_reduce", &ok).unwrap();
+        }
+        for (bad, accepted) in [
+            (hints(&[("algorithm", "banana")]), "\"multimem\""),
+            (hints(&[("route", "fastest"), ("algorithm", "oneshot")]), "\"nccl\""),
+        ] {
+            let e = check_hints("broadcast", &bad).unwrap_err();
+            assert!(matches!(e, Error::InvalidArgument { op: "broadcast", .. }), "{e:?}");
+            assert!(e.to_string().contains(accepted), "{e}");
+        }
+    }
+
+    #[test]
+    fn the_cpu_engine_gets_only_the_algorithms_it_knows() {
+        let only = |pairs: &[(&str, &str)]| engine_hints("all_reduce", &hints(pairs));
+        assert_eq!(
+            only(&[("algorithm", "ring"), ("route", "nccl")]),
+            hints(&[("algorithm", "ring")])
+        );
+        assert_eq!(only(&[("algorithm", "oneshot")]), hints(&[("algorithm", "oneshot")]));
+        // The kernels' algorithms mean nothing to the engine: it runs its default.
+        assert!(only(&[("algorithm", "twoshot")]).is_empty());
+        assert!(only(&[("algorithm", "multimem"), ("foo", "bar")]).is_empty());
+        assert!(wants_engine(&hints(&[("algorithm", "direct")])));
+        assert!(!wants_engine(&hints(&[("algorithm", "oneshot")])));
+        assert!(!wants_engine(&hints(&[])));
     }
 
     #[test]

@@ -22,6 +22,7 @@ use crate::memory::{multicast, MulticastMap, Pinned};
 use crate::net::link::SharedLink;
 use crate::transport::fd_passing::FdServer;
 use crate::transport::host_identity;
+use crate::transport::FaultRecord;
 use crate::window::{Cmp, Observed, SignalOp, SignalSource, WindowBackend, WindowSpec};
 use cudarc::driver::CudaStream;
 use serde::{Deserialize, Serialize};
@@ -94,6 +95,8 @@ pub(crate) struct DeviceWindow {
     lock: Mutex<()>,
     /// The communicator's timeout: the bound of host verbs that do not take their own.
     timeout: Duration,
+    /// The communicator's first cause of failure (transport/fault.rs).
+    faults: FaultRecord,
 }
 
 impl DeviceWindow {
@@ -211,6 +214,7 @@ impl DeviceWindow {
             _abort_flag: b.abort_flag.clone(),
             lock: Mutex::new(()),
             timeout: spec.timeout,
+            faults: b.host.faults(),
         })
     }
 
@@ -426,11 +430,11 @@ impl WindowBackend for DeviceWindow {
             let peer = usize::try_from(source).ok();
             if let (Some(p), Some(net)) = (peer, &self.net) {
                 if net.lost(p) {
-                    return Err(Error::PeerLost {
+                    return Err(self.faults.resolve(Error::PeerLost {
                         op: "wait_signal",
                         peer: p,
                         reason: "its connection to this rank's window server closed".into(),
-                    });
+                    }));
                 }
             }
             return Err(Error::Timeout {

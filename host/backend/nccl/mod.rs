@@ -266,7 +266,11 @@ impl Backend for NcclBackend {
                     "this NCCL communicator runs device buffers only",
                 )),
             },
-            _ => self.run_device(op, opts),
+            _ => {
+                // NCCL picks its algorithms itself (NCCL_ALGO and the like are its knobs).
+                super::unknown_hints_ignored("nccl", op.name(), opts.hints, &[]);
+                self.run_device(op, opts)
+            }
         }
     }
 

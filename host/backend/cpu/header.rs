@@ -1,0 +1,296 @@
+//! The header in front of every framed message, and the call it describes.
+//!
+//! 48 bytes, little endian: magic (4), operation, dtype, reduce op, flags (1 each), the
+//! sequence number of the message on its ordered rank pair (8), the payload length (8), and,
+//! in the first message a rank sends each peer for a collective (flag `CALL`), the call: its
+//! element count (8), root (4), algorithm (1, then 3 spare), and the collective's sequence
+//! number on the communicator (8). The receiver knows what it expects; any difference means
+//! the ranks called different operations, or the same one with different arguments, and
+//! becomes `Error::Mismatch` naming the field, both values and the peer.
+
+use crate::error::Error;
+
+const MAGIC: u32 = 0xFE44_0C02;
+pub(crate) const HEADER_BYTES: usize = 48;
+/// Flag: the message carries its collective's call.
+const CALL: u8 = 1;
+/// A call's element count where ranks legitimately differ (all_to_all_v).
+pub(crate) const ANY_COUNT: u64 = u64::MAX;
+
+/// What a message claims to be. Equal tags on both sides mean matching calls.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Tag {
+    pub op: u8,
+    pub dtype: u8,
+    pub redop: u8,
+    pub nbytes: u64,
+}
+
+/// The arguments of one collective that every rank must agree on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Call {
+    pub count: u64,
+    pub root: u32,
+    pub algo: u8,
+    /// The collective's number on this communicator (set by the engine).
+    pub seq: u64,
+}
+
+pub(crate) fn op_name(code: u8) -> &'static str {
+    match code {
+        1 => "all_reduce",
+        2 => "reduce",
+        3 => "broadcast",
+        4 => "all_gather",
+        5 => "reduce_scatter",
+        6 => "all_to_all",
+        7 => "scatter",
+        8 => "gather",
+        9 => "barrier",
+        10 => "send/recv",
+        _ => "unknown",
+    }
+}
+
+fn dtype_name(code: u8) -> &'static str {
+    crate::dtype::DType::from_code(code).map_or("-", |d| d.name())
+}
+
+fn redop_name(code: u8) -> String {
+    // The codes of ReduceOp::code; 0: the operation has none.
+    let names = [
+        "none",
+        "sum",
+        "prod",
+        "min",
+        "max",
+        "avg",
+        "band",
+        "bor",
+        "bxor",
+        "premul_sum",
+    ];
+    names
+        .get(code as usize)
+        .map_or_else(|| format!("code {code}"), |n| n.to_string())
+}
+
+fn algo_name(code: u8) -> &'static str {
+    match code {
+        0 => "direct",
+        1 => "ring",
+        _ => "unknown",
+    }
+}
+
+impl Tag {
+    /// The tag in one word, as a shared-memory round records it (the length travels apart).
+    pub(crate) fn label(&self) -> u64 {
+        self.op as u64 | (self.dtype as u64) << 8 | (self.redop as u64) << 16
+    }
+
+    pub(crate) fn from_label(label: u64, nbytes: u64) -> Tag {
+        Tag {
+            op: label as u8,
+            dtype: (label >> 8) as u8,
+            redop: (label >> 16) as u8,
+            nbytes,
+        }
+    }
+
+    pub(crate) fn describe(&self) -> String {
+        format!(
+            "{} ({} bytes, dtype {}, reduce op {})",
+            op_name(self.op),
+            self.nbytes,
+            dtype_name(self.dtype),
+            redop_name(self.redop)
+        )
+    }
+}
+
+/// One message's header as sent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Header {
+    pub tag: Tag,
+    /// The message's number on its ordered rank pair.
+    pub seq: u64,
+    pub call: Option<Call>,
+}
+
+pub(crate) fn encode(h: &Header) -> [u8; HEADER_BYTES] {
+    let mut b = [0u8; HEADER_BYTES];
+    b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+    b[4] = h.tag.op;
+    b[5] = h.tag.dtype;
+    b[6] = h.tag.redop;
+    b[8..16].copy_from_slice(&h.seq.to_le_bytes());
+    b[16..24].copy_from_slice(&h.tag.nbytes.to_le_bytes());
+    if let Some(c) = h.call {
+        b[7] = CALL;
+        b[24..32].copy_from_slice(&c.count.to_le_bytes());
+        b[32..36].copy_from_slice(&c.root.to_le_bytes());
+        b[36] = c.algo;
+        b[40..48].copy_from_slice(&c.seq.to_le_bytes());
+    }
+    b
+}
+
+pub(crate) fn decode(b: &[u8; HEADER_BYTES]) -> Option<Header> {
+    let word = |r: std::ops::Range<usize>| b[r].iter().rev().fold(0u64, |a, &x| (a << 8) | x as u64);
+    if word(0..4) as u32 != MAGIC {
+        return None;
+    }
+    let call = (b[7] & CALL != 0).then(|| Call {
+        count: word(24..32),
+        root: word(32..36) as u32,
+        algo: b[36],
+        seq: word(40..48),
+    });
+    Some(Header {
+        tag: Tag {
+            op: b[4],
+            dtype: b[5],
+            redop: b[6],
+            nbytes: word(16..24),
+        },
+        seq: word(8..16),
+        call,
+    })
+}
+
+/// Checks a received header against what this rank expects; the error names the first field
+/// that differs, with both values.
+pub(crate) fn check(op: &'static str, peer: usize, raw: &[u8; HEADER_BYTES], want: &Header) -> Result<(), Error> {
+    let mismatch = |detail: String| Error::Mismatch { op, peer, detail };
+    let differ = |field: &str, ours: String, theirs: String| {
+        mismatch(format!("{field}: this rank has {ours}, rank {peer} has {theirs}"))
+    };
+    let Some(got) = decode(raw) else {
+        return Err(mismatch(
+            "received bytes that are not a ferrocomm message header".into(),
+        ));
+    };
+    let (g, w) = (got.tag, want.tag);
+    if g.op != w.op {
+        return Err(differ("operation", op_name(w.op).into(), op_name(g.op).into()));
+    }
+    match (want.call, got.call) {
+        (Some(wc), Some(gc)) => {
+            if gc.seq != wc.seq {
+                return Err(differ(
+                    "collective number",
+                    wc.seq.to_string(),
+                    format!("{} (the ranks called different collectives before this one)", gc.seq),
+                ));
+            }
+            if g.dtype != w.dtype {
+                return Err(differ("dtype", dtype_name(w.dtype).into(), dtype_name(g.dtype).into()));
+            }
+            if g.redop != w.redop {
+                return Err(differ("reduce op", redop_name(w.redop), redop_name(g.redop)));
+            }
+            if gc.count != wc.count {
+                return Err(differ("element count", wc.count.to_string(), gc.count.to_string()));
+            }
+            if gc.root != wc.root {
+                return Err(differ("root", wc.root.to_string(), gc.root.to_string()));
+            }
+            if gc.algo != wc.algo {
+                return Err(differ(
+                    "algorithm",
+                    algo_name(wc.algo).into(),
+                    format!("{} (the ranks' algorithm hints differ)", algo_name(gc.algo)),
+                ));
+            }
+        }
+        (Some(_), None) => {
+            return Err(mismatch(format!(
+                "it sent a later message of {} where this rank expected the start of {}",
+                g.describe(),
+                w.describe()
+            )))
+        }
+        (None, Some(_)) => {
+            return Err(mismatch(format!(
+                "it started another collective ({}) while this rank expects a message of {}",
+                g.describe(),
+                w.describe()
+            )))
+        }
+        (None, None) => {}
+    }
+    if g != w {
+        return Err(mismatch(format!(
+            "it sent {}, this rank expected {}",
+            g.describe(),
+            w.describe()
+        )));
+    }
+    if got.seq != want.seq {
+        return Err(mismatch(format!(
+            "message {} arrived where message {} was expected",
+            got.seq, want.seq
+        )));
+    }
+    Ok(())
+}
+
+/// The payload length a received header announces, if it is a header at all.
+pub(crate) fn announced_len(raw: &[u8; HEADER_BYTES]) -> Option<u64> {
+    decode(raw).map(|h| h.tag.nbytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header(root: u32, count: u64) -> Header {
+        Header {
+            tag: Tag {
+                op: 3,
+                dtype: 0,
+                redop: 0,
+                nbytes: 0,
+            },
+            seq: 7,
+            call: Some(Call {
+                count,
+                root,
+                algo: 0,
+                seq: 2,
+            }),
+        }
+    }
+
+    #[test]
+    fn a_header_survives_the_wire() {
+        let h = header(5, 1 << 40);
+        assert_eq!(decode(&encode(&h)), Some(h));
+        assert!(check("broadcast", 1, &encode(&h), &h).is_ok());
+    }
+
+    #[test]
+    fn each_call_field_is_named_with_both_values() {
+        let e = check("broadcast", 2, &encode(&header(1, 8)), &header(0, 8)).unwrap_err();
+        assert!(
+            matches!(&e, Error::Mismatch { peer: 2, detail, .. } if detail == "root: this rank has 0, rank 2 has 1"),
+            "{e}"
+        );
+        let e = check("broadcast", 2, &encode(&header(0, 9)), &header(0, 8)).unwrap_err();
+        assert!(
+            e.to_string().contains("element count: this rank has 8, rank 2 has 9"),
+            "{e}"
+        );
+        let mut other = header(0, 8);
+        other.tag.op = 1;
+        let e = check("broadcast", 2, &encode(&other), &header(0, 8)).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("operation: this rank has broadcast, rank 2 has all_reduce"),
+            "{e}"
+        );
+        let e = check("broadcast", 2, &[0u8; HEADER_BYTES], &header(0, 8)).unwrap_err();
+        assert!(e.to_string().contains("not a ferrocomm message header"), "{e}");
+    }
+}
