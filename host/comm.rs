@@ -424,8 +424,10 @@ impl Comm {
         self.inner.exec.backend().finalize()
     }
 
-    /// Fails every running and later operation of this rank at once, from any thread; peers
-    /// waiting on this rank get `Error::PeerLost`.
+    /// Fails every running and later operation of this rank at once, from any thread, with
+    /// `Error::Closed` (state `"aborted"`); peers waiting on this rank get `Error::PeerLost`
+    /// naming it with the reason `"aborted"` (or the earlier cause this rank had recorded, if
+    /// it aborts because of another rank's failure).
     pub fn abort(&self) {
         abort_rank(&self.inner.state, self.inner.exec.backend());
     }

@@ -76,6 +76,13 @@
 //! | `FERROCOMM_NCCL_THRESHOLD` | smallest message the device backend sends to NCCL when it has its own kernel, bytes (256K) |
 //! | `FERROCOMM_DEVICE_ONESHOT_MAX` | largest per-rank message of the device backend's one- and two-shot kernels, bytes (1M) |
 //! | `FERROCOMM_DEVICE_TWOSHOT_MIN` | smallest all_reduce message of the device backend's two-shot kernel, bytes (128K) |
+//! | `FERROCOMM_MULTICAST` | `0`: device windows make no multicast object (multimem off) |
+//! | `FERROCOMM_PROXY_AFFINITY` | `0`: a device window's proxy thread runs on any CPU (default: the CPUs local to its GPU) |
+//! | `FERROCOMM_CHECK_CALLS` | `1`: the ranks compare their whole calls before every operation (v-form counts included) |
+//! | `FERROCOMM_ABORT_ON_ERROR` | `off`, `comm` or `process`: what an operation failing with a timeout, a lost peer or a mismatch does beyond returning its error |
+//! | `FERROCOMM_RUN_GRACE` | seconds `ferrocomm-run` gives ranks between a forwarded SIGTERM/SIGINT and SIGKILL (5) |
+//! | `FERROCOMM_PYTHON` | the Python interpreter `ferrocomm-bench --plot` runs (python3) |
+//! | `FERROCOMM_REQUIRE_NVCC`, `FERROCOMM_REQUIRE_NVRTC`, `FERROCOMM_REQUIRE_NCCL`, `FERROCOMM_REQUIRE_GPU` | `1`: fail instead of skipping where nvcc, NVRTC, NCCL or a GPU is missing |
 //!
 //! ## Threads and clean-up
 //!

@@ -38,6 +38,9 @@ pub(crate) enum Xfer<'b> {
         /// Part of a collective's first exchange: no byte lands in `data` before every call
         /// of that exchange has been checked.
         gated: bool,
+        /// A peer's call to a rank that writes nothing in its collective: checked when it
+        /// arrives, in this exchange or a later one, which does not wait for it.
+        later: bool,
     },
 }
 
@@ -64,6 +67,40 @@ impl Xfer<'_> {
     /// A call receive whose header has not arrived (and been checked) yet.
     fn call_pending(&self) -> bool {
         matches!(self, Xfer::Recv { call: true, hpos, .. } if *hpos < HEADER_BYTES)
+    }
+
+    /// Must be done before its exchange is.
+    fn needed(&self) -> bool {
+        !matches!(self, Xfer::Recv { later: true, .. })
+    }
+
+    /// A later call receive that has not arrived, kept for the next exchange (its buffer is
+    /// empty, so it outlives the exchange's borrows); `None` for anything else.
+    fn detach(self) -> Option<Xfer<'static>> {
+        match self {
+            Xfer::Recv {
+                peer,
+                expect,
+                hdr,
+                hpos,
+                data: [],
+                pos,
+                call,
+                gated,
+                later: true,
+            } => Some(Xfer::Recv {
+                peer,
+                expect,
+                hdr,
+                hpos,
+                data: Default::default(),
+                pos,
+                call,
+                gated,
+                later: true,
+            }),
+            _ => None,
+        }
     }
 }
 
@@ -155,6 +192,8 @@ pub(crate) struct Engine {
     /// Collectives started on this communicator (shared-memory rounds included).
     calls: u64,
     open: Option<OpenCall>,
+    /// Peers' calls to collectives in which this rank wrote nothing, not yet arrived.
+    deferred: Vec<Xfer<'static>>,
 }
 
 impl Engine {
@@ -170,6 +209,7 @@ impl Engine {
             sweep: 0,
             calls: 0,
             open: None,
+            deferred: Vec::new(),
         }
     }
 
@@ -191,8 +231,11 @@ impl Engine {
     /// every peer's call has been checked, so a mismatched call is found on every rank before
     /// it writes anything. `covers_all`: the algorithm's first exchange sends to and receives
     /// from every peer, and its messages carry the call; otherwise header-only call messages
-    /// travel with the first exchange.
-    pub(crate) fn begin_call(&mut self, tag: Tag, call: Call, covers_all: bool) {
+    /// travel with the first exchange. `writes`: this rank writes a user buffer in this
+    /// collective; a rank that only sends (a broadcast's root, gather's and reduce's other
+    /// ranks) does not wait for the peers' calls but checks them when they arrive, in this
+    /// collective or a later one, so that it can run ahead as its sends allow.
+    pub(crate) fn begin_call(&mut self, tag: Tag, call: Call, covers_all: bool, writes: bool) {
         self.calls += 1;
         let call = Call {
             seq: self.calls,
@@ -209,8 +252,16 @@ impl Engine {
             let (me, size) = (self.rank, self.size);
             for p in (0..size).filter(|&p| p != me) {
                 let send = self.xfer_send(p, tag, &[], Some(call));
-                let recv = self.xfer_recv(p, tag, Default::default(), Some(call), true);
-                open.preamble.extend([send, recv]);
+                let mut recv = self.xfer_recv(p, tag, Default::default(), Some(call), true);
+                open.preamble.push(send);
+                if writes {
+                    open.preamble.push(recv);
+                } else {
+                    if let Xfer::Recv { later, .. } = &mut recv {
+                        *later = true;
+                    }
+                    self.deferred.push(recv);
+                }
             }
         }
         self.open = Some(open);
@@ -282,6 +333,7 @@ impl Engine {
             pos: 0,
             call: call.is_some(),
             gated,
+            later: false,
         }
     }
 
@@ -334,6 +386,7 @@ impl Engine {
                 data,
                 pos,
                 gated,
+                later,
                 ..
             } => {
                 let mut moved = false;
@@ -344,7 +397,18 @@ impl Engine {
                     if *hpos < HEADER_BYTES {
                         return Ok(moved);
                     }
-                    header::check(op, *peer, hdr, expect)?;
+                    header::check(op, *peer, hdr, expect).map_err(|e| match e {
+                        Error::Mismatch { op, peer, detail } if *later => Error::Mismatch {
+                            op,
+                            peer,
+                            detail: format!(
+                                "in an earlier {} (collective {}): {detail}",
+                                header::op_name(expect.tag.op),
+                                expect.call.map_or(0, |c| c.seq)
+                            ),
+                        },
+                        other => other,
+                    })?;
                 }
                 if *pos < data.len() && (gate_open || !*gated) {
                     let n = link.read(&mut data[*pos..]).map_err(|r| lost(*peer, r))?;
@@ -366,7 +430,7 @@ impl Engine {
             if x.done() {
                 continue;
             }
-            all_done = false;
+            all_done &= !x.needed();
             let peer = x.peer();
             let stamp = match x {
                 Xfer::Send { .. } => &mut self.tx_stamp[peer],
@@ -391,23 +455,36 @@ impl Engine {
 
     /// Runs every message to completion, or fails with the reason and the peer.
     pub(crate) fn exchange<'b>(&mut self, ctx: &OpCtx<'_>, xfers: &mut [Xfer<'b>]) -> Result<()> {
-        let first = match &mut self.open {
+        let preamble = match &mut self.open {
             Some(o) if o.first_pending => {
                 o.first_pending = false;
-                Some(std::mem::take(&mut o.preamble))
+                std::mem::take(&mut o.preamble)
             }
-            _ => None,
+            _ => Vec::new(),
         };
-        let Some(preamble) = first else {
-            return self.run(ctx, &mut [], xfers);
-        };
-        let mut pre: Vec<Xfer<'b>> = preamble.into_iter().collect();
+        // Calls deferred by earlier collectives come first: they are first on their streams.
+        let mut pre: Vec<Xfer<'b>> = std::mem::take(&mut self.deferred).into_iter().chain(preamble).collect();
         let r = self.run(ctx, &mut pre, xfers);
         if let Err(e @ Error::Mismatch { .. }) = r {
             self.drain_calls(ctx, &mut pre, xfers);
             return Err(e);
         }
+        self.deferred = pre.into_iter().filter(|x| !x.done()).filter_map(Xfer::detach).collect();
         r
+    }
+
+    /// Waits for every deferred call (before a shared-memory round, which reads peers' state
+    /// outside the streams: a call still in a stream would look like another operation's).
+    pub(crate) fn settle_deferred(&mut self, ctx: &OpCtx<'_>) -> Result<()> {
+        if self.deferred.is_empty() {
+            return Ok(());
+        }
+        for x in self.deferred.iter_mut() {
+            if let Xfer::Recv { later, .. } = x {
+                *later = false;
+            }
+        }
+        self.exchange(ctx, &mut [])
     }
 
     fn run<'b>(&mut self, ctx: &OpCtx<'_>, pre: &mut [Xfer<'b>], xfers: &mut [Xfer<'b>]) -> Result<()> {
@@ -475,6 +552,17 @@ impl Engine {
         }
     }
 
+    /// Sweeps until nothing moves: a message already in its stream may take more than one
+    /// sweep (its header is checked in one, and a gated payload is read in the next).
+    fn sweep_while_moving<'b>(&mut self, ctx: &OpCtx<'_>, pre: &mut [Xfer<'b>], xfers: &mut [Xfer<'b>]) -> Result<()> {
+        loop {
+            let (done, moved) = self.sweep(ctx, pre, xfers)?;
+            if done || !moved {
+                return Ok(());
+            }
+        }
+    }
+
     fn check_stalled<'b>(
         &mut self,
         ctx: &OpCtx<'_>,
@@ -496,8 +584,8 @@ impl Engine {
             .find_map(|&p| self.transport.links[p].check_peer(p).err().map(|g| (p, g)));
         if let Some((peer, g)) = gone {
             // The peer may have written its last bytes just before leaving: its state store is a
-            // Release, our read an Acquire, so one more sweep sees everything it sent.
-            self.sweep(ctx, pre, xfers)?;
+            // Release, our read an Acquire, so sweeping once more sees everything it sent.
+            self.sweep_while_moving(ctx, pre, xfers)?;
             if waiting(pre, xfers).contains(&peer) {
                 return Err(Error::PeerLost {
                     op: ctx.op,
@@ -507,12 +595,12 @@ impl Engine {
             }
         }
         // A peer that has started a shared-memory round we have not reached is running another
-        // operation. It published the round after its last message to us, so one more sweep
-        // first takes in anything it sent for this one.
+        // operation. It published the round after its last message to us, so sweeping once
+        // more first takes in anything it sent for this one.
         let Some(b) = &self.transport.board else { return Ok(()) };
         let ahead = pending.iter().copied().find(|&p| b.peer_latest(p) >= b.next_round());
         if let Some(peer) = ahead {
-            self.sweep(ctx, pre, xfers)?;
+            self.sweep_while_moving(ctx, pre, xfers)?;
             if waiting(pre, xfers).contains(&peer) {
                 return Err(Error::Mismatch {
                     op: ctx.op,

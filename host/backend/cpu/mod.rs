@@ -333,14 +333,15 @@ impl CpuBackend {
         }
         let algo = |bytes: usize| self.tuning.choose(ctx.op, bytes, opts);
         // Opens the collective's call (header.rs) right before its algorithm runs.
-        let begin = |e: &mut Engine, t: Tag, count: usize, root: usize, a: Algo, covers_all: bool| {
+        // `writes`: this rank writes a user buffer (else it checks peers' calls as they come).
+        let begin = |e: &mut Engine, t: Tag, count: usize, root: usize, a: Algo, covers_all: bool, writes: bool| {
             let call = Call {
                 count: count as u64,
                 root: root as u32,
                 algo: a.code(),
                 seq: 0,
             };
-            e.begin_call(t, call, covers_all && e.size > 1);
+            e.begin_call(t, call, covers_all && e.size > 1, writes);
         };
         let elems = |bytes: usize, d: DType| bytes / d.size();
         match op {
@@ -348,23 +349,25 @@ impl CpuBackend {
                 let (d, o, bytes) = (buf.dtype(), *op, buf.host_bytes().len());
                 let t = tag(1, d, Some(o));
                 if self.tuning.use_board(ctx.op, bytes, opts, oneshot::fits(e, bytes))? {
+                    e.settle_deferred(ctx)?;
                     e.count_call();
                     return oneshot::all_reduce(e, ctx, t, buf.host_bytes_mut(), d, o);
                 }
                 let a = algo(bytes)?;
-                begin(e, t, elems(bytes, d), 0, a, a == Algo::Direct);
+                begin(e, t, elems(bytes, d), 0, a, a == Algo::Direct, true);
                 algorithms::all_reduce(e, s, ctx, t, buf.host_bytes_mut(), d, o, a)
             }
             Op::Reduce { buf, op, root } => {
                 let (d, o, bytes) = (buf.dtype(), *op, buf.host_bytes().len());
                 let (t, a) = (tag(2, d, Some(o)), algo(bytes)?);
-                begin(e, t, elems(bytes, d), *root, a, false);
+                let writes = e.rank == *root || a == Algo::Ring;
+                begin(e, t, elems(bytes, d), *root, a, false, writes);
                 algorithms::reduce(e, s, ctx, t, buf.host_bytes_mut(), d, o, *root, a)
             }
             Op::Broadcast { buf, root } => {
                 let (d, bytes) = (buf.dtype(), buf.host_bytes().len());
                 let (t, a) = (tag(3, d, None), algo(bytes)?);
-                begin(e, t, elems(bytes, d), *root, a, false);
+                begin(e, t, elems(bytes, d), *root, a, false, e.rank != *root);
                 algorithms::broadcast(e, ctx, t, buf.host_bytes_mut(), *root, a, self.tuning.chunk)
             }
             Op::AllGather { input, outputs } => {
@@ -374,11 +377,12 @@ impl CpuBackend {
                 let total = outs.iter().map(|o| o.len()).sum();
                 let largest = outs.iter().map(|o| o.len()).max().unwrap_or(0);
                 if self.tuning.use_board(ctx.op, total, opts, oneshot::fits(e, largest))? {
+                    e.settle_deferred(ctx)?;
                     e.count_call();
                     return oneshot::all_gather(e, ctx, t, input.host_bytes(), &mut outs);
                 }
                 let a = algo(total)?;
-                begin(e, t, elems(total, d), 0, a, a == Algo::Direct);
+                begin(e, t, elems(total, d), 0, a, a == Algo::Direct, true);
                 algorithms::all_gather(e, ctx, t, input.host_bytes(), &mut outs, a)
             }
             Op::ReduceScatter { inputs, output, op } => {
@@ -386,7 +390,7 @@ impl CpuBackend {
                 let ins: Vec<&[u8]> = inputs.iter().map(|i| i.host_bytes()).collect();
                 let total = ins.iter().map(|i| i.len()).sum();
                 let (t, a) = (tag(5, d, Some(o)), algo(total)?);
-                begin(e, t, elems(total, d), 0, a, a == Algo::Direct);
+                begin(e, t, elems(total, d), 0, a, a == Algo::Direct, true);
                 algorithms::reduce_scatter(e, s, ctx, t, &ins, output.host_bytes_mut(), d, o, a)
             }
             Op::AllToAll { inputs, outputs } => {
@@ -396,13 +400,14 @@ impl CpuBackend {
                 // Whether the blocks fit is settled inside the round (all_to_all_v: sizes differ
                 // by rank), so here only the board and the hint count.
                 if self.tuning.use_board(ctx.op, 0, opts, oneshot::fits(e, 0))? {
+                    e.settle_deferred(ctx)?;
                     e.count_call();
                     if oneshot::all_to_all(e, ctx, t, &ins, &mut outs)? {
                         return Ok(());
                     }
                 }
                 // all_to_all_v: ranks' counts differ; each message's length is checked instead.
-                e.begin_call(t, any_count_call(0), e.size > 1);
+                e.begin_call(t, any_count_call(0), e.size > 1, true);
                 algorithms::all_to_all(e, ctx, t, &ins, &mut outs)
             }
             Op::Scatter { inputs, output, root } => {
@@ -410,7 +415,7 @@ impl CpuBackend {
                 // Per-rank lengths may differ (objects scatter their encodings): each message's
                 // length is checked instead of a count.
                 let t = tag(7, output.dtype(), None);
-                e.begin_call(t, any_count_call(*root), false);
+                e.begin_call(t, any_count_call(*root), false, true);
                 algorithms::scatter(e, ctx, t, ins.as_deref(), output.host_bytes_mut(), *root)
             }
             Op::Gather { input, outputs, root } => {
@@ -418,16 +423,17 @@ impl CpuBackend {
                     .as_mut()
                     .map(|v| v.iter_mut().map(|o| o.host_bytes_mut()).collect());
                 let t = tag(8, input.dtype(), None);
-                e.begin_call(t, any_count_call(*root), false);
+                e.begin_call(t, any_count_call(*root), false, e.rank == *root);
                 algorithms::gather(e, ctx, t, input.host_bytes(), outs.as_deref_mut(), *root)
             }
             Op::Barrier if oneshot::fits(e, 0) => {
+                e.settle_deferred(ctx)?;
                 e.count_call();
                 oneshot::barrier(e, ctx, tag(9, DType::U8, None))
             }
             Op::Barrier => {
                 let t = tag(9, DType::U8, None);
-                begin(e, t, 0, 0, Algo::Direct, true);
+                begin(e, t, 0, 0, Algo::Direct, true, true);
                 algorithms::barrier(e, ctx, t)
             }
             Op::Batch(list) => {
