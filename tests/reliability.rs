@@ -21,7 +21,7 @@ const SCENARIO: &str = "FERROCOMM_TEST_SCENARIO";
 const TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Every row of the matrix.
-const SCENARIOS: [&str; 14] = [
+const SCENARIOS: [&str; 18] = [
     "exit_in_all_reduce",
     "exit_in_chain",
     "exit_in_window_wait",
@@ -36,6 +36,10 @@ const SCENARIOS: [&str; 14] = [
     "dtype:large",
     "length:small",
     "length:large",
+    "all_gather_length:small",
+    "all_gather_length:large",
+    "gather_root:small",
+    "gather_root:large",
 ];
 
 fn now_us() -> u128 {
@@ -77,6 +81,20 @@ fn mismatched_call(c: &Comm, row: &str, large: bool) -> (ferrocomm::Result<()>, 
     let mut a = fill(c.rank());
     let before = a.clone();
     let r = match row {
+        "all_gather_length" => {
+            // The victim contributes one element fewer; every output stays as poisoned.
+            let m = if odd { n - 1 } else { n };
+            let mut out = vec![-1.0f32; m * WORLD];
+            let r = c.all_gather(&mut out, &a[..m]);
+            return (r, out.iter().all(|&x| x == -1.0));
+        }
+        "gather_root" => {
+            // Ranks 0 and 1 gather at rank 0, ranks 2 and 3 at rank 1.
+            let root = usize::from(c.rank() >= 2);
+            let mut out = vec![-1.0f32; n * WORLD];
+            let r = c.gather((c.rank() == root).then_some(&mut out[..]), &a, root);
+            return (r, out.iter().all(|&x| x == -1.0));
+        }
         "broadcast_root" => {
             // Ranks 0 and 1 say the root is 0, ranks 2 and 3 say 1.
             c.broadcast(&mut a, usize::from(c.rank() >= 2))
@@ -222,17 +240,23 @@ fn check(mode: &str, scenario: &str, rank: usize, seen: &[String], fault_at: u12
                 "op_kind" => "operation",
                 "reduce_op" => "reduce op",
                 "dtype" => "dtype",
+                "gather_root" => "root",
                 _ => "element count",
             };
             // On shared memory a small call may meet the other side's round on the board,
             // where the check knows that the calls differ but not the field.
-            let board = !mode.contains("tcp") && scenario.ends_with(":small") && row != "broadcast_root";
+            let board = !mode.contains("tcp") && scenario.ends_with(":small") && !row.ends_with("_root");
             let fields = [field];
             let fields: &[&str] = if board { &[] } else { &fields };
-            // A rank that writes nothing in the collective (here rank 0, the root in its own
-            // view) does not wait for the others' calls: it may complete the call and meet the
-            // mismatch at its next one, which fails with it.
-            if row == "broadcast_root" && rank == 0 && first.starts_with("ok") {
+            // A rank that writes nothing in the collective (a broadcast's root, gather's other
+            // ranks, in their own view) does not wait for the others' calls: it may complete
+            // the call and meet the mismatch at its next one, which fails with it.
+            let sender_only = match row {
+                "broadcast_root" => rank == 0,
+                "gather_root" => rank != 0,
+                _ => false,
+            };
+            if sender_only && first.starts_with("ok") {
                 assert_eq!(seen.len(), 2, "{ctx}");
                 assert!(
                     seen[1].starts_with("Mismatch peer="),

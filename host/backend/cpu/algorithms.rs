@@ -102,15 +102,24 @@ fn ring_reduce_scatter(
     Ok(())
 }
 
-/// Ring all-gather: every rank starts with its own `parts[rank]` and ends with all of them.
-fn ring_all_gather(e: &mut Engine, ctx: &OpCtx, tag: Tag, parts: &mut [&mut [u8]]) -> Result<()> {
+/// Ring all-gather: every rank starts with its own `parts[rank]` (or, given `own`, with that,
+/// copied into `parts[rank]` only once the first step has checked every peer's call) and ends
+/// with all of them.
+fn ring_all_gather(e: &mut Engine, ctx: &OpCtx, tag: Tag, parts: &mut [&mut [u8]], own: Option<&[u8]>) -> Result<()> {
     let (n, me) = (e.size, e.rank);
     let (right, left) = ((me + 1) % n, (me + n - 1) % n);
     for s in 0..n - 1 {
         let (send_b, recv_b) = ((me + n - s) % n, (me + 2 * n - s - 1) % n);
         let (out, inc) = pair(parts, send_b, recv_b);
+        let out = match own {
+            Some(own) if s == 0 => own,
+            _ => out,
+        };
         let mut x = [e.send(right, tag, out), e.recv(left, tag, inc)];
         e.exchange(ctx, &mut x)?;
+        if let (Some(own), 0) = (own, s) {
+            parts[me].copy_from_slice(own);
+        }
     }
     Ok(())
 }
@@ -180,7 +189,7 @@ pub(crate) fn all_reduce(
                 };
                 let mut parts = parts_of(work, lens);
                 ring_reduce_scatter(e, ctx, tag, &mut parts, dtype, op, tmp)?;
-                ring_all_gather(e, ctx, tag, &mut parts)?;
+                ring_all_gather(e, ctx, tag, &mut parts, None)?;
                 if premul {
                     buf.copy_from_slice(scaled);
                 }
@@ -316,14 +325,14 @@ pub(crate) fn all_gather(
     outputs: &mut [&mut [u8]],
     algo: Algo,
 ) -> Result<()> {
-    outputs[e.rank].copy_from_slice(input);
-    if e.size == 1 {
-        return Ok(());
-    }
+    // Our own block lands only after every peer's call has been checked.
     match algo {
-        Algo::Direct => direct_all_to_all_same(e, ctx, tag, input, outputs),
-        Algo::Ring => ring_all_gather(e, ctx, tag, outputs),
+        _ if e.size == 1 => {}
+        Algo::Direct => direct_all_to_all_same(e, ctx, tag, input, outputs)?,
+        Algo::Ring => return ring_all_gather(e, ctx, tag, outputs, Some(input)),
     }
+    outputs[e.rank].copy_from_slice(input);
+    Ok(())
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -387,13 +396,16 @@ pub(crate) fn all_to_all(
     outputs: &mut [&mut [u8]],
 ) -> Result<()> {
     let me = e.rank;
-    outputs[me].copy_from_slice(inputs[me]);
     let mut x = Vec::with_capacity(2 * e.size);
     for (p, out) in outputs.iter_mut().enumerate().filter(|(p, _)| *p != me) {
         x.push(e.send(p, tag, inputs[p]));
         x.push(e.recv(p, tag, out));
     }
-    e.exchange(ctx, &mut x)
+    e.exchange(ctx, &mut x)?;
+    drop(x);
+    // Our own block lands only after every peer's call has been checked.
+    outputs[me].copy_from_slice(inputs[me]);
+    Ok(())
 }
 
 pub(crate) fn scatter(
@@ -407,12 +419,14 @@ pub(crate) fn scatter(
     let me = e.rank;
     match inputs {
         Some(inputs) if me == root => {
-            output.copy_from_slice(inputs[me]);
             let mut x: Vec<Xfer> = (0..e.size)
                 .filter(|&p| p != me)
                 .map(|p| e.send(p, tag, inputs[p]))
                 .collect();
-            e.exchange(ctx, &mut x)
+            e.exchange(ctx, &mut x)?;
+            // Our own block lands only after every peer's call has been checked.
+            output.copy_from_slice(inputs[me]);
+            Ok(())
         }
         _ => {
             let x = e.recv(root, tag, output);
@@ -432,12 +446,15 @@ pub(crate) fn gather(
     let me = e.rank;
     match outputs {
         Some(outputs) if me == root => {
-            outputs[me].copy_from_slice(input);
             let mut x = Vec::with_capacity(e.size);
             for (p, out) in outputs.iter_mut().enumerate().filter(|(p, _)| *p != me) {
                 x.push(e.recv(p, tag, out));
             }
-            e.exchange(ctx, &mut x)
+            e.exchange(ctx, &mut x)?;
+            drop(x);
+            // Our own block lands only after every peer's call has been checked.
+            outputs[me].copy_from_slice(input);
+            Ok(())
         }
         _ => {
             let x = e.send(root, tag, input);

@@ -106,12 +106,16 @@ impl Xfer<'_> {
 
 /// The collective being run, until its first exchange has checked every peer's call.
 struct OpenCall {
+    tag: Tag,
     call: Call,
-    /// The algorithm's first exchange sends to and receives from every peer, so its messages
-    /// carry the call; otherwise `preamble` does.
-    covers_all: bool,
+    /// The algorithm's first exchange is symmetric (a rank sends to p in it exactly when p
+    /// receives from that rank in its own): its messages carry the call, and header-only call
+    /// messages cover the pairs it does not reach. Otherwise header-only call messages to and
+    /// from every peer come first.
+    symmetric: bool,
+    writes: bool,
     first_pending: bool,
-    /// Header-only call messages to and from every peer, sent with the first exchange.
+    /// Header-only call messages, sent with the first exchange.
     preamble: Vec<Xfer<'static>>,
 }
 
@@ -229,42 +233,52 @@ impl Engine {
     /// Starts a collective whose algorithm follows at once. Every rank sends each peer its
     /// call in the first message of the collective, and no byte lands in a user buffer before
     /// every peer's call has been checked, so a mismatched call is found on every rank before
-    /// it writes anything. `covers_all`: the algorithm's first exchange sends to and receives
-    /// from every peer, and its messages carry the call; otherwise header-only call messages
-    /// travel with the first exchange. `writes`: this rank writes a user buffer in this
-    /// collective; a rank that only sends (a broadcast's root, gather's and reduce's other
-    /// ranks) does not wait for the peers' calls but checks them when they arrive, in this
-    /// collective or a later one, so that it can run ahead as its sends allow.
-    pub(crate) fn begin_call(&mut self, tag: Tag, call: Call, covers_all: bool, writes: bool) {
+    /// it writes anything. `symmetric`: see `OpenCall`. `writes`: this rank writes a user
+    /// buffer in this collective; a rank that only sends (a broadcast's root, gather's and
+    /// reduce's other ranks) does not wait for the peers' calls but checks them when they
+    /// arrive, in this collective or a later one, so that it can run ahead as its sends allow.
+    pub(crate) fn begin_call(&mut self, tag: Tag, call: Call, symmetric: bool, writes: bool) {
         self.calls += 1;
         let call = Call {
             seq: self.calls,
             ..call
         };
         let mut open = OpenCall {
+            tag,
             call,
-            covers_all,
+            symmetric,
+            writes,
             first_pending: true,
             preamble: Vec::new(),
         };
-        if !covers_all {
-            let tag = Tag { nbytes: 0, ..tag };
-            let (me, size) = (self.rank, self.size);
-            for p in (0..size).filter(|&p| p != me) {
-                let send = self.xfer_send(p, tag, &[], Some(call));
-                let mut recv = self.xfer_recv(p, tag, Default::default(), Some(call), true);
-                open.preamble.push(send);
-                if writes {
-                    open.preamble.push(recv);
-                } else {
-                    if let Xfer::Recv { later, .. } = &mut recv {
-                        *later = true;
-                    }
-                    self.deferred.push(recv);
-                }
-            }
+        if !symmetric {
+            // Created before any message of the algorithm, so first on every stream.
+            let peers: Vec<usize> = (0..self.size).filter(|&p| p != self.rank).collect();
+            open.preamble = self.call_messages(&open, &peers, &peers);
         }
         self.open = Some(open);
+    }
+
+    /// Header-only call messages to `to` and from `from`; the receives of a rank that writes
+    /// nothing go to `deferred` instead of the returned list.
+    fn call_messages(&mut self, open: &OpenCall, to: &[usize], from: &[usize]) -> Vec<Xfer<'static>> {
+        let tag = Tag { nbytes: 0, ..open.tag };
+        let mut out: Vec<Xfer<'static>> = to
+            .iter()
+            .map(|&p| self.xfer_send(p, tag, &[], Some(open.call)))
+            .collect();
+        for &p in from {
+            let mut recv = self.xfer_recv(p, tag, Default::default(), Some(open.call), true);
+            if open.writes {
+                out.push(recv);
+            } else {
+                if let Xfer::Recv { later, .. } = &mut recv {
+                    *later = true;
+                }
+                self.deferred.push(recv);
+            }
+        }
+        out
     }
 
     /// A collective that runs as a shared-memory round, outside the framed messages.
@@ -280,7 +294,7 @@ impl Engine {
     /// The call a message created now carries, and whether a receive created now is gated.
     fn first_exchange(&self) -> (Option<Call>, bool) {
         match &self.open {
-            Some(o) if o.first_pending => (o.covers_all.then_some(o.call), true),
+            Some(o) if o.first_pending => (o.symmetric.then_some(o.call), true),
             _ => (None, false),
         }
     }
@@ -455,12 +469,31 @@ impl Engine {
 
     /// Runs every message to completion, or fails with the reason and the peer.
     pub(crate) fn exchange<'b>(&mut self, ctx: &OpCtx<'_>, xfers: &mut [Xfer<'b>]) -> Result<()> {
-        let preamble = match &mut self.open {
-            Some(o) if o.first_pending => {
+        let preamble = match self.open.take() {
+            Some(mut o) if o.first_pending => {
                 o.first_pending = false;
-                std::mem::take(&mut o.preamble)
+                if o.symmetric {
+                    // Call messages for the pairs this first exchange does not reach. Nothing of
+                    // this collective travels on those pairs yet, so they come first there.
+                    let (mut to, mut from) = (vec![true; self.size], vec![true; self.size]);
+                    (to[self.rank], from[self.rank]) = (false, false);
+                    for x in xfers.iter() {
+                        match x {
+                            Xfer::Send { peer, .. } => to[*peer] = false,
+                            Xfer::Recv { peer, .. } => from[*peer] = false,
+                        }
+                    }
+                    let pick = |v: &[bool]| (0..v.len()).filter(|&p| v[p]).collect::<Vec<_>>();
+                    o.preamble = self.call_messages(&o, &pick(&to), &pick(&from));
+                }
+                let pre = std::mem::take(&mut o.preamble);
+                self.open = Some(o);
+                pre
             }
-            _ => Vec::new(),
+            other => {
+                self.open = other;
+                Vec::new()
+            }
         };
         // Calls deferred by earlier collectives come first: they are first on their streams.
         let mut pre: Vec<Xfer<'b>> = std::mem::take(&mut self.deferred).into_iter().chain(preamble).collect();

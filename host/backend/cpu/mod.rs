@@ -334,14 +334,14 @@ impl CpuBackend {
         let algo = |bytes: usize| self.tuning.choose(ctx.op, bytes, opts);
         // Opens the collective's call (header.rs) right before its algorithm runs.
         // `writes`: this rank writes a user buffer (else it checks peers' calls as they come).
-        let begin = |e: &mut Engine, t: Tag, count: usize, root: usize, a: Algo, covers_all: bool, writes: bool| {
+        let begin = |e: &mut Engine, t: Tag, count: usize, root: usize, a: Algo, symmetric: bool, writes: bool| {
             let call = Call {
                 count: count as u64,
                 root: root as u32,
                 algo: a.code(),
                 seq: 0,
             };
-            e.begin_call(t, call, covers_all && e.size > 1, writes);
+            e.begin_call(t, call, symmetric, writes);
         };
         let elems = |bytes: usize, d: DType| bytes / d.size();
         match op {
@@ -354,20 +354,22 @@ impl CpuBackend {
                     return oneshot::all_reduce(e, ctx, t, buf.host_bytes_mut(), d, o);
                 }
                 let a = algo(bytes)?;
-                begin(e, t, elems(bytes, d), 0, a, a == Algo::Direct, true);
+                begin(e, t, elems(bytes, d), 0, a, true, true);
                 algorithms::all_reduce(e, s, ctx, t, buf.host_bytes_mut(), d, o, a)
             }
             Op::Reduce { buf, op, root } => {
                 let (d, o, bytes) = (buf.dtype(), *op, buf.host_bytes().len());
                 let (t, a) = (tag(2, d, Some(o)), algo(bytes)?);
                 let writes = e.rank == *root || a == Algo::Ring;
-                begin(e, t, elems(bytes, d), *root, a, false, writes);
+                begin(e, t, elems(bytes, d), *root, a, true, writes);
                 algorithms::reduce(e, s, ctx, t, buf.host_bytes_mut(), d, o, *root, a)
             }
             Op::Broadcast { buf, root } => {
                 let (d, bytes) = (buf.dtype(), buf.host_bytes().len());
                 let (t, a) = (tag(3, d, None), algo(bytes)?);
-                begin(e, t, elems(bytes, d), *root, a, false, e.rank != *root);
+                // The chain's first exchange is not symmetric (rank k forwards to k + 1 a step after
+                // k + 1 first receives from it): header-only call messages go first.
+                begin(e, t, elems(bytes, d), *root, a, a == Algo::Direct, e.rank != *root);
                 algorithms::broadcast(e, ctx, t, buf.host_bytes_mut(), *root, a, self.tuning.chunk)
             }
             Op::AllGather { input, outputs } => {
@@ -382,7 +384,7 @@ impl CpuBackend {
                     return oneshot::all_gather(e, ctx, t, input.host_bytes(), &mut outs);
                 }
                 let a = algo(total)?;
-                begin(e, t, elems(total, d), 0, a, a == Algo::Direct, true);
+                begin(e, t, elems(total, d), 0, a, true, true);
                 algorithms::all_gather(e, ctx, t, input.host_bytes(), &mut outs, a)
             }
             Op::ReduceScatter { inputs, output, op } => {
@@ -390,7 +392,7 @@ impl CpuBackend {
                 let ins: Vec<&[u8]> = inputs.iter().map(|i| i.host_bytes()).collect();
                 let total = ins.iter().map(|i| i.len()).sum();
                 let (t, a) = (tag(5, d, Some(o)), algo(total)?);
-                begin(e, t, elems(total, d), 0, a, a == Algo::Direct, true);
+                begin(e, t, elems(total, d), 0, a, true, true);
                 algorithms::reduce_scatter(e, s, ctx, t, &ins, output.host_bytes_mut(), d, o, a)
             }
             Op::AllToAll { inputs, outputs } => {
@@ -407,7 +409,7 @@ impl CpuBackend {
                     }
                 }
                 // all_to_all_v: ranks' counts differ; each message's length is checked instead.
-                e.begin_call(t, any_count_call(0), e.size > 1, true);
+                e.begin_call(t, any_count_call(0), true, true);
                 algorithms::all_to_all(e, ctx, t, &ins, &mut outs)
             }
             Op::Scatter { inputs, output, root } => {
@@ -415,7 +417,7 @@ impl CpuBackend {
                 // Per-rank lengths may differ (objects scatter their encodings): each message's
                 // length is checked instead of a count.
                 let t = tag(7, output.dtype(), None);
-                e.begin_call(t, any_count_call(*root), false, true);
+                e.begin_call(t, any_count_call(*root), true, true);
                 algorithms::scatter(e, ctx, t, ins.as_deref(), output.host_bytes_mut(), *root)
             }
             Op::Gather { input, outputs, root } => {
@@ -423,7 +425,7 @@ impl CpuBackend {
                     .as_mut()
                     .map(|v| v.iter_mut().map(|o| o.host_bytes_mut()).collect());
                 let t = tag(8, input.dtype(), None);
-                e.begin_call(t, any_count_call(*root), false, e.rank == *root);
+                e.begin_call(t, any_count_call(*root), true, e.rank == *root);
                 algorithms::gather(e, ctx, t, input.host_bytes(), outs.as_deref_mut(), *root)
             }
             Op::Barrier if oneshot::fits(e, 0) => {
