@@ -364,8 +364,9 @@ impl Engine {
     }
 
     /// Advances one message as far as its link allows; returns whether anything moved.
-    /// `gate_open`: every call of the first exchange has been checked.
-    fn step(link: &mut Link, x: &mut Xfer<'_>, op: &'static str, gate_open: bool) -> Result<bool> {
+    /// `calls_pending`: call receives whose header has not been checked yet; payloads of gated
+    /// receives are read only once it is 0 (this step may bring it there).
+    fn step(link: &mut Link, x: &mut Xfer<'_>, op: &'static str, calls_pending: &mut usize) -> Result<bool> {
         let lost = |peer: usize, reason: String| Error::PeerLost { op, peer, reason };
         match x {
             Xfer::Send {
@@ -401,7 +402,7 @@ impl Engine {
                 pos,
                 gated,
                 later,
-                ..
+                call,
             } => {
                 let mut moved = false;
                 if *hpos < HEADER_BYTES {
@@ -423,8 +424,11 @@ impl Engine {
                         },
                         other => other,
                     })?;
+                    if *call {
+                        *calls_pending -= 1;
+                    }
                 }
-                if *pos < data.len() && (gate_open || !*gated) {
+                if *pos < data.len() && (*calls_pending == 0 || !*gated) {
                     let n = link.read(&mut data[*pos..]).map_err(|r| lost(*peer, r))?;
                     *pos += n;
                     moved |= n > 0;
@@ -438,7 +442,7 @@ impl Engine {
     /// moved).
     fn sweep<'b>(&mut self, ctx: &OpCtx<'_>, pre: &mut [Xfer<'b>], xfers: &mut [Xfer<'b>]) -> Result<(bool, bool)> {
         self.sweep += 1;
-        let gate_open = !pre.iter().chain(xfers.iter()).any(Xfer::call_pending);
+        let mut calls_pending = pre.iter().chain(xfers.iter()).filter(|x| x.call_pending()).count();
         let (mut all_done, mut moved) = (true, false);
         for x in pre.iter_mut().chain(xfers.iter_mut()) {
             if x.done() {
@@ -454,7 +458,7 @@ impl Engine {
                 continue; // an earlier message to/from this peer is still in flight
             }
             *stamp = self.sweep;
-            moved |= Self::step(&mut self.transport.links[peer], x, ctx.op, gate_open)?;
+            moved |= Self::step(&mut self.transport.links[peer], x, ctx.op, &mut calls_pending)?;
             if !x.done() {
                 continue;
             }
@@ -554,7 +558,7 @@ impl Engine {
                 }
                 let link = &mut self.transport.links[x.peer()];
                 let r = match x {
-                    Xfer::Send { .. } => Self::step(link, x, ctx.op, false).map_err(drop),
+                    Xfer::Send { .. } => Self::step(link, x, ctx.op, &mut 0).map_err(drop),
                     Xfer::Recv { hdr, hpos, pos, .. } => drain_one(link, hdr, hpos, pos, &mut sink).map_err(drop),
                 };
                 match r {
