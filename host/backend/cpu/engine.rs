@@ -300,16 +300,7 @@ impl Engine {
     }
 
     fn xfer_send<'b>(&mut self, peer: usize, tag: Tag, data: &'b [u8], call: Option<Call>) -> Xfer<'b> {
-        let seq = self.send_seq[peer];
-        self.send_seq[peer] += 1;
-        let h = Header {
-            tag: Tag {
-                nbytes: data.len() as u64,
-                ..tag
-            },
-            seq,
-            call,
-        };
+        let h = next_header(&mut self.send_seq, peer, tag, data.len(), call);
         Xfer::Send {
             peer,
             hdr: header::encode(&h),
@@ -328,16 +319,7 @@ impl Engine {
         call: Option<Call>,
         gated: bool,
     ) -> Xfer<'b> {
-        let seq = self.recv_seq[peer];
-        self.recv_seq[peer] += 1;
-        let expect = Header {
-            tag: Tag {
-                nbytes: data.len() as u64,
-                ..tag
-            },
-            seq,
-            call,
-        };
+        let expect = next_header(&mut self.recv_seq, peer, tag, data.len(), call);
         Xfer::Recv {
             peer,
             expect,
@@ -649,6 +631,20 @@ impl Engine {
             }
         }
         Ok(())
+    }
+}
+
+/// The header of the next message on one ordered pair; `seqs` counts that direction's messages.
+fn next_header(seqs: &mut [u64], peer: usize, tag: Tag, len: usize, call: Option<Call>) -> Header {
+    let seq = seqs[peer];
+    seqs[peer] += 1;
+    Header {
+        tag: Tag {
+            nbytes: len as u64,
+            ..tag
+        },
+        seq,
+        call,
     }
 }
 
