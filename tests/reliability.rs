@@ -388,3 +388,101 @@ fn every_fault_and_mismatch_as_processes_over_tcp() {
         run_processes(s, true);
     }
 }
+
+/// A rank that writes nothing in a collective (a broadcast's root, gather's other ranks) does
+/// not wait for the peers' calls, but it takes them in before its links close: a late rank's
+/// call must neither reset a closed TCP connection (losing the root's data) nor make the
+/// others think the closed rank is lost while its data sits in their streams.
+fn closing_right_after_sending(tcp: bool) {
+    let opts = if tcp { tcp_options(TIMEOUT) } else { options(TIMEOUT) };
+    for (op, n) in [
+        ("broadcast", 2usize),
+        ("broadcast", 1 << 18),
+        ("gather", 2),
+        ("gather", 1 << 18),
+    ] {
+        let name = format!("close-after-{op}-{n}-{tcp}");
+        let comms = Comm::new_group("cpu", &[Device::Cpu; 3], &name, opts.clone()).expect("new_group");
+        let got: Vec<ferrocomm::Result<Vec<f32>>> = std::thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .into_iter()
+                .map(|c| {
+                    s.spawn(move || {
+                        let me = c.rank();
+                        if me == 2 {
+                            std::thread::sleep(Duration::from_millis(500)); // the late rank
+                        }
+                        let mine: Vec<f32> = (0..n).map(|i| (me * n + i) as f32).collect();
+                        let r = if op == "broadcast" {
+                            let mut buf = if me == 0 { mine } else { vec![-1.0; n] };
+                            c.broadcast(&mut buf, 0).map(|_| buf)
+                        } else {
+                            // Rank 1 is the root; ranks 0 and 2 only send.
+                            let mut all = vec![-1.0f32; 3 * n];
+                            let out = (me == 1).then_some(&mut all[..]);
+                            c.gather(out, &mine, 1).map(|_| all)
+                        };
+                        // The sender leaves at once (drop: links close).
+                        drop(c);
+                        r
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("rank panicked")).collect()
+        });
+        for (r, g) in got.iter().enumerate() {
+            let v = g
+                .as_ref()
+                .unwrap_or_else(|e| panic!("{op} {n} over tcp={tcp}: rank {r}: {e}"));
+            if op == "broadcast" {
+                assert!(v.iter().enumerate().all(|(i, &x)| x == i as f32), "{op} {n}: rank {r}");
+            } else if r == 1 {
+                assert!(v.iter().enumerate().all(|(i, &x)| x == i as f32), "{op} {n}: root");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_sender_that_closes_at_once_still_serves_a_late_rank_over_shared_memory() {
+    closing_right_after_sending(false);
+}
+
+#[test]
+fn a_sender_that_closes_at_once_still_serves_a_late_rank_over_tcp() {
+    closing_right_after_sending(true);
+}
+
+/// Rank 2 never calls. Rank 0 broadcasts (and does not wait for the others' calls), then waits
+/// for rank 2; rank 1 waits for rank 2, then broadcasts. The timeout must name rank 2, the rank
+/// awaited, not the rank whose call to the broadcast has not arrived yet.
+#[test]
+fn a_timeout_names_the_rank_that_was_awaited() {
+    let done = std::sync::Barrier::new(3);
+    let r = run_group(3, "timeout-names", options(Duration::from_millis(700)), |c| {
+        let r = match c.rank() {
+            0 => c.broadcast(&mut [1.0f32; 4], 0).and_then(|_| c.recv(&mut [0u8; 4], 2)),
+            1 => c.recv(&mut [0u8; 4], 2).and_then(|_| c.broadcast(&mut [0.0f32; 4], 0)),
+            _ => Ok(()),
+        };
+        done.wait();
+        r
+    });
+    for (rank, e) in r.iter().enumerate().take(2) {
+        assert!(
+            matches!(
+                e,
+                Err(Error::Timeout {
+                    op: "recv",
+                    peer: Some(2),
+                    ..
+                }) | Err(Error::PeerLost {
+                    op: "recv",
+                    peer: 2,
+                    ..
+                })
+            ),
+            "rank {rank}: {e:?}"
+        );
+    }
+}

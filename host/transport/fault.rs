@@ -7,13 +7,14 @@
 //! there and reports the recorded cause instead of the neighbour it saw leave. The store's
 //! compare-and-set keeps the first record, so concurrent observers agree on one cause.
 //!
-//! The store may itself be gone (it lived in the lost process): then a rank reports what it saw.
+//! The store may itself be gone (it lived in the lost process) or hang: then, after a short
+//! bounded wait, a rank reports what it saw.
 
 use crate::bootstrap::Store;
 use crate::error::Error;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-
-const KEY: &str = "fault/first";
+use std::time::Duration;
 
 /// Why a communicator failed.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -111,29 +112,75 @@ impl Cause {
     }
 }
 
-/// One rank's access to its communicator's fault record.
+/// How long recording a cause may wait for the store: a failing rank tells its peers only
+/// after it recorded, and they must learn at once. A store that does not answer in time is not
+/// asked again.
+const STORE_WAIT: Duration = Duration::from_millis(500);
+
+/// One rank's access to a fault record: its communicator's, or one window's.
 #[derive(Clone)]
 pub(crate) struct FaultRecord {
     store: Arc<dyn Store>,
+    key: String,
     rank: usize,
+    /// Set once the store failed or did not answer in time.
+    unreachable: Arc<AtomicBool>,
 }
 
 impl FaultRecord {
     /// `store` must be private to the communicator (its prefix store).
     pub(crate) fn new(store: Arc<dyn Store>, rank: usize) -> FaultRecord {
-        FaultRecord { store, rank }
+        FaultRecord {
+            store,
+            key: "fault/first".into(),
+            rank,
+            unreachable: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
+    /// The record of one part of the communicator (a window): its failures do not close the
+    /// communicator, so they must not stand as the cause of a later, unrelated one.
+    pub(crate) fn scoped(&self, scope: &str) -> FaultRecord {
+        FaultRecord {
+            key: format!("{scope}/fault/first"),
+            ..self.clone()
+        }
     }
 
     /// Records `cause` unless another cause came first; returns the first cause (`cause` itself
-    /// when the store cannot be reached).
+    /// when the store cannot be reached in time).
     pub(crate) fn record(&self, cause: Cause) -> Cause {
-        match self.store.compare_set(KEY, b"", &cause.encode()) {
-            Ok(first) => Cause::decode(&first).unwrap_or(cause),
-            Err(e) => {
-                tracing::debug!(rank = self.rank, error = %e, "fault record: store unreachable");
-                cause
-            }
+        if self.unreachable.load(Ordering::Relaxed) {
+            return cause;
         }
+        // A helper thread bounds the wait: a store call may retry its connection or wait for
+        // a server that hangs for many seconds.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (store, key, mine) = (self.store.clone(), self.key.clone(), cause.encode());
+        let asked = std::thread::Builder::new()
+            .name("ferrocomm-fault-record".into())
+            .spawn(move || {
+                let _ = tx.send(store.compare_set(&key, b"", &mine));
+            });
+        let answer = match asked {
+            Ok(_) => rx.recv_timeout(STORE_WAIT).map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        match answer {
+            Ok(Ok(first)) => Cause::decode(&first).unwrap_or(cause),
+            Ok(Err(e)) => self.give_up(e.to_string(), cause),
+            Err(e) => self.give_up(e, cause),
+        }
+    }
+
+    fn give_up(&self, why: String, cause: Cause) -> Cause {
+        tracing::debug!(
+            rank = self.rank,
+            why,
+            "fault record: store unreachable, reporting what this rank saw"
+        );
+        self.unreachable.store(true, Ordering::Relaxed);
+        cause
     }
 
     /// The error this rank reports for `e`, its own view of a failure: the recorded cause

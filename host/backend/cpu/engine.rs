@@ -41,6 +41,8 @@ pub(crate) enum Xfer<'b> {
         /// A peer's call to a rank that writes nothing in its collective: checked when it
         /// arrives, in this exchange or a later one, which does not wait for it.
         later: bool,
+        /// Deferred from an earlier collective (named in a mismatch), even once waited for.
+        earlier: bool,
     },
 }
 
@@ -69,6 +71,11 @@ impl Xfer<'_> {
         matches!(self, Xfer::Recv { call: true, hpos, .. } if *hpos < HEADER_BYTES)
     }
 
+    /// A receive whose header has been checked and whose payload waits for the gate.
+    fn held_by_gate(&self) -> bool {
+        matches!(self, Xfer::Recv { gated: true, hpos, pos, data, .. } if *hpos == HEADER_BYTES && *pos < data.len())
+    }
+
     /// Must be done before its exchange is.
     fn needed(&self) -> bool {
         !matches!(self, Xfer::Recv { later: true, .. })
@@ -88,6 +95,7 @@ impl Xfer<'_> {
                 call,
                 gated,
                 later: true,
+                earlier,
             } => Some(Xfer::Recv {
                 peer,
                 expect,
@@ -98,6 +106,7 @@ impl Xfer<'_> {
                 call,
                 gated,
                 later: true,
+                earlier,
             }),
             _ => None,
         }
@@ -272,8 +281,8 @@ impl Engine {
             if open.writes {
                 out.push(recv);
             } else {
-                if let Xfer::Recv { later, .. } = &mut recv {
-                    *later = true;
+                if let Xfer::Recv { later, earlier, .. } = &mut recv {
+                    (*later, *earlier) = (true, true);
                 }
                 self.deferred.push(recv);
             }
@@ -330,6 +339,7 @@ impl Engine {
             call: call.is_some(),
             gated,
             later: false,
+            earlier: false,
         }
     }
 
@@ -383,8 +393,9 @@ impl Engine {
                 data,
                 pos,
                 gated,
-                later,
+                earlier,
                 call,
+                ..
             } => {
                 let mut moved = false;
                 if *hpos < HEADER_BYTES {
@@ -395,7 +406,7 @@ impl Engine {
                         return Ok(moved);
                     }
                     header::check(op, *peer, hdr, expect).map_err(|e| match e {
-                        Error::Mismatch { op, peer, detail } if *later => Error::Mismatch {
+                        Error::Mismatch { op, peer, detail } if *earlier => Error::Mismatch {
                             op,
                             peer,
                             detail: format!(
@@ -545,7 +556,12 @@ impl Engine {
                 };
                 match r {
                     Ok(m) => moved |= m,
-                    Err(()) => return,
+                    // That peer has gone (or shut its links after finding the mismatch itself):
+                    // the others still need our call.
+                    Err(()) => {
+                        moved_on[x.peer()] = true;
+                        continue;
+                    }
                 }
                 pending |= match x {
                     Xfer::Send { .. } => !x.done(),
@@ -589,10 +605,13 @@ impl Engine {
         xfers: &mut [Xfer<'b>],
         now: Instant,
     ) -> Result<()> {
+        // The peers this exchange still needs something from. A receive whose header has been
+        // checked and whose payload only waits for the gate (another peer's call) does not
+        // count: its bytes are in the stream already, and the peer may well have gone since.
         let waiting = |pre: &[Xfer<'_>], xfers: &[Xfer<'_>]| -> Vec<usize> {
-            pre.iter()
-                .chain(xfers.iter())
-                .filter(|x| !x.done())
+            let gate_closed = pre.iter().chain(xfers.iter()).any(Xfer::call_pending);
+            (pre.iter().chain(xfers.iter()))
+                .filter(|x| x.needed() && !x.done() && !(gate_closed && x.held_by_gate()))
                 .map(|x| x.peer())
                 .collect()
         };

@@ -156,6 +156,8 @@ pub(crate) struct CpuBackend {
     announce: transport::Announcer,
     /// The first cause of a failure, shared by every rank (see transport/fault.rs).
     faults: FaultRecord,
+    /// The communicator's timeout: bounds the wait for peers' calls before closing.
+    timeout: std::time::Duration,
     tuning: Tuning,
     /// What windows need to set themselves up.
     rank: usize,
@@ -196,6 +198,7 @@ pub(crate) fn create_host(init: &BackendInit) -> Result<CpuBackend> {
         abort: Arc::new(AtomicBool::new(false)),
         announce,
         faults: FaultRecord::new(init.store.clone(), init.rank),
+        timeout: init.options.timeout,
         tuning,
         rank: init.rank,
         size: init.size,
@@ -298,6 +301,7 @@ impl Backend for CpuBackend {
     }
 
     fn finalize(&self) -> Result<()> {
+        self.settle_before_close();
         self.announce.announce(OwnerState::Closed);
         Ok(())
     }
@@ -315,7 +319,37 @@ impl Backend for CpuBackend {
     }
 }
 
+impl Drop for CpuBackend {
+    fn drop(&mut self) {
+        self.settle_before_close();
+    }
+}
+
 impl CpuBackend {
+    /// Before this rank's links close: takes in the calls that peers still owe it (see
+    /// `Engine::settle_deferred`). A late peer's call must not meet a closed TCP socket, which
+    /// answers with a reset that loses what this rank sent it. Bounded by the timeout; skipped
+    /// on an aborted or broken communicator.
+    fn settle_before_close(&self) {
+        if self.abort.load(Ordering::Acquire) {
+            return;
+        }
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if st.broken {
+            return;
+        }
+        let ctx = OpCtx {
+            op: "finalize",
+            deadline: Instant::now() + self.timeout,
+            timeout: self.timeout,
+            abort: &self.abort,
+        };
+        if let Err(e) = st.engine.settle_deferred(&ctx) {
+            tracing::debug!(rank = self.rank, error = %e, "closing: peers' calls did not all arrive");
+            st.broken = true;
+        }
+    }
+
     /// The communicator's fault record, for backends that use this engine as control plane.
     pub(crate) fn faults(&self) -> FaultRecord {
         self.faults.clone()

@@ -48,7 +48,7 @@ pub(crate) struct CpuWindow {
     /// Set by our proxy when an origin's connection ends: that origin can no longer signal us.
     gone: Arc<Vec<AtomicBool>>,
     abort: Arc<AtomicBool>,
-    /// The communicator's first cause of failure (see transport/fault.rs).
+    /// This window's first cause of failure (see transport/fault.rs).
     faults: FaultRecord,
     server: Mutex<Server>,
     /// Our memory as registered for peers' RDMA links.
@@ -227,7 +227,7 @@ impl CpuWindow {
             paths,
             gone,
             abort: s.abort.clone(),
-            faults: s.faults.clone(),
+            faults: s.faults.scoped(&format!("window{}", spec.id)),
             server: Mutex::new(server),
             net_state: net,
             queue: Mutex::new(None),

@@ -95,7 +95,7 @@ pub(crate) struct DeviceWindow {
     lock: Mutex<()>,
     /// The communicator's timeout: the bound of host verbs that do not take their own.
     timeout: Duration,
-    /// The communicator's first cause of failure (transport/fault.rs).
+    /// This window's first cause of failure (transport/fault.rs).
     faults: FaultRecord,
 }
 
@@ -214,7 +214,7 @@ impl DeviceWindow {
             _abort_flag: b.abort_flag.clone(),
             lock: Mutex::new(()),
             timeout: spec.timeout,
-            faults: b.host.faults(),
+            faults: b.host.faults().scoped(&format!("dwindow{}", spec.id)),
         })
     }
 
