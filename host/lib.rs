@@ -96,6 +96,7 @@ mod buffer;
 mod call_check;
 mod collectives;
 mod comm;
+mod config;
 mod cuda;
 pub mod device;
 mod dtype;

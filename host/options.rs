@@ -239,6 +239,7 @@ pub struct CommOptions {
 impl CommOptions {
     /// Defaults, read from the environment.
     pub fn from_env() -> Result<CommOptions> {
+        crate::config::warn_unknown_once();
         Ok(CommOptions {
             timeout: default_timeout()?,
             store: None,
