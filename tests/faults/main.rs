@@ -1,5 +1,5 @@
-//! Fault injection (CPU backend, ranks as processes): a rank SIGKILLed at a random moment of
-//! every collective and every window operation; a rank stopped and resumed inside the timeout;
+//! Fault injection (CPU backend, ranks as processes over shared memory and over TCP): a rank
+//! SIGKILLed at a random moment of every collective and every window operation; a rank stopped and resumed inside the timeout;
 //! the store server going away. Survivors must fail with an error that names the operation and
 //! the lost rank within timeout + 1 s, or, for a slow peer, complete with correct data.
 //!
@@ -147,12 +147,18 @@ fn fault_rank() {
 }
 
 fn start(mode: &str, seed: u64, victim: usize) -> DirectJob {
+    start_on(mode, seed, victim, "auto")
+}
+
+/// `transport`: `auto` (shared memory between these ranks) or `tcp`.
+fn start_on(mode: &str, seed: u64, victim: usize, transport: &str) -> DirectJob {
     let (seed, victim, timeout) = (seed.to_string(), victim.to_string(), TIMEOUT_S.to_string());
     let env = [
         (MODE, mode),
         ("FERROCOMM_TEST_SEED", seed.as_str()),
         ("FERROCOMM_TEST_VICTIM", victim.as_str()),
         ("FERROCOMM_TIMEOUT", timeout.as_str()),
+        ("FERROCOMM_TRANSPORT", transport),
     ];
     start_direct("fault_rank", WORLD, &env)
 }
@@ -171,10 +177,10 @@ fn trials() -> u64 {
 }
 
 /// Kills a random rank at a random moment of `op`; returns the longest kill-to-error time.
-fn kill_during(op: &str, trial: u64, seed: u64) -> Duration {
+fn kill_during(op: &str, trial: u64, seed: u64, transport: &str) -> Duration {
     let mut r = rng(seed, 1_000_000 + trial);
     let victim = r.gen_range(0..WORLD);
-    let mut job = start(&format!("loop:{op}"), seed ^ trial, victim);
+    let mut job = start_on(&format!("loop:{op}"), seed ^ trial, victim, transport);
     // Let the ranks enter the loop, then strike at a random moment.
     std::thread::sleep(Duration::from_millis(r.gen_range(300..900)));
     let v = job.ranks.remove(victim);
@@ -205,15 +211,15 @@ fn kill_during(op: &str, trial: u64, seed: u64) -> Duration {
     worst
 }
 
-fn kill_each(ops: &[&str]) {
+fn kill_each(ops: &[&str], transport: &str) {
     let seed = fresh_seed();
     for op in ops {
         let mut worst = Duration::ZERO;
         for t in 0..trials() {
-            worst = worst.max(kill_during(op, t, seed));
+            worst = worst.max(kill_during(op, t, seed, transport));
         }
         println!(
-            "FAULTS {op}: {} trials, every survivor named the lost rank; longest kill-to-error {worst:?}",
+            "FAULTS {op} ({transport}): {} trials, every survivor named the lost rank; longest kill-to-error {worst:?}",
             trials()
         );
     }
@@ -221,12 +227,24 @@ fn kill_each(ops: &[&str]) {
 
 #[test]
 fn sigkill_at_random_points_of_every_collective() {
-    kill_each(&COLLECTIVES);
+    kill_each(&COLLECTIVES, "auto");
 }
 
 #[test]
 fn sigkill_at_random_points_of_every_window_op() {
-    kill_each(&WINDOW_OPS);
+    kill_each(&WINDOW_OPS, "auto");
+}
+
+/// Over TCP a survivor often sees only a neighbour shut its links; the fault record must still
+/// make it name the killed rank.
+#[test]
+fn sigkill_at_random_points_of_every_collective_over_tcp() {
+    kill_each(&COLLECTIVES, "tcp");
+}
+
+#[test]
+fn sigkill_at_random_points_of_every_window_op_over_tcp() {
+    kill_each(&WINDOW_OPS, "tcp");
 }
 
 #[test]
