@@ -1,9 +1,9 @@
 //! What the collective calls accept as buffers: host slices (and vectors and arrays) or views of
 //! device memory. Each converts into the untyped [`Buf`] / [`BufMut`] of an [`crate::Op`].
 
+use crate::contracts::dtype::Element;
+use crate::contracts::ops::{Buf, BufMut};
 use crate::device::{DeviceSlice, DeviceSliceMut};
-use crate::dtype::Element;
-use crate::ops::{Buf, BufMut};
 
 /// A buffer a collective reads.
 pub trait InputBuffer<'a> {

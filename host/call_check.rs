@@ -15,10 +15,10 @@
 //! The check runs when the call is issued on the host; replays of a captured CUDA graph are
 //! not checked again.
 
-use crate::backend::{Backend, RunOptions};
-use crate::dtype::{DType, ReduceOp};
-use crate::error::{Error, Result};
-use crate::ops::{Buf, BufMut, Op, P2p};
+use crate::contracts::backend::{Backend, RunOptions};
+use crate::contracts::dtype::{DType, ReduceOp};
+use crate::contracts::error::{Error, Result};
+use crate::contracts::ops::{Buf, BufMut, Op, P2p};
 use std::collections::BTreeMap;
 use std::time::Duration;
 

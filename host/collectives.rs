@@ -4,10 +4,10 @@
 
 use crate::buffer::{InputBuffer, OutputBuffer};
 use crate::comm::Comm;
-use crate::dtype::ReduceOp;
-use crate::error::Result;
-use crate::ops::{equal_counts, Op, P2p};
-use crate::options::OpOptions;
+use crate::contracts::dtype::ReduceOp;
+use crate::contracts::error::Result;
+use crate::contracts::ops::{equal_counts, Op, P2p};
+use crate::contracts::options::OpOptions;
 use crate::work::{Scope, Work};
 
 pub trait Collectives<'a>: Sized {

@@ -1,32 +1,22 @@
 //! The communicator: one rank of a group, one device, one backend.
 
-use crate::backend::{self, BackendInit};
-use crate::bootstrap::{self, MemoryStore, PrefixStore, Store, TcpStoreServer};
-use crate::dtype::Element;
-use crate::error::{Error, Result};
-use crate::ops::{Location, Op};
-use crate::options::{merge_hints, AbortOnError, CommOptions, OpOptions};
-use crate::window::{Window, WindowOptions, WindowSpec};
-use crate::work::{op_task, Executor, Scope, Task};
+use crate::backend::registry;
+use crate::bootstrap::{self, MemoryStore, PrefixStore, TcpStoreServer};
+use crate::contracts::backend::BackendInit;
+use crate::contracts::dtype::Element;
+use crate::contracts::error::{Error, Result};
+use crate::contracts::ops::{Location, Op};
+use crate::contracts::options::{merge_hints, AbortOnError, CommOptions, OpOptions};
+use crate::contracts::placement::Device;
+use crate::contracts::store::Store;
+use crate::contracts::window::{WindowOptions, WindowSpec};
+use crate::executor::{op_task, Executor, Task};
+use crate::window::Window;
+use crate::work::Scope;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
-
-/// Where a communicator's buffers live.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum Device {
-    /// Host memory.
-    Cpu,
-    /// CUDA device `ordinal`.
-    Cuda(usize),
-    /// The host device `index`: the `device` backend with its kernels on CPU threads (one OS
-    /// thread per CUDA thread, every block of a launch at once) and its windows in shared host
-    /// memory, for machines without a GPU (a build with the `host-kernels` feature). Buffers
-    /// are host memory: collectives on them run the device backend's own kernels.
-    Host(usize),
-}
 
 const LIVE: u8 = 0;
 const FINALIZED: u8 = 1;
@@ -96,7 +86,7 @@ fn next_generation(name: &str, rank: usize) -> u64 {
 /// (torchrun, Slurm, Open MPI or PMI variables; `MASTER_ADDR`/`MASTER_PORT` or
 /// `FERROCOMM_STORE`; `FERROCOMM_TOKEN`).
 pub fn new_comm(backend: &str, device: Device, name: &str, options: CommOptions) -> Result<Comm> {
-    crate::log::init();
+    crate::contracts::log::init();
     let (rank, size, store, server) = match (&options.store, options.rank, options.size) {
         (Some(s), Some(r), Some(n)) => (r, n, s.clone(), None),
         (Some(_), _, _) => {
@@ -132,7 +122,7 @@ impl Comm {
         prefix: String,
         options: CommOptions,
         server: Option<TcpStoreServer>,
-        split_from: Option<(&dyn crate::Backend, &[usize])>,
+        split_from: Option<(&dyn crate::contracts::backend::Backend, &[usize])>,
     ) -> Result<Comm> {
         if size == 0 || rank >= size {
             return Err(Error::InvalidRank {
@@ -141,7 +131,7 @@ impl Comm {
                 size,
             });
         }
-        let factory = backend::backend_factory(backend)?;
+        let factory = registry::backend_factory(backend)?;
         let scoped: Arc<dyn Store> = Arc::new(PrefixStore::new(prefix.clone(), store.clone()));
         let init = BackendInit {
             rank,
@@ -179,7 +169,7 @@ impl Comm {
     /// Creates `devices.len()` ranks of one communicator in this process, one per device (like
     /// `ncclCommInitAll`). Rank i drives `devices[i]`; give each rank to its own thread.
     pub fn new_group(backend: &str, devices: &[Device], name: &str, options: CommOptions) -> Result<Vec<Comm>> {
-        crate::log::init();
+        crate::contracts::log::init();
         let n = devices.len();
         if n == 0 {
             return Err(Error::invalid("new_group", "needs at least one device"));
@@ -267,7 +257,7 @@ impl Comm {
         // long before anyone waits for their Work) abort as promptly as synchronous ones.
         let state = self.inner.state.clone();
         let (rank, name) = (self.inner.rank, self.inner.name.clone());
-        Ok(Box::new(move |b: &dyn crate::Backend, fence| {
+        Ok(Box::new(move |b: &dyn crate::contracts::backend::Backend, fence| {
             let r = task(b, fence);
             if let Err(e) = &r {
                 if mode.acts_on(e) {
@@ -434,7 +424,7 @@ impl Comm {
 }
 
 /// What `Comm::abort` does, for callers that hold the parts rather than the `Comm`.
-fn abort_rank(state: &AtomicU8, backend: &dyn crate::Backend) {
+fn abort_rank(state: &AtomicU8, backend: &dyn crate::contracts::backend::Backend) {
     state.store(ABORTED, Ordering::Release);
     backend.abort();
 }
@@ -445,7 +435,7 @@ fn abort_after_failure(
     mode: AbortOnError,
     e: &crate::Error,
     state: &AtomicU8,
-    backend: &dyn crate::Backend,
+    backend: &dyn crate::contracts::backend::Backend,
     rank: usize,
     name: &str,
 ) {

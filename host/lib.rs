@@ -90,35 +90,35 @@
 //! Dropping the last clone closes the rank (peers still waiting on it get `Error::PeerLost`);
 //! [`Comm::finalize`] closes it explicitly, [`Comm::abort`] fails its running operation at once.
 
-mod backend;
+// Layers, bottom up (docs/architecture.md; tests/layering.rs checks them): contracts;
+// bootstrap and net::links; gpu; net::windows; backend; the public face.
+mod contracts;
+
 mod bootstrap;
+
+mod gpu;
+pub mod net;
+
+mod backend;
+
 mod buffer;
 mod call_check;
 mod collectives;
 mod comm;
-mod config;
-mod cuda;
 pub mod device;
-mod dtype;
-mod error;
-mod host_device;
-mod log;
-mod memory;
-pub mod net;
+mod executor;
 mod objects;
-mod ops;
-mod options;
-mod reduce;
-mod transport;
 mod window;
 mod work;
 
-pub use backend::{backend_factory, backend_names, register_backend, Backend, BackendFactory, BackendInit, RunOptions};
+pub use backend::registry::{backend_factory, backend_names, register_backend};
 pub use bootstrap::{
-    discover, random_token, store_addr, store_from_env, FileStore, MemoryStore, PrefixStore, RankInfo, Store,
-    StoreAddr, TcpStore, TcpStoreServer, DEFAULT_MAX_FRAME,
+    discover, random_token, store_addr, store_from_env, FileStore, MemoryStore, PrefixStore, RankInfo, StoreAddr,
+    TcpStore, TcpStoreServer, DEFAULT_MAX_FRAME,
 };
 pub use collectives::{Batch, Collectives, WithOptions};
+pub use contracts::backend::{Backend, BackendFactory, BackendInit, RunOptions};
+pub use contracts::store::Store;
 
 /// Entry points for the fuzz targets in `fuzz/` (feature `fuzzing`).
 #[cfg(feature = "fuzzing")]
@@ -126,13 +126,16 @@ pub mod fuzzing {
     pub use crate::bootstrap::fuzz_one_request as store_request;
 }
 pub use buffer::{InputBuffer, OutputBuffer};
-pub use comm::{new_comm, Comm, Device};
-pub use dtype::{DType, Element, ReduceOp};
-pub use error::{Error, Result};
-pub use ops::{Buf, BufMut, DeviceBytes, Location, Op, P2p};
-pub use options::{default_timeout, AbortOnError, CommOptions, NetTransport, OpOptions, TransportOptions};
-pub use window::{Cmp, Observed, SignalOp, SignalSource, Window, WindowBackend, WindowOptions, WindowSpec};
-pub use work::{Fence, FenceSlot, Scope, Work};
+pub use comm::{new_comm, Comm};
+pub use contracts::dtype::{DType, Element, ReduceOp};
+pub use contracts::error::{Error, Result};
+pub use contracts::fence::{Fence, FenceSlot};
+pub use contracts::ops::{Buf, BufMut, DeviceBytes, Location, Op, P2p};
+pub use contracts::options::{default_timeout, AbortOnError, CommOptions, NetTransport, OpOptions, TransportOptions};
+pub use contracts::placement::Device;
+pub use contracts::window::{Cmp, Observed, SignalOp, SignalSource, WindowBackend, WindowOptions, WindowSpec};
+pub use window::Window;
+pub use work::{Scope, Work};
 
 pub use half::{bf16, f16};
 

@@ -8,8 +8,8 @@
 
 use crate::collectives::Collectives;
 use crate::comm::Comm;
-use crate::error::{Error, Result};
-use crate::ops::{Buf, BufMut, Op};
+use crate::contracts::error::{Error, Result};
+use crate::contracts::ops::{Buf, BufMut, Op};
 use bincode::Options;
 use serde::{de::DeserializeOwned, Serialize};
 

@@ -1,267 +1,15 @@
-//! Issue order and asynchronous operations.
-//!
-//! Operations of one communicator run one at a time in issue order. A synchronous call runs on
-//! the caller's thread when nothing is queued (no hand-off latency); otherwise it queues behind
-//! the asynchronous ones. Asynchronous operations run on the communicator's worker thread and
-//! are issued inside a [`Scope`], which — like `std::thread::scope` — waits for all of them
-//! before it returns, so the borrowed buffers provably outlive the work. Every operation ends
-//! by itself within its timeout, so that wait is bounded too.
+//! Asynchronous operations: [`Scope`] issues them (like `std::thread::scope`, it waits for all
+//! of them before it returns, so the borrowed buffers provably outlive the work) and [`Work`]
+//! is one of them in flight. They run in issue order on the communicator's executor.
 
-use crate::backend::{Backend, RunOptions};
-use crate::error::{Error, Result};
-use crate::ops::Op;
-use crate::options::OpOptions;
-use std::collections::{BTreeMap, VecDeque};
+use crate::contracts::error::{Error, Result};
+use crate::contracts::ops::Op;
+use crate::contracts::options::OpOptions;
+use crate::executor::{Completion, Task};
+use crate::gpu::cuda::stream;
 use std::marker::PhantomData;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
-
-/// Device-side completion of an asynchronous operation that a backend left running on a GPU
-/// stream after its host part returned.
-pub trait Fence: Send + Sync {
-    /// Whether the device work has finished.
-    fn is_complete(&self) -> Result<bool>;
-    /// Makes `stream` (raw `CUstream`, 0 = legacy default) wait for the work; the host does not
-    /// block.
-    fn stream_wait(&self, stream: u64) -> Result<()>;
-}
-
-/// Where a backend leaves the [`Fence`] of an asynchronous operation.
-#[derive(Default)]
-pub struct FenceSlot(Mutex<Option<Box<dyn Fence>>>);
-
-impl FenceSlot {
-    pub fn set(&self, fence: Box<dyn Fence>) {
-        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(fence);
-    }
-
-    fn is_complete(&self) -> Result<bool> {
-        self.0
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .as_ref()
-            .map_or(Ok(true), |f| f.is_complete())
-    }
-
-    /// Makes the calling thread's current stream wait for the fence, if there is one.
-    fn stream_wait(&self) -> Result<()> {
-        match self.0.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
-            Some(f) => f.stream_wait(crate::cuda::stream::current()),
-            None => Ok(()),
-        }
-    }
-}
-
-/// The outcome of one operation, filled in once.
-#[derive(Default)]
-pub(crate) struct Completion {
-    result: Mutex<Option<Result<()>>>,
-    done: Condvar,
-    fence: FenceSlot,
-}
-
-impl Completion {
-    fn finish(&self, r: Result<()>) {
-        *self.result.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
-        self.done.notify_all();
-    }
-
-    fn is_done(&self) -> bool {
-        self.result.lock().unwrap_or_else(|p| p.into_inner()).is_some()
-    }
-
-    /// Waits up to `limit` (forever if `None`); takes the result the first time it is seen.
-    fn wait(&self, limit: Option<Duration>) -> Option<Result<()>> {
-        let mut g = self.result.lock().unwrap_or_else(|p| p.into_inner());
-        let deadline = limit.map(|d| std::time::Instant::now() + d);
-        while g.is_none() {
-            match deadline {
-                None => g = self.done.wait(g).unwrap_or_else(|p| p.into_inner()),
-                Some(dl) => {
-                    let now = std::time::Instant::now();
-                    if now >= dl {
-                        return None;
-                    }
-                    g = self.done.wait_timeout(g, dl - now).unwrap_or_else(|p| p.into_inner()).0;
-                }
-            }
-        }
-        // Leave Ok behind so a second wait reports success rather than blocking.
-        Some(g.replace(Ok(())).unwrap_or(Ok(())))
-    }
-}
-
-/// One unit of work for the backend: a collective, or a window operation. The slot is where an
-/// asynchronous operation may leave its device fence.
-pub(crate) type Task<'a> = Box<dyn FnOnce(&dyn Backend, Option<&FenceSlot>) -> Result<()> + Send + 'a>;
-
-struct Job {
-    /// Lifetime erased; see `Executor::submit` for why the borrows outlive the job.
-    task: Task<'static>,
-    done: Arc<Completion>,
-}
-
-/// The task that runs one operation with its timeout and hints (the communicator's defaults
-/// merged with the operation's own); `check` (this rank, the world size) first checks the call
-/// against the other ranks' (see `call_check`).
-/// The stream is the issuing thread's current one, read now: the task may run on the worker.
-pub(crate) fn op_task<'a>(
-    mut op: Op<'a>,
-    timeout: Duration,
-    hints: BTreeMap<String, String>,
-    check: Option<(usize, usize)>,
-) -> Task<'a> {
-    let stream = crate::cuda::stream::current();
-    Box::new(move |b: &dyn Backend, fence: Option<&FenceSlot>| {
-        // A world of one cannot disagree with itself.
-        if let Some((rank, size @ 2..)) = check {
-            crate::call_check::check(b, &op, rank, size, timeout)?;
-        }
-        b.run(
-            &mut op,
-            &RunOptions {
-                timeout,
-                hints: &hints,
-                stream,
-                fence,
-            },
-        )
-    })
-}
-
-#[derive(Default)]
-struct Queue {
-    jobs: VecDeque<Job>,
-    /// Queued plus running jobs.
-    in_flight: usize,
-    shutdown: bool,
-    worker: Option<std::thread::JoinHandle<()>>,
-}
-
-pub(crate) struct Executor {
-    backend: Box<dyn Backend>,
-    queue: Mutex<Queue>,
-    wake: Condvar,
-    /// Held while an operation runs: the backend sees one operation at a time.
-    running: Mutex<()>,
-}
-
-impl Executor {
-    pub(crate) fn new(backend: Box<dyn Backend>) -> Arc<Executor> {
-        Arc::new(Executor {
-            backend,
-            queue: Mutex::default(),
-            wake: Condvar::new(),
-            running: Mutex::new(()),
-        })
-    }
-
-    pub(crate) fn backend(&self) -> &dyn Backend {
-        &*self.backend
-    }
-
-    /// Runs `task` to completion in issue order.
-    pub(crate) fn run(self: &Arc<Self>, task: Task<'_>) -> Result<()> {
-        let q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
-        if q.in_flight == 0 {
-            // Nothing queued: run here. The worker takes `running` only for a job it dequeued,
-            // and in_flight == 0 means there is none, so this cannot wait on the worker.
-            let _running = self.running.lock().unwrap_or_else(|p| p.into_inner());
-            drop(q);
-            return task(&*self.backend, None);
-        }
-        drop(q);
-        // SAFETY: we block below until the job has completed, so the task's borrows outlive it.
-        let done = unsafe { self.submit(task, "queued operation") }?;
-        done.wait(None).unwrap_or(Ok(()))
-    }
-
-    /// Queues `task` for the worker thread.
-    ///
-    /// # Safety
-    /// Everything `task` borrows must stay valid until the returned completion is finished.
-    pub(crate) unsafe fn submit(self: &Arc<Self>, task: Task<'_>, name: &'static str) -> Result<Arc<Completion>> {
-        // SAFETY: only the lifetime changes; the caller guarantees the borrows.
-        let task: Task<'static> = unsafe { std::mem::transmute::<Task<'_>, Task<'static>>(task) };
-        let done = Arc::new(Completion::default());
-        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
-        if q.shutdown {
-            return Err(Error::Closed {
-                op: name,
-                state: "shut down",
-            });
-        }
-        if q.worker.is_none() {
-            let me = Arc::clone(self);
-            let h = std::thread::Builder::new()
-                .name("ferrocomm-worker".into())
-                .spawn(move || me.work())
-                .map_err(|e| Error::io("spawn communicator worker", e))?;
-            q.worker = Some(h);
-        }
-        q.jobs.push_back(Job {
-            task,
-            done: done.clone(),
-        });
-        q.in_flight += 1;
-        self.wake.notify_all();
-        Ok(done)
-    }
-
-    fn work(&self) {
-        loop {
-            let job = {
-                let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
-                loop {
-                    if let Some(j) = q.jobs.pop_front() {
-                        break j;
-                    }
-                    if q.shutdown {
-                        return;
-                    }
-                    q = self.wake.wait(q).unwrap_or_else(|p| p.into_inner());
-                }
-            };
-            let Job { task, done } = job;
-            // The task (and the buffers it borrows) is consumed here, before anyone learns the
-            // job is done.
-            let r = {
-                let _running = self.running.lock().unwrap_or_else(|p| p.into_inner());
-                task(&*self.backend, Some(&done.fence))
-            };
-            self.queue.lock().unwrap_or_else(|p| p.into_inner()).in_flight -= 1;
-            self.wake.notify_all();
-            done.finish(r);
-        }
-    }
-
-    /// Waits for every queued operation (used by finalize).
-    pub(crate) fn drain(&self) {
-        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
-        while q.in_flight > 0 {
-            q = self
-                .wake
-                .wait_timeout(q, Duration::from_millis(5))
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
-        }
-    }
-
-    /// Stops the worker once the queue is empty.
-    pub(crate) fn shutdown(&self) {
-        let h = {
-            let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
-            q.shutdown = true;
-            self.wake.notify_all();
-            q.worker.take()
-        };
-        if let Some(h) = h {
-            if h.thread().id() != std::thread::current().id() {
-                let _ = h.join();
-            }
-        }
-    }
-}
 
 /// An operation in flight. The scope it belongs to waits for it anyway; only `wait` (or
 /// `wait_timeout`) reports its result.
@@ -278,7 +26,7 @@ impl Work<'_> {
     /// work on the calling thread's current stream (the host does not wait for the GPU).
     pub fn wait(self) -> Result<()> {
         self.done.wait(None).unwrap_or(Ok(()))?;
-        self.done.fence.stream_wait()
+        self.done.fence.stream_wait(stream::current())
     }
 
     /// Blocks at most `limit`; `Error::Timeout` if the operation is still running then (it
@@ -289,7 +37,7 @@ impl Work<'_> {
             peer: None,
             after: limit,
         }))?;
-        self.done.fence.stream_wait()
+        self.done.fence.stream_wait(stream::current())
     }
 
     /// Whether the operation has finished, on the device too (a failed device query counts as
@@ -345,7 +93,7 @@ impl<'scope, 'env> Scope<'scope, 'env> {
             let _ = c.wait(None);
             // Device buffers borrowed by the scope are in use until the GPU passes the fence;
             // order the current stream after it, as `Work::wait` would.
-            let _ = c.fence.stream_wait();
+            let _ = c.fence.stream_wait(stream::current());
         }
     }
 }

@@ -1,7 +1,7 @@
 //! Where am I in the job? Rank discovery from the variables the common launchers set, and the
 //! store address from `FERROCOMM_STORE` or torchrun's `MASTER_ADDR`/`MASTER_PORT`.
 
-use crate::error::{Error, Result};
+use crate::contracts::error::{Error, Result};
 
 /// This process's place in the job.
 #[derive(Clone, Debug, PartialEq, Eq)]

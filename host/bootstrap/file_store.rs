@@ -3,7 +3,7 @@
 //! value; read-modify-write calls hold an exclusive `flock` on a lock file.
 
 use super::store::{timeout_err, Store};
-use crate::error::{Error, Result};
+use crate::contracts::error::{Error, Result};
 use std::fs::{self, File, OpenOptions};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};

@@ -19,7 +19,7 @@ pub use wire::DEFAULT_MAX_FRAME;
 
 pub(crate) use auth::{nonce, proof, verify, NONCE_BYTES, PROOF_BYTES};
 
-use crate::error::{Error, Result};
+use crate::contracts::error::{Error, Result};
 use std::sync::Arc;
 use std::time::Duration;
 

@@ -8,7 +8,7 @@
 use super::auth::{self, NONCE_BYTES, PROOF_BYTES};
 use super::store::{timeout_err, Store, Table, WaitFail};
 use super::wire::{read_frame, write_frame, Dec, Enc, DEFAULT_MAX_FRAME};
-use crate::error::{Error, Result};
+use crate::contracts::error::{Error, Result};
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};

@@ -2,7 +2,7 @@
 //! length against what is left, so a malformed frame is an error, never a panic or a huge
 //! allocation.
 
-use crate::error::{Error, Result};
+use crate::contracts::error::{Error, Result};
 use std::io::{Read, Write};
 
 /// The default cap on one store frame (keys and values are small rendezvous data).

@@ -5,9 +5,9 @@
 
 use super::engine::{Engine, OpCtx, Xfer};
 use super::header::Tag;
-use crate::dtype::{DType, ReduceOp};
-use crate::error::Result;
-use crate::reduce::{epilogue, prologue, reduce_into};
+use crate::contracts::dtype::{DType, ReduceOp};
+use crate::contracts::error::Result;
+use crate::contracts::reduce::{epilogue, prologue, reduce_into};
 use std::ops::Range;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

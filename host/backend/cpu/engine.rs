@@ -7,8 +7,8 @@
 //! corrupted data.
 
 use super::header::{self, Call, Header, Tag, HEADER_BYTES};
-use crate::error::{Error, Result};
-use crate::transport::{back_off, Link, Transport};
+use crate::contracts::error::{Error, Result};
+use crate::net::links::{back_off, Link, Transport};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -675,7 +675,7 @@ fn drain_one(
     hpos: &mut usize,
     pos: &mut usize,
     sink: &mut [u8],
-) -> std::result::Result<bool, crate::transport::Gone> {
+) -> std::result::Result<bool, crate::net::links::Gone> {
     let mut moved = false;
     if *hpos < HEADER_BYTES {
         let n = link.read(&mut hdr[*hpos..])?;

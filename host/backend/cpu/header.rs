@@ -8,7 +8,7 @@
 //! the ranks called different operations, or the same one with different arguments, and
 //! becomes `Error::Mismatch` naming the field, both values and the peer.
 
-use crate::error::Error;
+use crate::contracts::error::Error;
 
 const MAGIC: u32 = 0xFE44_0C02;
 pub(crate) const HEADER_BYTES: usize = 48;
@@ -53,7 +53,7 @@ pub(crate) fn op_name(code: u8) -> &'static str {
 }
 
 fn dtype_name(code: u8) -> &'static str {
-    crate::dtype::DType::from_code(code).map_or("-", |d| d.name())
+    crate::contracts::dtype::DType::from_code(code).map_or("-", |d| d.name())
 }
 
 fn redop_name(code: u8) -> String {

@@ -7,14 +7,14 @@ mod header;
 mod oneshot;
 mod window;
 
-use super::{Backend, BackendInit, RunOptions};
-use crate::bootstrap::Store;
-use crate::dtype::{DType, ReduceOp};
-use crate::error::{Error, Result};
-use crate::ops::{Location, Op, P2p};
-use crate::options::{env_parse, TransportOptions};
-use crate::transport::{self, Cause, FaultRecord, OwnerState};
-use crate::window::{WindowBackend, WindowSpec};
+use crate::contracts::backend::{Backend, BackendInit, RunOptions};
+use crate::contracts::dtype::{DType, ReduceOp};
+use crate::contracts::error::{Error, Result};
+use crate::contracts::ops::{Location, Op, P2p};
+use crate::contracts::options::{env_parse, TransportOptions};
+use crate::contracts::store::Store;
+use crate::contracts::window::{WindowBackend, WindowSpec};
+use crate::net::links::{self, Cause, FaultRecord, OwnerState};
 use algorithms::{Algo, Scratch};
 use engine::{Engine, OpCtx, Xfer};
 use header::{Call, Tag, ANY_COUNT};
@@ -57,7 +57,7 @@ impl Tuning {
             Some(Wanted::Ring) => Algo::Ring,
             wanted => {
                 if wanted == Some(Wanted::OneShot) && first_look {
-                    super::hint_ignored(
+                    crate::contracts::backend::hint_ignored(
                         "cpu",
                         op,
                         "algorithm",
@@ -89,9 +89,9 @@ impl Tuning {
             Some(Wanted::OneShot) => {
                 let why = format!(
                     "shared-memory rounds need every rank on this host and at most {} KiB per rank",
-                    transport::board::SLOT_BYTES >> 10
+                    crate::net::links::shm_board::SLOT_BYTES >> 10
                 );
-                super::hint_ignored("cpu", op, "algorithm", "oneshot", &why);
+                crate::contracts::backend::hint_ignored("cpu", op, "algorithm", "oneshot", &why);
                 false
             }
             Some(_) => false,
@@ -112,7 +112,7 @@ impl Tuning {
         first_look: bool,
     ) -> Result<Option<Wanted>> {
         if first_look {
-            super::unknown_hints_ignored("cpu", op, hints, &["algorithm"]);
+            crate::contracts::backend::unknown_hints_ignored("cpu", op, hints, &["algorithm"]);
         }
         Ok(Some(match hints.get("algorithm").map(String::as_str) {
             None => return Ok(None),
@@ -153,8 +153,8 @@ struct State {
 pub(crate) struct CpuBackend {
     state: Mutex<State>,
     abort: Arc<AtomicBool>,
-    announce: transport::Announcer,
-    /// The first cause of a failure, shared by every rank (see transport/fault.rs).
+    announce: links::Announcer,
+    /// The first cause of a failure, shared by every rank (see net/links/fault.rs).
     faults: FaultRecord,
     /// The communicator's timeout: bounds the wait for peers' calls before closing.
     timeout: std::time::Duration,
@@ -167,7 +167,7 @@ pub(crate) struct CpuBackend {
 }
 
 pub(crate) fn create(init: &BackendInit) -> Result<Box<dyn Backend>> {
-    if init.device != crate::Device::Cpu {
+    if init.device != crate::contracts::placement::Device::Cpu {
         return Err(Error::Unavailable {
             backend: "cpu".into(),
             reason: format!("it runs on host memory, not on {:?}", init.device),
@@ -181,7 +181,7 @@ pub(crate) fn create(init: &BackendInit) -> Result<Box<dyn Backend>> {
 pub(crate) fn create_host(init: &BackendInit) -> Result<CpuBackend> {
     init.options.transport.validate()?;
     let tuning = Tuning::from_env()?;
-    let t = transport::connect_all(
+    let t = links::connect_all(
         init.rank,
         init.size,
         &*init.store,

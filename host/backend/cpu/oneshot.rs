@@ -6,10 +6,10 @@
 
 use super::engine::{Engine, OpCtx, Pacer};
 use super::header::Tag;
-use crate::dtype::{DType, ReduceOp};
-use crate::error::{Error, Result};
-use crate::reduce::{epilogue, prologue, reduce_into};
-use crate::transport::board::{Board, SLOT_BYTES};
+use crate::contracts::dtype::{DType, ReduceOp};
+use crate::contracts::error::{Error, Result};
+use crate::contracts::reduce::{epilogue, prologue, reduce_into};
+use crate::net::links::shm_board::{Board, SLOT_BYTES};
 
 /// Set in a round's label by a rank whose all_to_all blocks do not fit its slot.
 const DECLINED: u64 = 1 << 32;

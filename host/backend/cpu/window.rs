@@ -5,15 +5,15 @@
 //! the caller's own pad.
 
 use crate::bootstrap::{self, PrefixStore, Store};
-use crate::error::{Error, Result};
-use crate::net::descriptor::Limits;
-use crate::net::link::SharedLink;
-use crate::net::proxy::HostData;
-use crate::net::tcp::{self, Memory, TcpLink};
-use crate::net::HostQueue;
-use crate::options::TransportOptions;
-use crate::transport::{check_owner, host_identity, FaultRecord, OwnerState, PeerGone, ProcessWatch, Segment};
-use crate::window::{Cmp, Observed, SignalOp, SignalSource, WindowBackend, WindowSpec};
+use crate::contracts::error::{Error, Result};
+use crate::contracts::options::TransportOptions;
+use crate::contracts::window::{Cmp, Observed, SignalOp, SignalSource, WindowBackend, WindowSpec};
+use crate::net::links::{check_owner, host_identity, FaultRecord, OwnerState, PeerGone, ProcessWatch, Segment};
+use crate::net::windows::descriptor::Limits;
+use crate::net::windows::link::SharedLink;
+use crate::net::windows::proxy::HostData;
+use crate::net::windows::tcp::{self, Memory, TcpLink};
+use crate::net::windows::HostQueue;
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -52,7 +52,7 @@ pub(crate) struct CpuWindow {
     faults: FaultRecord,
     server: Mutex<Server>,
     /// Our memory as registered for peers' RDMA links.
-    net_state: crate::net::NetResources,
+    net_state: crate::net::windows::NetResources,
     /// The proxy queue, started by the first `proxy_queue` call.
     queue: Mutex<Option<Arc<HostQueue>>>,
     timeout: Duration,
@@ -155,7 +155,7 @@ impl CpuWindow {
         };
         // Round 2: segments; then the network connections (net::mesh).
         store.set(&format!("seg/{rank}"), own.name().as_bytes())?;
-        let mut mesh = crate::net::mesh::connect(&store, rank, size, &by_proxy, s.transport, deadline)?;
+        let mut mesh = crate::net::windows::connections::connect(&store, rank, size, &by_proxy, s.transport, deadline)?;
         let mut paths = Vec::with_capacity(size);
         for t in 0..size {
             paths.push(if t == rank {
@@ -186,14 +186,14 @@ impl CpuWindow {
         }
         // Network links move to RDMA where FERROCOMM_NET chooses it (net::select_links).
         let mut links = net_links(&paths);
-        let net = crate::net::select_links(
+        let net = crate::net::windows::select_links(
             &mut links,
-            &crate::net::RdmaPlan {
+            &crate::net::windows::RdmaPlan {
                 choice: s.transport.net,
                 rank,
                 size,
                 store: &store,
-                memory: crate::net::WindowMemory::Host {
+                memory: crate::net::windows::WindowMemory::Host {
                     data: (data, spec.bytes),
                     pad: (pad, pad_len),
                 },
@@ -254,7 +254,11 @@ impl CpuWindow {
     }
 
     /// The link to `rank` (only called when `direct` is `None`).
-    fn link(&self, rank: usize, writes: bool) -> Result<std::sync::MutexGuard<'_, Box<dyn crate::net::link::Link>>> {
+    fn link(
+        &self,
+        rank: usize,
+        writes: bool,
+    ) -> Result<std::sync::MutexGuard<'_, Box<dyn crate::net::windows::link::Link>>> {
         match &self.paths[rank] {
             Path::Net(link) => Ok(link.lock(writes)),
             _ => Err(Error::protocol("window", format!("rank {rank} has no network path"))),
@@ -463,7 +467,7 @@ impl WindowBackend for CpuWindow {
         self.direct(rank).map(|m| m.data)
     }
 
-    fn proxy_queue(&self) -> Result<Arc<HostQueue>> {
+    fn proxy_queue(&self) -> Result<Arc<dyn std::any::Any + Send + Sync>> {
         let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(q) = &*q {
             return Ok(q.clone());
@@ -496,7 +500,7 @@ impl Drop for CpuWindow {
         self.own.close();
         // The proxy thread reads our memory: it stops first; RDMA registrations go next.
         drop(self.queue.lock().unwrap_or_else(|p| p.into_inner()).take());
-        self.net_state = crate::net::NetResources::default();
+        self.net_state = crate::net::windows::NetResources::default();
         // Stop serving before the memory (maybe a user buffer) goes away.
         let server = std::mem::replace(
             &mut *self.server.lock().unwrap_or_else(|p| p.into_inner()),

@@ -10,8 +10,8 @@
 //! user launches them, so the user orders them against the communicator's other calls (as
 //! with NCCL).
 
-use crate::cuda::stream::{is_capturing, Event};
-use crate::error::Result;
+use crate::contracts::error::Result;
+use crate::gpu::cuda::stream::{is_capturing, Event};
 use std::sync::Mutex;
 
 /// `CU_STREAM_PER_THREAD`: one value that names another stream on each thread.

@@ -19,18 +19,18 @@
 //! every rank shares, and the world size. Addresses and alignment only pick the access width.
 
 use super::call_order::CallOrder;
-use super::gpu::{Gpu, Stream};
 use super::route::parse_bytes;
 use super::window::DeviceWindow;
 use super::DeviceBackend;
-use crate::backend::hint_ignored;
-use crate::cuda;
-use crate::device::kernels::{self, AllToAllArgs, Function, Parts, Queue, MAX_RANKS};
-use crate::dtype::{DType, ReduceOp};
-use crate::error::{Error, Result};
-use crate::memory::Pinned;
-use crate::ops::{Buf, BufMut, DeviceBytes, Op};
-use crate::window::WindowSpec;
+use crate::contracts::backend::hint_ignored;
+use crate::contracts::dtype::{DType, ReduceOp};
+use crate::contracts::error::{Error, Result};
+use crate::contracts::ops::{Buf, BufMut, DeviceBytes, Op};
+use crate::contracts::window::WindowSpec;
+use crate::gpu::cuda;
+use crate::gpu::kernels::{self, AllToAllArgs, Function, Parts, Queue, MAX_RANKS};
+use crate::gpu::memory::Pinned;
+use crate::gpu::target::{Gpu, Stream};
 use cudarc::driver::{CudaSlice, DevicePtr};
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
@@ -346,7 +346,7 @@ impl OwnCollectives {
         &self,
         f: &Function,
         launch: Launch,
-        handle: crate::device::WindowHandle,
+        handle: crate::contracts::window_handle::WindowHandle,
         counters: u64,
         queue: Queue<'_>,
     ) -> Result<()> {

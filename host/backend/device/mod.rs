@@ -1,36 +1,33 @@
 //! The `device` backend: windows in GPU memory that kernels drive (device-api), with the same
 //! host verbs as CPU windows. Collectives on host buffers, and the control plane of window
 //! creation, run on the CPU engine underneath; collectives on device buffers go to NCCL, to
-//! ferrocomm's one-shot kernels (collectives.rs) or through the host (stage.rs), as route.rs
+//! ferrocomm's one-shot kernels (collectives.rs) or through the host (host_staged.rs), as route.rs
 //! decides.
 
 mod call_order;
 mod collectives;
-mod gpu;
+mod host_staged;
 mod multicast;
-mod queue;
-mod remote;
 mod route;
-mod sharing;
-mod stage;
-mod team;
+mod topology;
 mod window;
+mod window_network;
 
 use super::cpu::{self, CpuBackend};
 use super::nccl::NcclBackend;
-use super::{hint_ignored, Backend, BackendInit, RunOptions};
 use crate::bootstrap::{PrefixStore, Store};
-use crate::error::{Error, Result};
-use crate::memory::Pinned;
-use crate::ops::{Location, Op};
-use crate::options::TransportOptions;
-use crate::window::{WindowBackend, WindowSpec};
-use crate::Device;
+use crate::contracts::backend::{hint_ignored, Backend, BackendInit, RunOptions};
+use crate::contracts::error::{Error, Result};
+use crate::contracts::ops::{Location, Op};
+use crate::contracts::options::TransportOptions;
+use crate::contracts::placement::Device;
+use crate::contracts::window::{WindowBackend, WindowSpec};
+use crate::gpu::memory::Pinned;
 use route::{Policy, Route};
 use std::sync::Arc;
 
 pub(crate) struct DeviceBackend {
-    gpu: gpu::Gpu,
+    gpu: crate::gpu::target::Gpu,
     /// The CUDA device (0 on the host device, where nothing reads it).
     ordinal: usize,
     rank: usize,
@@ -57,8 +54,8 @@ pub(crate) struct DeviceBackend {
 
 pub(crate) fn create(init: &BackendInit) -> Result<Box<dyn Backend>> {
     let (gpu, ordinal) = match init.device {
-        Device::Cuda(ordinal) => (gpu::Gpu::Cuda(ordinal), ordinal),
-        Device::Host(_) => (gpu::Gpu::Host, 0),
+        Device::Cuda(ordinal) => (crate::gpu::target::Gpu::Cuda(ordinal), ordinal),
+        Device::Host(_) => (crate::gpu::target::Gpu::Host, 0),
         other => {
             return Err(Error::Unavailable {
                 backend: "device".into(),
@@ -68,9 +65,9 @@ pub(crate) fn create(init: &BackendInit) -> Result<Box<dyn Backend>> {
     };
     gpu.open()?;
     let abort_flag: Arc<Pinned<u32>> = Arc::new(gpu.records(1)?);
-    let team = team::agree(init, gpu)?;
+    let team = topology::agree(init, gpu)?;
     if team.gpu_shared_in_process[init.rank] {
-        if let Some(why) = crate::cuda::queues::shared_gpu_concern() {
+        if let Some(why) = crate::gpu::cuda::queues::shared_gpu_concern() {
             tracing::warn!(rank = init.rank, "ranks share GPU {ordinal} in this process: {why}");
         }
     }
@@ -108,7 +105,7 @@ pub(crate) fn create(init: &BackendInit) -> Result<Box<dyn Backend>> {
 }
 
 /// NCCL joins where the team agreed it can; without it the backend works on, by its own path.
-fn join_nccl(init: &BackendInit, team: &team::Team) -> Result<Option<NcclBackend>> {
+fn join_nccl(init: &BackendInit, team: &topology::Team) -> Result<Option<NcclBackend>> {
     if let Err(why) = &team.nccl {
         tracing::debug!(reason = %why, "device backend without NCCL: collectives on device buffers use its own path");
         return Ok(None);
@@ -152,7 +149,7 @@ impl Backend for DeviceBackend {
     fn run(&self, op: &mut Op<'_>, opts: &RunOptions) -> Result<()> {
         let name = op.name();
         route::check_hints(name, opts.hints)?;
-        if self.gpu == gpu::Gpu::Host {
+        if self.gpu == crate::gpu::target::Gpu::Host {
             // Host memory is the host device's memory: its kernels run what they can, unless
             // the hints ask for one of the CPU engine's algorithms.
             return match self.own.as_ref() {
@@ -170,7 +167,7 @@ impl Backend for DeviceBackend {
         }
         // The issuing thread, or the worker for an asynchronous call, may not have the GPU's
         // context current yet.
-        crate::cuda::context(self.ordinal)?;
+        crate::gpu::cuda::context(self.ordinal)?;
         let own = self.own.as_ref().filter(|k| k.supports(op, opts.hints));
         match (self.policy.choose(op, opts.hints, own.is_some())?, &self.nccl, own) {
             (Route::Nccl, Some(nccl), _) => {
@@ -189,7 +186,7 @@ impl Backend for DeviceBackend {
                 self.check_own_stream(name, opts.stream)?;
                 kernels.run(op, opts.hints, opts.stream, opts.timeout)
             }
-            _ => on_engine(name, opts, |o| stage::run(&self.host, op, o)),
+            _ => on_engine(name, opts, |o| host_staged::run(&self.host, op, o)),
         }
     }
 

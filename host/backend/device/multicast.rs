@@ -5,13 +5,13 @@
 //! the window works on by unicast; the ranks agree on each step's outcome through the store,
 //! so none blocks in a bind that waits for a GPU its peer never added.
 
-use super::gpu::{Gpu, Segment};
-use super::sharing::Shared;
 use super::DeviceBackend;
 use crate::bootstrap::{PrefixStore, Store};
-use crate::error::{Error, Result};
-use crate::memory::{multicast, MulticastMap, Physical};
-use crate::transport::fd_passing::FdServer;
+use crate::contracts::error::{Error, Result};
+use crate::gpu::memory::{multicast, MulticastMap, Physical};
+use crate::gpu::segment_sharing::Shared;
+use crate::gpu::target::{Gpu, Segment};
+use crate::net::links::fd_passing::FdServer;
 use serde::{Deserialize, Serialize};
 use std::os::fd::AsRawFd;
 use std::sync::Arc;

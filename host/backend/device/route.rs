@@ -15,9 +15,9 @@
 //! outside these lists is refused; a value that cannot be honoured where the operation runs is
 //! ignored (debug event), and so is any other key.
 
-use crate::backend::{hint_ignored, unknown_hints_ignored};
-use crate::error::{Error, Result};
-use crate::ops::Op;
+use crate::contracts::backend::{hint_ignored, unknown_hints_ignored};
+use crate::contracts::error::{Error, Result};
+use crate::contracts::ops::Op;
 use std::collections::BTreeMap;
 
 /// The values of the device backend's hints.
@@ -171,7 +171,7 @@ fn nccl_supports(op: &Op<'_>) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::BufMut;
+    use crate::contracts::ops::BufMut;
     use crate::ReduceOp;
 
     fn policy(nccl: bool, threshold: Option<&str>) -> Policy {
@@ -218,7 +218,7 @@ mod tests {
 
     #[test]
     fn all_to_all_takes_no_size_rule_since_its_sizes_may_differ_between_ranks() {
-        use crate::ops::Buf;
+        use crate::contracts::ops::Buf;
         let (a, mut b) = ([0f32; 4], [0f32; 4]);
         let tiny = Op::AllToAll {
             inputs: vec![Buf::new(&a)],

@@ -8,22 +8,22 @@
 //! waits and atomics by the small kernels of kernels/rma.cu, each complete when the call
 //! returns.
 
-use super::gpu::{Gpu, Mapping, Place, Segment, Stream};
-use super::remote::{self, GpuSegment, Network};
-use super::sharing::{forget_released, Shared};
 use super::DeviceBackend;
-use crate::backend::RunOptions;
+use crate::backend::device::window_network::{self, GpuSegment, Network};
 use crate::bootstrap::PrefixStore;
-use crate::device::abi::{self, DeviceStatus, WindowHandle};
-use crate::device::kernels::{self, Function};
-use crate::error::{Error, Result};
-use crate::memory::symmetric::granularity;
-use crate::memory::{multicast, MulticastMap, Pinned};
-use crate::net::link::SharedLink;
-use crate::transport::fd_passing::FdServer;
-use crate::transport::host_identity;
-use crate::transport::FaultRecord;
-use crate::window::{Cmp, Observed, SignalOp, SignalSource, WindowBackend, WindowSpec};
+use crate::contracts::backend::RunOptions;
+use crate::contracts::error::{Error, Result};
+use crate::contracts::window::{Cmp, Observed, SignalOp, SignalSource, WindowBackend, WindowSpec};
+use crate::contracts::window_handle::{self as abi, DeviceStatus, WindowHandle};
+use crate::gpu::kernels::{self, Function};
+use crate::gpu::memory::symmetric::granularity;
+use crate::gpu::memory::{multicast, MulticastMap, Pinned};
+use crate::gpu::segment_sharing::{forget_released, Shared};
+use crate::gpu::target::{Gpu, Mapping, Place, Segment, Stream};
+use crate::net::links::fd_passing::FdServer;
+use crate::net::links::host_identity;
+use crate::net::links::FaultRecord;
+use crate::net::windows::link::SharedLink;
 use cudarc::driver::CudaStream;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -177,7 +177,7 @@ impl DeviceWindow {
             flags: 0,
         };
         // After the barrier: no rank's request can reach a pad before its owner zeroed it.
-        let net = Network::start(remote::Plan {
+        let net = Network::start(window_network::Plan {
             store: &PrefixStore::new(format!("dwindow{}", spec.id), b.store.clone()),
             hosts: &hosts,
             transport: &b.transport,

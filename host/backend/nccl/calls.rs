@@ -5,10 +5,10 @@
 //! broadcasts, reduces or send/receive pairs, which NCCL runs concurrently.
 
 use super::comm::NcclComm;
-use super::library::{CommPtr, Stream, SCALAR_HOST_IMMEDIATE};
-use crate::dtype::{DType, ReduceOp};
-use crate::error::{Error, Result};
-use crate::ops::{Buf, BufMut, DeviceBytes, Op, P2p};
+use crate::contracts::dtype::{DType, ReduceOp};
+use crate::contracts::error::{Error, Result};
+use crate::contracts::ops::{Buf, BufMut, DeviceBytes, Op, P2p};
+use crate::gpu::nccl_library::{CommPtr, Stream, SCALAR_HOST_IMMEDIATE};
 use half::{bf16, f16};
 use std::ffi::{c_int, c_void};
 

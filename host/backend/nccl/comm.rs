@@ -3,8 +3,8 @@
 //! polled through `ncclCommGetAsyncError` until it completes, fails or runs out of time, when
 //! the communicator is aborted.
 
-use super::library::{CommPtr, Config, Nccl, UniqueId, IN_PROGRESS, SUCCESS};
-use crate::error::{Error, Result};
+use crate::contracts::error::{Error, Result};
+use crate::gpu::nccl_library::{CommPtr, Config, Nccl, UniqueId, IN_PROGRESS, SUCCESS};
 use std::ffi::c_int;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::RwLock;

@@ -11,20 +11,19 @@
 
 mod calls;
 mod comm;
-pub(crate) mod library;
 mod watchdog;
 
 use super::cpu::{self, CpuBackend};
-use super::{Backend, BackendInit, RunOptions};
-use crate::cuda::{self, stream::Event};
-use crate::error::{Error, Result};
-use crate::ops::{BufMut, DeviceBytes, Location, Op};
-use crate::work::Fence;
-use crate::Device;
+use crate::contracts::backend::{Backend, BackendInit, RunOptions};
+use crate::contracts::error::{Error, Result};
+use crate::contracts::fence::Fence;
+use crate::contracts::ops::{BufMut, DeviceBytes, Location, Op};
+use crate::contracts::placement::Device;
+use crate::gpu::cuda::{self, stream::Event};
+use crate::gpu::nccl_library::{self as library, UniqueId, SPLIT_NOCOLOR};
 use crate::{DType, ReduceOp};
 use comm::NcclComm;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
-use library::{UniqueId, SPLIT_NOCOLOR};
 use std::ffi::c_int;
 use std::sync::Arc;
 use std::time::Duration;
@@ -268,7 +267,7 @@ impl Backend for NcclBackend {
             },
             _ => {
                 // NCCL picks its algorithms itself (NCCL_ALGO and the like are its knobs).
-                super::unknown_hints_ignored("nccl", op.name(), opts.hints, &[]);
+                crate::contracts::backend::unknown_hints_ignored("nccl", op.name(), opts.hints, &[]);
                 self.run_device(op, opts)
             }
         }

@@ -7,9 +7,9 @@
 //! rank returns the cause.
 
 use super::comm::NcclComm;
-use super::library::{IN_PROGRESS, SUCCESS};
-use crate::cuda::stream::Event;
-use crate::error::{Error, Result};
+use crate::contracts::error::{Error, Result};
+use crate::gpu::cuda::stream::Event;
+use crate::gpu::nccl_library::{IN_PROGRESS, SUCCESS};
 use cudarc::driver::CudaContext;
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex};

@@ -1,0 +1,505 @@
+//! Operations as data. Every public call of a [`crate::Comm`] becomes an [`Op`] that borrows the
+//! caller's buffers; a backend executes it. Per-rank parts (all_gather outputs, all_to_all
+//! inputs, ...) are always resolved into one buffer per rank before a backend sees them, so the
+//! single-buffer, list and v-forms of a collective are one operation.
+
+use crate::contracts::dtype::{as_bytes, as_bytes_mut, DType, Element, ReduceOp};
+use crate::contracts::error::{Error, Result};
+
+/// Where a buffer's bytes live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Location {
+    Host,
+    /// Memory of CUDA device `ordinal` (a device pointer; ranks in one process may share it).
+    Cuda(usize),
+}
+
+/// Bytes in device memory: a device pointer, never dereferenced on the host.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceBytes {
+    pub ordinal: usize,
+    pub ptr: u64,
+    pub len: usize,
+}
+
+impl DeviceBytes {
+    fn split_at(self, at: usize) -> (DeviceBytes, DeviceBytes) {
+        let head = DeviceBytes { len: at, ..self };
+        let tail = DeviceBytes {
+            ptr: self.ptr + at as u64,
+            len: self.len - at,
+            ..self
+        };
+        (head, tail)
+    }
+}
+
+#[derive(Debug)]
+enum Bytes<'a> {
+    Host(&'a [u8]),
+    Device(DeviceBytes),
+}
+
+#[derive(Debug)]
+enum BytesMut<'a> {
+    Host(&'a mut [u8]),
+    Device(DeviceBytes),
+}
+
+/// A read-only buffer of one element type, in host or device memory.
+#[derive(Debug)]
+pub struct Buf<'a> {
+    bytes: Bytes<'a>,
+    dtype: DType,
+}
+
+/// A writable buffer of one element type, in host or device memory.
+#[derive(Debug)]
+pub struct BufMut<'a> {
+    bytes: BytesMut<'a>,
+    dtype: DType,
+}
+
+const DEVICE_ON_HOST: &str = "host_bytes called on a device buffer; backends check Op::location first";
+
+impl<'a> Buf<'a> {
+    pub fn new<T: Element>(s: &'a [T]) -> Self {
+        Buf {
+            bytes: Bytes::Host(as_bytes(s)),
+            dtype: T::DTYPE,
+        }
+    }
+    pub(crate) fn from_host_bytes(bytes: &'a [u8], dtype: DType) -> Self {
+        Buf {
+            bytes: Bytes::Host(bytes),
+            dtype,
+        }
+    }
+    /// A buffer in device memory (see [`crate::device::DeviceSlice`] for the safe way in).
+    pub(crate) fn device(bytes: DeviceBytes, dtype: DType) -> Self {
+        Buf {
+            bytes: Bytes::Device(bytes),
+            dtype,
+        }
+    }
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    pub fn byte_len(&self) -> usize {
+        match &self.bytes {
+            Bytes::Host(b) => b.len(),
+            Bytes::Device(d) => d.len,
+        }
+    }
+    pub fn count(&self) -> usize {
+        self.byte_len() / self.dtype.size()
+    }
+    pub fn location(&self) -> Location {
+        match &self.bytes {
+            Bytes::Host(_) => Location::Host,
+            Bytes::Device(d) => Location::Cuda(d.ordinal),
+        }
+    }
+    /// The device pointer, for a buffer in device memory.
+    pub fn device_bytes(&self) -> Option<DeviceBytes> {
+        match &self.bytes {
+            Bytes::Host(_) => None,
+            Bytes::Device(d) => Some(*d),
+        }
+    }
+    /// The host bytes of the buffer.
+    ///
+    /// # Panics
+    /// If the buffer is in device memory: a backend checks [`Op::location`] before it reads.
+    pub fn host_bytes(&self) -> &[u8] {
+        match &self.bytes {
+            Bytes::Host(b) => b,
+            Bytes::Device(_) => panic!("{DEVICE_ON_HOST}"),
+        }
+    }
+    /// Consecutive parts of `counts` elements, which must cover the buffer exactly.
+    pub(crate) fn split(self, op: &'static str, counts: &[usize]) -> Result<Vec<Buf<'a>>> {
+        check_total(op, self.count(), counts)?;
+        let (dtype, size) = (self.dtype, self.dtype.size());
+        let mut parts = Vec::with_capacity(counts.len());
+        match self.bytes {
+            Bytes::Host(mut rest) => {
+                for &c in counts {
+                    let (a, b) = rest.split_at(c * size);
+                    rest = b;
+                    parts.push(Buf {
+                        bytes: Bytes::Host(a),
+                        dtype,
+                    });
+                }
+            }
+            Bytes::Device(mut rest) => {
+                for &c in counts {
+                    let (a, b) = rest.split_at(c * size);
+                    rest = b;
+                    parts.push(Buf::device(a, dtype));
+                }
+            }
+        }
+        Ok(parts)
+    }
+}
+
+impl<'a> BufMut<'a> {
+    pub fn new<T: Element>(s: &'a mut [T]) -> Self {
+        BufMut {
+            bytes: BytesMut::Host(as_bytes_mut(s)),
+            dtype: T::DTYPE,
+        }
+    }
+    pub(crate) fn from_host_bytes(bytes: &'a mut [u8], dtype: DType) -> Self {
+        BufMut {
+            bytes: BytesMut::Host(bytes),
+            dtype,
+        }
+    }
+    pub(crate) fn device(bytes: DeviceBytes, dtype: DType) -> Self {
+        BufMut {
+            bytes: BytesMut::Device(bytes),
+            dtype,
+        }
+    }
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    pub fn byte_len(&self) -> usize {
+        match &self.bytes {
+            BytesMut::Host(b) => b.len(),
+            BytesMut::Device(d) => d.len,
+        }
+    }
+    pub fn count(&self) -> usize {
+        self.byte_len() / self.dtype.size()
+    }
+    pub fn location(&self) -> Location {
+        match &self.bytes {
+            BytesMut::Host(_) => Location::Host,
+            BytesMut::Device(d) => Location::Cuda(d.ordinal),
+        }
+    }
+    pub fn device_bytes(&self) -> Option<DeviceBytes> {
+        match &self.bytes {
+            BytesMut::Host(_) => None,
+            BytesMut::Device(d) => Some(*d),
+        }
+    }
+    /// # Panics
+    /// If the buffer is in device memory (see [`Buf::host_bytes`]).
+    pub fn host_bytes(&self) -> &[u8] {
+        match &self.bytes {
+            BytesMut::Host(b) => b,
+            BytesMut::Device(_) => panic!("{DEVICE_ON_HOST}"),
+        }
+    }
+    /// # Panics
+    /// If the buffer is in device memory (see [`Buf::host_bytes`]).
+    pub fn host_bytes_mut(&mut self) -> &mut [u8] {
+        match &mut self.bytes {
+            BytesMut::Host(b) => b,
+            BytesMut::Device(_) => panic!("{DEVICE_ON_HOST}"),
+        }
+    }
+    /// A read-only view of the same bytes (an in-place operation's input).
+    pub fn as_buf(&self) -> Buf<'_> {
+        let bytes = match &self.bytes {
+            BytesMut::Host(b) => Bytes::Host(b),
+            BytesMut::Device(d) => Bytes::Device(*d),
+        };
+        Buf {
+            bytes,
+            dtype: self.dtype,
+        }
+    }
+    /// Consecutive parts of `counts` elements, which must cover the buffer exactly.
+    pub(crate) fn split(self, op: &'static str, counts: &[usize]) -> Result<Vec<BufMut<'a>>> {
+        check_total(op, self.count(), counts)?;
+        let (dtype, size) = (self.dtype, self.dtype.size());
+        let mut parts = Vec::with_capacity(counts.len());
+        match self.bytes {
+            BytesMut::Host(mut rest) => {
+                for &c in counts {
+                    let (a, b) = std::mem::take(&mut rest).split_at_mut(c * size);
+                    rest = b;
+                    parts.push(BufMut {
+                        bytes: BytesMut::Host(a),
+                        dtype,
+                    });
+                }
+            }
+            BytesMut::Device(mut rest) => {
+                for &c in counts {
+                    let (a, b) = rest.split_at(c * size);
+                    rest = b;
+                    parts.push(BufMut::device(a, dtype));
+                }
+            }
+        }
+        Ok(parts)
+    }
+}
+
+fn check_total(op: &'static str, len: usize, counts: &[usize]) -> Result<()> {
+    let total = counts.iter().try_fold(0usize, |a, &c| a.checked_add(c));
+    if total != Some(len) {
+        return Err(Error::SizeMismatch {
+            op,
+            what: format!("buffer (split by counts {counts:?})"),
+            expected: total.unwrap_or(usize::MAX),
+            actual: len,
+        });
+    }
+    Ok(())
+}
+
+/// `size` equal parts of `len` elements; an error if `len` does not divide.
+pub(crate) fn equal_counts(op: &'static str, len: usize, size: usize) -> Result<Vec<usize>> {
+    if len % size != 0 {
+        return Err(Error::SizeMismatch {
+            op,
+            what: format!("buffer split into {size} equal parts"),
+            expected: len.div_ceil(size) * size,
+            actual: len,
+        });
+    }
+    Ok(vec![len / size; size])
+}
+
+/// One point-to-point transfer of a batch.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum P2p<'a> {
+    Send { buf: Buf<'a>, peer: usize },
+    Recv { buf: BufMut<'a>, peer: usize },
+}
+
+/// A communication operation with its buffers, as a backend receives it.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Op<'a> {
+    AllReduce {
+        buf: BufMut<'a>,
+        op: ReduceOp,
+    },
+    /// The result lands in `root`'s buffer; the other ranks' buffers are left unchanged.
+    Reduce {
+        buf: BufMut<'a>,
+        op: ReduceOp,
+        root: usize,
+    },
+    Broadcast {
+        buf: BufMut<'a>,
+        root: usize,
+    },
+    /// `outputs[r]` receives rank r's `input`.
+    AllGather {
+        input: Buf<'a>,
+        outputs: Vec<BufMut<'a>>,
+    },
+    /// `output` receives the reduction over ranks of their `inputs[rank]`.
+    ReduceScatter {
+        inputs: Vec<Buf<'a>>,
+        output: BufMut<'a>,
+        op: ReduceOp,
+    },
+    /// `outputs[r]` receives rank r's `inputs[rank]`.
+    AllToAll {
+        inputs: Vec<Buf<'a>>,
+        outputs: Vec<BufMut<'a>>,
+    },
+    /// Root's `inputs[r]` goes to rank r's `output`; `inputs` is `None` off the root.
+    Scatter {
+        inputs: Option<Vec<Buf<'a>>>,
+        output: BufMut<'a>,
+        root: usize,
+    },
+    /// Rank r's `input` goes to root's `outputs[r]`; `outputs` is `None` off the root.
+    Gather {
+        input: Buf<'a>,
+        outputs: Option<Vec<BufMut<'a>>>,
+        root: usize,
+    },
+    Barrier,
+    /// Point-to-point transfers progressed together; never deadlocks whatever their order.
+    Batch(Vec<P2p<'a>>),
+}
+
+impl Op<'_> {
+    /// The name used in errors and logs.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::AllReduce { .. } => "all_reduce",
+            Op::Reduce { .. } => "reduce",
+            Op::Broadcast { .. } => "broadcast",
+            Op::AllGather { .. } => "all_gather",
+            Op::ReduceScatter { .. } => "reduce_scatter",
+            Op::AllToAll { .. } => "all_to_all",
+            Op::Scatter { .. } => "scatter",
+            Op::Gather { .. } => "gather",
+            Op::Barrier => "barrier",
+            Op::Batch(v) => match v.as_slice() {
+                [P2p::Send { .. }] => "send",
+                [P2p::Recv { .. }] => "recv",
+                _ => "batch_p2p",
+            },
+        }
+    }
+
+    /// Where the operation's buffers live (`None` for an operation without buffers); an error
+    /// if they are not all in one place.
+    pub fn location(&self) -> Result<Option<Location>> {
+        // No allocation: this runs on every call of every backend.
+        let (mut first, mut other) = (None, None);
+        self.for_each_location(&mut |l| match first {
+            None => first = Some(l),
+            Some(f) if f != l => other = other.or(Some(l)),
+            Some(_) => {}
+        });
+        if let (Some(first), Some(other)) = (first, other) {
+            return Err(Error::invalid(
+                self.name(),
+                format!(
+                    "buffers in {first:?} and {other:?} memory: all of an operation's buffers must be in one place"
+                ),
+            ));
+        }
+        Ok(first)
+    }
+
+    fn for_each_location(&self, f: &mut dyn FnMut(Location)) {
+        let f = std::cell::RefCell::new(f);
+        self.for_each_buffer(&mut |b| (f.borrow_mut())(b.location()), &mut |b| {
+            (f.borrow_mut())(b.location())
+        });
+    }
+
+    /// The larger of the bytes this rank reads and the bytes it writes: the message size that
+    /// algorithm choices go by.
+    pub fn message_bytes(&self) -> usize {
+        let (mut read, mut written) = (0, 0);
+        self.for_each_buffer(&mut |b| read += b.byte_len(), &mut |b| written += b.byte_len());
+        read.max(written)
+    }
+
+    /// Visits every buffer in a fixed order: inputs with `input`, outputs (also in-place ones)
+    /// with `output`.
+    pub(crate) fn for_each_buffer(&self, input: &mut dyn FnMut(&Buf), output: &mut dyn FnMut(&BufMut)) {
+        match self {
+            Op::AllReduce { buf, .. } | Op::Reduce { buf, .. } | Op::Broadcast { buf, .. } => output(buf),
+            Op::AllGather { input: i, outputs } => {
+                input(i);
+                outputs.iter().for_each(output);
+            }
+            Op::ReduceScatter { inputs, output: o, .. } => {
+                inputs.iter().for_each(&mut *input);
+                output(o);
+            }
+            Op::AllToAll { inputs, outputs } => {
+                inputs.iter().for_each(input);
+                outputs.iter().for_each(output);
+            }
+            Op::Scatter { inputs, output: o, .. } => {
+                inputs.iter().flatten().for_each(input);
+                output(o);
+            }
+            Op::Gather { input: i, outputs, .. } => {
+                input(i);
+                outputs.iter().flatten().for_each(output);
+            }
+            Op::Barrier => {}
+            Op::Batch(v) => v.iter().for_each(|p| match p {
+                P2p::Send { buf, .. } => input(buf),
+                P2p::Recv { buf, .. } => output(buf),
+            }),
+        }
+    }
+
+    /// Checks everything that can be checked locally: ranks, part counts, dtypes, reduce ops
+    /// and this rank's own sizes. Cross-rank consistency is checked by the backend's protocol.
+    pub fn validate(&self, rank: usize, size: usize) -> Result<()> {
+        let name = self.name();
+        let check_rank = |r: usize| {
+            if r < size {
+                Ok(())
+            } else {
+                Err(Error::InvalidRank {
+                    op: name,
+                    rank: r,
+                    size,
+                })
+            }
+        };
+        // A per-rank list: one part per rank, all of `dtype`, our own part of `own` elements.
+        let per_rank = |what: &str, parts: &[(DType, usize)], dtype: DType, own: usize| {
+            if parts.len() != size {
+                return Err(Error::SizeMismatch {
+                    op: name,
+                    what: format!("number of {what}"),
+                    expected: size,
+                    actual: parts.len(),
+                });
+            }
+            if let Some(&(d, _)) = parts.iter().find(|(d, _)| *d != dtype) {
+                return Err(Error::DTypeMismatch {
+                    op: name,
+                    expected: dtype.name(),
+                    actual: d.name(),
+                });
+            }
+            if parts[rank].1 != own {
+                return Err(Error::SizeMismatch {
+                    op: name,
+                    what: format!("{what}[{rank}] (own slot)"),
+                    expected: own,
+                    actual: parts[rank].1,
+                });
+            }
+            Ok(())
+        };
+        let shape = |v: &[Buf]| v.iter().map(|b| (b.dtype, b.count())).collect::<Vec<_>>();
+        let shape_mut = |v: &[BufMut]| v.iter().map(|b| (b.dtype, b.count())).collect::<Vec<_>>();
+        match self {
+            Op::AllReduce { buf, op } => op.check(name, buf.dtype),
+            Op::Reduce { buf, op, root } => {
+                check_rank(*root)?;
+                op.check(name, buf.dtype)
+            }
+            Op::Broadcast { root, .. } => check_rank(*root),
+            Op::AllGather { input, outputs } => per_rank("outputs", &shape_mut(outputs), input.dtype, input.count()),
+            Op::ReduceScatter { inputs, output, op } => {
+                per_rank("inputs", &shape(inputs), output.dtype, output.count())?;
+                op.check(name, output.dtype)
+            }
+            Op::AllToAll { inputs, outputs } => {
+                let ins = shape(inputs);
+                let dtype = ins.first().map_or(DType::U8, |p| p.0);
+                per_rank("inputs", &ins, dtype, ins.get(rank).map_or(0, |p| p.1))?;
+                per_rank("outputs", &shape_mut(outputs), dtype, ins[rank].1)
+            }
+            Op::Scatter { inputs, output, root } => {
+                check_rank(*root)?;
+                match (inputs, rank == *root) {
+                    (Some(inputs), true) => per_rank("inputs", &shape(inputs), output.dtype, output.count()),
+                    (None, true) => Err(Error::invalid(name, "the root must pass the input buffer")),
+                    (_, false) => Ok(()),
+                }
+            }
+            Op::Gather { input, outputs, root } => {
+                check_rank(*root)?;
+                match (outputs, rank == *root) {
+                    (Some(outputs), true) => per_rank("outputs", &shape_mut(outputs), input.dtype, input.count()),
+                    (None, true) => Err(Error::invalid(name, "the root must pass the output buffer")),
+                    (_, false) => Ok(()),
+                }
+            }
+            Op::Barrier => Ok(()),
+            Op::Batch(v) => v.iter().try_for_each(|p| match p {
+                P2p::Send { peer, .. } | P2p::Recv { peer, .. } => check_rank(*peer),
+            }),
+        }
+    }
+}

@@ -1,0 +1,106 @@
+//! Where a device window's proxy thread runs: on the CPUs that Linux lists as local to the GPU
+//! (its PCI device's `local_cpulist`), so that its polls of the pinned ring and its copies out
+//! of GPU memory do not cross a socket interconnect. `FERROCOMM_PROXY_AFFINITY=0` leaves the
+//! thread where the scheduler puts it.
+
+use crate::contracts::error::{Error, Result};
+
+/// Parses a Linux CPU list such as `0-3,8,10-11` (sysfs `local_cpulist`).
+pub(crate) fn parse_cpulist(s: &str) -> Option<Vec<usize>> {
+    let mut cpus = Vec::new();
+    for part in s.trim().split(',').filter(|p| !p.is_empty()) {
+        match part.split_once('-') {
+            Some((a, b)) => {
+                let (a, b): (usize, usize) = (a.parse().ok()?, b.parse().ok()?);
+                if a > b {
+                    return None;
+                }
+                cpus.extend(a..=b);
+            }
+            None => cpus.push(part.parse().ok()?),
+        }
+    }
+    (!cpus.is_empty()).then_some(cpus)
+}
+
+/// The CPUs local to PCI device `bus_id` (as cuDeviceGetPCIBusId writes it), or `None` when
+/// sysfs does not say or the knob turns pinning off.
+pub(crate) fn cpus_near_pci_device(bus_id: &str) -> Option<Vec<usize>> {
+    if std::env::var("FERROCOMM_PROXY_AFFINITY").as_deref() == Ok("0") {
+        return None;
+    }
+    let path = format!("/sys/bus/pci/devices/{}/local_cpulist", bus_id.to_ascii_lowercase());
+    parse_cpulist(&std::fs::read_to_string(path).ok()?)
+}
+
+/// Restricts the calling thread to those of `cpus` it is allowed to run on at all.
+pub(crate) fn pin_current_thread(cpus: &[usize]) -> Result<()> {
+    // SAFETY: cpu_set_t is plain data; the libc macros only touch the set we pass.
+    unsafe {
+        let mut allowed: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut allowed) != 0 {
+            return Err(Error::io("sched_getaffinity", std::io::Error::last_os_error()));
+        }
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        let mut any = false;
+        for &c in cpus.iter().filter(|&&c| c < libc::CPU_SETSIZE as usize) {
+            if libc::CPU_ISSET(c, &allowed) {
+                libc::CPU_SET(c, &mut set);
+                any = true;
+            }
+        }
+        if !any {
+            return Err(Error::invalid(
+                "proxy affinity",
+                format!("none of CPUs {cpus:?} is allowed for this process"),
+            ));
+        }
+        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+            return Err(Error::io("sched_setaffinity", std::io::Error::last_os_error()));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_lists_parse_as_sysfs_writes_them() {
+        assert_eq!(parse_cpulist("0-3,8,10-11\n"), Some(vec![0, 1, 2, 3, 8, 10, 11]));
+        assert_eq!(parse_cpulist("5"), Some(vec![5]));
+        for bad in ["", "\n", "3-1", "a", "1-", "1,,x"] {
+            assert_eq!(parse_cpulist(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_thread_is_pinned_to_the_allowed_cpus_of_a_list() {
+        let cpu_of = || {
+            // SAFETY: as in pin_current_thread.
+            unsafe {
+                let mut set: libc::cpu_set_t = std::mem::zeroed();
+                assert_eq!(
+                    libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set),
+                    0
+                );
+                (0..libc::CPU_SETSIZE as usize)
+                    .filter(|&c| libc::CPU_ISSET(c, &set))
+                    .collect::<Vec<_>>()
+            }
+        };
+        std::thread::spawn(move || {
+            let allowed = cpu_of();
+            let first = allowed[0];
+            // CPUs outside the process's set are ignored; the allowed one is kept.
+            pin_current_thread(&[first, 100_000]).unwrap();
+            assert_eq!(cpu_of(), vec![first]);
+            let e = pin_current_thread(&[100_000]).unwrap_err();
+            assert!(e.to_string().contains("is allowed"), "{e}");
+            assert_eq!(cpu_of(), vec![first], "a refused list changes nothing");
+        })
+        .join()
+        .unwrap();
+    }
+}

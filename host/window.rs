@@ -1,0 +1,324 @@
+//! Windows: symmetric memory that any rank can put to, get from, signal and update atomically
+//! without the owner taking part. The contract is docs/memory-model.md; `Window` checks every
+//! rank, offset, length and signal id, then hands the call to its backend
+//! (crate::contracts::window::WindowBackend).
+
+use crate::collectives::Collectives;
+use crate::comm::Comm;
+use crate::contracts::dtype::{as_bytes, as_bytes_mut, Element};
+use crate::contracts::error::{Error, Result};
+use crate::contracts::window::{Cmp, Observed, SignalOp, SignalSource, WindowBackend, WindowSpec};
+use crate::contracts::window_handle::WindowHandle;
+use crate::net::windows::{HostQueue, QueueProducer};
+use crate::work::{Scope, Work};
+use cudarc::driver::CudaStream;
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// One rank's handle on a window. `'buf` is the lifetime of registered user memory
+/// (`'static` for memory the window allocated). Dropping it frees this rank's part; peers that
+/// still wait on this rank then get `Error::PeerLost`.
+pub struct Window<'buf> {
+    backend: Box<dyn WindowBackend>,
+    comm: Comm,
+    bytes: usize,
+    signals: usize,
+    timeout: Duration,
+    _buf: PhantomData<&'buf mut [u8]>,
+}
+
+impl<'buf> Window<'buf> {
+    pub(crate) fn new(backend: Box<dyn WindowBackend>, comm: Comm, spec: &WindowSpec) -> Self {
+        let timeout = comm.timeout();
+        Window {
+            backend,
+            comm,
+            bytes: spec.bytes,
+            signals: spec.signals,
+            timeout,
+            _buf: PhantomData,
+        }
+    }
+
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+    pub fn size(&self) -> usize {
+        self.comm.size()
+    }
+    /// Bytes of every rank's segment.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+    /// Signal ids per source.
+    pub fn signals(&self) -> usize {
+        self.signals
+    }
+
+    fn check_rank(&self, op: &'static str, rank: usize) -> Result<()> {
+        if rank < self.size() {
+            Ok(())
+        } else {
+            Err(Error::InvalidRank {
+                op,
+                rank,
+                size: self.size(),
+            })
+        }
+    }
+
+    fn check_range(&self, op: &'static str, rank: usize, offset: usize, len: usize) -> Result<()> {
+        self.check_rank(op, rank)?;
+        match offset.checked_add(len) {
+            Some(end) if end <= self.bytes => Ok(()),
+            _ => Err(Error::OutOfBounds {
+                op,
+                rank,
+                offset,
+                len,
+                bytes: self.bytes,
+            }),
+        }
+    }
+
+    fn check_word(&self, op: &'static str, rank: usize, offset: usize) -> Result<()> {
+        self.check_range(op, rank, offset, 8)?;
+        if offset % 8 != 0 {
+            return Err(Error::invalid(
+                op,
+                format!("offset {offset} of a u64 atomic is not 8-byte aligned"),
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_signal(&self, op: &'static str, id: usize) -> Result<()> {
+        if id < self.signals {
+            Ok(())
+        } else {
+            Err(Error::invalid(
+                op,
+                format!("signal id {id} is not below {}", self.signals),
+            ))
+        }
+    }
+
+    /// Copies `src` to `dst`'s segment at byte `offset`. Complete at the target by the next
+    /// signal to it, `flush` or `barrier`.
+    pub fn put<T: Element>(&self, dst: usize, offset: usize, src: &[T]) -> Result<()> {
+        let src = as_bytes(src);
+        self.check_range("put", dst, offset, src.len())?;
+        self.backend.put(dst, offset, src)
+    }
+
+    /// Copies `src`'s segment at byte `offset` into `dst`.
+    pub fn get<T: Element>(&self, src: usize, offset: usize, dst: &mut [T]) -> Result<()> {
+        let dst = as_bytes_mut(dst);
+        self.check_range("get", src, offset, dst.len())?;
+        self.backend.get(src, offset, dst)
+    }
+
+    /// Release-writes our slot of signal `id` on `dst`: earlier puts to `dst` are visible
+    /// there before the new value is.
+    pub fn signal(&self, dst: usize, id: usize, op: SignalOp, value: u64) -> Result<()> {
+        self.check_rank("signal", dst)?;
+        self.check_signal("signal", id)?;
+        self.backend.signal(dst, id, op, value)
+    }
+
+    /// `put` then `signal` to the same rank.
+    pub fn put_signal<T: Element>(
+        &self,
+        dst: usize,
+        offset: usize,
+        src: &[T],
+        id: usize,
+        op: SignalOp,
+        value: u64,
+    ) -> Result<()> {
+        self.check_signal("put_signal", id)?;
+        self.put(dst, offset, src)?;
+        self.signal(dst, id, op, value)
+    }
+
+    /// Waits (acquire) until signal `id` from `from` satisfies `cmp value`, within the
+    /// communicator's timeout.
+    pub fn wait_signal(&self, id: usize, from: SignalSource, cmp: Cmp, value: u64) -> Result<Observed> {
+        self.wait_signal_timeout(id, from, cmp, value, self.timeout)
+    }
+
+    pub fn wait_signal_timeout(
+        &self,
+        id: usize,
+        from: SignalSource,
+        cmp: Cmp,
+        value: u64,
+        timeout: Duration,
+    ) -> Result<Observed> {
+        self.check_signal("wait_signal", id)?;
+        if let SignalSource::Rank(r) = from {
+            self.check_rank("wait_signal", r)?;
+        }
+        self.backend.wait_signal(id, from, cmp, value, timeout)
+    }
+
+    /// Atomically adds `value` to the u64 at `dst`:`offset` (8-aligned); returns the old value.
+    pub fn fetch_add(&self, dst: usize, offset: usize, value: u64) -> Result<u64> {
+        self.check_word("fetch_add", dst, offset)?;
+        self.backend.fetch_add(dst, offset, value)
+    }
+
+    /// Atomically replaces the u64 at `dst`:`offset` by `desired` if it equals `expected`;
+    /// returns the old value.
+    pub fn compare_swap(&self, dst: usize, offset: usize, expected: u64, desired: u64) -> Result<u64> {
+        self.check_word("compare_swap", dst, offset)?;
+        self.backend.compare_swap(dst, offset, expected, desired)
+    }
+
+    /// Orders our earlier puts to each rank before our later ones.
+    pub fn fence(&self) -> Result<()> {
+        self.backend.fence()
+    }
+
+    /// Waits until every earlier operation of ours is complete at its target.
+    pub fn flush(&self) -> Result<()> {
+        self.backend.flush()
+    }
+
+    /// The host end of this window's proxy queue: the path kernels take to ranks on other hosts
+    /// (16-byte descriptors drained by a proxy thread onto the network links), driven from the
+    /// host. Puts name a source offset in this rank's window data. `Error::Unavailable` when no
+    /// rank of the window is reached over the network, or the backend has no such queue.
+    pub fn proxy_queue(&self) -> Result<QueueProducer<'_>> {
+        let queue = self
+            .backend
+            .proxy_queue()?
+            .downcast::<HostQueue>()
+            .map_err(|_| Error::Unavailable {
+                backend: "window".into(),
+                reason: "this backend's proxy queue is not the window network's host queue".into(),
+            })?;
+        Ok(QueueProducer::new(queue))
+    }
+
+    /// `flush`, then a barrier over the communicator.
+    pub fn barrier(&self) -> Result<()> {
+        self.flush()?;
+        self.comm.barrier()
+    }
+
+    /// Copies from this rank's own segment. Bytes that a peer is writing concurrently (without
+    /// a signal or barrier in between) may be old or new.
+    pub fn read_local<T: Element>(&self, offset: usize, dst: &mut [T]) -> Result<()> {
+        let dst = as_bytes_mut(dst);
+        self.check_range("read_local", self.rank(), offset, dst.len())?;
+        if self.backend.device().is_some() {
+            return self.backend.get(self.rank(), offset, dst);
+        }
+        // SAFETY: in bounds of our segment, which lives as long as `self`; copies through raw
+        // pointers because peers may write the segment concurrently.
+        unsafe { std::ptr::copy_nonoverlapping(self.backend.local_base().add(offset), dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    /// Copies into this rank's own segment.
+    pub fn write_local<T: Element>(&self, offset: usize, src: &[T]) -> Result<()> {
+        let src = as_bytes(src);
+        self.check_range("write_local", self.rank(), offset, src.len())?;
+        if self.backend.device().is_some() {
+            return self.backend.put(self.rank(), offset, src);
+        }
+        // SAFETY: as in `read_local`.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.backend.local_base().add(offset), src.len()) };
+        Ok(())
+    }
+
+    /// This rank's segment (`bytes()` long), valid while the window lives. Peers may write it
+    /// at any time: access it with raw-pointer copies or atomics, never as a Rust slice held
+    /// across a signal wait. For a window in GPU memory this is a device address.
+    pub fn local_ptr(&self) -> *mut u8 {
+        self.backend.local_base()
+    }
+
+    /// `rank`'s segment mapped into this process (same-host ranks of allocated windows), like
+    /// torchcomms' `map_remote_tensor`; `None` where it is reachable only through a proxy.
+    /// Same access rules as `local_ptr`.
+    pub fn remote_ptr(&self, rank: usize) -> Option<*mut u8> {
+        if rank >= self.size() {
+            return None;
+        }
+        self.backend.remote_base(rank)
+    }
+
+    /// Whether the segments live in GPU memory (the `device` backend).
+    pub fn is_device_memory(&self) -> bool {
+        self.backend.device().is_some()
+    }
+
+    /// The handle a kernel takes by value (`ferrocomm_window_handle`, device-api's `Window`).
+    /// Valid while this window lives: drop the window only after kernels using it finished
+    /// ([`Window::synchronize`]). Fails for windows in host memory.
+    pub fn device_handle(&self) -> Result<WindowHandle> {
+        self.backend.handle().ok_or_else(|| {
+            Error::invalid(
+                "device_handle",
+                "this window is in host memory (use the device backend)",
+            )
+        })
+    }
+
+    /// The rank's stream: launch kernels that use the window on it, so they are ordered with
+    /// the window's host verbs.
+    pub fn stream(&self) -> Result<Arc<CudaStream>> {
+        self.backend
+            .device()
+            .map(|d| d.1)
+            .ok_or_else(|| Error::invalid("stream", "this window is in host memory (use the device backend)"))
+    }
+
+    /// Waits for the rank's stream and reports the first error a kernel recorded through the
+    /// handle (`Error::Timeout` naming the awaited rank, or `Error::Closed` after an abort),
+    /// then clears it: the window stays usable. A no-op for host windows.
+    pub fn synchronize(&self) -> Result<()> {
+        self.backend.synchronize(self.timeout)
+    }
+
+    /// `put` as a [`Work`] of `scope`, run in issue order with the communicator's other work.
+    pub fn put_async<'s, T: Element>(
+        &'s self,
+        scope: &'s Scope<'s, '_>,
+        dst: usize,
+        offset: usize,
+        src: &'s [T],
+    ) -> Result<Work<'s>> {
+        self.check_range("put", dst, offset, std::mem::size_of_val(src))?;
+        scope.spawn(Box::new(move |_, _| self.put(dst, offset, src)), "put")
+    }
+
+    /// `get` as a [`Work`] of `scope`.
+    pub fn get_async<'s, T: Element>(
+        &'s self,
+        scope: &'s Scope<'s, '_>,
+        src: usize,
+        offset: usize,
+        dst: &'s mut [T],
+    ) -> Result<Work<'s>> {
+        self.check_range("get", src, offset, std::mem::size_of_val(dst))?;
+        scope.spawn(Box::new(move |_, _| self.get(src, offset, dst)), "get")
+    }
+
+    /// `signal` as a [`Work`] of `scope` (after the scope's earlier puts).
+    pub fn signal_async<'s>(
+        &'s self,
+        scope: &'s Scope<'s, '_>,
+        dst: usize,
+        id: usize,
+        op: SignalOp,
+        value: u64,
+    ) -> Result<Work<'s>> {
+        self.check_rank("signal", dst)?;
+        self.check_signal("signal", id)?;
+        scope.spawn(Box::new(move |_, _| self.signal(dst, id, op, value)), "signal")
+    }
+}
