@@ -3,15 +3,13 @@
 use crate::backend::registry;
 use crate::bootstrap::{self, MemoryStore, PrefixStore, TcpStoreServer};
 use crate::contracts::backend::BackendInit;
-use crate::contracts::dtype::Element;
 use crate::contracts::error::{Error, Result};
 use crate::contracts::ops::{Location, Op};
 use crate::contracts::options::{merge_hints, AbortOnError, CommOptions, OpOptions};
 use crate::contracts::placement::Device;
 use crate::contracts::store::Store;
-use crate::contracts::window::{WindowOptions, WindowSpec};
+use crate::contracts::window::{WindowBackend, WindowOptions, WindowSpec};
 use crate::executor::{op_task, Executor, Task};
-use crate::window::Window;
 use crate::work::Scope;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
@@ -371,25 +369,14 @@ impl Comm {
         Ok(Some(c))
     }
 
-    /// Creates a window of `bytes` per rank with the default options. Collective: every rank
-    /// calls it with the same size.
-    pub fn new_window(&self, bytes: usize) -> Result<Window<'static>> {
-        self.new_window_with(bytes, WindowOptions::default())
-    }
-
-    pub fn new_window_with(&self, bytes: usize, opts: WindowOptions) -> Result<Window<'static>> {
-        self.window(bytes, opts, None)
-    }
-
-    /// Exposes `buf` as this rank's segment of a new window (collective; every rank registers
-    /// the same number of bytes). The buffer stays borrowed until the window is dropped; peers
-    /// reach it through this rank's proxy, never by pointer.
-    pub fn register<'b, T: Element>(&self, buf: &'b mut [T], opts: WindowOptions) -> Result<Window<'b>> {
-        let bytes = std::mem::size_of_val(buf);
-        self.window(bytes, opts, Some(buf.as_mut_ptr().cast()))
-    }
-
-    fn window<'b>(&self, bytes: usize, opts: WindowOptions, registered: Option<*mut u8>) -> Result<Window<'b>> {
+    /// This rank's part of a new window (collective), built by the backend; the public
+    /// `Window` around it is made in crate::window.
+    pub(crate) fn window_backend(
+        &self,
+        bytes: usize,
+        opts: WindowOptions,
+        registered: Option<*mut u8>,
+    ) -> Result<(Box<dyn WindowBackend>, WindowSpec)> {
         self.check_live("new_window")?;
         if opts.signals == 0 {
             return Err(Error::invalid("new_window", "a window needs at least one signal id"));
@@ -402,7 +389,7 @@ impl Comm {
             timeout: self.inner.options.timeout,
         };
         let backend = self.inner.exec.backend().new_window(&spec)?;
-        Ok(Window::new(backend, self.clone(), &spec))
+        Ok((backend, spec))
     }
 
     /// Completes queued operations and closes this rank. Later operations fail with

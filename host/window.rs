@@ -7,7 +7,7 @@ use crate::collectives::Collectives;
 use crate::comm::Comm;
 use crate::contracts::dtype::{as_bytes, as_bytes_mut, Element};
 use crate::contracts::error::{Error, Result};
-use crate::contracts::window::{Cmp, Observed, SignalOp, SignalSource, WindowBackend, WindowSpec};
+use crate::contracts::window::{Cmp, Observed, SignalOp, SignalSource, WindowBackend, WindowOptions, WindowSpec};
 use crate::contracts::window_handle::WindowHandle;
 use crate::net::windows::{HostQueue, QueueProducer};
 use crate::work::{Scope, Work};
@@ -15,6 +15,32 @@ use cudarc::driver::CudaStream;
 use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::Duration;
+
+/// Window creation on the communicator.
+impl Comm {
+    /// Creates a window of `bytes` per rank with the default options. Collective: every rank
+    /// calls it with the same size.
+    pub fn new_window(&self, bytes: usize) -> Result<Window<'static>> {
+        self.new_window_with(bytes, WindowOptions::default())
+    }
+
+    pub fn new_window_with(&self, bytes: usize, opts: WindowOptions) -> Result<Window<'static>> {
+        self.window(bytes, opts, None)
+    }
+
+    /// Exposes `buf` as this rank's segment of a new window (collective; every rank registers
+    /// the same number of bytes). The buffer stays borrowed until the window is dropped; peers
+    /// reach it through this rank's proxy, never by pointer.
+    pub fn register<'b, T: Element>(&self, buf: &'b mut [T], opts: WindowOptions) -> Result<Window<'b>> {
+        let bytes = std::mem::size_of_val(buf);
+        self.window(bytes, opts, Some(buf.as_mut_ptr().cast()))
+    }
+
+    fn window<'b>(&self, bytes: usize, opts: WindowOptions, registered: Option<*mut u8>) -> Result<Window<'b>> {
+        let (backend, spec) = self.window_backend(bytes, opts, registered)?;
+        Ok(Window::new(backend, self.clone(), &spec))
+    }
+}
 
 /// One rank's handle on a window. `'buf` is the lifetime of registered user memory
 /// (`'static` for memory the window allocated). Dropping it frees this rank's part; peers that

@@ -19,9 +19,9 @@
 //! every rank shares, and the world size. Addresses and alignment only pick the access width.
 
 use super::call_order::CallOrder;
+use super::rank::DeviceRank;
 use super::route::parse_bytes;
 use super::window::DeviceWindow;
-use super::DeviceBackend;
 use crate::contracts::backend::hint_ignored;
 use crate::contracts::dtype::{DType, ReduceOp};
 use crate::contracts::error::{Error, Result};
@@ -121,7 +121,7 @@ fn env_bytes(name: &str, default: usize) -> Result<usize> {
 
 impl OwnCollectives {
     /// Collective over the communicator, like any window.
-    pub(crate) fn create(b: &DeviceBackend, timeout: Duration) -> Result<OwnCollectives> {
+    pub(crate) fn create(b: &DeviceRank, timeout: Duration) -> Result<OwnCollectives> {
         // The kernels load and store to every peer: ranks on other hosts are out of reach.
         if let Err(why) = &b.one_host {
             return Err(Error::Unavailable {

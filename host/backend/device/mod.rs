@@ -8,48 +8,35 @@ mod call_order;
 mod collectives;
 mod host_staged;
 mod multicast;
+mod rank;
 mod route;
 mod topology;
 mod window;
 mod window_network;
 
-use super::cpu::{self, CpuBackend};
+use super::cpu;
 use super::nccl::NcclBackend;
 use crate::bootstrap::{PrefixStore, Store};
 use crate::contracts::backend::{hint_ignored, Backend, BackendInit, RunOptions};
 use crate::contracts::error::{Error, Result};
 use crate::contracts::ops::{Location, Op};
-use crate::contracts::options::TransportOptions;
 use crate::contracts::placement::Device;
 use crate::contracts::window::{WindowBackend, WindowSpec};
 use crate::gpu::memory::Pinned;
+use rank::DeviceRank;
 use route::{Policy, Route};
 use std::sync::Arc;
 
 pub(crate) struct DeviceBackend {
-    gpu: crate::gpu::target::Gpu,
-    /// The CUDA device (0 on the host device, where nothing reads it).
-    ordinal: usize,
-    rank: usize,
-    size: usize,
-    host: Arc<CpuBackend>,
-    store: Arc<dyn Store>,
-    transport: TransportOptions,
-    /// docs/memory-model.md rule 5: one pinned word per communicator that every device spin
-    /// loop polls; `abort` stores 1.
-    abort_flag: Arc<Pinned<u32>>,
+    /// What windows and the own collectives use too.
+    me: DeviceRank,
     /// NCCL for collectives on device buffers, where every rank has it and a GPU of its own.
     nccl: Option<NcclBackend>,
     /// ferrocomm's own collective kernels, where every rank is on this host.
     own: Option<collectives::OwnCollectives>,
-    /// Every rank is on this host; else why not.
-    one_host: std::result::Result<(), String>,
     policy: Policy,
-    /// Every rank has a GPU of its own that supports multicast: windows bind a multicast object.
-    multicast: bool,
     /// Another rank of this process runs on this GPU: own kernels need a stream per rank.
     gpu_shared_in_process: bool,
-    timeout: std::time::Duration,
 }
 
 pub(crate) fn create(init: &BackendInit) -> Result<Box<dyn Backend>> {
@@ -77,23 +64,25 @@ pub(crate) fn create(init: &BackendInit) -> Result<Box<dyn Backend>> {
     }
     let policy = Policy::new(nccl.is_some(), |k| std::env::var(k).ok())?;
     let mut backend = DeviceBackend {
-        gpu,
+        me: DeviceRank {
+            gpu,
+            timeout: init.options.timeout,
+            ordinal,
+            rank: init.rank,
+            size: init.size,
+            host: Arc::new(cpu::create_host(init)?),
+            store: init.store.clone(),
+            transport: init.options.transport.clone(),
+            abort_flag,
+            multicast: team.multicast.is_ok(),
+            one_host: team.one_host,
+        },
         nccl,
         own: None,
         policy,
-        timeout: init.options.timeout,
-        ordinal,
-        rank: init.rank,
-        size: init.size,
-        host: Arc::new(cpu::create_host(init)?),
-        store: init.store.clone(),
-        transport: init.options.transport.clone(),
-        abort_flag,
-        multicast: team.multicast.is_ok(),
         gpu_shared_in_process: team.gpu_shared_in_process[init.rank],
-        one_host: team.one_host,
     };
-    backend.own = match collectives::OwnCollectives::create(&backend, init.options.timeout) {
+    backend.own = match collectives::OwnCollectives::create(&backend.me, init.options.timeout) {
         Ok(own) => Some(own),
         Err(Error::Unavailable { reason, .. }) => {
             tracing::debug!(%reason, "device backend without its own collective kernels");
@@ -149,25 +138,25 @@ impl Backend for DeviceBackend {
     fn run(&self, op: &mut Op<'_>, opts: &RunOptions) -> Result<()> {
         let name = op.name();
         route::check_hints(name, opts.hints)?;
-        if self.gpu == crate::gpu::target::Gpu::Host {
+        if self.me.gpu == crate::gpu::target::Gpu::Host {
             // Host memory is the host device's memory: its kernels run what they can, unless
             // the hints ask for one of the CPU engine's algorithms.
             return match self.own.as_ref() {
                 Some(kernels) if !route::wants_engine(opts.hints) && kernels.supports(op, opts.hints) => {
                     kernels.run(op, opts.hints, opts.stream, opts.timeout)
                 }
-                _ => on_engine(name, opts, |o| self.host.run(op, o)),
+                _ => on_engine(name, opts, |o| self.me.host.run(op, o)),
             };
         }
         if !matches!(op.location()?, Some(Location::Cuda(_))) {
             if let Some(r) = opts.hints.get("route") {
                 hint_ignored("device", name, "route", r, "host buffers run on the CPU engine");
             }
-            return on_engine(name, opts, |o| self.host.run(op, o));
+            return on_engine(name, opts, |o| self.me.host.run(op, o));
         }
         // The issuing thread, or the worker for an asynchronous call, may not have the GPU's
         // context current yet.
-        crate::gpu::cuda::context(self.ordinal)?;
+        crate::gpu::cuda::context(self.me.ordinal)?;
         let own = self.own.as_ref().filter(|k| k.supports(op, opts.hints));
         match (self.policy.choose(op, opts.hints, own.is_some())?, &self.nccl, own) {
             (Route::Nccl, Some(nccl), _) => {
@@ -186,26 +175,30 @@ impl Backend for DeviceBackend {
                 self.check_own_stream(name, opts.stream)?;
                 kernels.run(op, opts.hints, opts.stream, opts.timeout)
             }
-            _ => on_engine(name, opts, |o| host_staged::run(&self.host, op, o)),
+            _ => on_engine(name, opts, |o| host_staged::run(&self.me.host, op, o)),
         }
     }
 
     fn abort(&self) {
-        self.abort_flag.write(0, 1);
+        self.me.abort_flag.write(0, 1);
         if let Some(n) = &self.nccl {
             n.abort();
         }
-        self.host.abort();
+        self.me.host.abort();
     }
 
     fn finalize(&self) -> Result<()> {
         let r = self.nccl.as_ref().map_or(Ok(()), |n| n.finalize());
-        let r = r.and(self.own.as_ref().map_or(Ok(()), |k| k.check("finalize", self.timeout)));
-        self.host.finalize()?;
+        let r = r.and(
+            self.own
+                .as_ref()
+                .map_or(Ok(()), |k| k.check("finalize", self.me.timeout)),
+        );
+        self.me.host.finalize()?;
         r
     }
 
     fn new_window(&self, spec: &WindowSpec) -> Result<Box<dyn WindowBackend>> {
-        Ok(Box::new(window::DeviceWindow::create(self, spec)?))
+        Ok(Box::new(window::DeviceWindow::create(&self.me, spec)?))
     }
 }

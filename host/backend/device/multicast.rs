@@ -5,7 +5,7 @@
 //! the window works on by unicast; the ranks agree on each step's outcome through the store,
 //! so none blocks in a bind that waits for a GPU its peer never added.
 
-use super::DeviceBackend;
+use super::rank::DeviceRank;
 use crate::bootstrap::{PrefixStore, Store};
 use crate::contracts::error::{Error, Result};
 use crate::gpu::memory::{multicast, MulticastMap, Physical};
@@ -29,7 +29,7 @@ struct Published {
 /// process) and maps it; `None` when some rank could not (logged at debug level). `g` is the
 /// multicast granularity `own`'s size is a multiple of.
 pub(super) fn join(
-    b: &DeviceBackend,
+    b: &DeviceRank,
     window_id: u64,
     own: &Arc<Physical>,
     pids: &[u32],
@@ -116,7 +116,7 @@ fn create(
 }
 
 /// Every rank's outcome of one step: Ok when all succeeded, else the first rank's reason.
-fn agree(store: &dyn Store, step: &str, b: &DeviceBackend, mine: Outcome, timeout: Duration) -> Result<Outcome> {
+fn agree(store: &dyn Store, step: &str, b: &DeviceRank, mine: Outcome, timeout: Duration) -> Result<Outcome> {
     let all = crate::bootstrap::all_gather_records(store, step, b.rank, b.size, &mine, "new_window", timeout)?;
     Ok(
         match all

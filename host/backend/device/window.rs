@@ -8,7 +8,7 @@
 //! waits and atomics by the small kernels of kernels/rma.cu, each complete when the call
 //! returns.
 
-use super::DeviceBackend;
+use super::rank::DeviceRank;
 use crate::backend::device::window_network::{self, GpuSegment, Network};
 use crate::bootstrap::PrefixStore;
 use crate::contracts::backend::RunOptions;
@@ -100,7 +100,7 @@ pub(crate) struct DeviceWindow {
 }
 
 impl DeviceWindow {
-    pub(crate) fn create(b: &DeviceBackend, spec: &WindowSpec) -> Result<DeviceWindow> {
+    pub(crate) fn create(b: &DeviceRank, spec: &WindowSpec) -> Result<DeviceWindow> {
         if spec.registered.is_some() {
             return Err(Error::invalid(
                 "register",
@@ -219,7 +219,7 @@ impl DeviceWindow {
     }
 
     /// Publishes our segment and collects every rank's of this host, in rank order.
-    fn exchange(b: &DeviceBackend, spec: &WindowSpec, own: &Segment) -> Result<Peers> {
+    fn exchange(b: &DeviceRank, spec: &WindowSpec, own: &Segment) -> Result<Peers> {
         let store = PrefixStore::new(format!("dwindow{}", spec.id), b.store.clone());
         let server = FdServer::bind()?;
         let me = SegmentInfo {
