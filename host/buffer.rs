@@ -1,5 +1,5 @@
 //! What the collective calls accept as buffers: host slices (and vectors and arrays) or views of
-//! device memory. Each converts into the untyped [`Buf`] / [`BufMut`] of an [`crate::Op`].
+//! device memory. Each converts into the untyped [`Buf`] / [`BufMut`] of an `Op`.
 
 use crate::contracts::dtype::Element;
 use crate::contracts::ops::{Buf, BufMut};

@@ -10,7 +10,6 @@ use crate::contracts::placement::Device;
 use crate::contracts::store::Store;
 use crate::contracts::window::{WindowBackend, WindowOptions, WindowSpec};
 use crate::executor::{op_task, Executor, Task};
-use crate::work::Scope;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -292,25 +291,6 @@ impl Comm {
         &self.inner.exec
     }
 
-    /// Runs `f` with a [`Scope`] for asynchronous operations on buffers that outlive the scope;
-    /// returns after every operation started in it has ended. Results reach the caller through
-    /// [`Work::wait`](crate::Work::wait); the error of a `Work` that is never waited for is dropped.
-    pub fn scope<'env, F, T>(&self, f: F) -> T
-    where
-        F: for<'scope> FnOnce(&'scope Scope<'scope, 'env>) -> T,
-    {
-        let scope = Scope::new(self);
-        // Waits even when `f` panics: queued operations must not outlive their buffers.
-        struct WaitOnExit<'a, 's, 'e>(&'a Scope<'s, 'e>);
-        impl Drop for WaitOnExit<'_, '_, '_> {
-            fn drop(&mut self) {
-                self.0.wait_all();
-            }
-        }
-        let _guard = WaitOnExit(&scope);
-        f(&scope)
-    }
-
     /// Splits off a sub-communicator. Collective over this communicator: every rank calls it,
     /// passing the (same) ordered list of ranks of the group it wants to join, or an empty list
     /// to join none. Ranks of the new communicator follow the list order. Returns `None` for
@@ -420,7 +400,7 @@ fn abort_rank(state: &AtomicU8, backend: &dyn crate::contracts::backend::Backend
 /// aborts first either way, so peers learn at once even when the process then exits.
 fn abort_after_failure(
     mode: AbortOnError,
-    e: &crate::Error,
+    e: &Error,
     state: &AtomicU8,
     backend: &dyn crate::contracts::backend::Backend,
     rank: usize,

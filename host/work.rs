@@ -2,6 +2,7 @@
 //! of them before it returns, so the borrowed buffers provably outlive the work) and [`Work`]
 //! is one of them in flight. They run in issue order on the communicator's executor.
 
+use crate::comm::Comm;
 use crate::contracts::error::{Error, Result};
 use crate::contracts::ops::Op;
 use crate::contracts::options::OpOptions;
@@ -48,16 +49,16 @@ impl Work<'_> {
 }
 
 /// Issues asynchronous operations whose buffers live at least as long as the scope.
-/// Created by [`crate::Comm::scope`].
+/// Created by `Comm::scope`.
 pub struct Scope<'scope, 'env: 'scope> {
-    pub(crate) comm: &'scope crate::Comm,
+    pub(crate) comm: &'scope Comm,
     pending: Mutex<Vec<Arc<Completion>>>,
     _scope: PhantomData<&'scope mut &'scope ()>,
     _env: PhantomData<&'env mut &'env ()>,
 }
 
 impl<'scope, 'env> Scope<'scope, 'env> {
-    pub(crate) fn new(comm: &'scope crate::Comm) -> Self {
+    pub(crate) fn new(comm: &'scope Comm) -> Self {
         Scope {
             comm,
             pending: Mutex::default(),
@@ -95,5 +96,27 @@ impl<'scope, 'env> Scope<'scope, 'env> {
             // order the current stream after it, as `Work::wait` would.
             let _ = c.fence.stream_wait(stream::current());
         }
+    }
+}
+
+/// Asynchronous operations on the communicator.
+impl Comm {
+    /// Runs `f` with a [`Scope`] for asynchronous operations on buffers that outlive the scope;
+    /// returns after every operation started in it has ended. Results reach the caller through
+    /// [`Work::wait`](Work::wait); the error of a `Work` that is never waited for is dropped.
+    pub fn scope<'env, F, T>(&self, f: F) -> T
+    where
+        F: for<'scope> FnOnce(&'scope Scope<'scope, 'env>) -> T,
+    {
+        let scope = Scope::new(self);
+        // Waits even when `f` panics: queued operations must not outlive their buffers.
+        struct WaitOnExit<'a, 's, 'e>(&'a Scope<'s, 'e>);
+        impl Drop for WaitOnExit<'_, '_, '_> {
+            fn drop(&mut self) {
+                self.0.wait_all();
+            }
+        }
+        let _guard = WaitOnExit(&scope);
+        f(&scope)
     }
 }

@@ -1,5 +1,6 @@
 //! Bootstrap: the rendezvous store and discovery of this process's place in the job.
 
+pub(crate) mod accept;
 mod auth;
 mod env;
 mod file_store;

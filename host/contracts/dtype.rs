@@ -140,9 +140,9 @@ impl ReduceOp {
     }
 
     /// Checks that the operator is defined for `dtype`.
-    pub(crate) fn check(self, op: &'static str, dtype: DType) -> crate::Result<()> {
+    pub(crate) fn check(self, op: &'static str, dtype: DType) -> crate::contracts::error::Result<()> {
         if self.is_bitwise() && dtype.is_float() {
-            return Err(crate::Error::UnsupportedReduce {
+            return Err(crate::contracts::error::Error::UnsupportedReduce {
                 op,
                 reduce: self.to_string(),
                 dtype: dtype.name(),
@@ -150,7 +150,7 @@ impl ReduceOp {
         }
         if let ReduceOp::PremulSum(s) = self {
             if !s.is_finite() {
-                return Err(crate::Error::invalid(
+                return Err(crate::contracts::error::Error::invalid(
                     op,
                     format!("premul_sum scalar {s} is not finite"),
                 ));

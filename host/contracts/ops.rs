@@ -1,4 +1,4 @@
-//! Operations as data. Every public call of a [`crate::Comm`] becomes an [`Op`] that borrows the
+//! Operations as data. Every public call of a communicator (`Comm`) becomes an [`Op`] that borrows the
 //! caller's buffers; a backend executes it. Per-rank parts (all_gather outputs, all_to_all
 //! inputs, ...) are always resolved into one buffer per rank before a backend sees them, so the
 //! single-buffer, list and v-forms of a collective are one operation.
@@ -75,7 +75,7 @@ impl<'a> Buf<'a> {
             dtype,
         }
     }
-    /// A buffer in device memory (see [`crate::device::DeviceSlice`] for the safe way in).
+    /// A buffer in device memory (see `device::DeviceSlice` for the safe way in).
     pub(crate) fn device(bytes: DeviceBytes, dtype: DType) -> Self {
         Buf {
             bytes: Bytes::Device(bytes),

@@ -125,7 +125,7 @@ pub enum AbortOnError {
     /// (the CPU engine refuses later operations; see [`CommOptions::timeout`]).
     #[default]
     Off,
-    /// The communicator aborts before the error is returned, as [`Comm::abort`](crate::Comm::abort)
+    /// The communicator aborts before the error is returned, as `Comm::abort`
     /// does: peers waiting on this rank get `Error::PeerLost` at once, and this rank's later
     /// operations fail with `Error::Closed` (state `"aborted"`).
     Comm,
@@ -202,7 +202,7 @@ pub struct CommOptions {
     /// `finalize` or drop remain; make a new communicator to go on. With
     /// [`AbortOnError::Comm`] the communicator aborts instead (state `"aborted"`), on every
     /// backend, and [`AbortOnError::Process`] ends the process. A timeout of
-    /// [`Work::wait_timeout`](crate::Work::wait_timeout) is not an operation's failure: the
+    /// `Work::wait_timeout` is not an operation's failure: the
     /// operation goes on.
     pub timeout: Duration,
     /// The store to rendezvous through; default: from the environment (see `bootstrap`).

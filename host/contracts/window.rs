@@ -1,7 +1,7 @@
 //! The window contract's vocabulary (signal operations, comparisons, sources, what a wait
 //! observed, a window's options and spec) and the trait a backend's window implements
 //! (`WindowBackend`). The ordering contract is docs/memory-model.md; the public `Window`
-//! (crate::window) checks every argument before it calls a `WindowBackend`.
+//! (window.rs of the public face) checks every argument before it calls a `WindowBackend`.
 
 use crate::contracts::error::{Error, Result};
 use crate::contracts::window_handle::WindowHandle;
@@ -112,7 +112,7 @@ pub trait WindowBackend: Send + Sync {
         self.device().map(|d| d.0)
     }
     /// The window's proxy queue toward ranks reached over the network, started on first use:
-    /// the window network's `HostQueue` (crate::net::windows), which this layer cannot name
+    /// the window network's `HostQueue`, which this layer cannot name
     /// (the network sits above the contracts), so it travels as `Any`.
     fn proxy_queue(&self) -> Result<Arc<dyn Any + Send + Sync>> {
         Err(Error::Unavailable {

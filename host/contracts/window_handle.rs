@@ -50,7 +50,7 @@ pub struct WindowHandle {
 }
 
 /// What `WindowHandle::fifo` points at (`ferrocomm_proxy_queue`): the proxy queue toward ranks
-/// that are not load/store reachable. The descriptor format is `crate::net::windows::descriptor`.
+/// that are not load/store reachable. The descriptor format is the window network's (net/windows/descriptor.rs).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ProxyQueue {

@@ -10,6 +10,7 @@
 //! folder calls a driver.
 
 pub(crate) mod cuda;
+pub(crate) mod fd_passing;
 pub(crate) mod host_device;
 pub(crate) mod kernels;
 pub(crate) mod library;

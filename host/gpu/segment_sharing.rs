@@ -1,13 +1,13 @@
 //! How a rank hands a device allocation (its window segment, or rank 0's multicast object) to
 //! its peers: it publishes a [`Shared`] record through the store. A peer in the same process
 //! takes the very same allocation from this process's registry; a peer in another process
-//! fetches a descriptor from the owner's Unix socket (transport::fd_passing, uid-checked) and
+//! fetches a descriptor from the owner's Unix socket (gpu/fd_passing.rs, uid-checked) and
 //! imports it. GPU allocations and the host device's segments travel alike.
 
 use crate::contracts::error::{Error, Result};
+use crate::gpu::fd_passing::{fetch_fds, FdServer};
 use crate::gpu::memory::Physical;
 use crate::gpu::target::{Gpu, Segment};
-use crate::net::links::fd_passing::{fetch_fds, FdServer};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, Weak};

@@ -8,10 +8,10 @@
 use super::rank::DeviceRank;
 use crate::bootstrap::{PrefixStore, Store};
 use crate::contracts::error::{Error, Result};
+use crate::gpu::fd_passing::FdServer;
 use crate::gpu::memory::{multicast, MulticastMap, Physical};
 use crate::gpu::segment_sharing::Shared;
 use crate::gpu::target::{Gpu, Segment};
-use crate::net::links::fd_passing::FdServer;
 use serde::{Deserialize, Serialize};
 use std::os::fd::AsRawFd;
 use std::sync::Arc;

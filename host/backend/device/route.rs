@@ -171,8 +171,8 @@ fn nccl_supports(op: &Op<'_>) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::contracts::dtype::ReduceOp;
     use crate::contracts::ops::BufMut;
-    use crate::ReduceOp;
 
     fn policy(nccl: bool, threshold: Option<&str>) -> Policy {
         let t = threshold.map(str::to_owned);

@@ -2,7 +2,7 @@
 //! the host device, gpu.rs); every rank maps the segments of its host side by side
 //! (memory::SymmetricMap), so kernels reach those peers by address. Peers in this process
 //! share the physical handle; peers in other processes of this host receive it as a file
-//! descriptor (transport::fd_passing). Ranks on other hosts are
+//! descriptor (gpu/fd_passing.rs). Ranks on other hosts are
 //! reached over the network (remote.rs): host verbs on links, kernels through the proxy queue.
 //! Host verbs toward this host run on the rank's own stream: copies by copy engine, signals,
 //! waits and atomics by the small kernels of kernels/rma.cu, each complete when the call
@@ -15,12 +15,12 @@ use crate::contracts::backend::RunOptions;
 use crate::contracts::error::{Error, Result};
 use crate::contracts::window::{Cmp, Observed, SignalOp, SignalSource, WindowBackend, WindowSpec};
 use crate::contracts::window_handle::{self as abi, DeviceStatus, WindowHandle};
+use crate::gpu::fd_passing::FdServer;
 use crate::gpu::kernels::{self, Function};
 use crate::gpu::memory::symmetric::granularity;
 use crate::gpu::memory::{multicast, MulticastMap, Pinned};
 use crate::gpu::segment_sharing::{forget_released, Shared};
 use crate::gpu::target::{Gpu, Mapping, Place, Segment, Stream};
-use crate::net::links::fd_passing::FdServer;
 use crate::net::links::host_identity;
 use crate::net::links::FaultRecord;
 use crate::net::windows::link::SharedLink;

@@ -15,13 +15,13 @@ mod watchdog;
 
 use super::cpu::{self, CpuBackend};
 use crate::contracts::backend::{Backend, BackendInit, RunOptions};
+use crate::contracts::dtype::{DType, ReduceOp};
 use crate::contracts::error::{Error, Result};
 use crate::contracts::fence::Fence;
 use crate::contracts::ops::{BufMut, DeviceBytes, Location, Op};
 use crate::contracts::placement::Device;
 use crate::gpu::cuda::{self, stream::Event};
 use crate::gpu::nccl_library::{self as library, UniqueId, SPLIT_NOCOLOR};
-use crate::{DType, ReduceOp};
 use comm::NcclComm;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 use std::ffi::c_int;

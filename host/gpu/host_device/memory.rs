@@ -1,6 +1,6 @@
 //! Window memory of the host device, shared the way cuMem allocations are on a GPU: each
 //! rank's segment is an anonymous shared file (memfd); ranks of one process share the very
-//! segment, ranks in other processes receive its descriptor (transport::fd_passing) and map it;
+//! segment, ranks in other processes receive its descriptor (gpu/fd_passing.rs) and map it;
 //! every rank maps the segments of its host side by side, segment r at `base + r * stride`.
 
 use crate::contracts::error::{Error, Result};

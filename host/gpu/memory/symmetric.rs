@@ -2,7 +2,7 @@
 //! (cuMemCreate, exportable as a POSIX fd), and every rank maps all segments side by side into
 //! one virtual range of its own, rank r at `base + r * stride`. A device handle then reaches
 //! any peer with one multiply-add, in one process (ranks share the physical handles) or across
-//! processes (handles travel as fds, transport::fd_passing).
+//! processes (handles travel as fds, gpu/fd_passing.rs).
 
 use super::result;
 use crate::contracts::error::{Error, Result};

@@ -10,9 +10,7 @@
 //!
 //! May import: the contracts and bootstrap.
 
-mod accept;
 mod fault;
-pub(crate) mod fd_passing;
 mod link;
 mod liveness;
 mod ring;

@@ -1,6 +1,6 @@
 //! TCP links between ranks on different hosts: one non-blocking stream per peer pair.
 
-use super::accept::accept_until;
+use crate::bootstrap::accept::accept_until;
 use crate::bootstrap::{self, NONCE_BYTES, PROOF_BYTES};
 use crate::contracts::error::{Error, Result};
 use std::io::{ErrorKind, Read, Write};

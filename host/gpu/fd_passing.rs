@@ -3,7 +3,7 @@
 //! here over a Unix socket with SCM_RIGHTS. Both ends check SO_PEERCRED: a process of another
 //! user is refused before any descriptor moves. The socket lives in a fresh 0700 directory.
 
-use super::accept::accept_until;
+use crate::bootstrap::accept::accept_until;
 use crate::contracts::error::{Error, Result};
 use std::io::{Read, Write};
 use std::mem::size_of;
