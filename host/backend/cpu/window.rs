@@ -12,12 +12,12 @@ use crate::net::links::{check_owner, host_identity, FaultRecord, OwnerState, Pee
 use crate::net::windows::descriptor::Limits;
 use crate::net::windows::link::SharedLink;
 use crate::net::windows::proxy::HostData;
-use crate::net::windows::tcp::{self, Memory, TcpLink};
+use crate::net::windows::setup::{NetPlan, WindowNetwork};
+use crate::net::windows::tcp::Memory;
 use crate::net::windows::HostQueue;
-use std::net::TcpStream;
+use crate::net::windows::WindowMemory;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// How this rank reaches one peer's segment.
@@ -34,25 +34,16 @@ enum Path {
     Net(Arc<SharedLink>),
 }
 
-/// Who our proxy serves, and how to stop it.
-struct Server {
-    streams: Vec<TcpStream>,
-    threads: Vec<JoinHandle<()>>,
-}
-
 pub(crate) struct CpuWindow {
     rank: usize,
     own: Arc<Segment>,
     mem: Memory,
     paths: Vec<Path>,
-    /// Set by our proxy when an origin's connection ends: that origin can no longer signal us.
-    gone: Arc<Vec<AtomicBool>>,
     abort: Arc<AtomicBool>,
     /// This window's first cause of failure (see transport/fault.rs).
     faults: FaultRecord,
-    server: Mutex<Server>,
-    /// Our memory as registered for peers' RDMA links.
-    net_state: crate::net::windows::NetResources,
+    /// Links toward the ranks reached over the network, and our servers for them.
+    net: WindowNetwork,
     /// The proxy queue, started by the first `proxy_queue` call.
     queue: Mutex<Option<Arc<HostQueue>>>,
     timeout: Duration,
@@ -153,19 +144,30 @@ impl CpuWindow {
         let by_proxy = |origin: usize, target: usize| {
             origin != target && (spec.registered.is_some() || hosts[origin] != hosts[target])
         };
-        // Round 2: segments; then the network connections (net::mesh).
+        // Round 2: segments; then the window's network (net/windows/setup.rs).
         store.set(&format!("seg/{rank}"), own.name().as_bytes())?;
-        let mut mesh = crate::net::windows::connections::connect(&store, rank, size, &by_proxy, s.transport, deadline)?;
+        let net = WindowNetwork::start(
+            NetPlan {
+                store: &store,
+                rank,
+                size,
+                by_net: &by_proxy,
+                transport: s.transport,
+                memory: WindowMemory::Host {
+                    data: (data, spec.bytes),
+                    pad: (pad, pad_len),
+                },
+                timeout: spec.timeout,
+                deadline,
+            },
+            || Ok(mem),
+        )?;
         let mut paths = Vec::with_capacity(size);
         for t in 0..size {
             paths.push(if t == rank {
                 Path::Local
-            } else if let Some(stream) = mesh.to[t].take() {
-                Path::Net(Arc::new(SharedLink::new(Box::new(TcpLink::new(
-                    stream,
-                    t,
-                    spec.timeout,
-                )?))))
+            } else if let Some(link) = &net.links[t] {
+                Path::Net(link.clone())
             } else {
                 let name = String::from_utf8_lossy(&store.get(&format!("seg/{t}"), left())?).into_owned();
                 let seg = Arc::new(Segment::open(&name, data_len + pad_len)?);
@@ -184,52 +186,15 @@ impl CpuWindow {
                 }
             });
         }
-        // Network links move to RDMA where FERROCOMM_NET chooses it (net::select_links).
-        let mut links = net_links(&paths);
-        let net = crate::net::windows::select_links(
-            &mut links,
-            &crate::net::windows::RdmaPlan {
-                choice: s.transport.net,
-                rank,
-                size,
-                store: &store,
-                memory: crate::net::windows::WindowMemory::Host {
-                    data: (data, spec.bytes),
-                    pad: (pad, pad_len),
-                },
-                timeout: left(),
-            },
-        )?;
-        for (p, l) in paths.iter_mut().zip(links) {
-            if let (Path::Net(old), Some(l)) = (p, l) {
-                *old = l;
-            }
-        }
-        let mut server = Server {
-            streams: Vec::new(),
-            threads: Vec::new(),
-        };
-        let gone: Arc<Vec<AtomicBool>> = Arc::new((0..size).map(|_| AtomicBool::new(false)).collect());
-        for (origin, stream) in mesh.from {
-            server
-                .streams
-                .push(stream.try_clone().map_err(|e| Error::io("window server", e))?);
-            let gone = gone.clone();
-            server
-                .threads
-                .push(std::thread::spawn(move || tcp::serve(stream, origin, mem, gone)));
-        }
 
         let w = CpuWindow {
             rank,
             own,
             mem,
             paths,
-            gone,
             abort: s.abort.clone(),
             faults: s.faults.scoped(&format!("window{}", spec.id)),
-            server: Mutex::new(server),
-            net_state: net,
+            net,
             queue: Mutex::new(None),
             timeout: spec.timeout,
             born: Instant::now(),
@@ -271,7 +236,7 @@ impl CpuWindow {
         match &self.paths[p] {
             Path::Local => Ok(()),
             Path::Mapped { seg, watch, .. } => check_owner(p, seg, watch.as_ref().filter(|_| probe_process)),
-            Path::Net(_) if self.gone[p].load(Ordering::Acquire) => Err(PeerGone {
+            Path::Net(_) if self.net.lost(p) => Err(PeerGone {
                 rank: p,
                 reason: "its connection to this rank's server closed".into(),
             }),
@@ -498,22 +463,9 @@ impl WindowBackend for CpuWindow {
 impl Drop for CpuWindow {
     fn drop(&mut self) {
         self.own.close();
-        // The proxy thread reads our memory: it stops first; RDMA registrations go next.
+        // The proxy thread reads our memory: it stops first; then the servers and the RDMA
+        // registrations, before the memory (maybe a user buffer) goes away.
         drop(self.queue.lock().unwrap_or_else(|p| p.into_inner()).take());
-        self.net_state = crate::net::windows::NetResources::default();
-        // Stop serving before the memory (maybe a user buffer) goes away.
-        let server = std::mem::replace(
-            &mut *self.server.lock().unwrap_or_else(|p| p.into_inner()),
-            Server {
-                streams: Vec::new(),
-                threads: Vec::new(),
-            },
-        );
-        for s in &server.streams {
-            let _ = s.shutdown(std::net::Shutdown::Both);
-        }
-        for t in server.threads {
-            let _ = t.join();
-        }
+        self.net.stop();
     }
 }

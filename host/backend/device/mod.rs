@@ -12,7 +12,6 @@ mod rank;
 mod route;
 mod topology;
 mod window;
-mod window_network;
 
 use super::cpu;
 use super::nccl::NcclBackend;

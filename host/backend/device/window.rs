@@ -3,13 +3,12 @@
 //! (memory::SymmetricMap), so kernels reach those peers by address. Peers in this process
 //! share the physical handle; peers in other processes of this host receive it as a file
 //! descriptor (gpu/fd_passing.rs). Ranks on other hosts are
-//! reached over the network (remote.rs): host verbs on links, kernels through the proxy queue.
+//! reached over the network (net/windows/device_network.rs): host verbs on links, kernels through the proxy queue.
 //! Host verbs toward this host run on the rank's own stream: copies by copy engine, signals,
 //! waits and atomics by the small kernels of kernels/rma.cu, each complete when the call
 //! returns.
 
 use super::rank::DeviceRank;
-use crate::backend::device::window_network::{self, GpuSegment, Network};
 use crate::bootstrap::PrefixStore;
 use crate::contracts::backend::RunOptions;
 use crate::contracts::error::{Error, Result};
@@ -23,6 +22,7 @@ use crate::gpu::segment_sharing::{forget_released, Shared};
 use crate::gpu::target::{Gpu, Mapping, Place, Segment, Stream};
 use crate::net::links::host_identity;
 use crate::net::links::FaultRecord;
+use crate::net::windows::device_network::{self as window_network, GpuSegment, Network};
 use crate::net::windows::link::SharedLink;
 use cudarc::driver::CudaStream;
 use serde::{Deserialize, Serialize};
@@ -304,7 +304,7 @@ impl DeviceWindow {
 
     /// The link to `rank` where it is on another host.
     fn link(&self, rank: usize) -> Option<&Arc<SharedLink>> {
-        self.net.as_ref()?.links.get(rank)?.as_ref()
+        self.net.as_ref()?.links().get(rank)?.as_ref()
     }
 
     /// Reports and clears the first error a kernel recorded, so the window stays usable.
@@ -491,7 +491,7 @@ impl WindowBackend for DeviceWindow {
     fn flush(&self) -> Result<()> {
         let _g = self.enter()?;
         self.finish("flush", self.timeout)?;
-        for l in self.net.iter().flat_map(|n| n.links.iter().flatten()) {
+        for l in self.net.iter().flat_map(|n| n.links().iter().flatten()) {
             l.flush_if_dirty()?;
         }
         Ok(())

@@ -9,6 +9,7 @@
 
 pub(crate) mod connections;
 pub mod descriptor;
+pub(crate) mod device_network;
 pub(crate) mod device_queue;
 pub(crate) mod fifo;
 pub(crate) mod link;
@@ -16,6 +17,7 @@ pub(crate) mod proxy;
 pub(crate) mod proxy_affinity;
 #[cfg(feature = "rdma")]
 pub(crate) mod rdma;
+pub(crate) mod setup;
 pub(crate) mod tcp;
 
 use crate::contracts::error::{Error, Result};

@@ -1,13 +1,14 @@
 //! A device window's network side ([`Network`]), for ranks on other hosts: host verbs toward
-//! them run on links, kernels' puts and signals go through the window's proxy queue (queue.rs)
-//! onto the same links. Over TCP (net/tcp.rs) the window server applies their requests to this
+//! them run on links, kernels' puts and signals go through the window's proxy queue
+//! (device_queue.rs) onto the same links, all set up by setup.rs as for CPU windows. Over TCP
+//! (tcp.rs) the window server applies their requests to this
 //! rank's GPU segment ([`GpuTarget`], one per connection); over RDMA (`FERROCOMM_NET`, feature
 //! `rdma`) the peers' NICs write the segment themselves, registered as a dma-buf (GPUDirect
-//! RDMA, net::select_links). The proxy reads the sources of queued puts out of the segment
+//! RDMA, `select_links`). The proxy reads the sources of queued puts out of the segment
 //! ([`GpuData`]). Each has a stream of its own, created non-blocking so that its copies run
 //! beside a kernel that is waiting for them.
 
-use crate::contracts::error::{Error, Result};
+use crate::contracts::error::Result;
 use crate::contracts::options::TransportOptions;
 use crate::contracts::store::Store;
 use crate::contracts::window::SignalOp;
@@ -19,31 +20,21 @@ use crate::net::windows::descriptor::Limits;
 use crate::net::windows::device_queue::DeviceQueue;
 use crate::net::windows::link::SharedLink;
 use crate::net::windows::proxy::LocalData;
-use crate::net::windows::tcp::{self, Target, TcpLink};
-use crate::net::windows::{select_links, NetResources, RdmaPlan, WindowMemory};
-use std::net::TcpStream;
-use std::sync::atomic::AtomicBool;
+use crate::net::windows::setup::{NetPlan, WindowNetwork};
+use crate::net::windows::tcp::Target;
+use crate::net::windows::WindowMemory;
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// The links, the proxy queue and the server of a window with ranks on other hosts.
-pub(super) struct Network {
-    /// Per rank, the link where the rank is on another host.
-    pub(super) links: Vec<Option<Arc<SharedLink>>>,
-    pub(super) queue: DeviceQueue,
-    /// Per rank: its connection to our server has closed.
-    gone: Arc<Vec<AtomicBool>>,
-    /// The connections we serve, to shut down on drop.
-    served: Vec<TcpStream>,
-    threads: Vec<JoinHandle<()>>,
-    /// Our segment's registration with the NIC, for RDMA links; dropped last, after the proxy
-    /// and the links.
-    _registered: NetResources,
+/// The proxy queue and the network (links, servers) of a device window with ranks on other
+/// hosts. Field order: the proxy, which sends on the links and reads the segment, stops first.
+pub(crate) struct Network {
+    pub(crate) queue: DeviceQueue,
+    net: WindowNetwork,
 }
 
 /// What the window's set-up hands to [`Network::start`].
-pub(super) struct Plan<'a> {
+pub(crate) struct Plan<'a> {
     /// The window's store namespace.
     pub store: &'a dyn Store,
     /// Every rank's `transport::host_identity`.
@@ -59,105 +50,68 @@ pub(super) struct Plan<'a> {
 
 impl Network {
     /// Collective over the window's ranks; `None` when every rank is on this host.
-    pub(super) fn start(p: Plan) -> Result<Option<Network>> {
+    pub(crate) fn start(p: Plan) -> Result<Option<Network>> {
         let (rank, size) = (p.segment.handle.rank as usize, p.hosts.len());
         let by_net = |o: usize, t: usize| p.hosts[o] != p.hosts[t];
         if !(0..size).any(|t| by_net(rank, t)) {
             return Ok(None);
         }
-        let mut mesh =
-            crate::net::windows::connections::connect(p.store, rank, size, &by_net, p.transport, p.deadline)?;
-        let timeout = p.segment.timeout;
-        let mut links = Vec::with_capacity(size);
-        for (t, stream) in mesh.to.iter_mut().enumerate() {
-            links.push(match stream.take() {
-                Some(s) => Some(Arc::new(SharedLink::new(Box::new(TcpLink::new(s, t, timeout)?)))),
-                None => None,
-            });
-        }
-        // Links move to RDMA where FERROCOMM_NET chooses it and both ends can.
         let h = &p.segment.handle;
-        let registered = select_links(
-            &mut links,
-            &RdmaPlan {
-                choice: p.transport.net,
+        let memory = match p.gpu {
+            Gpu::Cuda(ordinal) => WindowMemory::Gpu {
+                ordinal,
+                segment: p.segment.data(0),
+                bytes: h.stride as usize,
+                data: (0, h.data_bytes as usize),
+                pad: (h.signal_offset as usize, h.signals as usize * size * 8),
+            },
+            // The host device's segment is host memory.
+            Gpu::Host => WindowMemory::Host {
+                data: (p.segment.data(0) as *mut u8, h.data_bytes as usize),
+                pad: (
+                    p.segment.data(h.signal_offset as usize) as *mut u8,
+                    h.signals as usize * size * 8,
+                ),
+            },
+        };
+        let timeout = p.segment.timeout;
+        let net = WindowNetwork::start(
+            NetPlan {
+                store: p.store,
                 rank,
                 size,
-                store: p.store,
-                memory: match p.gpu {
-                    Gpu::Cuda(ordinal) => WindowMemory::Gpu {
-                        ordinal,
-                        segment: p.segment.data(0),
-                        bytes: h.stride as usize,
-                        data: (0, h.data_bytes as usize),
-                        pad: (h.signal_offset as usize, h.signals as usize * size * 8),
-                    },
-                    // The host device's segment is host memory.
-                    Gpu::Host => WindowMemory::Host {
-                        data: (p.segment.data(0) as *mut u8, h.data_bytes as usize),
-                        pad: (
-                            p.segment.data(h.signal_offset as usize) as *mut u8,
-                            h.signals as usize * size * 8,
-                        ),
-                    },
-                },
-                timeout: p.deadline.saturating_duration_since(Instant::now()),
+                by_net: &by_net,
+                transport: p.transport,
+                memory,
+                timeout,
+                deadline: p.deadline,
             },
+            || GpuTarget::new(p.segment.clone()),
         )?;
         let data = GpuData::new(p.gpu, p.segment.data(0), timeout)?;
         let limits = Limits {
             size,
-            bytes: p.segment.handle.data_bytes as usize,
-            signals: p.segment.handle.signals as usize,
+            bytes: h.data_bytes as usize,
+            signals: h.signals as usize,
         };
-        let queue = DeviceQueue::start(p.gpu, p.stream, links.clone(), Box::new(data), limits)?;
-        let mut net = Network {
-            links,
-            queue,
-            gone: Arc::new((0..size).map(|_| AtomicBool::new(false)).collect()),
-            served: Vec::new(),
-            threads: Vec::new(),
-            _registered: registered,
-        };
-        // From here an error drops `net`, which stops the servers already started.
-        for (origin, stream) in mesh.from {
-            net.served
-                .push(stream.try_clone().map_err(|e| Error::io("window server", e))?);
-            let target = GpuTarget::new(p.segment.clone())?;
-            let gone = net.gone.clone();
-            net.threads.push(
-                std::thread::Builder::new()
-                    .name("ferrocomm-winserve".into())
-                    .spawn(move || tcp::serve(stream, origin, target, gone))
-                    .map_err(|e| Error::io("starting a window server thread", e))?,
-            );
-        }
-        Ok(Some(net))
+        let queue = DeviceQueue::start(p.gpu, p.stream, net.links.clone(), Box::new(data), limits)?;
+        Ok(Some(Network { queue, net }))
+    }
+
+    /// Per rank, the link where the rank is on another host.
+    pub(crate) fn links(&self) -> &[Option<Arc<SharedLink>>] {
+        &self.net.links
     }
 
     /// Whether `origin`'s connection to our server has closed (it can no longer signal us).
-    pub(super) fn lost(&self, origin: usize) -> bool {
-        self.gone
-            .get(origin)
-            .is_some_and(|g| g.load(std::sync::atomic::Ordering::Acquire))
-    }
-}
-
-impl Drop for Network {
-    fn drop(&mut self) {
-        // The server threads write our segment: they end before the window unmaps it.
-        for s in &self.served {
-            let _ = s.shutdown(std::net::Shutdown::Both);
-        }
-        for t in self.threads.drain(..) {
-            let _ = t.join();
-        }
+    pub(crate) fn lost(&self, origin: usize) -> bool {
+        self.net.lost(origin)
     }
 }
 
 /// What a server thread needs to reach this rank's segment.
 #[derive(Clone)]
-pub(super) struct GpuSegment {
+pub(crate) struct GpuSegment {
     pub gpu: Gpu,
     /// This rank's handle: its segment is `handle.base + rank * stride`.
     pub handle: WindowHandle,
@@ -176,7 +130,7 @@ impl GpuSegment {
 }
 
 /// One origin's requests applied to this rank's segment, in order on one stream.
-pub(super) struct GpuTarget {
+pub(crate) struct GpuTarget {
     seg: GpuSegment,
     stream: Stream,
     /// An atomic's result.
@@ -184,7 +138,7 @@ pub(super) struct GpuTarget {
 }
 
 impl GpuTarget {
-    pub(super) fn new(seg: GpuSegment) -> Result<GpuTarget> {
+    pub(crate) fn new(seg: GpuSegment) -> Result<GpuTarget> {
         seg.gpu.enter()?;
         Ok(GpuTarget {
             stream: seg.gpu.stream()?,
@@ -293,7 +247,7 @@ impl Target for GpuTarget {
 }
 
 /// This rank's window data as the proxy reads put sources: a device-to-host copy each.
-pub(super) struct GpuData {
+pub(crate) struct GpuData {
     gpu: Gpu,
     stream: Stream,
     base: u64,
@@ -301,7 +255,7 @@ pub(super) struct GpuData {
 }
 
 impl GpuData {
-    pub(super) fn new(gpu: Gpu, base: u64, timeout: Duration) -> Result<GpuData> {
+    pub(crate) fn new(gpu: Gpu, base: u64, timeout: Duration) -> Result<GpuData> {
         Ok(GpuData {
             stream: gpu.stream()?,
             gpu,
