@@ -192,7 +192,7 @@ fn find_nvcc(root: &Path) -> Option<PathBuf> {
     exe(root.join(".toolchain-cache/cuda-13.0/nvidia/cu13"))
 }
 
-// Bindings to rdma-core's libibverbs for host/net/rdma.rs. Most of the data path of verbs.h
+// Bindings to rdma-core's libibverbs for host/net/windows/rdma.rs. Most of the data path of verbs.h
 // (ibv_post_send, ibv_poll_cq, ibv_query_port, ...) is static inline; bindgen writes a C
 // wrapper for each, compiled here, so Rust calls them like the exported ones.
 #[cfg(feature = "rdma")]

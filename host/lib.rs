@@ -91,7 +91,8 @@
 //! [`Comm::finalize`] closes it explicitly, [`Comm::abort`] fails its running operation at once.
 
 // Layers, bottom up (docs/architecture.md; tests/layering.rs checks them): contracts;
-// bootstrap and net::links; gpu; net::windows; backend; the public face.
+// bootstrap and net::links; gpu; net::windows; backend; the public face (the files below
+// `mod backend;`), which reaches the backends only through backend::registry.
 mod contracts;
 
 mod bootstrap;

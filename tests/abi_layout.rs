@@ -20,7 +20,7 @@ fn rust_mirrors_match_the_c_header() {
         barrier_offset, multicast, status, abort_flag, fifo, timeout_ns, rank, size, signals, flags);
     rust.extend(fields!(DeviceStatus, "ferrocomm_status": code, op, peer, signal_id, expected, observed));
     rust.extend(fields!(ProxyQueue, "ferrocomm_proxy_queue": slots, head, tail, done, remote, capacity, flags));
-    // The descriptor format: host/net/descriptor.rs decodes what device-api's producer encodes.
+    // The descriptor format: host/net/windows/descriptor.rs decodes what device-api's producer encodes.
     use ferrocomm::net::descriptor as d;
     for (name, value) in [
         ("FERROCOMM_PROXY_PUT", d::PUT as usize),

@@ -1,4 +1,6 @@
 //! Bootstrap: the rendezvous store and discovery of this process's place in the job.
+//!
+//! May import: the contracts.
 
 pub(crate) mod accept;
 mod auth;

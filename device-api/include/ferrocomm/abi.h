@@ -1,5 +1,5 @@
 /* The ABI shared by Rust and device code: plain C structs passed by value to kernels or written
- * by kernels into host-pinned memory. host/device/abi.rs mirrors them with #[repr(C)], and the
+ * by kernels into host-pinned memory. host/contracts/window_handle.rs mirrors them with #[repr(C)], and the
  * test `abi_layout` compares every size and field offset with this header compiled by a C
  * compiler. Fixed-width types are spelled out so that NVRTC (no libc headers) reads it too. */
 #ifndef FERROCOMM_ABI_H

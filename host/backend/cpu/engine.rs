@@ -226,7 +226,7 @@ impl Engine {
         }
     }
 
-    /// Publishes our contribution to the next shared-memory round (see transport/board.rs),
+    /// Publishes our contribution to the next shared-memory round (see net/links/shm_board.rs),
     /// with the count of framed messages sent to each peer so far (all complete between
     /// operations). The caller has waited for the slot to be free.
     pub(crate) fn publish_round(&mut self, label: u64, parts: &[&[u8]]) -> u64 {

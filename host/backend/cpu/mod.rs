@@ -1,5 +1,7 @@
 //! The CPU backend: host buffers, shared memory between ranks of one host, TCP between hosts.
 //! It implements the whole API and is the oracle every other backend is tested against.
+//!
+//! May import: the contracts, bootstrap and the network (links and the window path).
 
 mod algorithms;
 mod engine;

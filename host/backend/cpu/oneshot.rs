@@ -1,4 +1,4 @@
-//! One-shot collectives over the board (transport/board.rs), used when every rank shares this
+//! One-shot collectives over the board (net/links/shm_board.rs), used when every rank shares this
 //! host: each rank publishes its contribution once and reads every peer's in place, instead of
 //! sending framed copies through the rings. all_reduce folds in rank order, as the direct
 //! algorithm does, so every rank computes bit-identical results. Every round reads every

@@ -1,6 +1,6 @@
 //! Windows on the CPU backend. Each rank's segment (data, then the signal pad) lives in POSIX
 //! shared memory, mapped by every rank of the host; other hosts, and every peer of a registered
-//! user buffer, go through a link to the target's server (net/tcp.rs); the window's proxy queue
+//! user buffer, go through a link to the target's server (net/windows/tcp.rs); the window's proxy queue
 //! (net/), made on first use, carries queued puts and signals over the same links. Waits read
 //! the caller's own pad.
 
@@ -40,7 +40,7 @@ pub(crate) struct CpuWindow {
     mem: Memory,
     paths: Vec<Path>,
     abort: Arc<AtomicBool>,
-    /// This window's first cause of failure (see transport/fault.rs).
+    /// This window's first cause of failure (see net/links/fault.rs).
     faults: FaultRecord,
     /// Links toward the ranks reached over the network, and our servers for them.
     net: WindowNetwork,
@@ -245,7 +245,7 @@ impl CpuWindow {
     }
 
     /// Records in our segment that we failed because `rank` was lost, so ranks waiting on us
-    /// report `rank` too; reports the communicator's first cause (see transport/fault.rs).
+    /// report `rank` too; reports the communicator's first cause (see net/links/fault.rs).
     fn note_loss<T>(&self, r: Result<T>) -> Result<T> {
         // A timed-out wait is not a loss: nothing is half done, and the caller may wait again.
         let e = match r {

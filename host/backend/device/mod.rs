@@ -3,6 +3,9 @@
 //! creation, run on the CPU engine underneath; collectives on device buffers go to NCCL, to
 //! ferrocomm's one-shot kernels (collectives.rs) or through the host (host_staged.rs), as route.rs
 //! decides.
+//!
+//! May import: the contracts, bootstrap, the network, the GPU wing and the other backends
+//! (the CPU engine underneath, NCCL beside it).
 
 mod call_order;
 mod collectives;

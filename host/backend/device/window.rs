@@ -95,7 +95,7 @@ pub(crate) struct DeviceWindow {
     lock: Mutex<()>,
     /// The communicator's timeout: the bound of host verbs that do not take their own.
     timeout: Duration,
-    /// This window's first cause of failure (transport/fault.rs).
+    /// This window's first cause of failure (net/links/fault.rs).
     faults: FaultRecord,
 }
 

@@ -8,6 +8,8 @@
 //! event that `Work::wait` makes the waiter's stream wait for. A watchdog bounds every
 //! enqueued operation by its timeout and aborts the communicator on expiry or on an NCCL
 //! asynchronous error.
+//!
+//! May import: the contracts, bootstrap, the GPU wing and the CPU backend underneath.
 
 mod calls;
 mod comm;

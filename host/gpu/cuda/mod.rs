@@ -2,6 +2,8 @@
 //! libcuda or a symbol, so every entry point of ferrocomm that touches CUDA first calls
 //! [`driver`], which turns an absent driver, an old one or a machine without a GPU into
 //! `Error::Unavailable`.
+//!
+//! May import: the contracts. Part of the GPU wing (crate::gpu).
 
 pub(crate) mod module;
 pub(crate) mod nvrtc;

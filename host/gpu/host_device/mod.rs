@@ -8,6 +8,8 @@
 //! thread: device-api/host/runtime.cpp), streams (ordered queues with a worker thread each:
 //! stream.rs) and memory that ranks in several processes map side by side (memfd segments:
 //! memory.rs). Without the feature the library's module is `Error::Unavailable`.
+//!
+//! May import: the contracts. Part of the GPU wing (crate::gpu).
 
 pub(crate) mod compile;
 pub(crate) mod memory;

@@ -2,6 +2,8 @@
 //! descriptors, mapped side by side into one virtual range per rank (symmetric layout);
 //! multicast objects over every rank's segment (multimem); and host-pinned words the device
 //! writes and the host reads (error records, abort flags); dma-buf exports of segments for NICs.
+//!
+//! May import: the contracts and the rest of the GPU wing (crate::gpu).
 
 pub(crate) mod dmabuf;
 pub(crate) mod multicast;

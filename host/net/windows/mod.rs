@@ -6,6 +6,9 @@
 //!
 //! [`QueueProducer`] is the host end of a window's queue: the same protocol a kernel speaks,
 //! from Rust, so the whole kernel-to-network path runs (and is tested) without a GPU.
+//!
+//! May import: the contracts, bootstrap, links and the GPU wing (device windows' queue and
+//! targets in GPU memory).
 
 pub(crate) mod connections;
 pub mod descriptor;
