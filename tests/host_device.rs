@@ -462,6 +462,75 @@ mod with_kernels {
         });
     }
 
+    /// A user's fused kernel made of the collectives' primitives (device-api reduce_copy.cuh,
+    /// dtype.cuh; tests/gpu/kernels.cu `fused_reduce_*`): the sum of one window's segments
+    /// plus the max of another's, and a copy of the right neighbour's segment, over a grid of
+    /// three blocks. Checked bit for bit against the same arithmetic on the host: each
+    /// reduction in rank order in f32, rounded to T, then the two added in f32 and rounded.
+    fn fused_reduce<T: TestElem + Copy>(
+        world: usize,
+        n: usize,
+        seed: u64,
+        kernel: &str,
+        f32_of: fn(T) -> f32,
+        of_f32: fn(f32) -> T,
+    ) {
+        let input = |win: u64, r: usize| -> Vec<T> {
+            random_vec(
+                &mut rng(seed ^ (win << 40) ^ n as u64, r as u64),
+                n,
+                Some(ReduceOp::Sum),
+            )
+        };
+        on_ranks(world, &format!("hd-fused-{kernel}-{world}-{n}"), |c| {
+            let me = c.rank();
+            let bytes = n * std::mem::size_of::<T>();
+            let (a, b) = (c.new_window(bytes).unwrap(), c.new_window(bytes).unwrap());
+            a.write_local(0, &input(0, me)).unwrap();
+            b.write_local(0, &input(1, me)).unwrap();
+            // Every segment is filled before any rank's kernel reads it.
+            a.barrier().unwrap();
+            b.barrier().unwrap();
+            let mut out = vec![T::poison(); n];
+            let mut copy = vec![T::poison(); n];
+            let (ha, hb) = (a.device_handle().unwrap(), b.device_handle().unwrap());
+            let args = (ha, hb, n as u64, out.as_mut_ptr() as u64, copy.as_mut_ptr() as u64);
+            launch(kernel, 3, 64, args);
+            a.synchronize().unwrap();
+            b.synchronize().unwrap();
+            let (ins_a, ins_b): (Vec<Vec<T>>, Vec<Vec<T>>) = (0..world).map(|r| (input(0, r), input(1, r))).unzip();
+            for i in 0..n {
+                let sum = of_f32(ins_a.iter().map(|v| f32_of(v[i])).reduce(|x, y| x + y).unwrap());
+                let most = of_f32(ins_b.iter().map(|v| f32_of(v[i])).reduce(f32::max).unwrap());
+                let want = of_f32(f32_of(sum) + f32_of(most));
+                assert!(
+                    out[i] == want,
+                    "{kernel} world {world} n={n} rank {me} element {i}: {:?}, want {want:?}",
+                    out[i]
+                );
+            }
+            assert!(
+                copy == input(0, (me + 1) % world),
+                "{kernel} rank {me}: the copied segment differs"
+            );
+            // Nobody frees a window a peer's kernel may still read.
+            a.barrier().unwrap();
+            b.barrier().unwrap();
+        });
+    }
+
+    #[test]
+    fn a_users_fused_kernel_reduces_and_copies_with_the_collectives_primitives() {
+        let seed = fresh_seed();
+        for (world, n) in [(1, 9), (2, 1), (3, 1001), (4, 4099)] {
+            fused_reduce::<f32>(world, n, seed, "fused_reduce_f32", |x| x, |x| x);
+        }
+        for (world, n) in [(2, 15), (3, 1001)] {
+            fused_reduce::<bf16>(world, n, seed, "fused_reduce_bf16", bf16::to_f32, bf16::from_f32);
+            fused_reduce::<f16>(world, n, seed, "fused_reduce_f16", f16::to_f32, f16::from_f32);
+        }
+    }
+
     #[test]
     fn collectives_on_the_host_device_match_the_reference() {
         let seed = fresh_seed();

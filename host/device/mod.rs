@@ -69,6 +69,8 @@ pub const HEADERS: &[(&str, &str)] = &[
     header!("coop.cuh"),
     header!("window.cuh"),
     header!("multimem.cuh"),
+    header!("dtype.cuh"),
+    header!("reduce_copy.cuh"),
     header!("ferrocomm.cuh"),
     header!("impl/rma.cuh"),
     header!("impl/signal.cuh"),

@@ -131,3 +131,42 @@ extern "C" __global__ void multicast_roundtrip(ferrocomm_window_handle h, u64 gr
   if (threadIdx.x == 0) atomicAdd(wrong, 2ull << 32);
 #endif
 }
+
+// A user's fused kernel built from the collectives' primitives (reduce_copy.cuh, dtype.cuh):
+// out[i] = (sum over ranks of window a's element i) + (max over ranks of window b's element
+// i), each reduction rounded to E as the collectives round it, then added in f32; and
+// `copy` = the right neighbour's segment of a. The grid cuts the n elements into per-block
+// shares of whole 16-byte groups (vectorised) with a scalar tail. Reads only: the host has
+// filled every segment and passed a barrier before the launch.
+template <class E>
+__device__ void fused_reduce(const ferrocomm_window_handle& ha, const ferrocomm_window_handle& hb, u64 n,
+                             typename E::Raw* out, typename E::Raw* copy) {
+  using Raw = typename E::Raw;
+  constexpr u64 V = 16 / sizeof(Raw);
+  const Window a(ha), b(hb);
+  const Share sh = share_of<V>(n, 1);
+  for (u64 g = sh.lo / V + threadIdx.x; g < sh.vhi / V; g += blockDim.x) {
+    const uint4 sum = reduce_vec<E, REDUCE_SUM>(a, 0, g), most = reduce_vec<E, REDUCE_MAX>(b, 0, g);
+#pragma unroll
+    for (u64 k = 0; k < V; ++k) {
+      out[g * V + k] = E::put(E::get(lane<Raw>(sum, static_cast<int>(k))) + E::get(lane<Raw>(most, static_cast<int>(k))));
+    }
+  }
+  for (u64 i = sh.vhi + threadIdx.x; i < sh.hi; i += blockDim.x) {
+    out[i] = E::put(E::get(reduce_one<E, REDUCE_SUM>(a, 0, i)) + E::get(reduce_one<E, REDUCE_MAX>(b, 0, i)));
+  }
+  copy_share(copy, a.peer_ptr<const Raw>((a.rank() + 1) % a.size(), 0), sh);
+}
+
+extern "C" __global__ void fused_reduce_f32(ferrocomm_window_handle a, ferrocomm_window_handle b, u64 n, u32* out,
+                                            u32* copy) {
+  fused_reduce<F32>(a, b, n, out, copy);
+}
+extern "C" __global__ void fused_reduce_bf16(ferrocomm_window_handle a, ferrocomm_window_handle b, u64 n,
+                                             unsigned short* out, unsigned short* copy) {
+  fused_reduce<Bf16>(a, b, n, out, copy);
+}
+extern "C" __global__ void fused_reduce_f16(ferrocomm_window_handle a, ferrocomm_window_handle b, u64 n,
+                                            unsigned short* out, unsigned short* copy) {
+  fused_reduce<F16>(a, b, n, out, copy);
+}
