@@ -531,6 +531,44 @@ mod with_kernels {
         }
     }
 
+    /// team.cuh seen by one thread of `c`'s rank: `team_info`'s output (tests/gpu/kernels.cu).
+    fn team_info(c: &Comm) -> Vec<i32> {
+        let w = c.new_window(64).unwrap();
+        let mut out = vec![i32::MIN; 2 * c.size() + 7];
+        launch("team_info", 1, 1, (w.device_handle().unwrap(), out.as_mut_ptr() as u64));
+        w.synchronize().unwrap();
+        w.barrier().unwrap();
+        out
+    }
+
+    /// What team_info must say when `local(p)` tells which ranks are load/store reachable.
+    fn expected_team(rank: usize, size: usize, local: impl Fn(usize) -> bool) -> Vec<i32> {
+        let locals: Vec<i32> = (0..size).filter(|&p| local(p)).map(|p| p as i32).collect();
+        let mut v = vec![rank as i32, size as i32, locals.len() as i32];
+        v.push(locals.iter().position(|&p| p == rank as i32).unwrap() as i32);
+        v.push(0); // rank -1
+        v.extend((0..size).map(|p| i32::from(local(p))));
+        v.push(0); // rank `size`
+        v.extend((0..=size).map(|k| locals.get(k).copied().unwrap_or(-1)));
+        v
+    }
+
+    /// The team header on ranks that map each other's segments (every peer local) and on
+    /// ranks each on a host of its own (only the caller local; the rest behind the proxy).
+    #[test]
+    fn the_team_header_names_rank_size_and_the_load_store_peers() {
+        for n in [1, 3, 4] {
+            let got = on_ranks(n, &format!("hd-team{n}"), team_info);
+            for (r, g) in got.iter().enumerate() {
+                assert_eq!(*g, expected_team(r, n, |_| true), "rank {r} of {n}, all mapped");
+            }
+        }
+        let got = run_group_on_device("device", Device::Host(0), 3, "hd-team-tcp", tcp_opts(), team_info);
+        for (r, g) in got.iter().enumerate() {
+            assert_eq!(*g, expected_team(r, 3, |p| p == r), "rank {r} of 3, one per host");
+        }
+    }
+
     #[test]
     fn collectives_on_the_host_device_match_the_reference() {
         let seed = fresh_seed();

@@ -69,6 +69,7 @@ pub const HEADERS: &[(&str, &str)] = &[
     header!("coop.cuh"),
     header!("window.cuh"),
     header!("multimem.cuh"),
+    header!("team.cuh"),
     header!("dtype.cuh"),
     header!("reduce_copy.cuh"),
     header!("ferrocomm.cuh"),

@@ -170,3 +170,15 @@ extern "C" __global__ void fused_reduce_f16(ferrocomm_window_handle a, ferrocomm
                                             unsigned short* out, unsigned short* copy) {
   fused_reduce<F16>(a, b, n, out, copy);
 }
+
+// team.cuh as one thread sees it: out = [rank, size, local size, local rank, is_local(p) for p
+// in -1 ..= size, local_peer(k) for k in 0 ..= size] (i32 each; 2 * size + 7 in all).
+extern "C" __global__ void team_info(ferrocomm_window_handle h, i32* out) {
+  const Window w(h);
+  out[0] = team_rank(w);
+  out[1] = team_size(w);
+  out[2] = team_local_size(w);
+  out[3] = team_local_rank(w);
+  for (i32 p = -1; p <= w.size(); ++p) out[5 + p] = team_is_local(w, p);
+  for (i32 k = 0; k <= w.size(); ++k) out[w.size() + 6 + k] = team_local_peer(w, k);
+}
