@@ -569,6 +569,46 @@ mod with_kernels {
         }
     }
 
+    /// `relaxed_counters_*`: relaxed Adds and Sets at every scope, observed by device waits (sum
+    /// and per source) and then exactly by the host, directly and through the proxy queue.
+    fn relaxed_counters(c: &Comm) {
+        let w = c.new_window(4096).unwrap();
+        let adds = 40u32;
+        let total = u64::from(adds) * (c.size() as u64 - 1);
+        for (k, (scope, threads)) in [("thread", 1), ("warp", 32), ("block", 64)].into_iter().enumerate() {
+            let id = 2 * k as u32;
+            let mut out = [0u64; 2];
+            let args = (w.device_handle().unwrap(), id, adds, out.as_mut_ptr() as u64);
+            launch(&format!("relaxed_counters_{scope}"), 1, threads, args);
+            w.synchronize()
+                .unwrap_or_else(|e| panic!("relaxed_counters_{scope} rank {}: {e}", c.rank()));
+            assert_eq!(out, [1, total], "relaxed_counters_{scope} rank {}: [ok, sum]", c.rank());
+            // Every add landed once: the sum is exact, not just reached.
+            let seen = w.wait_signal(id as usize, SignalSource::Sum, Cmp::Eq, total).unwrap();
+            assert_eq!(seen.value, total);
+            for p in (0..c.size()).filter(|&p| p != c.rank()) {
+                w.wait_signal(id as usize + 1, SignalSource::Rank(p), Cmp::Eq, 1000 + p as u64)
+                    .unwrap();
+            }
+        }
+        w.barrier().unwrap();
+    }
+
+    #[test]
+    fn relaxed_signals_are_seen_by_waits_directly_and_through_the_proxy() {
+        for n in [2, 3, 4] {
+            on_ranks(n, &format!("hd-relaxed{n}"), relaxed_counters);
+        }
+        run_group_on_device(
+            "device",
+            Device::Host(0),
+            3,
+            "hd-relaxed-tcp",
+            tcp_opts(),
+            relaxed_counters,
+        );
+    }
+
     #[test]
     fn collectives_on_the_host_device_match_the_reference() {
         let seed = fresh_seed();

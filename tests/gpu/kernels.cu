@@ -182,3 +182,37 @@ extern "C" __global__ void team_info(ferrocomm_window_handle h, i32* out) {
   for (i32 p = -1; p <= w.size(); ++p) out[5 + p] = team_is_local(w, p);
   for (i32 k = 0; k <= w.size(); ++k) out[w.size() + 6 + k] = team_local_peer(w, k);
 }
+
+// Relaxed signals as counters: `adds` relaxed Adds of 1 on slot `id` of every peer, then a
+// relaxed Set of 1000 + rank on slot id + 1; then the coop waits until the sum of its slot
+// `id` reaches adds * (size - 1) and until every peer's slot id + 1 holds 1000 + peer.
+// out = [ok, the sum it saw].
+template <class Coop>
+__device__ void relaxed_counters(Coop c, const ferrocomm_window_handle& h, u32 id, u32 adds, u64* out) {
+  const Window w(h);
+  for (u32 k = 0; k < adds; ++k) {
+    for (i32 p = 0; p < w.size(); ++p) {
+      if (p != w.rank()) w.signal_relaxed(c, p, id, SignalOp::Add, 1);
+    }
+  }
+  for (i32 p = 0; p < w.size(); ++p) {
+    if (p != w.rank()) w.signal_relaxed(c, p, id + 1, SignalOp::Set, 1000 + static_cast<u64>(w.rank()));
+  }
+  const Observed sum = w.wait_signal(c, id, SOURCE_SUM, Cmp::Ge, static_cast<u64>(adds) * (w.size() - 1));
+  bool ok = sum.ok;
+  for (i32 p = 0; p < w.size() && ok; ++p) {
+    if (p != w.rank()) ok = w.wait_signal(c, id + 1, p, Cmp::Eq, 1000 + static_cast<u64>(p)).ok;
+  }
+  if (c.thread_rank() == 0) {
+    out[0] = ok;
+    out[1] = sum.value;
+  }
+}
+
+#define RELAXED(scope)                                                                                        \
+  extern "C" __global__ void relaxed_counters_##scope(ferrocomm_window_handle h, u32 id, u32 adds, u64* out) { \
+    relaxed_counters(coop_##scope(), h, id, adds, out);                                                     \
+  }
+RELAXED(thread)
+RELAXED(warp)
+RELAXED(block)

@@ -86,6 +86,11 @@ class Window {
   // Signals (impl/signal.cuh): the coop syncs, then its leader releases.
   template <class Coop>
   FERROCOMM_DEVICE_INLINE void signal(Coop c, i32 peer, u32 id, SignalOp op, u64 value) const;
+  // A relaxed signal: the same update of slot [id][rank] on `peer`, atomic, but it orders and
+  // publishes nothing (no sync, no release), for counters no data depends on. Toward a peer
+  // behind the proxy queue it travels like `signal`, in order with earlier puts.
+  template <class Coop>
+  FERROCOMM_DEVICE_INLINE void signal_relaxed(Coop c, i32 peer, u32 id, SignalOp op, u64 value) const;
   template <class Coop>
   FERROCOMM_DEVICE_INLINE void put_signal(Coop c, i32 peer, u64 dst_offset, const void* src, u64 bytes, u32 id,
                                           SignalOp op, u64 value) const;

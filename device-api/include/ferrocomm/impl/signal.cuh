@@ -21,6 +21,23 @@ FERROCOMM_DEVICE_INLINE void Window::signal(Coop c, i32 peer, u32 id, SignalOp o
   }
 }
 
+// No sync and no release: nothing of the caller's is published by it, so the leader alone
+// writes, with a relaxed atomic (the slot still only grows and is read whole). Through the
+// queue it becomes an ordinary signal descriptor: the proxy applies descriptors in order and
+// with release, which is stronger than asked and costs nothing more there.
+template <class Coop>
+FERROCOMM_DEVICE_INLINE void Window::signal_relaxed(Coop c, i32 peer, u32 id, SignalOp op, u64 value) const {
+  if (via_proxy(peer)) return proxy_signal(c, peer, id, op, value);
+  if (c.is_leader()) {
+    u64* slot = signal_slot(peer, id, h_.rank);
+    if (op == SignalOp::Set) {
+      store_relaxed(slot, value);
+    } else {
+      add_relaxed(slot, value);
+    }
+  }
+}
+
 template <class Coop>
 FERROCOMM_DEVICE_INLINE void Window::put_signal(Coop c, i32 peer, u64 dst_offset, const void* src, u64 bytes, u32 id,
                                                 SignalOp op, u64 value) const {
