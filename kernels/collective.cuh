@@ -42,8 +42,10 @@ struct Step {
 // call left in our segment: the blocks of the last call that used block j's share signalled
 // DONE_j with epoch counters[j]. Calls with fewer blocks cut the segment differently, so one
 // block's own DONE would not cover the bytes it is about to overwrite. The threads wait on the
-// (peer, block) pairs in parallel.
+// (peer, block) pairs in parallel. False (and nothing touched) for a handle of another ABI.
 FERROCOMM_DEVICE_INLINE bool begin(const Window& w, u64* counters, Step& s) {
+  // Before any segment access: the collectives address segments through peer_ptr.
+  if (!w.abi_ok()) return false;
   s = Step{load_relaxed(&counters[blockIdx.x]) + 1, READY_ID + blockIdx.x, DONE_ID + blockIdx.x,
            REDUCED_ID + blockIdx.x};
   bool ok = true;

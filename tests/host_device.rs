@@ -609,6 +609,122 @@ mod with_kernels {
         );
     }
 
+    /// A handle whose abi_version is not the one the kernels were compiled with (here what a
+    /// host of ABI version 1 passed: 0 in that slot, or any other number) makes every device
+    /// verb, and the library's own collective kernels, record the ABI error and do nothing
+    /// else: no byte or signal lands, no wait runs to its deadline, and the host reports both
+    /// versions. The window works normally afterwards.
+    #[test]
+    fn a_handle_of_another_abi_version_is_refused_with_an_error_not_data() {
+        use ferrocomm::device::abi::ABI_VERSION;
+        on_ranks(2, "hd-abi", |c| {
+            let (me, peer) = (c.rank(), 1 - c.rank());
+            let words = 256usize;
+            let w = c.new_window(2 * words * 8).unwrap();
+            let filler: Vec<u64> = (0..2 * words as u64).map(|i| 0xa5a5_0000 + i).collect();
+            w.write_local(0, &filler).unwrap();
+            w.barrier().unwrap();
+            let good = w.device_handle().unwrap();
+            assert_eq!(good.abi_version, ABI_VERSION, "the host fills the handle's version");
+            let expect_refusal = |what: &str, version: u32| {
+                let err = w.synchronize().expect_err(what);
+                let text = format!("window handle ABI version {version}, kernel compiled for {ABI_VERSION}");
+                assert!(
+                    matches!(&err, Error::InvalidArgument { reason, .. } if reason.contains(&text)),
+                    "rank {me} {what}: {err}"
+                );
+            };
+            for version in [0, ABI_VERSION + 1] {
+                let bad = ferrocomm::device::WindowHandle {
+                    abi_version: version,
+                    ..good
+                };
+                let t0 = std::time::Instant::now();
+                // put + signal to the right, then a wait that only a peer's signal would end.
+                let wrong = std::sync::atomic::AtomicU64::new(0);
+                let mut tile = vec![0u64; words];
+                let args = (
+                    bad,
+                    tile.as_mut_ptr() as u64,
+                    words as u64,
+                    3u32,
+                    7u64,
+                    wrong.as_ptr() as u64,
+                );
+                launch("ring_block", 1, 64, args);
+                expect_refusal("ring_block", version);
+                launch("fetch_add_storm", 1, 32, (bad, 5u32));
+                expect_refusal("fetch_add_storm", version);
+                let mut dst = vec![0u64; words];
+                launch(
+                    "get_warp",
+                    1,
+                    32,
+                    (bad, peer as i32, dst.as_mut_ptr() as u64, words as u64),
+                );
+                expect_refusal("get_warp", version);
+                assert!(dst.iter().all(|&x| x == 0), "rank {me}: get_warp copied data");
+                let mut out = [7u64];
+                launch("wait_forever", 1, 64, (bad, out.as_mut_ptr() as u64));
+                expect_refusal("wait_forever", version);
+                assert_eq!(out[0], 0, "the refused wait reported success");
+                // The library's one-shot all_reduce, given the bad handle directly.
+                let input = vec![1f32; 64];
+                let mut output = vec![f32::poison(); 64];
+                let mut counters = [0u64; 16];
+                let lib = ferrocomm::device::host_library().unwrap();
+                let args = (
+                    bad,
+                    input.as_ptr() as u64,
+                    output.as_mut_ptr() as u64,
+                    64u64,
+                    counters.as_mut_ptr() as u64,
+                    1u32,
+                );
+                // SAFETY: the one-shot kernels take (handle, in, out, n, counters, vectors);
+                // every buffer outlives the launch, which returns when the kernel has.
+                unsafe { lib.launch("ferrocomm_allreduce_oneshot_f32_sum", 1, 64, args) }.unwrap();
+                expect_refusal("the one-shot all_reduce", version);
+                assert!(
+                    output.iter().all(|&x| x == f32::poison()),
+                    "rank {me}: the all_reduce wrote output"
+                );
+                assert!(
+                    counters.iter().all(|&x| x == 0),
+                    "rank {me}: the all_reduce took an epoch"
+                );
+                assert!(
+                    t0.elapsed() < Duration::from_secs(10),
+                    "a refused kernel waited (the handle's timeout is 30 s)"
+                );
+            }
+            // Nothing landed anywhere: both segments and every signal as before.
+            w.barrier().unwrap();
+            let mut seg = vec![0u64; 2 * words];
+            w.read_local(0, &mut seg).unwrap();
+            assert!(seg == filler, "rank {me}: a refused kernel wrote into the window");
+            for id in [0, 1] {
+                let seen = w.wait_signal(id, SignalSource::Sum, Cmp::Eq, 0).unwrap();
+                assert_eq!(seen.value, 0, "rank {me}: signal {id} moved");
+            }
+            // The errors were reported and cleared: the right handle works.
+            let wrong = std::sync::atomic::AtomicU64::new(0);
+            let mut tile = vec![0u64; words];
+            let args = (
+                good,
+                tile.as_mut_ptr() as u64,
+                words as u64,
+                3u32,
+                7u64,
+                wrong.as_ptr() as u64,
+            );
+            launch("ring_block", 1, 64, args);
+            w.synchronize().unwrap();
+            assert_eq!(wrong.into_inner(), 0);
+            w.barrier().unwrap();
+        });
+    }
+
     #[test]
     fn collectives_on_the_host_device_match_the_reference() {
         let seed = fresh_seed();

@@ -144,6 +144,8 @@ __device__ void fused_reduce(const ferrocomm_window_handle& ha, const ferrocomm_
   using Raw = typename E::Raw;
   constexpr u64 V = 16 / sizeof(Raw);
   const Window a(ha), b(hb);
+  // No verb below checks the handles for us: peer_ptr is unchecked.
+  if (!a.abi_ok() || !b.abi_ok()) return;
   const Share sh = share_of<V>(n, 1);
   for (u64 g = sh.lo / V + threadIdx.x; g < sh.vhi / V; g += blockDim.x) {
     const uint4 sum = reduce_vec<E, REDUCE_SUM>(a, 0, g), most = reduce_vec<E, REDUCE_MAX>(b, 0, g);

@@ -8,6 +8,7 @@ namespace ferrocomm {
 // system-scope release is cumulative over them).
 template <class Coop>
 FERROCOMM_DEVICE_INLINE void Window::signal(Coop c, i32 peer, u32 id, SignalOp op, u64 value) const {
+  if (!abi_ok()) return;
   // Through the queue, the proxy runs the signal after every earlier descriptor of ours.
   if (via_proxy(peer)) return proxy_signal(c, peer, id, op, value);
   c.sync();
@@ -27,6 +28,7 @@ FERROCOMM_DEVICE_INLINE void Window::signal(Coop c, i32 peer, u32 id, SignalOp o
 // with release, which is stronger than asked and costs nothing more there.
 template <class Coop>
 FERROCOMM_DEVICE_INLINE void Window::signal_relaxed(Coop c, i32 peer, u32 id, SignalOp op, u64 value) const {
+  if (!abi_ok()) return;
   if (via_proxy(peer)) return proxy_signal(c, peer, id, op, value);
   if (c.is_leader()) {
     u64* slot = signal_slot(peer, id, h_.rank);
@@ -50,6 +52,7 @@ FERROCOMM_DEVICE_INLINE void Window::put_signal(Coop c, i32 peer, u64 dst_offset
 template <class Coop>
 FERROCOMM_DEVICE_INLINE Observed Window::wait_signal(Coop c, u32 id, i32 source, Cmp cmp, u64 value) const {
   Observed seen{false, source, 0};
+  if (!abi_ok()) return seen;
   if (c.is_leader()) {
     const u64 start = now_ns();
     for (u32 spin = 0;; ++spin) {
