@@ -56,6 +56,7 @@ FERROCOMM_DEVICE_INLINE void copy_chunk_share(Byte* dst, const Byte* src, u64 le
 
 FERROCOMM_DEVICE_INLINE void all_to_all(const ferrocomm_window_handle& h, const AllToAll& a, u64* counters) {
   const Window w(h);
+  if (!w.abi_ok()) return;
   const i32 me = w.rank();
   const u64 payload = a.slot - HEADER_BYTES;
   const u64 call = *calls_of(counters) + 1;

@@ -66,6 +66,7 @@ FERROCOMM_DEVICE_INLINE void all_reduce_multimem(const ferrocomm_window_handle& 
   using Raw = typename E::Raw;
   constexpr u64 V = 16 / sizeof(Raw);
   const Window w(h);
+  if (!w.abi_ok()) return;
   unsigned char* mc = multicast_ptr<unsigned char>(w, 0);
   if (mc == nullptr) {
     if (blockIdx.x == 0 && threadIdx.x == 0)

@@ -16,7 +16,9 @@ extern "C" __global__ void ferrocomm_signal(ferrocomm_window_handle h, i32 peer,
 // one thread releases our own slot [id][source]. The server copied the source's earlier puts
 // into our segment on this same stream, so they are complete before the release (rule 1).
 extern "C" __global__ void ferrocomm_signal_from(ferrocomm_window_handle h, i32 source, u32 id, u32 op, u64 value) {
-  u64* slot = Window(h).signal_slot(h.rank, id, source);
+  const Window w(h);
+  if (!w.abi_ok()) return;
+  u64* slot = w.signal_slot(h.rank, id, source);
   if (op == FERROCOMM_SIGNAL_SET) {
     store_release(slot, value);
   } else {

@@ -17,7 +17,7 @@ macro_rules! fields {
 #[test]
 fn rust_mirrors_match_the_c_header() {
     let mut rust = fields!(WindowHandle, "ferrocomm_window_handle": base, stride, data_bytes, signal_offset,
-        barrier_offset, multicast, status, abort_flag, fifo, timeout_ns, rank, size, signals, flags);
+        barrier_offset, multicast, status, abort_flag, fifo, timeout_ns, rank, size, signals, abi_version);
     rust.extend(fields!(DeviceStatus, "ferrocomm_status": code, op, peer, signal_id, expected, observed));
     rust.extend(fields!(ProxyQueue, "ferrocomm_proxy_queue": slots, head, tail, done, remote, capacity, flags));
     // The descriptor format: host/net/windows/descriptor.rs decodes what device-api's producer encodes.
@@ -33,6 +33,11 @@ fn rust_mirrors_match_the_c_header() {
         ("FERROCOMM_PROXY_MAX_PUT", d::MAX_PUT),
         ("FERROCOMM_PROXY_MAX_PEER", d::MAX_PEER),
         ("FERROCOMM_SIGNAL_ADD", 1),
+        ("FERROCOMM_ABI_VERSION", ferrocomm::device::abi::ABI_VERSION as usize),
+        (
+            "FERROCOMM_STATUS_ABI_MISMATCH",
+            ferrocomm::device::abi::STATUS_ABI_MISMATCH as usize,
+        ),
     ] {
         rust.push((name.to_string(), value));
     }

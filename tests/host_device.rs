@@ -462,6 +462,269 @@ mod with_kernels {
         });
     }
 
+    /// A user's fused kernel made of the collectives' primitives (device-api reduce_copy.cuh,
+    /// dtype.cuh; tests/gpu/kernels.cu `fused_reduce_*`): the sum of one window's segments
+    /// plus the max of another's, and a copy of the right neighbour's segment, over a grid of
+    /// three blocks. Checked bit for bit against the same arithmetic on the host: each
+    /// reduction in rank order in f32, rounded to T, then the two added in f32 and rounded.
+    fn fused_reduce<T: TestElem + Copy>(
+        world: usize,
+        n: usize,
+        seed: u64,
+        kernel: &str,
+        f32_of: fn(T) -> f32,
+        of_f32: fn(f32) -> T,
+    ) {
+        let input = |win: u64, r: usize| -> Vec<T> {
+            random_vec(
+                &mut rng(seed ^ (win << 40) ^ n as u64, r as u64),
+                n,
+                Some(ReduceOp::Sum),
+            )
+        };
+        on_ranks(world, &format!("hd-fused-{kernel}-{world}-{n}"), |c| {
+            let me = c.rank();
+            let bytes = n * std::mem::size_of::<T>();
+            let (a, b) = (c.new_window(bytes).unwrap(), c.new_window(bytes).unwrap());
+            a.write_local(0, &input(0, me)).unwrap();
+            b.write_local(0, &input(1, me)).unwrap();
+            // Every segment is filled before any rank's kernel reads it.
+            a.barrier().unwrap();
+            b.barrier().unwrap();
+            let mut out = vec![T::poison(); n];
+            let mut copy = vec![T::poison(); n];
+            let (ha, hb) = (a.device_handle().unwrap(), b.device_handle().unwrap());
+            let args = (ha, hb, n as u64, out.as_mut_ptr() as u64, copy.as_mut_ptr() as u64);
+            launch(kernel, 3, 64, args);
+            a.synchronize().unwrap();
+            b.synchronize().unwrap();
+            let (ins_a, ins_b): (Vec<Vec<T>>, Vec<Vec<T>>) = (0..world).map(|r| (input(0, r), input(1, r))).unzip();
+            for i in 0..n {
+                let sum = of_f32(ins_a.iter().map(|v| f32_of(v[i])).reduce(|x, y| x + y).unwrap());
+                let most = of_f32(ins_b.iter().map(|v| f32_of(v[i])).reduce(f32::max).unwrap());
+                let want = of_f32(f32_of(sum) + f32_of(most));
+                assert!(
+                    out[i] == want,
+                    "{kernel} world {world} n={n} rank {me} element {i}: {:?}, want {want:?}",
+                    out[i]
+                );
+            }
+            assert!(
+                copy == input(0, (me + 1) % world),
+                "{kernel} rank {me}: the copied segment differs"
+            );
+            // Nobody frees a window a peer's kernel may still read.
+            a.barrier().unwrap();
+            b.barrier().unwrap();
+        });
+    }
+
+    #[test]
+    fn a_users_fused_kernel_reduces_and_copies_with_the_collectives_primitives() {
+        let seed = fresh_seed();
+        for (world, n) in [(1, 9), (2, 1), (3, 1001), (4, 4099)] {
+            fused_reduce::<f32>(world, n, seed, "fused_reduce_f32", |x| x, |x| x);
+        }
+        for (world, n) in [(2, 15), (3, 1001)] {
+            fused_reduce::<bf16>(world, n, seed, "fused_reduce_bf16", bf16::to_f32, bf16::from_f32);
+            fused_reduce::<f16>(world, n, seed, "fused_reduce_f16", f16::to_f32, f16::from_f32);
+        }
+    }
+
+    /// team.cuh seen by one thread of `c`'s rank: `team_info`'s output (tests/gpu/kernels.cu).
+    fn team_info(c: &Comm) -> Vec<i32> {
+        let w = c.new_window(64).unwrap();
+        let mut out = vec![i32::MIN; 2 * c.size() + 7];
+        launch("team_info", 1, 1, (w.device_handle().unwrap(), out.as_mut_ptr() as u64));
+        w.synchronize().unwrap();
+        w.barrier().unwrap();
+        out
+    }
+
+    /// What team_info must say when `local(p)` tells which ranks are load/store reachable.
+    fn expected_team(rank: usize, size: usize, local: impl Fn(usize) -> bool) -> Vec<i32> {
+        let locals: Vec<i32> = (0..size).filter(|&p| local(p)).map(|p| p as i32).collect();
+        let mut v = vec![rank as i32, size as i32, locals.len() as i32];
+        v.push(locals.iter().position(|&p| p == rank as i32).unwrap() as i32);
+        v.push(0); // rank -1
+        v.extend((0..size).map(|p| i32::from(local(p))));
+        v.push(0); // rank `size`
+        v.extend((0..=size).map(|k| locals.get(k).copied().unwrap_or(-1)));
+        v
+    }
+
+    /// The team header on ranks that map each other's segments (every peer local) and on
+    /// ranks each on a host of its own (only the caller local; the rest behind the proxy).
+    #[test]
+    fn the_team_header_names_rank_size_and_the_load_store_peers() {
+        for n in [1, 3, 4] {
+            let got = on_ranks(n, &format!("hd-team{n}"), team_info);
+            for (r, g) in got.iter().enumerate() {
+                assert_eq!(*g, expected_team(r, n, |_| true), "rank {r} of {n}, all mapped");
+            }
+        }
+        let got = run_group_on_device("device", Device::Host(0), 3, "hd-team-tcp", tcp_opts(), team_info);
+        for (r, g) in got.iter().enumerate() {
+            assert_eq!(*g, expected_team(r, 3, |p| p == r), "rank {r} of 3, one per host");
+        }
+    }
+
+    /// `relaxed_counters_*`: relaxed Adds and Sets at every scope, observed by device waits (sum
+    /// and per source) and then exactly by the host, directly and through the proxy queue.
+    fn relaxed_counters(c: &Comm) {
+        let w = c.new_window(4096).unwrap();
+        let adds = 40u32;
+        let total = u64::from(adds) * (c.size() as u64 - 1);
+        for (k, (scope, threads)) in [("thread", 1), ("warp", 32), ("block", 64)].into_iter().enumerate() {
+            let id = 2 * k as u32;
+            let mut out = [0u64; 2];
+            let args = (w.device_handle().unwrap(), id, adds, out.as_mut_ptr() as u64);
+            launch(&format!("relaxed_counters_{scope}"), 1, threads, args);
+            w.synchronize()
+                .unwrap_or_else(|e| panic!("relaxed_counters_{scope} rank {}: {e}", c.rank()));
+            assert_eq!(out, [1, total], "relaxed_counters_{scope} rank {}: [ok, sum]", c.rank());
+            // Every add landed once: the sum is exact, not just reached.
+            let seen = w.wait_signal(id as usize, SignalSource::Sum, Cmp::Eq, total).unwrap();
+            assert_eq!(seen.value, total);
+            for p in (0..c.size()).filter(|&p| p != c.rank()) {
+                w.wait_signal(id as usize + 1, SignalSource::Rank(p), Cmp::Eq, 1000 + p as u64)
+                    .unwrap();
+            }
+        }
+        w.barrier().unwrap();
+    }
+
+    #[test]
+    fn relaxed_signals_are_seen_by_waits_directly_and_through_the_proxy() {
+        for n in [2, 3, 4] {
+            on_ranks(n, &format!("hd-relaxed{n}"), relaxed_counters);
+        }
+        run_group_on_device(
+            "device",
+            Device::Host(0),
+            3,
+            "hd-relaxed-tcp",
+            tcp_opts(),
+            relaxed_counters,
+        );
+    }
+
+    /// A handle whose abi_version is not the one the kernels were compiled with (here what a
+    /// host of ABI version 1 passed: 0 in that slot, or any other number) makes every device
+    /// verb, and the library's own collective kernels, record the ABI error and do nothing
+    /// else: no byte or signal lands, no wait runs to its deadline, and the host reports both
+    /// versions. The window works normally afterwards.
+    #[test]
+    fn a_handle_of_another_abi_version_is_refused_with_an_error_not_data() {
+        use ferrocomm::device::abi::ABI_VERSION;
+        on_ranks(2, "hd-abi", |c| {
+            let (me, peer) = (c.rank(), 1 - c.rank());
+            let words = 256usize;
+            let w = c.new_window(2 * words * 8).unwrap();
+            let filler: Vec<u64> = (0..2 * words as u64).map(|i| 0xa5a5_0000 + i).collect();
+            w.write_local(0, &filler).unwrap();
+            w.barrier().unwrap();
+            let good = w.device_handle().unwrap();
+            assert_eq!(good.abi_version, ABI_VERSION, "the host fills the handle's version");
+            let expect_refusal = |what: &str, version: u32| {
+                let err = w.synchronize().expect_err(what);
+                let text = format!("window handle ABI version {version}, kernel compiled for {ABI_VERSION}");
+                assert!(
+                    matches!(&err, Error::InvalidArgument { reason, .. } if reason.contains(&text)),
+                    "rank {me} {what}: {err}"
+                );
+            };
+            for version in [0, ABI_VERSION + 1] {
+                let bad = ferrocomm::device::WindowHandle {
+                    abi_version: version,
+                    ..good
+                };
+                let t0 = std::time::Instant::now();
+                // put + signal to the right, then a wait that only a peer's signal would end.
+                let wrong = std::sync::atomic::AtomicU64::new(0);
+                let mut tile = vec![0u64; words];
+                let args = (
+                    bad,
+                    tile.as_mut_ptr() as u64,
+                    words as u64,
+                    3u32,
+                    7u64,
+                    wrong.as_ptr() as u64,
+                );
+                launch("ring_block", 1, 64, args);
+                expect_refusal("ring_block", version);
+                launch("fetch_add_storm", 1, 32, (bad, 5u32));
+                expect_refusal("fetch_add_storm", version);
+                let mut dst = vec![0u64; words];
+                launch(
+                    "get_warp",
+                    1,
+                    32,
+                    (bad, peer as i32, dst.as_mut_ptr() as u64, words as u64),
+                );
+                expect_refusal("get_warp", version);
+                assert!(dst.iter().all(|&x| x == 0), "rank {me}: get_warp copied data");
+                let mut out = [7u64];
+                launch("wait_forever", 1, 64, (bad, out.as_mut_ptr() as u64));
+                expect_refusal("wait_forever", version);
+                assert_eq!(out[0], 0, "the refused wait reported success");
+                // The library's one-shot all_reduce, given the bad handle directly.
+                let input = vec![1f32; 64];
+                let mut output = vec![f32::poison(); 64];
+                let mut counters = [0u64; 16];
+                let lib = ferrocomm::device::host_library().unwrap();
+                let args = (
+                    bad,
+                    input.as_ptr() as u64,
+                    output.as_mut_ptr() as u64,
+                    64u64,
+                    counters.as_mut_ptr() as u64,
+                    1u32,
+                );
+                // SAFETY: the one-shot kernels take (handle, in, out, n, counters, vectors);
+                // every buffer outlives the launch, which returns when the kernel has.
+                unsafe { lib.launch("ferrocomm_allreduce_oneshot_f32_sum", 1, 64, args) }.unwrap();
+                expect_refusal("the one-shot all_reduce", version);
+                assert!(
+                    output.iter().all(|&x| x == f32::poison()),
+                    "rank {me}: the all_reduce wrote output"
+                );
+                assert!(
+                    counters.iter().all(|&x| x == 0),
+                    "rank {me}: the all_reduce took an epoch"
+                );
+                assert!(
+                    t0.elapsed() < Duration::from_secs(10),
+                    "a refused kernel waited (the handle's timeout is 30 s)"
+                );
+            }
+            // Nothing landed anywhere: both segments and every signal as before.
+            w.barrier().unwrap();
+            let mut seg = vec![0u64; 2 * words];
+            w.read_local(0, &mut seg).unwrap();
+            assert!(seg == filler, "rank {me}: a refused kernel wrote into the window");
+            for id in [0, 1] {
+                let seen = w.wait_signal(id, SignalSource::Sum, Cmp::Eq, 0).unwrap();
+                assert_eq!(seen.value, 0, "rank {me}: signal {id} moved");
+            }
+            // The errors were reported and cleared: the right handle works.
+            let wrong = std::sync::atomic::AtomicU64::new(0);
+            let mut tile = vec![0u64; words];
+            let args = (
+                good,
+                tile.as_mut_ptr() as u64,
+                words as u64,
+                3u32,
+                7u64,
+                wrong.as_ptr() as u64,
+            );
+            launch("ring_block", 1, 64, args);
+            w.synchronize().unwrap();
+            assert_eq!(wrong.into_inner(), 0);
+            w.barrier().unwrap();
+        });
+    }
+
     #[test]
     fn collectives_on_the_host_device_match_the_reference() {
         let seed = fresh_seed();

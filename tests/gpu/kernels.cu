@@ -131,3 +131,90 @@ extern "C" __global__ void multicast_roundtrip(ferrocomm_window_handle h, u64 gr
   if (threadIdx.x == 0) atomicAdd(wrong, 2ull << 32);
 #endif
 }
+
+// A user's fused kernel built from the collectives' primitives (reduce_copy.cuh, dtype.cuh):
+// out[i] = (sum over ranks of window a's element i) + (max over ranks of window b's element
+// i), each reduction rounded to E as the collectives round it, then added in f32; and
+// `copy` = the right neighbour's segment of a. The grid cuts the n elements into per-block
+// shares of whole 16-byte groups (vectorised) with a scalar tail. Reads only: the host has
+// filled every segment and passed a barrier before the launch.
+template <class E>
+__device__ void fused_reduce(const ferrocomm_window_handle& ha, const ferrocomm_window_handle& hb, u64 n,
+                             typename E::Raw* out, typename E::Raw* copy) {
+  using Raw = typename E::Raw;
+  constexpr u64 V = 16 / sizeof(Raw);
+  const Window a(ha), b(hb);
+  // No verb below checks the handles for us: peer_ptr is unchecked.
+  if (!a.abi_ok() || !b.abi_ok()) return;
+  const Share sh = share_of<V>(n, 1);
+  for (u64 g = sh.lo / V + threadIdx.x; g < sh.vhi / V; g += blockDim.x) {
+    const uint4 sum = reduce_vec<E, REDUCE_SUM>(a, 0, g), most = reduce_vec<E, REDUCE_MAX>(b, 0, g);
+#pragma unroll
+    for (u64 k = 0; k < V; ++k) {
+      out[g * V + k] = E::put(E::get(lane<Raw>(sum, static_cast<int>(k))) + E::get(lane<Raw>(most, static_cast<int>(k))));
+    }
+  }
+  for (u64 i = sh.vhi + threadIdx.x; i < sh.hi; i += blockDim.x) {
+    out[i] = E::put(E::get(reduce_one<E, REDUCE_SUM>(a, 0, i)) + E::get(reduce_one<E, REDUCE_MAX>(b, 0, i)));
+  }
+  copy_share(copy, a.peer_ptr<const Raw>((a.rank() + 1) % a.size(), 0), sh);
+}
+
+extern "C" __global__ void fused_reduce_f32(ferrocomm_window_handle a, ferrocomm_window_handle b, u64 n, u32* out,
+                                            u32* copy) {
+  fused_reduce<F32>(a, b, n, out, copy);
+}
+extern "C" __global__ void fused_reduce_bf16(ferrocomm_window_handle a, ferrocomm_window_handle b, u64 n,
+                                             unsigned short* out, unsigned short* copy) {
+  fused_reduce<Bf16>(a, b, n, out, copy);
+}
+extern "C" __global__ void fused_reduce_f16(ferrocomm_window_handle a, ferrocomm_window_handle b, u64 n,
+                                            unsigned short* out, unsigned short* copy) {
+  fused_reduce<F16>(a, b, n, out, copy);
+}
+
+// team.cuh as one thread sees it: out = [rank, size, local size, local rank, is_local(p) for p
+// in -1 ..= size, local_peer(k) for k in 0 ..= size] (i32 each; 2 * size + 7 in all).
+extern "C" __global__ void team_info(ferrocomm_window_handle h, i32* out) {
+  const Window w(h);
+  out[0] = team_rank(w);
+  out[1] = team_size(w);
+  out[2] = team_local_size(w);
+  out[3] = team_local_rank(w);
+  for (i32 p = -1; p <= w.size(); ++p) out[5 + p] = team_is_local(w, p);
+  for (i32 k = 0; k <= w.size(); ++k) out[w.size() + 6 + k] = team_local_peer(w, k);
+}
+
+// Relaxed signals as counters: `adds` relaxed Adds of 1 on slot `id` of every peer, then a
+// relaxed Set of 1000 + rank on slot id + 1; then the coop waits until the sum of its slot
+// `id` reaches adds * (size - 1) and until every peer's slot id + 1 holds 1000 + peer.
+// out = [ok, the sum it saw].
+template <class Coop>
+__device__ void relaxed_counters(Coop c, const ferrocomm_window_handle& h, u32 id, u32 adds, u64* out) {
+  const Window w(h);
+  for (u32 k = 0; k < adds; ++k) {
+    for (i32 p = 0; p < w.size(); ++p) {
+      if (p != w.rank()) w.signal_relaxed(c, p, id, SignalOp::Add, 1);
+    }
+  }
+  for (i32 p = 0; p < w.size(); ++p) {
+    if (p != w.rank()) w.signal_relaxed(c, p, id + 1, SignalOp::Set, 1000 + static_cast<u64>(w.rank()));
+  }
+  const Observed sum = w.wait_signal(c, id, SOURCE_SUM, Cmp::Ge, static_cast<u64>(adds) * (w.size() - 1));
+  bool ok = sum.ok;
+  for (i32 p = 0; p < w.size() && ok; ++p) {
+    if (p != w.rank()) ok = w.wait_signal(c, id + 1, p, Cmp::Eq, 1000 + static_cast<u64>(p)).ok;
+  }
+  if (c.thread_rank() == 0) {
+    out[0] = ok;
+    out[1] = sum.value;
+  }
+}
+
+#define RELAXED(scope)                                                                                        \
+  extern "C" __global__ void relaxed_counters_##scope(ferrocomm_window_handle h, u32 id, u32 adds, u64* out) { \
+    relaxed_counters(coop_##scope(), h, id, adds, out);                                                     \
+  }
+RELAXED(thread)
+RELAXED(warp)
+RELAXED(block)

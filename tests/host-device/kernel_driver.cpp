@@ -84,6 +84,7 @@ struct Group {
     h.rank = rank;
     h.size = size;
     h.signals = signals_;
+    h.abi_version = FERROCOMM_ABI_VERSION;
     return h;
   }
 

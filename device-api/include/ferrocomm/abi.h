@@ -9,7 +9,14 @@ typedef unsigned long long ferrocomm_u64;
 typedef unsigned int ferrocomm_u32;
 typedef int ferrocomm_i32;
 
-#define FERROCOMM_ABI_VERSION 1
+/* The version of the structs below. Every ferrocomm_window_handle carries the version of the
+ * host that made it (abi_version), and device code compares it with the one it was compiled
+ * with before it touches anything else (Window::abi_ok): a kernel built against other headers
+ * records FERROCOMM_STATUS_ABI_MISMATCH instead of reading fields that moved. Bump it with
+ * every change of these structs; `status` and `abi_version` keep their offsets in every
+ * version, so the mismatch can always be recorded. Version 1 had a reserved 0 where
+ * abi_version is. */
+#define FERROCOMM_ABI_VERSION 2
 
 /* What a device wait records when it gives up (ferrocomm_status.code). The first error a
  * window records stays; later ones are dropped, so the host reports the root cause. */
@@ -20,6 +27,9 @@ typedef int ferrocomm_i32;
 #define FERROCOMM_STATUS_MISMATCH 3u
 /* A verb's argument the device cannot carry out (a proxy put whose source is not in the window). */
 #define FERROCOMM_STATUS_INVALID 4u
+/* The window handle was made for another ABI than the kernel was compiled for
+ * (expected: the kernel's FERROCOMM_ABI_VERSION, observed: the handle's abi_version; op 0). */
+#define FERROCOMM_STATUS_ABI_MISMATCH 5u
 
 /* The device verb that recorded a status (ferrocomm_status.op). */
 #define FERROCOMM_OP_WAIT_SIGNAL 1u
@@ -72,8 +82,8 @@ typedef struct ferrocomm_window_handle {
   ferrocomm_u64 timeout_ns;     /* deadline of every device wait */
   ferrocomm_i32 rank;
   ferrocomm_i32 size;
-  ferrocomm_u32 signals; /* signal ids per source */
-  ferrocomm_u32 flags;   /* reserved, 0 */
+  ferrocomm_u32 signals;     /* signal ids per source */
+  ferrocomm_u32 abi_version; /* FERROCOMM_ABI_VERSION of the host that made the handle */
 } ferrocomm_window_handle;
 
 /* The proxy queue: how kernels hand puts and signals toward ranks that are not load/store

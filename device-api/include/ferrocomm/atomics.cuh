@@ -81,6 +81,28 @@ FERROCOMM_DEVICE_INLINE void add_release(u64* p, u64 v) {
 #endif
 }
 
+// Relaxed store and add: atomic (a waiter reads whole values, the slot's values only grow)
+// but ordering nothing else, for signals that publish no data (signal_relaxed).
+FERROCOMM_DEVICE_INLINE void store_relaxed(u64* p, u64 v) {
+#if FERROCOMM_HOST
+  __atomic_store_n(p, v, __ATOMIC_RELAXED);
+#elif FERROCOMM_HIP
+  __hip_atomic_store(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+#else
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+#endif
+}
+
+FERROCOMM_DEVICE_INLINE void add_relaxed(u64* p, u64 v) {
+#if FERROCOMM_HOST
+  __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
+#elif FERROCOMM_HIP
+  __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+#else
+  asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+#endif
+}
+
 // Atomics of rule 4: acquire and release at once, on the word's single home location.
 FERROCOMM_DEVICE_INLINE u64 fetch_add(u64* p, u64 v) {
 #if FERROCOMM_HOST

@@ -4,6 +4,8 @@
 // `signal` and `wait_signal` are release and acquire and are what make data safe to read;
 // `fence`, `flush` and `barrier` order and complete. Every wait is bounded by the handle's
 // timeout and the communicator's abort flag and reports failure through `ok`, never a trap.
+// Every verb first checks that the handle was made for the ABI these headers describe
+// (`abi_ok`); on a mismatch it records FERROCOMM_STATUS_ABI_MISMATCH and does nothing else.
 #pragma once
 #include "ferrocomm/atomics.cuh"
 #include "ferrocomm/coop.cuh"
@@ -53,6 +55,16 @@ class Window {
   FERROCOMM_DEVICE_INLINE u64 bytes() const { return h_.data_bytes; }
   FERROCOMM_DEVICE_INLINE const ferrocomm_window_handle& handle() const { return h_; }
 
+  // True when the handle has the layout this kernel was compiled for (abi.h). Otherwise records
+  // FERROCOMM_STATUS_ABI_MISMATCH (first error wins), so the host reports both versions. A
+  // single compare of a by-value field: the verbs call it on entry; a kernel that uses
+  // peer_ptr / local_ptr without any verb should call it first itself.
+  FERROCOMM_DEVICE_INLINE bool abi_ok() const {
+    if (h_.abi_version == FERROCOMM_ABI_VERSION) return true;
+    record_status(h_.status, FERROCOMM_STATUS_ABI_MISMATCH, 0, -1, 0, FERROCOMM_ABI_VERSION, h_.abi_version);
+    return false;
+  }
+
   // Byte `offset` of `rank`'s segment, for direct loads and stores over NVLink / PCIe.
   // Unchecked: the caller keeps offset + access size within bytes().
   template <class T = void>
@@ -86,6 +98,11 @@ class Window {
   // Signals (impl/signal.cuh): the coop syncs, then its leader releases.
   template <class Coop>
   FERROCOMM_DEVICE_INLINE void signal(Coop c, i32 peer, u32 id, SignalOp op, u64 value) const;
+  // A relaxed signal: the same update of slot [id][rank] on `peer`, atomic, but it orders and
+  // publishes nothing (no sync, no release), for counters no data depends on. Toward a peer
+  // behind the proxy queue it travels like `signal`, in order with earlier puts.
+  template <class Coop>
+  FERROCOMM_DEVICE_INLINE void signal_relaxed(Coop c, i32 peer, u32 id, SignalOp op, u64 value) const;
   template <class Coop>
   FERROCOMM_DEVICE_INLINE void put_signal(Coop c, i32 peer, u64 dst_offset, const void* src, u64 bytes, u32 id,
                                           SignalOp op, u64 value) const;
@@ -95,6 +112,7 @@ class Window {
   FERROCOMM_DEVICE_INLINE Observed wait_signal(Coop c, u32 id, i32 source, Cmp cmp, u64 value) const;
   // This rank's own slot [id][source], read with acquire (no waiting).
   FERROCOMM_DEVICE_INLINE u64 read_signal(u32 id, i32 source) const {
+    if (!abi_ok()) return 0;
     return load_acquire(signal_slot(h_.rank, id, source));
   }
 
@@ -111,6 +129,7 @@ class Window {
   // Atomics of rule 4 on the aligned u64 at `offset` of `peer` (one thread). Load/store peers
   // only: toward a rank behind the proxy queue they record FERROCOMM_STATUS_INVALID, return 0.
   FERROCOMM_DEVICE_INLINE u64 fetch_add(i32 peer, u64 offset, u64 value) const {
+    if (!abi_ok()) return 0;
     if (via_proxy(peer)) {
       not_via_proxy(peer);
       return 0;
@@ -118,6 +137,7 @@ class Window {
     return ferrocomm::fetch_add(peer_ptr<u64>(peer, offset), value);
   }
   FERROCOMM_DEVICE_INLINE u64 compare_swap(i32 peer, u64 offset, u64 expected, u64 desired) const {
+    if (!abi_ok()) return 0;
     if (via_proxy(peer)) {
       not_via_proxy(peer);
       return 0;

@@ -174,7 +174,7 @@ impl DeviceWindow {
             rank: rank as i32,
             size: size as i32,
             signals: spec.signals as u32,
-            flags: 0,
+            abi_version: abi::ABI_VERSION,
         };
         // After the barrier: no rank's request can reach a pad before its owner zeroed it.
         let net = Network::start(window_network::Plan {
@@ -330,6 +330,14 @@ impl DeviceWindow {
             },
             // kernels/multimem.cu on a window without a multicast address (the host plans
             // never launch it there; a user kernel might).
+            abi::STATUS_ABI_MISMATCH => Error::invalid(
+                op,
+                format!(
+                    "window handle ABI version {}, kernel compiled for {}: build the kernel with this \
+                     ferrocomm's device-api headers",
+                    s.observed, s.expected
+                ),
+            ),
             abi::STATUS_INVALID if s.op == abi::OP_COLLECTIVE => {
                 Error::invalid(op, "a multimem kernel ran on a window without a multicast object")
             }

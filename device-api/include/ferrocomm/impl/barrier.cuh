@@ -6,6 +6,7 @@ namespace ferrocomm {
 // Orders the coop's earlier puts and signals to each target before its later ones.
 template <class Coop>
 FERROCOMM_DEVICE_INLINE void Window::fence(Coop c) const {
+  if (!abi_ok()) return;
   c.sync();
   fence_acq_rel();
   c.sync();
@@ -17,6 +18,7 @@ FERROCOMM_DEVICE_INLINE void Window::fence(Coop c) const {
 // complete at its target.
 template <class Coop>
 FERROCOMM_DEVICE_INLINE void Window::flush(Coop c) const {
+  if (!abi_ok()) return;
   c.sync();
   fence_sc();
   if (h_.fifo != 0 && c.is_leader()) proxy_flush();
@@ -28,6 +30,7 @@ FERROCOMM_DEVICE_INLINE void Window::flush(Coop c) const {
 // fast rank's next barrier cannot be mistaken for this one.
 template <class Coop>
 FERROCOMM_DEVICE_INLINE bool Window::barrier(Coop c) const {
+  if (!abi_ok()) return false;
   c.sync();
   u64 ok = 1;
   if (c.is_leader()) {

@@ -28,6 +28,7 @@ FERROCOMM_DEVICE_INLINE void coop_copy(Coop c, void* dst, const void* src, u64 b
 
 template <class Coop>
 FERROCOMM_DEVICE_INLINE void Window::put(Coop c, i32 peer, u64 dst_offset, const void* src, u64 bytes) const {
+  if (!abi_ok()) return;
   if (via_proxy(peer)) return proxy_put(c, peer, dst_offset, src, bytes);
   coop_copy(c, peer_ptr(peer, dst_offset), src, bytes);
 }
@@ -36,6 +37,7 @@ FERROCOMM_DEVICE_INLINE void Window::put(Coop c, i32 peer, u64 dst_offset, const
 // only: the proxy queue carries no gets (FERROCOMM_STATUS_INVALID).
 template <class Coop>
 FERROCOMM_DEVICE_INLINE void Window::get(Coop c, i32 peer, u64 src_offset, void* dst, u64 bytes) const {
+  if (!abi_ok()) return;
   if (via_proxy(peer)) {
     if (c.is_leader()) not_via_proxy(peer);
     c.sync();

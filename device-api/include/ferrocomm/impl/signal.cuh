@@ -8,6 +8,7 @@ namespace ferrocomm {
 // system-scope release is cumulative over them).
 template <class Coop>
 FERROCOMM_DEVICE_INLINE void Window::signal(Coop c, i32 peer, u32 id, SignalOp op, u64 value) const {
+  if (!abi_ok()) return;
   // Through the queue, the proxy runs the signal after every earlier descriptor of ours.
   if (via_proxy(peer)) return proxy_signal(c, peer, id, op, value);
   c.sync();
@@ -17,6 +18,24 @@ FERROCOMM_DEVICE_INLINE void Window::signal(Coop c, i32 peer, u32 id, SignalOp o
       store_release(slot, value);
     } else {
       add_release(slot, value);
+    }
+  }
+}
+
+// No sync and no release: nothing of the caller's is published by it, so the leader alone
+// writes, with a relaxed atomic (the slot still only grows and is read whole). Through the
+// queue it becomes an ordinary signal descriptor: the proxy applies descriptors in order and
+// with release, which is stronger than asked and costs nothing more there.
+template <class Coop>
+FERROCOMM_DEVICE_INLINE void Window::signal_relaxed(Coop c, i32 peer, u32 id, SignalOp op, u64 value) const {
+  if (!abi_ok()) return;
+  if (via_proxy(peer)) return proxy_signal(c, peer, id, op, value);
+  if (c.is_leader()) {
+    u64* slot = signal_slot(peer, id, h_.rank);
+    if (op == SignalOp::Set) {
+      store_relaxed(slot, value);
+    } else {
+      add_relaxed(slot, value);
     }
   }
 }
@@ -33,6 +52,7 @@ FERROCOMM_DEVICE_INLINE void Window::put_signal(Coop c, i32 peer, u64 dst_offset
 template <class Coop>
 FERROCOMM_DEVICE_INLINE Observed Window::wait_signal(Coop c, u32 id, i32 source, Cmp cmp, u64 value) const {
   Observed seen{false, source, 0};
+  if (!abi_ok()) return seen;
   if (c.is_leader()) {
     const u64 start = now_ns();
     for (u32 spin = 0;; ++spin) {
