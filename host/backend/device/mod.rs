@@ -75,7 +75,7 @@ pub(crate) fn create(init: &BackendInit) -> Result<Box<dyn Backend>> {
     if let Err(why) = &team.multicast {
         tracing::debug!(reason = %why, "device windows without multicast objects");
     }
-    let policy = Policy::new(nccl.is_some(), |k| std::env::var(k).ok())?;
+    let policy = Policy::new(nccl.is_some(), init.options.config.nccl_threshold);
     let mut backend = DeviceBackend {
         gpu,
         nccl,
@@ -93,7 +93,7 @@ pub(crate) fn create(init: &BackendInit) -> Result<Box<dyn Backend>> {
         gpu_shared_in_process: team.gpu_shared_in_process[init.rank],
         one_host: team.one_host,
     };
-    backend.own = match collectives::OwnCollectives::create(&backend, init.options.timeout) {
+    backend.own = match collectives::OwnCollectives::create(&backend, init.options) {
         Ok(own) => Some(own),
         Err(Error::Unavailable { reason, .. }) => {
             tracing::debug!(%reason, "device backend without its own collective kernels");
