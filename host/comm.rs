@@ -83,7 +83,7 @@ fn next_generation(name: &str, rank: usize) -> u64 {
 /// (torchrun, Slurm, Open MPI or PMI variables; `MASTER_ADDR`/`MASTER_PORT` or
 /// `FERROCOMM_STORE`; `FERROCOMM_TOKEN`).
 pub fn new_comm(backend: &str, device: Device, name: &str, options: CommOptions) -> Result<Comm> {
-    crate::contracts::log::init();
+    crate::contracts::log::init(&options.config);
     let (rank, size, store, server) = match (&options.store, options.rank, options.size) {
         (Some(s), Some(r), Some(n)) => (r, n, s.clone(), None),
         (Some(_), _, _) => {
@@ -92,14 +92,14 @@ pub fn new_comm(backend: &str, device: Device, name: &str, options: CommOptions)
             ))
         }
         (None, _, _) => {
-            let info = bootstrap::discover(|k| std::env::var(k).ok())?.ok_or_else(|| {
+            let info = bootstrap::discover(|k| options.config.var(k))?.ok_or_else(|| {
                 Error::Config(
                     "no rank information: run under ferrocomm-run, torchrun, srun or mpirun, or set \
                      CommOptions::with_store, or use Comm::new_group for ranks in one process"
                         .into(),
                 )
             })?;
-            let (store, server) = bootstrap::store_from_env(info.rank, options.timeout)?;
+            let (store, server) = bootstrap::store_from_config(&options.config, info.rank, options.timeout)?;
             (info.rank, info.world_size, store, server)
         }
     };
@@ -166,7 +166,7 @@ impl Comm {
     /// Creates `devices.len()` ranks of one communicator in this process, one per device (like
     /// `ncclCommInitAll`). Rank i drives `devices[i]`; give each rank to its own thread.
     pub fn new_group(backend: &str, devices: &[Device], name: &str, options: CommOptions) -> Result<Vec<Comm>> {
-        crate::contracts::log::init();
+        crate::contracts::log::init(&options.config);
         let n = devices.len();
         if n == 0 {
             return Err(Error::invalid("new_group", "needs at least one device"));

@@ -32,7 +32,8 @@ fn parse(var: &str, v: &str) -> Result<usize> {
         .map_err(|_| Error::Config(format!("{var}={v:?} is not a non-negative integer")))
 }
 
-/// Reads rank, world size and local rank through `lookup` (normally `std::env::var`).
+/// Reads rank, world size and local rank through `lookup` (ferrocomm passes its settings' copy
+/// of the environment, `Config::var`).
 /// `Ok(None)` when no launcher variables are set at all.
 pub fn discover(lookup: impl Fn(&str) -> Option<String>) -> Result<Option<RankInfo>> {
     for (source, rank_var, size_var, local_vars) in LAUNCHERS {
@@ -170,6 +171,19 @@ mod tests {
             Err(Error::Config(_))
         ));
         assert_eq!(discover(env(&[])).unwrap(), None);
+    }
+
+    #[test]
+    fn the_settings_keep_every_launcher_variable() {
+        let config = crate::contracts::config::OTHER_VARIABLES;
+        for (_, rank, size, locals) in LAUNCHERS {
+            for v in [rank, size].into_iter().chain(locals.iter()) {
+                assert!(config.contains(v), "{v} is missing from config::OTHER_VARIABLES");
+            }
+        }
+        for v in ["MASTER_ADDR", "MASTER_PORT"] {
+            assert!(config.contains(&v), "{v}");
+        }
     }
 
     #[test]

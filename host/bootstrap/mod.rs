@@ -22,6 +22,7 @@ pub use wire::DEFAULT_MAX_FRAME;
 
 pub(crate) use auth::{nonce, proof, verify, NONCE_BYTES, PROOF_BYTES};
 
+use crate::contracts::config::Config;
 use crate::contracts::error::{Error, Result};
 use std::sync::Arc;
 use std::time::Duration;
@@ -29,24 +30,31 @@ use std::time::Duration;
 /// The job store as the environment describes it. Rank 0 hosts the TCP store server unless
 /// `FERROCOMM_STORE_EXTERNAL=1` says a launcher already does (ferrocomm-run sets it).
 pub fn store_from_env(rank: usize, timeout: Duration) -> Result<(Arc<dyn Store>, Option<TcpStoreServer>)> {
-    let var = |k: &str| std::env::var(k).ok();
-    match store_addr(var)? {
+    store_from_config(&Config::from_env()?, rank, timeout)
+}
+
+/// As [`store_from_env`], from settings already read (a communicator's options).
+pub(crate) fn store_from_config(
+    config: &Config,
+    rank: usize,
+    timeout: Duration,
+) -> Result<(Arc<dyn Store>, Option<TcpStoreServer>)> {
+    match store_addr(|k| config.var(k))? {
         StoreAddr::File(dir) => Ok((Arc::new(FileStore::new(dir)?), None)),
         StoreAddr::Tcp { host, port } => {
-            let token = var("FERROCOMM_TOKEN").filter(|t| !t.is_empty()).ok_or_else(|| {
+            let token = config.token.as_deref().ok_or_else(|| {
                 Error::Config(
                     "FERROCOMM_TOKEN is not set: the TCP store admits only clients that know the job token; \
                      export the same secret to every rank (ferrocomm-run does this for you)"
                         .into(),
                 )
             })?;
-            let external = var("FERROCOMM_STORE_EXTERNAL").is_some_and(|v| v == "1");
-            let server = if rank == 0 && !external {
-                Some(TcpStoreServer::bind((host.as_str(), port), &token)?)
+            let server = if rank == 0 && !config.store_external {
+                Some(TcpStoreServer::bind((host.as_str(), port), token)?)
             } else {
                 None
             };
-            let client = TcpStore::connect((host.as_str(), port), &token, timeout)?;
+            let client = TcpStore::connect((host.as_str(), port), token, timeout)?;
             Ok((Arc::new(client), server))
         }
     }

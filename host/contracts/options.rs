@@ -1,5 +1,7 @@
 //! Options of communicators and of single operations, with their `FERROCOMM_*` defaults.
 
+use crate::contracts::config::Config;
+pub use crate::contracts::config::{AbortOnError, NetTransport};
 use crate::contracts::error::{Error, Result};
 use crate::contracts::store::Store;
 use std::collections::BTreeMap;
@@ -7,47 +9,11 @@ use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Reads `FERROCOMM_<name>`; a set but malformed value is an error, never silently ignored.
-pub(crate) fn env_parse<T: std::str::FromStr>(name: &str) -> Result<Option<T>> {
-    match std::env::var(name) {
-        Ok(v) => v
-            .trim()
-            .parse()
-            .map(Some)
-            .map_err(|_| Error::Config(format!("{name}={v:?} cannot be parsed"))),
-        Err(_) => Ok(None),
-    }
-}
-
-/// Reads an on/off `FERROCOMM_<name>`: `1`/`0` (or `true`/`false`); unset is off.
-pub(crate) fn env_flag(name: &str) -> Result<bool> {
-    match std::env::var(name).as_deref().map(str::trim) {
-        Err(_) | Ok("") | Ok("0") | Ok("false") => Ok(false),
-        Ok("1") | Ok("true") => Ok(true),
-        Ok(other) => Err(Error::Config(format!("{name}={other:?}: expected 1 or 0"))),
-    }
-}
-
 /// The default timeout of every blocking operation: `FERROCOMM_TIMEOUT` seconds, else 600 s.
+/// Reads the whole environment's settings afresh ([`Config`]), so any malformed `FERROCOMM_*`
+/// variable is an error here too.
 pub fn default_timeout() -> Result<Duration> {
-    let secs: f64 = env_parse("FERROCOMM_TIMEOUT")?.unwrap_or(600.0);
-    if !(secs > 0.0 && secs.is_finite()) {
-        return Err(Error::Config(format!(
-            "FERROCOMM_TIMEOUT={secs} must be a positive number of seconds"
-        )));
-    }
-    Ok(Duration::from_secs_f64(secs))
-}
-
-/// What carries window operations to ranks on other hosts (`FERROCOMM_NET`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum NetTransport {
-    /// RDMA where the library has the `rdma` feature and a device with an active port opens,
-    /// else TCP (the default).
-    Auto,
-    Tcp,
-    /// RDMA verbs or an error saying why not.
-    Rdma,
+    Ok(Config::from_env()?.timeout)
 }
 
 /// How ranks reach each other (CPU backend).
@@ -66,32 +32,17 @@ pub struct TransportOptions {
 }
 
 impl TransportOptions {
+    /// The transport settings of a fresh read of the environment ([`Config`]).
     pub fn from_env() -> Result<TransportOptions> {
-        let shm_ring_bytes = env_parse("FERROCOMM_SHM_RING_BYTES")?.unwrap_or(1 << 20);
-        let force_tcp = match std::env::var("FERROCOMM_TRANSPORT").as_deref() {
-            Ok("tcp") => true,
-            Ok("auto") | Ok("") | Err(_) => false,
-            Ok(other) => {
-                return Err(Error::Config(format!(
-                    "FERROCOMM_TRANSPORT={other:?}: expected `auto` or `tcp`"
-                )))
-            }
-        };
-        let net = match std::env::var("FERROCOMM_NET").as_deref() {
-            Ok("auto") | Ok("") | Err(_) => NetTransport::Auto,
-            Ok("tcp") => NetTransport::Tcp,
-            Ok("rdma") => NetTransport::Rdma,
-            Ok(other) => {
-                return Err(Error::Config(format!(
-                    "FERROCOMM_NET={other:?}: expected `auto`, `tcp` or `rdma`"
-                )))
-            }
-        };
+        TransportOptions::from_config(&Config::from_env()?)
+    }
+
+    pub(crate) fn from_config(c: &Config) -> Result<TransportOptions> {
         let t = TransportOptions {
-            shm_ring_bytes,
-            force_tcp,
-            net,
-            bind_addr: env_parse("FERROCOMM_SOCKET_ADDR")?,
+            shm_ring_bytes: c.shm_ring_bytes,
+            force_tcp: c.force_tcp,
+            net: c.net,
+            bind_addr: c.socket_addr,
         };
         t.validate()?;
         Ok(t)
@@ -105,77 +56,6 @@ impl TransportOptions {
             )));
         }
         Ok(())
-    }
-}
-
-/// What a communicator does when one of its operations fails in communication: `Timeout`,
-/// `PeerLost`, `Mismatch`, `Protocol`, `Backend` or `Io` (`FERROCOMM_ABORT_ON_ERROR`, default
-/// `off`). Argument errors (`InvalidArgument`, `SizeMismatch`, ...) never trigger it: they are
-/// found before any byte moves and leave the communicator usable. Like torchcomms' abort on
-/// timeout or error, it makes a job fail fast instead of leaving its peers to wait out their
-/// own timeouts.
-///
-/// It applies to every collective and point-to-point call (synchronous or asynchronous: an
-/// asynchronous one aborts on the worker thread as soon as it fails, before its `Work` is
-/// waited for), on every backend; not to window operations. A failure that a GPU backend
-/// learns of later (a kernel that gave up is reported by the next call) acts at that call.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum AbortOnError {
-    /// Only the operation fails. What the communicator is afterwards is the backend's rule
-    /// (the CPU engine refuses later operations; see [`CommOptions::timeout`]).
-    #[default]
-    Off,
-    /// The communicator aborts before the error is returned, as `Comm::abort`
-    /// does: peers waiting on this rank get `Error::PeerLost` at once, and this rank's later
-    /// operations fail with `Error::Closed` (state `"aborted"`).
-    Comm,
-    /// As `Comm`, then the error is logged (`tracing::error!` and one line on stderr) and the
-    /// process exits with status 70 ([`AbortOnError::EXIT_CODE`], `EX_SOFTWARE`) through
-    /// `std::process::exit`: no unwinding, other threads stop where they are. For jobs whose
-    /// launcher should see a failed rank at once.
-    Process,
-}
-
-impl std::str::FromStr for AbortOnError {
-    type Err = String;
-    /// `off`, `comm` or `process` (case-insensitive); `0` and `1` mean `off` and `comm`.
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "" | "off" | "0" | "false" => Ok(AbortOnError::Off),
-            "comm" | "1" | "true" => Ok(AbortOnError::Comm),
-            "process" => Ok(AbortOnError::Process),
-            other => Err(format!("{other:?}: expected `off`, `comm` or `process`")),
-        }
-    }
-}
-
-impl AbortOnError {
-    /// The exit status of [`AbortOnError::Process`]: `EX_SOFTWARE` of sysexits.h.
-    pub const EXIT_CODE: i32 = 70;
-
-    /// `FERROCOMM_ABORT_ON_ERROR`, `off` when unset.
-    pub fn from_env() -> Result<AbortOnError> {
-        match std::env::var("FERROCOMM_ABORT_ON_ERROR") {
-            Err(_) => Ok(AbortOnError::Off),
-            Ok(v) => v
-                .parse()
-                .map_err(|why| Error::Config(format!("FERROCOMM_ABORT_ON_ERROR={why}"))),
-        }
-    }
-
-    /// Whether `e`, returned by an operation, is a failure of communication that this mode
-    /// acts on (rather than an argument error or an already closed communicator).
-    pub(crate) fn acts_on(self, e: &Error) -> bool {
-        self != AbortOnError::Off
-            && matches!(
-                e,
-                Error::Timeout { .. }
-                    | Error::PeerLost { .. }
-                    | Error::Mismatch { .. }
-                    | Error::Protocol { .. }
-                    | Error::Backend { .. }
-                    | Error::Io { .. }
-            )
     }
 }
 
@@ -234,21 +114,27 @@ pub struct CommOptions {
     /// What a failed operation does to the communicator, or to the process
     /// (`FERROCOMM_ABORT_ON_ERROR`, default off). See [`AbortOnError`].
     pub abort_on_error: AbortOnError,
+    /// The environment's settings as `from_env` read them: the defaults above came from it,
+    /// and the backends take the rest of theirs (store, tuning, device paths) from it.
+    pub(crate) config: Arc<Config>,
 }
 
 impl CommOptions {
-    /// Defaults, read from the environment.
+    /// Defaults, read from the environment (afresh on every call: a variable set since the
+    /// last call counts).
     pub fn from_env() -> Result<CommOptions> {
         crate::contracts::config::warn_unknown_once();
+        let config = Arc::new(Config::from_env()?);
         Ok(CommOptions {
-            timeout: default_timeout()?,
+            timeout: config.timeout,
             store: None,
             rank: None,
             size: None,
             hints: BTreeMap::new(),
-            transport: TransportOptions::from_env()?,
-            check_calls: env_flag("FERROCOMM_CHECK_CALLS")?,
-            abort_on_error: AbortOnError::from_env()?,
+            transport: TransportOptions::from_config(&config)?,
+            check_calls: config.check_calls,
+            abort_on_error: config.abort_on_error,
+            config,
         })
     }
 

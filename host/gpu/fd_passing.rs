@@ -52,7 +52,8 @@ pub(crate) struct FdServer {
 
 impl FdServer {
     pub(crate) fn bind() -> Result<FdServer> {
-        let base = std::env::var_os("XDG_RUNTIME_DIR")
+        let base = crate::contracts::config::current()?
+            .value_os("XDG_RUNTIME_DIR")
             .map(PathBuf::from)
             .filter(|p| p.is_dir())
             .unwrap_or_else(std::env::temp_dir);

@@ -142,7 +142,8 @@ pub(crate) fn version_string(code: c_int) -> String {
 /// failed.
 pub(crate) fn nccl() -> Result<&'static Nccl> {
     static LIB: OnceLock<std::result::Result<Nccl, String>> = OnceLock::new();
-    LIB.get_or_init(|| open(&candidates(|k| std::env::var_os(k))))
+    let config = crate::contracts::config::current()?;
+    LIB.get_or_init(|| open(&candidates(config.nccl_path.clone(), |k| config.value_os(k))))
         .as_ref()
         .map_err(|reason| Error::Unavailable {
             backend: "nccl".into(),
@@ -152,9 +153,10 @@ pub(crate) fn nccl() -> Result<&'static Nccl> {
 
 /// Where to look, in order. An explicit `FERROCOMM_NCCL_PATH` (a file, or a folder holding
 /// libnccl) is the only candidate when set: a wrong override must fail, not be bypassed.
-pub(crate) fn candidates(env: impl Fn(&str) -> Option<std::ffi::OsString>) -> Vec<PathBuf> {
+/// `explicit`: `FERROCOMM_NCCL_PATH`; `env`: the other variables (CUDA_HOME, Python's).
+pub(crate) fn candidates(explicit: Option<PathBuf>, env: impl Fn(&str) -> Option<std::ffi::OsString>) -> Vec<PathBuf> {
     const NAMES: [&str; 2] = ["libnccl.so.2", "libnccl.so"];
-    if let Some(p) = env("FERROCOMM_NCCL_PATH").map(PathBuf::from) {
+    if let Some(p) = explicit {
         return if p.is_dir() {
             NAMES.iter().map(|n| p.join(n)).collect()
         } else {
@@ -330,10 +332,10 @@ mod tests {
     fn an_explicit_path_is_the_only_candidate() {
         let dir = std::env::temp_dir().join(format!("ferrocomm-nccl-dir-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let c = candidates(env_of(&[("FERROCOMM_NCCL_PATH", &dir)]));
+        let c = candidates(Some(dir.clone()), env_of(&[]));
         assert_eq!(c, vec![dir.join("libnccl.so.2"), dir.join("libnccl.so")]);
         let file = dir.join("libnccl.so.2");
-        assert_eq!(candidates(env_of(&[("FERROCOMM_NCCL_PATH", &file)])), vec![file]);
+        assert_eq!(candidates(Some(file.clone()), env_of(&[])), vec![file]);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -343,7 +345,7 @@ mod tests {
         let lib = venv.join("lib/python3.12/site-packages/nvidia/nccl/lib");
         std::fs::create_dir_all(&lib).unwrap();
         std::fs::write(lib.join("libnccl.so.2"), b"").unwrap();
-        let c = candidates(env_of(&[("VIRTUAL_ENV", &venv)]));
+        let c = candidates(None, env_of(&[("VIRTUAL_ENV", &venv)]));
         assert_eq!(&c[..2], &[PathBuf::from("libnccl.so.2"), PathBuf::from("libnccl.so")]);
         assert!(c.contains(&lib.join("libnccl.so.2")), "{c:?}");
         std::fs::remove_dir_all(&venv).unwrap();
@@ -368,7 +370,10 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let (src, lib) = (dir.join("lib.c"), dir.join("libnccl.so.2"));
         std::fs::write(&src, body).unwrap();
-        let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+        let cc = crate::contracts::config::current()
+            .unwrap()
+            .var("CC")
+            .unwrap_or_else(|| "cc".into());
         let ok = std::process::Command::new(cc)
             .args(["-shared", "-fPIC", "-o"])
             .arg(&lib)
@@ -400,15 +405,16 @@ mod tests {
     /// version, unique ids (no GPU needed), error texts.
     #[test]
     fn the_installed_nccl_loads_and_answers() {
-        let Some(path) = std::env::var_os("FERROCOMM_NCCL_PATH") else {
+        let config = crate::contracts::config::current().unwrap();
+        let Some(path) = config.nccl_path.clone() else {
             assert!(
-                std::env::var_os("FERROCOMM_REQUIRE_NCCL").is_none(),
+                config.value_os("FERROCOMM_REQUIRE_NCCL").is_none(),
                 "FERROCOMM_NCCL_PATH unset"
             );
             eprintln!("SKIPPED: FERROCOMM_NCCL_PATH is not set");
             return;
         };
-        let n = open(&candidates(env_of(&[("FERROCOMM_NCCL_PATH", Path::new(&path))]))).unwrap();
+        let n = open(&candidates(Some(path), env_of(&[]))).unwrap();
         assert!(n.version >= MIN_VERSION, "{n:?}");
         let (a, b) = (n.unique_id().unwrap(), n.unique_id().unwrap());
         assert_ne!(a.0, b.0, "two unique ids are equal");

@@ -10,10 +10,11 @@ mod oneshot;
 mod window;
 
 use crate::contracts::backend::{Backend, BackendInit, RunOptions};
+use crate::contracts::config::Config;
 use crate::contracts::dtype::{DType, ReduceOp};
 use crate::contracts::error::{Error, Result};
 use crate::contracts::ops::{Location, Op, P2p};
-use crate::contracts::options::{env_parse, TransportOptions};
+use crate::contracts::options::TransportOptions;
 use crate::contracts::store::Store;
 use crate::contracts::window::{WindowBackend, WindowSpec};
 use crate::net::links::{self, Cause, FaultRecord, OwnerState};
@@ -36,15 +37,11 @@ struct Tuning {
 }
 
 impl Tuning {
-    fn from_env() -> Result<Tuning> {
-        let chunk = env_parse("FERROCOMM_CPU_CHUNK")?.unwrap_or(256 << 10);
-        if chunk == 0 {
-            return Err(Error::Config("FERROCOMM_CPU_CHUNK must be positive".into()));
+    fn from_config(c: &Config) -> Tuning {
+        Tuning {
+            direct_max: c.cpu_direct_max,
+            chunk: c.cpu_chunk,
         }
-        Ok(Tuning {
-            direct_max: env_parse("FERROCOMM_CPU_DIRECT_MAX")?.unwrap_or(64 << 10),
-            chunk,
-        })
     }
 
     /// The operations that may run as shared-memory rounds: `use_board` decides for them first.
@@ -182,7 +179,7 @@ pub(crate) fn create(init: &BackendInit) -> Result<Box<dyn Backend>> {
 /// operations and their control plane (barriers, small exchanges) on it.
 pub(crate) fn create_host(init: &BackendInit) -> Result<CpuBackend> {
     init.options.transport.validate()?;
-    let tuning = Tuning::from_env()?;
+    let tuning = Tuning::from_config(&init.options.config);
     let t = links::connect_all(
         init.rank,
         init.size,

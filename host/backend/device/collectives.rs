@@ -20,12 +20,12 @@
 
 use super::call_order::CallOrder;
 use super::rank::DeviceRank;
-use super::route::parse_bytes;
 use super::window::DeviceWindow;
 use crate::contracts::backend::hint_ignored;
 use crate::contracts::dtype::{DType, ReduceOp};
 use crate::contracts::error::{Error, Result};
 use crate::contracts::ops::{Buf, BufMut, DeviceBytes, Op};
+use crate::contracts::options::CommOptions;
 use crate::contracts::window::WindowSpec;
 use crate::gpu::cuda;
 use crate::gpu::kernels::{self, AllToAllArgs, Function, Parts, Queue, MAX_RANKS};
@@ -112,16 +112,10 @@ fn multimem_suffix(dtype: DType, op: ReduceOp) -> Option<&'static str> {
     }
 }
 
-fn env_bytes(name: &str, default: usize) -> Result<usize> {
-    match std::env::var(name) {
-        Err(_) => Ok(default),
-        Ok(v) => parse_bytes(&v).ok_or_else(|| Error::Config(format!("{name}={v:?}: expected bytes such as 1M"))),
-    }
-}
-
 impl OwnCollectives {
     /// Collective over the communicator, like any window.
-    pub(crate) fn create(b: &DeviceRank, timeout: Duration) -> Result<OwnCollectives> {
+    pub(crate) fn create(b: &DeviceRank, options: &CommOptions) -> Result<OwnCollectives> {
+        let timeout = options.timeout;
         // The kernels load and store to every peer: ranks on other hosts are out of reach.
         if let Err(why) = &b.one_host {
             return Err(Error::Unavailable {
@@ -129,10 +123,8 @@ impl OwnCollectives {
                 reason: format!("own collective kernels need every rank on one host: {why}"),
             });
         }
-        let max_bytes = env_bytes("FERROCOMM_DEVICE_ONESHOT_MAX", 1 << 20)?
-            .max(16)
-            .next_multiple_of(16);
-        let two_shot_min = env_bytes("FERROCOMM_DEVICE_TWOSHOT_MIN", 128 << 10)?;
+        let max_bytes = options.config.device_oneshot_max.max(16).next_multiple_of(16);
+        let two_shot_min = options.config.device_twoshot_min;
         // An id no user window reaches: it only names the window's store namespace. The
         // second region (all_to_all's slots) is as large as the first.
         let spec = WindowSpec {

@@ -64,7 +64,7 @@ pub(crate) fn create(init: &BackendInit) -> Result<Box<dyn Backend>> {
     if let Err(why) = &team.multicast {
         tracing::debug!(reason = %why, "device windows without multicast objects");
     }
-    let policy = Policy::new(nccl.is_some(), |k| std::env::var(k).ok())?;
+    let policy = Policy::new(nccl.is_some(), init.options.config.nccl_threshold);
     let mut backend = DeviceBackend {
         me: DeviceRank {
             gpu,
@@ -84,7 +84,7 @@ pub(crate) fn create(init: &BackendInit) -> Result<Box<dyn Backend>> {
         policy,
         gpu_shared_in_process: team.gpu_shared_in_process[init.rank],
     };
-    backend.own = match collectives::OwnCollectives::create(&backend.me, init.options.timeout) {
+    backend.own = match collectives::OwnCollectives::create(&backend.me, init.options) {
         Ok(own) => Some(own),
         Err(Error::Unavailable { reason, .. }) => {
             tracing::debug!(%reason, "device backend without its own collective kernels");

@@ -80,37 +80,13 @@ pub(crate) struct Policy {
     threshold: usize,
 }
 
-/// `1024`, `64K`, `4M`, `1G` (powers of 1024).
-pub(crate) fn parse_bytes(s: &str) -> Option<usize> {
-    let s = s.trim();
-    let (digits, unit) = match s.char_indices().find(|(_, c)| !c.is_ascii_digit()) {
-        Some((i, _)) => s.split_at(i),
-        None => (s, ""),
-    };
-    let scale: usize = match unit.to_ascii_uppercase().as_str() {
-        "" | "B" => 1,
-        "K" | "KB" | "KIB" => 1 << 10,
-        "M" | "MB" | "MIB" => 1 << 20,
-        "G" | "GB" | "GIB" => 1 << 30,
-        _ => return None,
-    };
-    digits.parse::<usize>().ok()?.checked_mul(scale)
-}
-
 impl Policy {
-    pub(crate) fn new(nccl_present: bool, env: impl Fn(&str) -> Option<String>) -> Result<Policy> {
-        let threshold = match env("FERROCOMM_NCCL_THRESHOLD") {
-            None => 256 << 10,
-            Some(v) => parse_bytes(&v).ok_or_else(|| {
-                Error::Config(format!(
-                    "FERROCOMM_NCCL_THRESHOLD={v:?}: expected bytes such as 65536 or 64K"
-                ))
-            })?,
-        };
-        Ok(Policy {
+    /// `threshold`: `FERROCOMM_NCCL_THRESHOLD` (the communicator's settings).
+    pub(crate) fn new(nccl_present: bool, threshold: usize) -> Policy {
+        Policy {
             nccl_present,
             threshold,
-        })
+        }
     }
 
     /// `own_kernel`: the backend has a kernel of its own for `op`.
@@ -174,9 +150,11 @@ mod tests {
     use crate::contracts::dtype::ReduceOp;
     use crate::contracts::ops::BufMut;
 
+    /// The policy of a communicator whose environment sets only `FERROCOMM_NCCL_THRESHOLD`.
     fn policy(nccl: bool, threshold: Option<&str>) -> Policy {
-        let t = threshold.map(str::to_owned);
-        Policy::new(nccl, |k| (k == "FERROCOMM_NCCL_THRESHOLD").then(|| t.clone()).flatten()).unwrap()
+        let env = |k: &str| threshold.filter(|_| k == "FERROCOMM_NCCL_THRESHOLD").map(Into::into);
+        let config = crate::contracts::config::Config::from_lookup(env).unwrap();
+        Policy::new(nccl, config.nccl_threshold)
     }
 
     #[test]
@@ -273,17 +251,5 @@ mod tests {
         assert!(wants_engine(&hints(&[("algorithm", "direct")])));
         assert!(!wants_engine(&hints(&[("algorithm", "oneshot")])));
         assert!(!wants_engine(&hints(&[])));
-    }
-
-    #[test]
-    fn thresholds_parse_with_units_and_bad_ones_are_refused() {
-        assert_eq!(parse_bytes("65536"), Some(65536));
-        assert_eq!(parse_bytes("64K"), Some(65536));
-        assert_eq!(parse_bytes("4MiB"), Some(4 << 20));
-        assert_eq!(parse_bytes("1g"), Some(1 << 30));
-        assert_eq!(parse_bytes("lots"), None);
-        assert_eq!(parse_bytes("12Q"), None);
-        let e = Policy::new(true, |_| Some("lots".into())).unwrap_err();
-        assert!(e.to_string().contains("FERROCOMM_NCCL_THRESHOLD"), "{e}");
     }
 }

@@ -52,13 +52,13 @@ pub(crate) fn agree(init: &BackendInit, gpu: Gpu) -> Result<Team> {
         gpu: gpu_identity(ordinal),
         host: crate::net::links::host_identity(init.rank, &init.options.transport),
         pid: std::process::id(),
-        nccl: match std::env::var("FERROCOMM_NCCL").as_deref() {
-            Ok("0") => Err("disabled by FERROCOMM_NCCL=0".into()),
-            _ => crate::gpu::nccl_library::nccl().map(drop).map_err(|e| e.to_string()),
+        nccl: match init.options.config.nccl {
+            false => Err("disabled by FERROCOMM_NCCL=0".into()),
+            true => crate::gpu::nccl_library::nccl().map(drop).map_err(|e| e.to_string()),
         },
-        multicast: match std::env::var("FERROCOMM_MULTICAST").as_deref() {
-            Ok("0") => Err("disabled by FERROCOMM_MULTICAST=0".into()),
-            _ => match crate::gpu::memory::multicast_supported(ordinal) {
+        multicast: match init.options.config.multicast {
+            false => Err("disabled by FERROCOMM_MULTICAST=0".into()),
+            true => match crate::gpu::memory::multicast_supported(ordinal) {
                 Ok(true) => Ok(()),
                 Ok(false) => Err(format!("GPU {ordinal} does not support multicast objects")),
                 Err(e) => Err(e.to_string()),

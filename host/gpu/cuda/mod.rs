@@ -42,7 +42,7 @@ pub(crate) fn driver() -> Result<()> {
 
 fn probe() -> std::result::Result<(), String> {
     // Before cuInit: CUDA reads it when a context is made.
-    let queues_set_by_user = queues::request();
+    let queues_set_by_user = queues::request().map_err(|e| e.to_string())?;
     // SAFETY: only dlopen attempts; nothing is called yet.
     if !unsafe { sys::is_culib_present() } {
         return Err(format!(

@@ -7,6 +7,7 @@
 //! NVRTC itself opens libnvrtc-builtins by soname as well, so that one is preloaded from the
 //! same folder.
 
+use crate::contracts::config::{self, Config};
 use crate::contracts::error::{Error, Result};
 use cudarc::nvrtc::sys;
 use std::ffi::{c_char, c_int, CStr, CString};
@@ -28,17 +29,16 @@ fn preload(path: &std::path::Path) -> bool {
     !unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) }.is_null()
 }
 
-fn candidates() -> Vec<PathBuf> {
+fn candidates(config: &Config) -> Vec<PathBuf> {
     let mut v = Vec::new();
-    if let Some(p) = std::env::var_os("FERROCOMM_NVRTC_PATH") {
-        let p = PathBuf::from(p);
+    if let Some(p) = config.nvrtc_path.clone() {
         if p.is_dir() {
             v.extend(SONAMES.iter().map(|s| p.join(s)));
         } else {
             v.push(p);
         }
     }
-    if let Some(home) = std::env::var_os("CUDA_HOME") {
+    if let Some(home) = config.value_os("CUDA_HOME") {
         for lib in ["lib64", "lib"] {
             v.extend(SONAMES.iter().map(|s| PathBuf::from(&home).join(lib).join(s)));
         }
@@ -49,9 +49,10 @@ fn candidates() -> Vec<PathBuf> {
 /// Ok once NVRTC can be called; else `Unavailable` listing where we looked.
 pub(crate) fn load() -> Result<()> {
     static STATE: OnceLock<std::result::Result<(), String>> = OnceLock::new();
+    let config = config::current()?;
     STATE
         .get_or_init(|| {
-            let tried = candidates();
+            let tried = candidates(config);
             if let Some(path) = tried.iter().find(|p| p.is_file() && preload(p)) {
                 if let Some(dir) = path.parent() {
                     preload(&dir.join(BUILTINS));

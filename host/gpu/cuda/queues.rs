@@ -12,6 +12,7 @@
 //! initialises CUDA unless the variable is set, and warns where ranks share a GPU in one
 //! process without them.
 
+use crate::contracts::config;
 use std::sync::OnceLock;
 
 const VAR: &str = "CUDA_DEVICE_MAX_CONNECTIONS";
@@ -22,14 +23,16 @@ const WANTED: u32 = 32;
 static CONCERN: OnceLock<Option<String>> = OnceLock::new();
 
 /// Called once, before this process's first cuInit through ferrocomm: asks for 32 queues
-/// unless the variable is set. The variable is only written while CUDA is not initialised yet
-/// by us; Rust's own environment accesses are locked against each other.
-pub(super) fn request() -> Option<String> {
-    let set = std::env::var(VAR).ok();
+/// unless the variable is set, and returns the user's value. The user's value is the one the
+/// process's settings read ([`config::current`]), read here at the latest, so before this
+/// write. The variable is only written while CUDA is not initialised yet by us; Rust's own
+/// environment accesses are locked against each other.
+pub(super) fn request() -> crate::contracts::error::Result<Option<String>> {
+    let set = config::current()?.var(VAR);
     if set.is_none() {
         std::env::set_var(VAR, WANTED.to_string());
     }
-    set
+    Ok(set)
 }
 
 /// Records, after cuInit, whether the queues were in effect: `user_value` is what `request`
@@ -89,9 +92,13 @@ mod tests {
     fn the_request_keeps_a_value_the_user_set() {
         // A concurrent request (another test initialising CUDA) writes 32 only where nothing
         // was set either, so the outcome is the same.
-        let before = std::env::var(VAR).ok();
-        request();
-        let now = std::env::var(VAR).expect("set after the request");
+        let before = config::current().unwrap().var(VAR);
+        request().unwrap();
+        // A fresh read of the environment, unlike `current`'s copy from before the request.
+        let now = config::Config::from_env()
+            .unwrap()
+            .var(VAR)
+            .expect("set after the request");
         match before {
             Some(v) => assert_eq!(now, v),
             None => assert_eq!(now, "32"),

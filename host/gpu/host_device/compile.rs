@@ -56,7 +56,9 @@ fn build(dir: &Path, source: &str, options: &[String], headers: &[(&str, &str)])
     let runtime = dir.join("runtime.cpp");
     std::fs::write(&runtime, RUNTIME).map_err(|e| Error::io("host-device compile: the runtime", e))?;
     let library = dir.join("libkernels.so");
-    let compiler = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+    let compiler = crate::contracts::config::current()?
+        .var("CXX")
+        .unwrap_or_else(|| "c++".into());
     let output = std::process::Command::new(&compiler)
         .args([
             "-std=c++20",

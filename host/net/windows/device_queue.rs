@@ -91,6 +91,7 @@ impl DeviceQueue {
                 capacity: SLOTS as u64,
             }
         };
+        let pin = crate::contracts::config::current()?.proxy_affinity;
         let proxy = Proxy::start(Plan {
             ring,
             links,
@@ -99,7 +100,7 @@ impl DeviceQueue {
             cpus: match gpu {
                 Gpu::Cuda(ordinal) => cuda::pci_bus_id(ordinal)
                     .ok()
-                    .and_then(|bus| crate::net::windows::proxy_affinity::cpus_near_pci_device(&bus)),
+                    .and_then(|bus| crate::net::windows::proxy_affinity::cpus_near_pci_device(&bus, pin)),
                 Gpu::Host => None,
             },
         })?;

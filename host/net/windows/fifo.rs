@@ -5,6 +5,7 @@
 //! host touches them only through these atomics.
 
 use super::descriptor::{parity, PARITY_BIT};
+use crate::contracts::config;
 use crate::contracts::error::{Error, Result};
 use crate::net::links::back_off;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -153,24 +154,15 @@ impl Idle {
         }
     }
 
-    pub(crate) fn from_env() -> Result<Idle> {
+    /// The process's `FERROCOMM_PROXY_POLL_US` ([`config::current`]): proxies are started
+    /// where no communicator's options are at hand (the benchmark's pickup measurement).
+    pub(crate) fn from_config() -> Result<Idle> {
         // A spinning proxy needs a core of its own: on small hosts it would take turns with the
         // rank's own spinning threads (measured: 1 ms per queued put on 2 cores).
         let spare_cores = std::thread::available_parallelism().map_or(1, |n| n.get()) >= 4;
-        let us = match std::env::var("FERROCOMM_PROXY_POLL_US") {
-            Err(_) => {
-                if spare_cores {
-                    2000
-                } else {
-                    0
-                }
-            }
-            Ok(v) => v.parse::<u64>().map_err(|_| {
-                Error::Config(format!(
-                    "FERROCOMM_PROXY_POLL_US={v:?}: expected microseconds (an integer)"
-                ))
-            })?,
-        };
+        let us = config::current()?
+            .proxy_poll_us
+            .unwrap_or(if spare_cores { 2000 } else { 0 });
         Ok(Idle::new(Duration::from_micros(us)))
     }
 
@@ -271,7 +263,7 @@ pub fn measure_pickup(samples: usize, gap: Duration) -> Result<Vec<Duration>> {
     let r = ring.ring();
     let base = Instant::now();
     let stamp = move || base.elapsed().as_nanos() as u64;
-    let mut idle = Idle::from_env()?;
+    let mut idle = Idle::from_config()?;
     std::thread::scope(|s| {
         let consumer = s.spawn(move || {
             let (mut c, mut out) = (Consumer::new(r), Vec::with_capacity(samples));

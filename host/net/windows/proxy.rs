@@ -58,7 +58,7 @@ impl Proxy {
         let stop = Arc::new(AtomicBool::new(false));
         let error = Arc::new(Mutex::new(None));
         let (s, e) = (stop.clone(), error.clone());
-        let idle = Idle::from_env()?;
+        let idle = Idle::from_config()?;
         let thread = std::thread::Builder::new()
             .name("ferrocomm-proxy".into())
             .spawn(move || run(plan, idle, &s, &e))

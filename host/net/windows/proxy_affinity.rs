@@ -24,9 +24,10 @@ pub(crate) fn parse_cpulist(s: &str) -> Option<Vec<usize>> {
 }
 
 /// The CPUs local to PCI device `bus_id` (as cuDeviceGetPCIBusId writes it), or `None` when
-/// sysfs does not say or the knob turns pinning off.
-pub(crate) fn cpus_near_pci_device(bus_id: &str) -> Option<Vec<usize>> {
-    if std::env::var("FERROCOMM_PROXY_AFFINITY").as_deref() == Ok("0") {
+/// sysfs does not say or the knob turns pinning off (`pin`: the process's
+/// `FERROCOMM_PROXY_AFFINITY`).
+pub(crate) fn cpus_near_pci_device(bus_id: &str, pin: bool) -> Option<Vec<usize>> {
+    if !pin {
         return None;
     }
     let path = format!("/sys/bus/pci/devices/{}/local_cpulist", bus_id.to_ascii_lowercase());
