@@ -7,8 +7,7 @@ use crate::backend::cpu::CpuBackend;
 use crate::contracts::backend::{Backend, RunOptions};
 use crate::contracts::error::{Error, Result};
 use crate::contracts::ops::{Buf, BufMut, DeviceBytes, Op, P2p};
-use crate::gpu::cuda::{self, stream::Event};
-use cudarc::driver::sys;
+use crate::gpu::cuda::{self, copy, stream::Event};
 
 pub(crate) fn run(host: &CpuBackend, op: &mut Op<'_>, opts: &RunOptions) -> Result<()> {
     let name = op.name();
@@ -22,7 +21,7 @@ pub(crate) fn run(host: &CpuBackend, op: &mut Op<'_>, opts: &RunOptions) -> Resu
     // Copies run on the issuing stream, after its earlier work on the buffers, and never on
     // the legacy stream, whose implicit synchronization with other streams could wait for
     // another rank's kernel that waits for this rank.
-    let stream = opts.stream as sys::CUstream;
+    let stream = opts.stream;
     // Waits, bounded, for what is on the stream so far (an event: the stream may be shared).
     let settle = || Event::record_on(opts.stream)?.wait(name, opts.timeout);
     // The stream's earlier work first: a copy to pageable memory would otherwise wait for it
@@ -56,9 +55,7 @@ pub(crate) fn run(host: &CpuBackend, op: &mut Op<'_>, opts: &RunOptions) -> Resu
     for (dst, bytes) in &outs {
         // SAFETY: `dst` is the device range the caller borrowed; `bytes` has its length (a
         // copy from pageable memory has read it when the call returns).
-        cuda::check("cuMemcpyHtoDAsync", unsafe {
-            sys::cuMemcpyHtoDAsync_v2(dst.ptr, bytes.as_ptr().cast(), dst.len, stream)
-        })?;
+        unsafe { copy::host_to_device(dst.ptr, bytes, stream) }?;
     }
     // Returns when the results are in the buffers, as the synchronous call promises.
     settle()
@@ -69,14 +66,12 @@ fn mixed() -> Error {
 }
 
 /// Copies `d` to the host on `stream`, after the stream's earlier work.
-fn download(d: Option<DeviceBytes>, stream: sys::CUstream) -> Result<Vec<u8>> {
+fn download(d: Option<DeviceBytes>, stream: u64) -> Result<Vec<u8>> {
     let d = d.ok_or_else(mixed)?;
     let mut v = vec![0u8; d.len];
     // SAFETY: `d` is a device range the caller borrowed; `v` has its length. A copy to
     // pageable memory returns once it is complete, so `v` may go at once, even on an error.
-    cuda::check("cuMemcpyDtoHAsync", unsafe {
-        sys::cuMemcpyDtoHAsync_v2(v.as_mut_ptr().cast(), d.ptr, d.len, stream)
-    })?;
+    unsafe { copy::device_to_host(&mut v, d.ptr, stream) }?;
     Ok(v)
 }
 

@@ -5,6 +5,7 @@
 //!
 //! May import: the contracts. Part of the GPU wing (crate::gpu).
 
+pub(crate) mod copy;
 pub(crate) mod module;
 pub(crate) mod nvrtc;
 pub(crate) mod queues;
