@@ -396,6 +396,80 @@ void check_rest(Group& g) {
   g.status[0] = ferrocomm_status{};
 }
 
+// The device API's newer parts as users' kernels use them (tests/gpu/kernels.cu): a fused
+// reduce built from reduce_copy.cuh, team.cuh, relaxed signals at every scope, and a handle of
+// another ABI version, which every verb refuses without touching the window.
+void check_user_api(const std::function<Group()>& fresh) {
+  // fused_reduce_f32: out = sum over ranks of a + max over ranks of b; copy = right's a.
+  const u64 n = 37;  // whole 16-byte groups and a scalar tail
+  Group a = fresh(), b = fresh();
+  for (int r = 0; r < a.size; ++r) {
+    for (u64 i = 0; i < n; ++i) {
+      *Window(a.handle(r)).local_ptr<u32>(i * 4) = value<F32>(r, i, 11);
+      *Window(b.handle(r)).local_ptr<u32>(i * 4) = value<F32>(r, i, 12);
+    }
+  }
+  std::vector<std::vector<u32>> out(a.size, std::vector<u32>(n)), copy(a.size, std::vector<u32>(n));
+  a.ranks([&](int r) {
+    ferrocomm_window_handle ha = a.handle(r), hb = b.handle(r);
+    u32 *o = out[r].data(), *c = copy[r].data();
+    launch(2, 32, [=] { fused_reduce_f32(ha, hb, n, o, c); });
+  });
+  a.check_status("fused_reduce_f32");
+  for (int r = 0; r < a.size; ++r) {
+    for (u64 i = 0; i < n; ++i) {
+      const float want = F32::get(reference<F32, REDUCE_SUM>(a.size, i, 11)) + F32::get(reference<F32, REDUCE_MAX>(a.size, i, 12));
+      if (out[r][i] != F32::put(want)) fail("fused_reduce_f32", r, static_cast<long long>(i), out[r][i]);
+      if (copy[r][i] != value<F32>((r + 1) % a.size, i, 11)) fail("fused_reduce_f32 copy", r, static_cast<long long>(i), copy[r][i]);
+    }
+  }
+  // team_info: no proxy queue, so every rank is local.
+  Group g = fresh();
+  std::vector<std::vector<i32>> team(g.size, std::vector<i32>(2 * g.size + 7, -9));
+  g.ranks([&](int r) {
+    ferrocomm_window_handle h = g.handle(r);
+    i32* o = team[r].data();
+    launch(1, 1, [=] { team_info(h, o); });
+  });
+  for (int r = 0; r < g.size; ++r) {
+    const auto& t = team[r];
+    if (t[0] != r || t[1] != g.size || t[2] != g.size || t[3] != r) fail("team_info", r, t[0], t[2]);
+    for (int p = -1; p <= g.size; ++p) {
+      if (t[5 + p] != (p >= 0 && p < g.size)) fail("team_is_local", r, p, t[5 + p]);
+    }
+    for (int k = 0; k <= g.size; ++k) {
+      if (t[g.size + 6 + k] != (k < g.size ? k : -1)) fail("team_local_peer", r, k, t[g.size + 6 + k]);
+    }
+  }
+  // relaxed_counters_*: 3 relaxed Adds to every peer, then a relaxed Set, seen by device waits.
+  const struct {
+    unsigned threads;
+    void (*kernel)(ferrocomm_window_handle, u32, u32, u64*);
+  } scopes[] = {{1, relaxed_counters_thread}, {32, relaxed_counters_warp}, {64, relaxed_counters_block}};
+  for (auto s : scopes) {
+    Group g = fresh();
+    std::vector<u64> seen(2 * g.size, 0);
+    g.ranks([&](int r) {
+      ferrocomm_window_handle h = g.handle(r);
+      u64* o = &seen[2 * r];
+      launch(1, s.threads, [=] { s.kernel(h, 1, 3, o); });
+    });
+    g.check_status("relaxed_counters");
+    for (int r = 0; r < g.size; ++r) {
+      if (seen[2 * r] != 1 || seen[2 * r + 1] != u64(3 * (g.size - 1))) fail("relaxed_counters", r, s.threads, seen[2 * r + 1]);
+    }
+  }
+  // A handle of another ABI: the signal is refused, recorded, and the slot stays 0.
+  Group old = fresh();
+  ferrocomm_window_handle h = old.handle(0);
+  h.abi_version = FERROCOMM_ABI_VERSION + 1;
+  launch(1, 1, [=, last = old.size - 1] { ferrocomm_signal(h, last, 1, FERROCOMM_SIGNAL_SET, 9); });
+  if (old.status[0].code != FERROCOMM_STATUS_ABI_MISMATCH || old.status[0].observed != FERROCOMM_ABI_VERSION + 1) {
+    fail("a handle of another ABI version should be refused", old.status[0].code, static_cast<long long>(old.status[0].observed), 0);
+  }
+  if (Window(old.handle(old.size - 1)).read_signal(1, 0) != 0) fail("the refused signal landed", 0, 0, 0);
+}
+
 // A wait that nobody satisfies ends by its deadline with a status naming the wait.
 void check_timeout(Group& g) {
   ferrocomm_window_handle h = g.handle(0);
@@ -424,6 +498,7 @@ int main(int argc, char** argv) {
       check_rma(g);
     }
     check_device_api(fresh);
+    check_user_api(fresh);
     {
       Group g = fresh();
       check_rest(g);
