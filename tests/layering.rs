@@ -1,6 +1,7 @@
 //! The layering of host/ (docs/architecture.md), checked on the source: every file belongs to
 //! a layer, imports nothing from a layer above its own, the public face reaches the backends
-//! only through the registry, and no files import each other in a loop.
+//! only through the registry, and no files import each other in a loop. And one place for
+//! settings: only `contracts/config.rs` reads the process environment.
 //!
 //! An import is any path into this crate that a file names: `use` trees, `crate::`, `super::`
 //! and `self::` paths, and paths through a child module it declares. A path resolves to the
@@ -34,6 +35,8 @@ type ModPath = Vec<String>;
 
 struct SourceFile {
     module: ModPath,
+    /// The path below host/, for messages.
+    path: PathBuf,
     /// Whether the file is its module's folder file (`mod.rs`, `lib.rs`).
     is_folder: bool,
     code: String,
@@ -101,6 +104,7 @@ fn read_tree(root: &Path) -> Vec<SourceFile> {
         let code = code_of(&std::fs::read_to_string(&p).unwrap());
         files.push(SourceFile {
             module,
+            path: rel.to_path_buf(),
             is_folder,
             code,
         });
@@ -450,4 +454,27 @@ fn the_checker_finds_upward_imports_cycles_and_backdoors() {
     assert!(!has("gpu::b (layer 3, GPU wing) imports comm"), "{bad:#?}");
     assert!(!has("imports backend::registry"), "{bad:#?}");
     assert_eq!(bad.len(), 3, "{bad:#?}");
+}
+
+/// The one module that reads the process environment; everything else takes its settings
+/// from a communicator's options or from `config::current()`.
+const SETTINGS: &str = "contracts::config";
+
+#[test]
+fn only_the_config_module_reads_the_environment() {
+    let files = read_tree(&Path::new(env!("CARGO_MANIFEST_DIR")).join("host"));
+    assert!(files.len() > 50, "the checker read too little: {} files", files.len());
+    let mut offenders = Vec::new();
+    for f in files.iter().filter(|f| f.module.join("::") != SETTINGS) {
+        for (n, line) in f.code.lines().enumerate() {
+            if ["env::var", "var_os(", "env::vars"].iter().any(|r| line.contains(r)) {
+                offenders.push(format!("host/{}:{}: {}", f.path.display(), n + 1, line.trim()));
+            }
+        }
+    }
+    assert!(
+        offenders.is_empty(),
+        "the environment is read outside host/contracts/config.rs (take the setting from Config):\n{}",
+        offenders.join("\n")
+    );
 }
