@@ -634,17 +634,13 @@ mod with_kernels {
                     "rank {me} {what}: {err}"
                 );
             };
-            for version in [0, ABI_VERSION + 1] {
-                let bad = ferrocomm::device::WindowHandle {
-                    abi_version: version,
-                    ..good
-                };
-                let t0 = std::time::Instant::now();
-                // put + signal to the right, then a wait that only a peer's signal would end.
+            // ring_block on `h` (put + signal to the right, then a wait that only a peer's
+            // signal ends); returns the words it found wrong.
+            let ring_block = |h: ferrocomm::device::WindowHandle| {
                 let wrong = std::sync::atomic::AtomicU64::new(0);
                 let mut tile = vec![0u64; words];
                 let args = (
-                    bad,
+                    h,
                     tile.as_mut_ptr() as u64,
                     words as u64,
                     3u32,
@@ -652,6 +648,15 @@ mod with_kernels {
                     wrong.as_ptr() as u64,
                 );
                 launch("ring_block", 1, 64, args);
+                wrong.into_inner()
+            };
+            for version in [0, ABI_VERSION + 1] {
+                let bad = ferrocomm::device::WindowHandle {
+                    abi_version: version,
+                    ..good
+                };
+                let t0 = std::time::Instant::now();
+                ring_block(bad);
                 expect_refusal("ring_block", version);
                 launch("fetch_add_storm", 1, 32, (bad, 5u32));
                 expect_refusal("fetch_add_storm", version);
@@ -708,19 +713,9 @@ mod with_kernels {
                 assert_eq!(seen.value, 0, "rank {me}: signal {id} moved");
             }
             // The errors were reported and cleared: the right handle works.
-            let wrong = std::sync::atomic::AtomicU64::new(0);
-            let mut tile = vec![0u64; words];
-            let args = (
-                good,
-                tile.as_mut_ptr() as u64,
-                words as u64,
-                3u32,
-                7u64,
-                wrong.as_ptr() as u64,
-            );
-            launch("ring_block", 1, 64, args);
+            let wrong = ring_block(good);
             w.synchronize().unwrap();
-            assert_eq!(wrong.into_inner(), 0);
+            assert_eq!(wrong, 0);
             w.barrier().unwrap();
         });
     }
