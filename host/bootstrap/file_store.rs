@@ -2,8 +2,9 @@
 //! hosts, or a local one). One file per key, written by rename so readers never see half a
 //! value; read-modify-write calls hold an exclusive `flock` on a lock file.
 
-use super::store::{timeout_err, Store};
+use super::store::timeout_err;
 use crate::contracts::error::{Error, Result};
+use crate::contracts::store::Store;
 use std::fs::{self, File, OpenOptions};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};

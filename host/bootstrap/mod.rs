@@ -14,7 +14,7 @@ pub use auth::random_token;
 pub use env::{discover, store_addr, RankInfo, StoreAddr};
 pub use file_store::FileStore;
 pub(crate) use store::{all_gather, all_gather_records};
-pub use store::{MemoryStore, PrefixStore, Store};
+pub use store::{MemoryStore, PrefixStore};
 #[cfg(feature = "fuzzing")]
 pub use tcp_store::fuzz_one_request;
 pub use tcp_store::{TcpStore, TcpStoreServer};
@@ -24,6 +24,7 @@ pub(crate) use auth::{nonce, proof, verify, NONCE_BYTES, PROOF_BYTES};
 
 use crate::contracts::config::Config;
 use crate::contracts::error::{Error, Result};
+use crate::contracts::store::Store;
 use std::sync::Arc;
 use std::time::Duration;
 

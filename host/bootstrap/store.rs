@@ -2,7 +2,7 @@
 //! an in-memory one (in-process groups) and a prefix view (one namespace per communicator).
 
 use crate::contracts::error::{Error, Result};
-pub use crate::contracts::store::Store;
+use crate::contracts::store::Store;
 use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::{Arc, Condvar, Mutex};

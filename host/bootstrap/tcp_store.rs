@@ -6,9 +6,10 @@
 //! connection of the client that sent it and nothing else.
 
 use super::auth::{self, NONCE_BYTES, PROOF_BYTES};
-use super::store::{timeout_err, Store, Table, WaitFail};
+use super::store::{timeout_err, Table, WaitFail};
 use super::wire::{read_frame, write_frame, Dec, Enc, DEFAULT_MAX_FRAME};
 use crate::contracts::error::{Error, Result};
+use crate::contracts::store::Store;
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};

@@ -4,9 +4,10 @@
 //! (net/), made on first use, carries queued puts and signals over the same links. Waits read
 //! the caller's own pad.
 
-use crate::bootstrap::{self, PrefixStore, Store};
+use crate::bootstrap::{self, PrefixStore};
 use crate::contracts::error::{Error, Result};
 use crate::contracts::options::TransportOptions;
+use crate::contracts::store::Store;
 use crate::contracts::window::{Cmp, Observed, SignalOp, SignalSource, WindowBackend, WindowSpec};
 use crate::net::links::{check_owner, host_identity, FaultRecord, OwnerState, PeerGone, ProcessWatch, Segment};
 use crate::net::windows::descriptor::Limits;

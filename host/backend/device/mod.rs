@@ -18,11 +18,12 @@ mod window;
 
 use super::cpu;
 use super::nccl::NcclBackend;
-use crate::bootstrap::{PrefixStore, Store};
+use crate::bootstrap::PrefixStore;
 use crate::contracts::backend::{hint_ignored, Backend, BackendInit, RunOptions};
 use crate::contracts::error::{Error, Result};
 use crate::contracts::ops::{Location, Op};
 use crate::contracts::placement::Device;
+use crate::contracts::store::Store;
 use crate::contracts::window::{WindowBackend, WindowSpec};
 use crate::gpu::memory::Pinned;
 use rank::DeviceRank;

@@ -6,8 +6,9 @@
 //! so none blocks in a bind that waits for a GPU its peer never added.
 
 use super::rank::DeviceRank;
-use crate::bootstrap::{PrefixStore, Store};
+use crate::bootstrap::PrefixStore;
 use crate::contracts::error::{Error, Result};
+use crate::contracts::store::Store;
 use crate::gpu::fd_passing::FdServer;
 use crate::gpu::memory::{multicast, MulticastMap, Physical};
 use crate::gpu::segment_sharing::Shared;
