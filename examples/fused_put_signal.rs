@@ -49,6 +49,8 @@ enum Kernel {
 }
 
 fn main() -> ferrocomm::Result<()> {
+    // The library installs no log subscriber: FERROCOMM_LOG=debug shows its events through this one.
+    ferrocomm::init_logging()?;
     let n_ranks: usize = std::env::var("FERROCOMM_EXAMPLE_RANKS")
         .ok()
         .and_then(|v| v.parse().ok())

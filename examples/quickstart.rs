@@ -40,6 +40,8 @@ fn demo(comm: &Comm) -> ferrocomm::Result<()> {
 }
 
 fn main() -> ferrocomm::Result<()> {
+    // The library installs no log subscriber: FERROCOMM_LOG=debug shows its events through this one.
+    ferrocomm::init_logging()?;
     let options = CommOptions::from_env()?;
     if ferrocomm::discover(|k| std::env::var(k).ok())?.is_some() {
         // Started by a launcher: this process is one rank.

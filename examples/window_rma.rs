@@ -52,6 +52,8 @@ fn pipeline(comm: &Comm) -> ferrocomm::Result<()> {
 }
 
 fn main() -> ferrocomm::Result<()> {
+    // The library installs no log subscriber: FERROCOMM_LOG=debug shows its events through this one.
+    ferrocomm::init_logging()?;
     let options = CommOptions::from_env()?;
     if ferrocomm::discover(|k| std::env::var(k).ok())?.is_some() {
         return pipeline(&new_comm("cpu", Device::Cpu, "window_rma", options)?);

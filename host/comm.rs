@@ -83,7 +83,6 @@ fn next_generation(name: &str, rank: usize) -> u64 {
 /// (torchrun, Slurm, Open MPI or PMI variables; `MASTER_ADDR`/`MASTER_PORT` or
 /// `FERROCOMM_STORE`; `FERROCOMM_TOKEN`).
 pub fn new_comm(backend: &str, device: Device, name: &str, options: CommOptions) -> Result<Comm> {
-    crate::contracts::log::init(&options.config);
     let (rank, size, store, server) = match (&options.store, options.rank, options.size) {
         (Some(s), Some(r), Some(n)) => (r, n, s.clone(), None),
         (Some(_), _, _) => {
@@ -166,7 +165,6 @@ impl Comm {
     /// Creates `devices.len()` ranks of one communicator in this process, one per device (like
     /// `ncclCommInitAll`). Rank i drives `devices[i]`; give each rank to its own thread.
     pub fn new_group(backend: &str, devices: &[Device], name: &str, options: CommOptions) -> Result<Vec<Comm>> {
-        crate::contracts::log::init(&options.config);
         let n = devices.len();
         if n == 0 {
             return Err(Error::invalid("new_group", "needs at least one device"));

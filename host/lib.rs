@@ -108,6 +108,8 @@ mod collectives;
 mod comm;
 pub mod device;
 mod executor;
+#[cfg(feature = "log-subscriber")]
+mod logging;
 mod objects;
 mod window;
 mod work;
@@ -136,6 +138,8 @@ pub use contracts::options::{default_timeout, AbortOnError, CommOptions, NetTran
 pub use contracts::placement::Device;
 pub use contracts::window::{Cmp, Observed, SignalOp, SignalSource, WindowBackend, WindowOptions, WindowSpec};
 pub use window::Window;
+#[cfg(feature = "log-subscriber")]
+pub use logging::init_logging;
 pub use work::{Scope, Work};
 
 pub use half::{bf16, f16};

@@ -1,5 +1,5 @@
 //! Collectives of arbitrary serde values: a header per value first (its length, or why there is
-//! none), then the bytes (bincode).
+//! none), then the bytes (contracts/record.rs: a format-version byte, then postcard).
 //!
 //! A rank that has no value to send (a root without one, a value that does not serialize) still
 //! sends its header, saying why, so every rank fails at once with an error naming that rank
@@ -10,29 +10,15 @@ use crate::collectives::Collectives;
 use crate::comm::Comm;
 use crate::contracts::error::{Error, Result};
 use crate::contracts::ops::{Buf, BufMut, Op};
-use bincode::Options;
+use crate::contracts::record;
 use serde::{de::DeserializeOwned, Serialize};
 
-fn codec() -> impl Options {
-    bincode::DefaultOptions::new()
-}
-
 fn encode<T: Serialize>(op: &'static str, v: &T) -> Result<Vec<u8>> {
-    codec().serialize(v).map_err(|e| Error::Serialization {
-        op,
-        reason: e.to_string(),
-    })
+    record::encode(v).map_err(|reason| Error::Serialization { op, reason })
 }
 
 fn decode<T: DeserializeOwned>(op: &'static str, b: &[u8]) -> Result<T> {
-    // The limit keeps a corrupt length prefix from allocating more than the bytes we hold.
-    codec()
-        .with_limit(b.len() as u64)
-        .deserialize(b)
-        .map_err(|e| Error::Serialization {
-            op,
-            reason: e.to_string(),
-        })
+    record::decode(b).map_err(|reason| Error::Serialization { op, reason })
 }
 
 /// What a rank announces ahead of a value's bytes, in the message that carries the length

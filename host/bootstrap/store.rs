@@ -2,6 +2,7 @@
 //! an in-memory one (in-process groups) and a prefix view (one namespace per communicator).
 
 use crate::contracts::error::{Error, Result};
+use crate::contracts::record;
 use crate::contracts::store::Store;
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -22,7 +23,7 @@ pub(crate) fn all_gather(
     (0..size).map(|r| store.get(&format!("{key}/{r}"), timeout)).collect()
 }
 
-/// [`all_gather`] of a serde record (bincode): every rank's, in rank order. A record that does
+/// [`all_gather`] of a serde record (contracts/record.rs): every rank's, in rank order. A record that does
 /// not decode is a protocol error of `context` naming its rank.
 pub(crate) fn all_gather_records<T: serde::Serialize + serde::de::DeserializeOwned>(
     store: &dyn Store,
@@ -33,12 +34,12 @@ pub(crate) fn all_gather_records<T: serde::Serialize + serde::de::DeserializeOwn
     context: &'static str,
     timeout: Duration,
 ) -> Result<Vec<T>> {
-    let encoded = bincode::serialize(mine).map_err(|e| Error::protocol(context, e.to_string()))?;
+    let encoded = record::encode(mine).map_err(|e| Error::protocol(context, e))?;
     all_gather(store, key, rank, size, &encoded, timeout)?
         .iter()
         .enumerate()
         .map(|(r, raw)| {
-            bincode::deserialize(raw).map_err(|e| Error::protocol(context, format!("rank {r}'s record: {e}")))
+            record::decode(raw).map_err(|e| Error::protocol(context, format!("rank {r}'s record: {e}")))
         })
         .collect()
 }
@@ -256,7 +257,7 @@ mod tests {
         let store = MemoryStore::new();
         let t = Duration::from_secs(1);
         store
-            .set("k/1", &bincode::serialize(&(7u32, "b".to_string())).unwrap())
+            .set("k/1", &record::encode(&(7u32, "b".to_string())).unwrap())
             .unwrap();
         let all = all_gather_records(&store, "k", 0, 2, &(3u32, "a".to_string()), "test", t).unwrap();
         assert_eq!(all, vec![(3, "a".to_string()), (7, "b".to_string())]);

@@ -128,7 +128,8 @@ pub(crate) struct Config {
     pub cpu_direct_max: usize,
     /// `FERROCOMM_CPU_CHUNK`: bytes, positive (256 KiB).
     pub cpu_chunk: usize,
-    /// `FERROCOMM_LOG`: a `tracing` filter.
+    /// `FERROCOMM_LOG`: a `tracing` filter, for `init_logging` (feature log-subscriber).
+    #[cfg_attr(not(feature = "log-subscriber"), allow(dead_code))]
     pub log: Option<String>,
     /// `FERROCOMM_NVRTC_PATH`: libnvrtc or its folder.
     pub nvrtc_path: Option<PathBuf>,

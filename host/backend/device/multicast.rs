@@ -8,6 +8,7 @@
 use super::rank::DeviceRank;
 use crate::bootstrap::PrefixStore;
 use crate::contracts::error::{Error, Result};
+use crate::contracts::record;
 use crate::contracts::store::Store;
 use crate::gpu::fd_passing::FdServer;
 use crate::gpu::memory::{multicast, MulticastMap, Physical};
@@ -48,7 +49,7 @@ pub(super) fn join(
     } else {
         let raw = store.get("object", timeout)?;
         let record: Published =
-            bincode::deserialize(&raw).map_err(|e| Error::protocol("new_window", format!("multicast record: {e}")))?;
+            record::decode(&raw).map_err(|e| Error::protocol("new_window", format!("multicast record: {e}")))?;
         match record.object {
             // Rank 0 keeps its object alive until every rank agreed it was added.
             Ok(object) => object
@@ -132,5 +133,5 @@ fn agree(store: &dyn Store, step: &str, b: &DeviceRank, mine: Outcome, timeout: 
 }
 
 fn encode<T: Serialize>(v: &T) -> Result<Vec<u8>> {
-    bincode::serialize(v).map_err(|e| Error::protocol("new_window", e.to_string()))
+    record::encode(v).map_err(|e| Error::protocol("new_window", e))
 }
