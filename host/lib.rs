@@ -137,9 +137,9 @@ pub use contracts::ops::{Buf, BufMut, DeviceBytes, Location, Op, P2p};
 pub use contracts::options::{default_timeout, AbortOnError, CommOptions, NetTransport, OpOptions, TransportOptions};
 pub use contracts::placement::Device;
 pub use contracts::window::{Cmp, Observed, SignalOp, SignalSource, WindowBackend, WindowOptions, WindowSpec};
-pub use window::Window;
 #[cfg(feature = "log-subscriber")]
 pub use logging::init_logging;
+pub use window::Window;
 pub use work::{Scope, Work};
 
 pub use half::{bf16, f16};

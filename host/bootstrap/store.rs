@@ -38,9 +38,7 @@ pub(crate) fn all_gather_records<T: serde::Serialize + serde::de::DeserializeOwn
     all_gather(store, key, rank, size, &encoded, timeout)?
         .iter()
         .enumerate()
-        .map(|(r, raw)| {
-            record::decode(raw).map_err(|e| Error::protocol(context, format!("rank {r}'s record: {e}")))
-        })
+        .map(|(r, raw)| record::decode(raw).map_err(|e| Error::protocol(context, format!("rank {r}'s record: {e}"))))
         .collect()
 }
 

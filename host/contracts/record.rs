@@ -61,7 +61,10 @@ mod tests {
         assert!(decode::<String>(&b[..b.len() - 3]).is_err());
         let mut long = encode(&1u8).unwrap();
         long.push(0);
-        assert!(decode::<u8>(&long).unwrap_err().contains("left over"), "trailing byte accepted");
+        assert!(
+            decode::<u8>(&long).unwrap_err().contains("left over"),
+            "trailing byte accepted"
+        );
     }
 
     #[test]

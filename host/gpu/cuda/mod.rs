@@ -19,6 +19,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 /// Driver entry points ferrocomm needs beyond the basics (virtual memory management, FD
 /// handles); a driver without them is too old (they arrived in CUDA 10.2 / 11).
 const REQUIRED: &[&str] = &[
+    "cuDriverGetVersion",
     "cuInit",
     "cuDeviceGetCount",
     "cuMemCreate",
@@ -31,6 +32,33 @@ const REQUIRED: &[&str] = &[
     "cuMemHostAlloc",
     "cuModuleLoadData",
 ];
+
+/// The oldest driver ferrocomm runs on, in `cuDriverGetVersion`'s units (1000 × major + 10 ×
+/// minor): CUDA 13.0, driver branch R580. The library's kernels are built by the CUDA 13.0
+/// toolkit (SASS from its ptxas, PTX ISA 9.0), and NVRTC 13 emits the same PTX: a 12.x driver
+/// can load neither, so it is refused when a communicator is made rather than failing at the
+/// first kernel. cudarc is built for the same driver API (its `cuda-13000` feature), so every
+/// driver entry point it resolves exists in such a driver.
+pub(crate) const MIN_DRIVER_VERSION: i32 = 13000;
+
+/// `version` as CUDA writes it: 12080 is "12.8".
+fn cuda_version(version: i32) -> String {
+    format!("{}.{}", version / 1000, version % 1000 / 10)
+}
+
+/// Whether a driver that reports `version` can run ferrocomm; the error names both versions.
+fn check_driver_version(version: i32) -> std::result::Result<(), String> {
+    if version >= MIN_DRIVER_VERSION {
+        return Ok(());
+    }
+    Err(format!(
+        "the CUDA driver supports CUDA {} (cuDriverGetVersion {version}); ferrocomm needs CUDA {} \
+         or later (driver R580+), the version its kernels are built with: update the driver or \
+         install CUDA's forward-compatibility package",
+        cuda_version(version),
+        cuda_version(MIN_DRIVER_VERSION)
+    ))
+}
 
 /// Ok once libcuda is loaded, initialised and sees at least one device.
 pub(crate) fn driver() -> Result<()> {
@@ -59,6 +87,12 @@ fn probe() -> std::result::Result<(), String> {
             return Err(format!("the CUDA driver is too old: it lacks {name}"));
         }
     }
+    // SAFETY: cuDriverGetVersion exists (checked above) and writes one int; it needs no cuInit.
+    let mut version = 0;
+    unsafe { sys::cuDriverGetVersion(&mut version) }
+        .result()
+        .map_err(|e| format!("cuDriverGetVersion failed: {}", describe(e)))?;
+    check_driver_version(version)?;
     // SAFETY: cuInit and cuDeviceGetCount exist (checked above) and take plain values.
     unsafe {
         sys::cuInit(0)
@@ -162,4 +196,26 @@ pub(crate) fn pci_bus_id(ordinal: usize) -> Result<String> {
     Ok(unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }
         .to_string_lossy()
         .into_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn drivers_older_than_cuda_13_are_refused_naming_both_versions() {
+        for old in [11080, 12000, 12040, 12090] {
+            let e = check_driver_version(old).unwrap_err();
+            assert!(e.contains(&format!("supports CUDA {}", cuda_version(old))), "{e}");
+            assert!(
+                e.contains(&format!("({old})")) || e.contains(&format!("GetVersion {old}")),
+                "{e}"
+            );
+            assert!(e.contains("needs CUDA 13.0"), "{e}");
+        }
+        assert_eq!(cuda_version(12080), "12.8");
+        for ok in [13000, 13010, 14000] {
+            assert_eq!(check_driver_version(ok), Ok(()), "{ok}");
+        }
+    }
 }
