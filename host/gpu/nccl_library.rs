@@ -1,10 +1,20 @@
-//! libnccl, loaded at run time.
+//! libnccl, loaded at run time: ferrocomm's own bindings, and why they are not cudarc's.
 //!
-//! cudarc's NCCL bindings look only for sonames it derives from the CUDA version (never
-//! `libnccl.so.2`, the name NCCL ships under) and panic on a missing symbol, so ferrocomm opens
-//! the library itself: a search that also covers `FERROCOMM_NCCL_PATH` and the lib folder of
-//! the `nvidia-nccl-cu12` / `nvidia-nccl-cu13` wheels, and a table of entry points resolved up
-//! front, so that a missing or too old NCCL is an `Error::Unavailable`, never a panic.
+//! cudarc (already a dependency, for the driver and NVRTC) has dynamic-loading NCCL bindings,
+//! and they declare every entry point ferrocomm calls (the table in `api!` below). They are
+//! still not used, for two reasons that no choice of cudarc features removes (checked against
+//! cudarc 0.19):
+//! - its loader opens only names derived from the CUDA version (`libnccl.so`,
+//!   `libnccl.so.13`, ...), never `libnccl.so.2`, the one name under which NCCL's wheels
+//!   (`nvidia-nccl-cu12`/`-cu13`) and distribution packages (`libnccl2`) install it; nothing
+//!   can point it elsewhere, and it panics when it finds nothing;
+//! - it resolves each symbol at its first call and panics when the symbol is missing, so an
+//!   NCCL older than the bindings would abort the process mid-run.
+//!
+//! So ferrocomm opens the library itself (a search that also covers `FERROCOMM_NCCL_PATH` and
+//! the wheels' lib folder) and resolves its table of entry points up front: a missing or too
+//! old NCCL is an `Error::Unavailable` when the communicator is made, never a panic. The table
+//! holds only the calls ferrocomm makes, with the types of nccl.h as of 2.18.
 
 use crate::contracts::error::{Error, Result};
 use libloading::Library;
