@@ -1,5 +1,5 @@
 //! Collectives of arbitrary serde values: a header per value first (its length, or why there is
-//! none), then the bytes (contracts/record.rs: a format-version byte, then postcard).
+//! none), then the bytes (contracts/record.rs: a format-version byte, then MessagePack).
 //!
 //! A rank that has no value to send (a root without one, a value that does not serialize) still
 //! sends its header, saying why, so every rank fails at once with an error naming that rank
