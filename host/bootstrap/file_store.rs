@@ -6,7 +6,6 @@ use super::store::timeout_err;
 use crate::contracts::error::{Error, Result};
 use crate::contracts::store::Store;
 use std::fs::{self, File, OpenOptions};
-use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -52,10 +51,9 @@ impl FileStore {
             .write(true)
             .open(self.dir.join("lock"))
             .map_err(|e| Error::io("file store lock", e))?;
-        // SAFETY: flock on an fd we own; released when `lock` is closed.
-        if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) } != 0 {
-            return Err(Error::last_os("file store flock"));
-        }
+        // Released when `lock` is closed.
+        rustix::fs::flock(&lock, rustix::fs::FlockOperation::LockExclusive)
+            .map_err(|e| Error::io("file store flock", e.into()))?;
         let r = f();
         drop::<File>(lock);
         r

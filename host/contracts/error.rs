@@ -131,10 +131,6 @@ impl Error {
         }
     }
 
-    pub(crate) fn last_os(context: impl Into<String>) -> Self {
-        Self::io(context, std::io::Error::last_os_error())
-    }
-
     pub(crate) fn invalid(op: &'static str, reason: impl Into<String>) -> Self {
         Error::InvalidArgument {
             op,

@@ -5,9 +5,14 @@
 
 use crate::bootstrap::accept::accept_until;
 use crate::contracts::error::{Error, Result};
-use std::io::{Read, Write};
-use std::mem::size_of;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use rustix::net::sockopt::socket_peercred;
+use rustix::net::{
+    recvmsg, sendmsg, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags,
+};
+use std::io::{IoSlice, IoSliceMut, Read, Write};
+use std::mem::MaybeUninit;
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -20,27 +25,33 @@ const REFUSED: u8 = 0;
 
 /// The uid of the process at the other end of `sock`.
 pub(crate) fn peer_uid(sock: &UnixStream) -> Result<u32> {
-    let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
-    let mut len = size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: getsockopt writes at most `len` bytes into `cred`.
-    let r = unsafe {
-        libc::getsockopt(
-            sock.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&mut cred as *mut libc::ucred).cast(),
-            &mut len,
-        )
-    };
-    if r != 0 {
-        return Err(Error::last_os("getsockopt(SO_PEERCRED)"));
-    }
-    Ok(cred.uid)
+    socket_peercred(sock)
+        .map(|cred| cred.uid.as_raw())
+        .map_err(|e| Error::io("getsockopt(SO_PEERCRED)", e.into()))
 }
 
 fn own_uid() -> u32 {
-    // SAFETY: getuid cannot fail.
-    unsafe { libc::getuid() }
+    rustix::process::getuid().as_raw()
+}
+
+/// mkdtemp(3) without libc: `base/prefix` plus six random characters, made with mode 0700 by
+/// one mkdir, which fails if the name exists, so nobody can have claimed or planted it first.
+/// A name taken already is drawn again, as mkdtemp does.
+pub(crate) fn private_dir(base: &Path, prefix: &str) -> std::io::Result<PathBuf> {
+    use std::os::unix::fs::DirBuilderExt;
+    const LETTERS: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
+    let mut tries = 0;
+    loop {
+        let suffix: String = crate::bootstrap::nonce()[..6]
+            .iter()
+            .map(|&b| LETTERS[b as usize % LETTERS.len()] as char)
+            .collect();
+        let dir = base.join(format!("{prefix}{suffix}"));
+        match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && tries < 100 => tries += 1,
+            made => return made.map(|()| dir),
+        }
+    }
 }
 
 /// A Unix socket that hands a fixed set of descriptors to every client of our own uid.
@@ -57,17 +68,7 @@ impl FdServer {
             .map(PathBuf::from)
             .filter(|p| p.is_dir())
             .unwrap_or_else(std::env::temp_dir);
-        let template = base.join("ferrocomm-fd-XXXXXX");
-        let mut raw = template.into_os_string().into_encoded_bytes();
-        raw.push(0);
-        // SAFETY: mkdtemp rewrites the X's of a NUL-terminated template in place; it creates
-        // the directory with mode 0700.
-        if unsafe { libc::mkdtemp(raw.as_mut_ptr().cast()) }.is_null() {
-            return Err(Error::last_os("mkdtemp for the descriptor socket"));
-        }
-        raw.pop();
-        // SAFETY: the bytes came from an OsString and mkdtemp only replaced ASCII X's.
-        let dir = PathBuf::from(unsafe { std::ffi::OsString::from_encoded_bytes_unchecked(raw) });
+        let dir = private_dir(&base, "ferrocomm-fd-").map_err(|e| Error::io("mkdtemp for the descriptor socket", e))?;
         let path = dir.join("sock");
         let listener = UnixListener::bind(&path).map_err(|e| Error::io(format!("bind {}", path.display()), e))?;
         listener
@@ -82,7 +83,7 @@ impl FdServer {
 
     /// Sends `fds` to `clients` clients of our uid, then returns. Clients of another uid are
     /// refused and do not count. Fails if the clients have not all come by `deadline`.
-    pub(crate) fn serve(&self, fds: &[RawFd], clients: usize, deadline: Instant) -> Result<()> {
+    pub(crate) fn serve(&self, fds: &[BorrowedFd<'_>], clients: usize, deadline: Instant) -> Result<()> {
         if fds.len() > MAX_FDS {
             return Err(Error::invalid(
                 "fd passing",
@@ -117,41 +118,21 @@ impl Drop for FdServer {
     }
 }
 
-/// A message header over one byte (`iov`) and a control buffer of `space` bytes.
-fn header(iov: &mut libc::iovec, control: &mut [u64], space: usize) -> libc::msghdr {
-    // SAFETY: zeroed msghdr is a valid empty header; we fill the fields we use.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = space as _;
-    msg
-}
-
-fn send_fds(sock: &UnixStream, fds: &[RawFd]) -> Result<()> {
-    let mut byte = [GRANTED];
-    let mut iov = libc::iovec {
-        iov_base: byte.as_mut_ptr().cast(),
-        iov_len: 1,
-    };
-    let payload = std::mem::size_of_val(fds);
-    // SAFETY: CMSG_SPACE only computes a size.
-    let space = unsafe { libc::CMSG_SPACE(payload as u32) } as usize;
-    let mut control = vec![0u64; space.div_ceil(8)];
-    let msg = header(&mut iov, &mut control, space);
-    // SAFETY: the control buffer holds one header of CMSG_LEN(payload) bytes (CMSG_SPACE
-    // reserved it); CMSG_FIRSTHDR points into it and CMSG_DATA has room for `fds`.
-    unsafe {
-        let cmsg = libc::CMSG_FIRSTHDR(&msg);
-        (*cmsg).cmsg_level = libc::SOL_SOCKET;
-        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
-        (*cmsg).cmsg_len = libc::CMSG_LEN(payload as u32) as _;
-        std::ptr::copy_nonoverlapping(fds.as_ptr(), libc::CMSG_DATA(cmsg).cast::<RawFd>(), fds.len());
-        if libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) != 1 {
-            return Err(Error::last_os("sendmsg(SCM_RIGHTS)"));
-        }
+fn send_fds(sock: &UnixStream, fds: &[BorrowedFd<'_>]) -> Result<()> {
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    // `serve` checked fds.len() <= MAX_FDS, for which the buffer has room.
+    if !control.push(SendAncillaryMessage::ScmRights(fds)) {
+        return Err(Error::invalid(
+            "fd passing",
+            format!("{} descriptors exceed {MAX_FDS}", fds.len()),
+        ));
     }
-    Ok(())
+    match sendmsg(sock, &[IoSlice::new(&[GRANTED])], &mut control, SendFlags::NOSIGNAL) {
+        Ok(1) => Ok(()),
+        Ok(_) => Err(Error::io("sendmsg(SCM_RIGHTS)", std::io::ErrorKind::WriteZero.into())),
+        Err(e) => Err(Error::io("sendmsg(SCM_RIGHTS)", e.into())),
+    }
 }
 
 /// Connects to the server at `path` (retrying until it exists or `deadline`), checks that it
@@ -168,7 +149,11 @@ pub(crate) fn fetch_fds(path: &Path, count: usize, deadline: Instant) -> Result<
         match UnixStream::connect(path) {
             Ok(s) => break s,
             Err(e)
-                if Instant::now() < deadline && matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ECONNREFUSED)) =>
+                if Instant::now() < deadline
+                    && matches!(
+                        e.kind(),
+                        std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
+                    ) =>
             {
                 std::thread::sleep(Duration::from_millis(1));
             }
@@ -184,33 +169,22 @@ pub(crate) fn fetch_fds(path: &Path, count: usize, deadline: Instant) -> Result<
     sock.set_read_timeout(Some(left)).map_err(|e| Error::io(ctx(), e))?;
 
     let mut byte = [0u8; 1];
-    let mut iov = libc::iovec {
-        iov_base: byte.as_mut_ptr().cast(),
-        iov_len: 1,
-    };
-    // SAFETY: CMSG_SPACE only computes a size.
-    let space = unsafe { libc::CMSG_SPACE((MAX_FDS * size_of::<RawFd>()) as u32) } as usize;
-    let mut control = vec![0u64; space.div_ceil(8)];
-    let mut msg = header(&mut iov, &mut control, space);
-    // SAFETY: the buffers outlive the call; MSG_CMSG_CLOEXEC keeps received fds private.
-    let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
-    if n < 0 {
-        return Err(Error::last_os(ctx()));
-    }
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
+    let mut control = RecvAncillaryBuffer::new(&mut space);
+    // MSG_CMSG_CLOEXEC keeps received fds private to this process.
+    let msg = recvmsg(
+        &sock,
+        &mut [IoSliceMut::new(&mut byte)],
+        &mut control,
+        RecvFlags::CMSG_CLOEXEC,
+    )
+    .map_err(|e| Error::io(ctx(), e.into()))?;
+    let n = msg.bytes;
     // Take ownership of whatever arrived first, so nothing leaks on the error paths below.
     let mut fds = Vec::new();
-    // SAFETY: walking the control messages the kernel wrote, within msg_controllen.
-    unsafe {
-        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
-        while !cmsg.is_null() {
-            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
-                let bytes = (*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
-                let data = libc::CMSG_DATA(cmsg).cast::<RawFd>();
-                for i in 0..bytes / size_of::<RawFd>() {
-                    fds.push(OwnedFd::from_raw_fd(data.add(i).read_unaligned()));
-                }
-            }
-            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
+    for message in control.drain() {
+        if let RecvAncillaryMessage::ScmRights(received) = message {
+            fds.extend(received);
         }
     }
     if n == 0 || byte[0] == REFUSED {
@@ -219,7 +193,7 @@ pub(crate) fn fetch_fds(path: &Path, count: usize, deadline: Instant) -> Result<
         let _ = sock.read(&mut rest);
         return Err(Error::Auth(format!("{}: the server refused this process", ctx())));
     }
-    if msg.msg_flags & libc::MSG_CTRUNC != 0 || fds.len() != count {
+    if msg.flags.contains(ReturnFlags::CTRUNC) || fds.len() != count {
         return Err(Error::protocol(
             "fd passing",
             format!("expected {count} descriptors, received {}", fds.len()),
@@ -233,13 +207,11 @@ mod tests {
     use super::*;
     use std::fs::File;
     use std::io::Seek;
+    use std::os::fd::AsFd;
 
     fn memfd_with(text: &[u8]) -> File {
-        // SAFETY: memfd_create with a static name; the fd is owned by the File.
-        let fd = unsafe { libc::memfd_create(c"ferrocomm-test".as_ptr(), libc::MFD_CLOEXEC) };
-        assert!(fd >= 0);
-        // SAFETY: fd is a fresh descriptor we own.
-        let mut f = unsafe { File::from_raw_fd(fd) };
+        let fd = rustix::fs::memfd_create("ferrocomm-test", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        let mut f = File::from(fd);
         f.write_all(text).unwrap();
         f
     }
@@ -252,7 +224,7 @@ mod tests {
         let deadline = Instant::now() + Duration::from_secs(5);
         let path = server.path().to_owned();
         let clients = std::thread::spawn(move || (0..2).map(|_| fetch_fds(&path, 2, deadline)).collect::<Vec<_>>());
-        server.serve(&[a.as_raw_fd(), b.as_raw_fd()], 2, deadline).unwrap();
+        server.serve(&[a.as_fd(), b.as_fd()], 2, deadline).unwrap();
         for got in clients.join().unwrap() {
             let got = got.unwrap();
             for (fd, want) in got.into_iter().zip([&b"first"[..], b"second"]) {
@@ -262,6 +234,28 @@ mod tests {
                 f.read_to_end(&mut s).unwrap();
                 assert_eq!(s, want);
             }
+        }
+    }
+
+    #[test]
+    fn the_most_descriptors_a_message_carries_all_arrive() {
+        let server = FdServer::bind().unwrap();
+        let files: Vec<File> = (0..MAX_FDS)
+            .map(|i| memfd_with(format!("file {i}").as_bytes()))
+            .collect();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let path = server.path().to_owned();
+        let client = std::thread::spawn(move || fetch_fds(&path, MAX_FDS, deadline));
+        let fds: Vec<BorrowedFd<'_>> = files.iter().map(|f| f.as_fd()).collect();
+        server.serve(&fds, 1, deadline).unwrap();
+        let got = client.join().unwrap().unwrap();
+        assert_eq!(got.len(), MAX_FDS);
+        for (i, fd) in got.into_iter().enumerate() {
+            let mut f = File::from(fd);
+            f.rewind().unwrap();
+            let mut s = String::new();
+            f.read_to_string(&mut s).unwrap();
+            assert_eq!(s, format!("file {i}"));
         }
     }
 
@@ -277,7 +271,7 @@ mod tests {
         let server = FdServer::bind().unwrap();
         let f = memfd_with(b"x");
         let err = server
-            .serve(&[f.as_raw_fd()], 1, Instant::now() + Duration::from_millis(30))
+            .serve(&[f.as_fd()], 1, Instant::now() + Duration::from_millis(30))
             .unwrap_err();
         assert!(matches!(err, Error::Timeout { .. }), "{err}");
     }
@@ -298,10 +292,17 @@ mod tests {
         std::fs::set_permissions(server.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
         let f = memfd_with(b"secret");
         let path = std::ffi::CString::new(server.path().as_os_str().as_encoded_bytes()).unwrap();
-        // SAFETY: the child only makes async-signal-safe calls (setuid, socket, connect, read,
-        // _exit) before it exits.
+        // libc, not rustix, in the child: fork has no safe wrapper, and setuid/setgid must be
+        // the process-wide libc calls.
+        // SAFETY: after fork the child only makes async-signal-safe calls (setgid, setuid,
+        // socket, connect, read, _exit) on data prepared before the fork, and never returns, so
+        // forking this multi-threaded test process is sound.
         let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
         if pid == 0 {
+            // SAFETY: as above, in the forked child. `addr` is a zeroed sockaddr_un (all-zero is
+            // a valid value), filled by bounds-checked indexing, and passed with its own size;
+            // read writes at most 1 byte into the 1-byte local buffer.
             unsafe {
                 if libc::setgid(65534) != 0 || libc::setuid(65534) != 0 {
                     libc::_exit(3);
@@ -328,13 +329,14 @@ mod tests {
         }
         // The refused client does not count: the server is still waiting for one of ours.
         let err = server
-            .serve(&[f.as_raw_fd()], 1, Instant::now() + Duration::from_millis(500))
+            .serve(&[f.as_fd()], 1, Instant::now() + Duration::from_millis(500))
             .unwrap_err();
         assert!(matches!(err, Error::Timeout { .. }), "{err}");
-        let mut status = 0;
-        // SAFETY: waiting for our own child.
-        unsafe { libc::waitpid(pid, &mut status, 0) };
-        assert!(libc::WIFEXITED(status), "client did not exit normally");
-        assert_eq!(libc::WEXITSTATUS(status), 0, "client was not refused (exit code)");
+        let pid = rustix::process::Pid::from_raw(pid).unwrap();
+        let (_, status) = rustix::process::waitpid(Some(pid), rustix::process::WaitOptions::empty())
+            .unwrap()
+            .unwrap();
+        assert!(status.exited(), "client did not exit normally");
+        assert_eq!(status.exit_status(), Some(0), "client was not refused (exit code)");
     }
 }

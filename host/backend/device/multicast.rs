@@ -15,7 +15,7 @@ use crate::gpu::memory::{multicast, MulticastMap, Physical};
 use crate::gpu::segment_sharing::Shared;
 use crate::gpu::target::{Gpu, Segment};
 use serde::{Deserialize, Serialize};
-use std::os::fd::AsRawFd;
+use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -110,7 +110,7 @@ fn create(
     if let Some(fd) = fd {
         // A client that never fetches reports so in the next agreement (or is gone, which
         // that agreement's timeout reports): here it only ends the serving.
-        if let Err(e) = server.serve(&[fd.as_raw_fd()], clients, deadline) {
+        if let Err(e) = server.serve(&[fd.as_fd()], clients, deadline) {
             tracing::debug!("handing out a multicast object: {e}");
         }
     }

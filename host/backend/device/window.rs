@@ -27,7 +27,7 @@ use crate::net::windows::link::SharedLink;
 use cudarc::driver::CudaStream;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-use std::os::fd::AsRawFd;
+use std::os::fd::AsFd;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -259,7 +259,7 @@ impl DeviceWindow {
         std::thread::scope(|s| {
             let serving = fd
                 .as_ref()
-                .map(|fd| s.spawn(|| server.serve(&[fd.as_raw_fd()], clients, deadline)));
+                .map(|fd| s.spawn(|| server.serve(&[fd.as_fd()], clients, deadline)));
             let segments = infos
                 .iter()
                 .enumerate()

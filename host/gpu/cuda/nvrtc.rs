@@ -22,11 +22,18 @@ const BUILTINS: &str = "libnvrtc-builtins.so.13.0";
 /// dlopen by full path, kept for the life of the process on purpose: NVRTC is never unloaded
 /// under cudarc.
 fn preload(path: &std::path::Path) -> bool {
-    let Ok(c) = CString::new(path.as_os_str().as_encoded_bytes()) else {
-        return false;
-    };
-    // SAFETY: dlopen of a NUL-terminated path; the handle is deliberately never closed.
-    !unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) }.is_null()
+    use libloading::os::unix::{Library, RTLD_GLOBAL, RTLD_NOW};
+    // SAFETY: loading runs the library's initialisers; the paths are NVIDIA's NVRTC libraries
+    // (named by the user's FERROCOMM_NVRTC_PATH or CUDA_HOME), whose initialisers have no
+    // preconditions on us. No symbol is taken here.
+    match unsafe { Library::open(Some(path), RTLD_NOW | RTLD_GLOBAL) } {
+        Ok(library) => {
+            // Never closed: cudarc's handle resolves to this very copy.
+            std::mem::forget(library);
+            true
+        }
+        Err(_) => false,
+    }
 }
 
 fn candidates(config: &Config) -> Vec<PathBuf> {

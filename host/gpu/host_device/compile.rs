@@ -20,23 +20,11 @@ pub(crate) fn compile(source: &str, options: &[String], headers: &[(&str, &str)]
     built
 }
 
-/// A fresh folder only this user can enter (mkdtemp: mode 0700, a name nobody could claim
-/// first), so no one else can plant the library we load.
+/// A fresh folder only this user can enter (as mkdtemp makes it: mode 0700, a name nobody
+/// could claim first), so no one else can plant the library we load.
 fn scratch_dir() -> Result<PathBuf> {
-    use std::os::unix::ffi::OsStringExt;
-    let template = std::env::temp_dir().join("ferrocomm-host-kernels-XXXXXX");
-    let mut bytes = template.into_os_string().into_vec();
-    bytes.push(0);
-    // SAFETY: a NUL-terminated, writable template that mkdtemp fills in place.
-    let made = unsafe { libc::mkdtemp(bytes.as_mut_ptr().cast()) };
-    if made.is_null() {
-        return Err(Error::io(
-            "host-device compile: a scratch folder",
-            std::io::Error::last_os_error(),
-        ));
-    }
-    bytes.pop();
-    Ok(PathBuf::from(std::ffi::OsString::from_vec(bytes)))
+    crate::gpu::fd_passing::private_dir(&std::env::temp_dir(), "ferrocomm-host-kernels-")
+        .map_err(|e| Error::io("host-device compile: a scratch folder", e))
 }
 
 fn build(dir: &Path, source: &str, options: &[String], headers: &[(&str, &str)]) -> Result<Module> {

@@ -4,22 +4,22 @@
 //! every rank maps the segments of its host side by side, segment r at `base + r * stride`.
 
 use crate::contracts::error::{Error, Result};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use rustix::fs::{fstat, ftruncate, memfd_create, MemfdFlags};
+use rustix::mm::{self, MapFlags, ProtFlags};
+use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-fn os_error(call: &str) -> Error {
+fn os_error(call: &str, e: rustix::io::Errno) -> Error {
     Error::Backend {
         backend: "host device".into(),
         call: call.into(),
-        message: std::io::Error::last_os_error().to_string(),
+        message: std::io::Error::from(e).to_string(),
     }
 }
 
 fn page() -> usize {
-    // SAFETY: sysconf has no preconditions.
-    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    usize::try_from(p).unwrap_or(4096).max(4096)
+    rustix::param::page_size().max(4096)
 }
 
 /// One rank's segment: `bytes` of zeroed shared memory.
@@ -33,17 +33,8 @@ pub(crate) struct Segment {
 impl Segment {
     pub(crate) fn create(bytes: usize) -> Result<Arc<Segment>> {
         let bytes = bytes.max(1).next_multiple_of(page());
-        // SAFETY: a static NUL-terminated name; the descriptor is owned below.
-        let raw = unsafe { libc::memfd_create(c"ferrocomm-window".as_ptr(), libc::MFD_CLOEXEC) };
-        if raw < 0 {
-            return Err(os_error("memfd_create"));
-        }
-        // SAFETY: fresh and ours.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        // SAFETY: a valid descriptor; the length fits off_t for any allocation we could map.
-        if unsafe { libc::ftruncate(fd.as_raw_fd(), bytes as libc::off_t) } != 0 {
-            return Err(os_error("ftruncate"));
-        }
+        let fd = memfd_create("ferrocomm-window", MemfdFlags::CLOEXEC).map_err(|e| os_error("memfd_create", e))?;
+        ftruncate(&fd, bytes as u64).map_err(|e| os_error("ftruncate", e))?;
         Ok(Self::adopt(fd, bytes))
     }
 
@@ -75,12 +66,7 @@ impl Segment {
 
     /// A peer's segment received as a descriptor; it must hold at least `bytes`.
     pub(crate) fn import(fd: OwnedFd, bytes: usize) -> Result<Arc<Segment>> {
-        // SAFETY: fstat fills the struct for a valid descriptor.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: as above.
-        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
-            return Err(os_error("fstat"));
-        }
+        let st = fstat(&fd).map_err(|e| os_error("fstat", e))?;
         if (st.st_size as u64) < bytes as u64 {
             return Err(Error::invalid(
                 "new_window",
@@ -119,20 +105,17 @@ impl SegmentMap {
             .checked_mul(ranks.max(1))
             .ok_or_else(|| Error::invalid("new_window", "segments too large to map side by side"))?;
         // One reservation, then each segment over its slot: the layout the handle promises.
-        // SAFETY: a fresh anonymous reservation, no access.
+        // SAFETY: a null address without MAP_FIXED: the kernel picks a fresh range that
+        // overlaps no existing mapping; PROT_NONE, so nothing can touch it yet.
         let base = unsafe {
-            libc::mmap(
+            mm::mmap_anonymous(
                 std::ptr::null_mut(),
                 total,
-                libc::PROT_NONE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
+                ProtFlags::empty(),
+                MapFlags::PRIVATE | MapFlags::NORESERVE,
             )
-        };
-        if base == libc::MAP_FAILED {
-            return Err(os_error("mmap (reserve)"));
         }
+        .map_err(|e| os_error("mmap (reserve)", e))?;
         let mut map = SegmentMap {
             base: base.cast(),
             stride,
@@ -142,20 +125,21 @@ impl SegmentMap {
         };
         for (r, seg) in segments.iter().enumerate() {
             let Some(seg) = seg else { continue };
-            // SAFETY: the slot lies inside our reservation; MAP_FIXED replaces only it.
-            let at = unsafe {
-                libc::mmap(
+            // SAFETY: slot r, [base + r * stride, + seg.bytes), lies inside our reservation
+            // (seg.bytes <= stride, r < ranks), which only this value owns and nothing has
+            // accessed yet, so MAP_FIXED replaces only reserved, unused pages. The pointer
+            // arithmetic stays inside the reservation.
+            unsafe {
+                mm::mmap(
                     map.base.add(r * stride).cast(),
                     seg.bytes,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_SHARED | libc::MAP_FIXED,
-                    seg.fd.as_raw_fd(),
+                    ProtFlags::READ | ProtFlags::WRITE,
+                    MapFlags::SHARED | MapFlags::FIXED,
+                    &seg.fd,
                     0,
                 )
-            };
-            if at == libc::MAP_FAILED {
-                return Err(os_error("mmap (segment)"));
             }
+            .map_err(|e| os_error("mmap (segment)", e))?;
         }
         map._segments = segments;
         Ok(map)
@@ -181,8 +165,9 @@ impl SegmentMap {
 
 impl Drop for SegmentMap {
     fn drop(&mut self) {
-        // SAFETY: our reservation, whole; no kernel uses it once the window is dropped.
-        unsafe { libc::munmap(self.base.cast(), self.stride * self.ranks.max(1)) };
+        // SAFETY: exactly our reservation (its base and `total` length from `new`), unmapped
+        // only here; no kernel uses it once the window is dropped.
+        let _ = unsafe { mm::munmap(self.base.cast(), self.stride * self.ranks.max(1)) };
     }
 }
 

@@ -81,15 +81,12 @@ fn load() -> std::result::Result<Module, String> {
 /// to find or to go stale, wherever the binary is run from.
 #[cfg(feature = "host-kernels")]
 fn load() -> std::result::Result<Module, String> {
+    use rustix::fs::{memfd_create, MemfdFlags};
     use std::io::Write;
-    use std::os::fd::{AsRawFd, FromRawFd};
-    // SAFETY: a static NUL-terminated name; the new descriptor is owned by the File.
-    let fd = unsafe { libc::memfd_create(c"ferrocomm-host-kernels".as_ptr(), libc::MFD_CLOEXEC) };
-    if fd < 0 {
-        return Err(format!("memfd_create: {}", std::io::Error::last_os_error()));
-    }
-    // SAFETY: fd is fresh and ours.
-    let mut file = unsafe { std::fs::File::from_raw_fd(fd) };
+    use std::os::fd::AsRawFd;
+    let fd = memfd_create("ferrocomm-host-kernels", MemfdFlags::CLOEXEC)
+        .map_err(|e| format!("memfd_create: {}", std::io::Error::from(e)))?;
+    let mut file = std::fs::File::from(fd);
     file.write_all(IMAGE)
         .map_err(|e| format!("writing the host-device kernels: {e}"))?;
     Module::open(&format!("/proc/self/fd/{}", file.as_raw_fd())).map_err(|e| e.to_string())
@@ -167,7 +164,7 @@ impl Function {
         let rc = unsafe { (self.launch)(g.0, g.1, g.2, b.0, b.1, b.2, shared_bytes as u64, body, ctx) };
         match rc {
             0 => Ok(()),
-            libc::EINVAL => Err(Error::invalid(
+            e if e == rustix::io::Errno::INVAL.raw_os_error() => Err(Error::invalid(
                 "kernel launch",
                 format!(
                     "{name}: grid {grid:?} x block {block:?} is empty or larger than the host device runs \

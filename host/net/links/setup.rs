@@ -73,10 +73,9 @@ impl Announcer {
 
 pub(crate) fn host_identity(rank: usize, opts: &TransportOptions) -> String {
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
-    let mut name = [0u8; 256];
-    // SAFETY: gethostname writes at most `len` bytes into our buffer.
-    unsafe { libc::gethostname(name.as_mut_ptr().cast(), name.len()) };
-    let end = name.iter().position(|&b| b == 0).unwrap_or(name.len());
+    // The host name as gethostname(2) reports it (glibc reads it from uname's nodename too).
+    let uname = rustix::system::uname();
+    let name = uname.nodename().to_bytes();
     // Shared memory needs one kernel (boot id), one mount namespace (the same /dev/shm) and
     // one PID namespace (liveness checks open a pidfd on the peer's pid). Ranks in different
     // namespaces (containers, `ip netns exec`) count as different hosts and use TCP.
@@ -87,7 +86,7 @@ pub(crate) fn host_identity(rank: usize, opts: &TransportOptions) -> String {
     };
     let id = format!(
         "{}/{}/{}/{}",
-        String::from_utf8_lossy(&name[..end]),
+        String::from_utf8_lossy(name),
         boot.trim(),
         ns("mnt"),
         ns("pid")

@@ -3,7 +3,11 @@
 //! memory and signal pad).
 
 use crate::contracts::error::{Error, Result};
+use rustix::fs::Mode;
+use rustix::mm::{self, MapFlags, ProtFlags};
+use rustix::shm;
 use std::ffi::CString;
+use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 const MAGIC: u64 = 0x6665_7272_6f63_6f6d; // "ferrocom"
@@ -61,36 +65,40 @@ pub(crate) struct Segment {
 unsafe impl Send for Segment {}
 unsafe impl Sync for Segment {}
 
+/// `flags` plus O_NOFOLLOW, which glibc's shm_open adds and rustix's does not: a symbolic link
+/// planted in /dev/shm under a segment's name is refused, never followed.
+fn shm_flags(flags: shm::OFlags) -> shm::OFlags {
+    flags | shm::OFlags::from_bits_retain(rustix::fs::OFlags::NOFOLLOW.bits())
+}
+
 impl Segment {
     /// Creates and maps a fresh, zeroed segment with `payload_len` bytes of payload.
     pub(crate) fn create(name: &str, payload_len: usize) -> Result<Segment> {
         let cname = CString::new(name).map_err(|_| Error::Config(format!("bad shm name {name}")))?;
         let len = HEADER_BYTES + payload_len;
-        // SAFETY: plain libc calls with a valid C string; the fd is closed on every path.
-        let fd = unsafe { libc::shm_open(cname.as_ptr(), libc::O_CREAT | libc::O_EXCL | libc::O_RDWR, 0o600) };
-        if fd < 0 {
-            return Err(Error::last_os(format!("shm_open({name}, create)")));
-        }
-        // SAFETY: `fd` is ours.
-        let r = unsafe { libc::ftruncate(fd, len as libc::off_t) };
-        if r != 0 {
-            let e = Error::last_os(format!("ftruncate({name}, {len})"));
-            // SAFETY: cleaning up what we created.
-            unsafe {
-                libc::close(fd);
-                libc::shm_unlink(cname.as_ptr());
-            }
-            return Err(e);
+        let fd = shm::open(
+            cname.as_c_str(),
+            shm_flags(shm::OFlags::CREATE | shm::OFlags::EXCL | shm::OFlags::RDWR),
+            Mode::RUSR | Mode::WUSR,
+        )
+        .map_err(|e| Error::io(format!("shm_open({name}, create)"), e.into()))?;
+        if let Err(e) = rustix::fs::ftruncate(&fd, len as u64) {
+            // Remove what we created; `fd` closes on return.
+            let _ = shm::unlink(cname.as_c_str());
+            return Err(Error::io(format!("ftruncate({name}, {len})"), e.into()));
         }
         let seg = Self::map(fd, len, cname, true);
         if let Ok(s) = &seg {
-            // SAFETY: the header lies at the start of our fresh, zeroed mapping.
+            // SAFETY: the header lies at the start of our fresh, zeroed mapping (at least
+            // HEADER_BYTES long, page-aligned) and no peer writes it: peers only read it once
+            // they see the magic, which is published last.
             let h = unsafe { &mut *(s.base as *mut SegHeader) };
             h.payload_len = payload_len as u64;
             h.pid = std::process::id() as u64;
             h.state.store(OwnerState::Live.encode(), Ordering::Relaxed);
             // Release: a peer that sees the magic sees the fields above.
-            // SAFETY: same header, viewed as an atomic to publish.
+            // SAFETY: `magic` is an aligned u64 inside the mapping, so it may be viewed as an
+            // AtomicU64 (same size and alignment); peers read it only atomically.
             unsafe { (*(std::ptr::addr_of!(h.magic) as *const AtomicU64)).store(MAGIC, Ordering::Release) };
         }
         seg
@@ -99,24 +107,20 @@ impl Segment {
     /// Maps a peer's segment, which must have `payload_len` bytes of payload.
     pub(crate) fn open(name: &str, payload_len: usize) -> Result<Segment> {
         let cname = CString::new(name).map_err(|_| Error::Config(format!("bad shm name {name}")))?;
-        // SAFETY: plain libc call with a valid C string.
-        let fd = unsafe { libc::shm_open(cname.as_ptr(), libc::O_RDWR, 0) };
-        if fd < 0 {
-            return Err(Error::last_os(format!("shm_open({name}, open)")));
-        }
+        let fd = shm::open(cname.as_c_str(), shm_flags(shm::OFlags::RDWR), Mode::empty())
+            .map_err(|e| Error::io(format!("shm_open({name}, open)"), e.into()))?;
         let len = HEADER_BYTES + payload_len;
-        // SAFETY: fstat into a zeroed struct.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        if unsafe { libc::fstat(fd, &mut st) } != 0 || (st.st_size as usize) != len {
-            // SAFETY: closing our own fd.
-            unsafe { libc::close(fd) };
+        // A failed fstat reads as size 0, which no segment has.
+        let size = rustix::fs::fstat(&fd).map(|st| st.st_size).unwrap_or(0);
+        if size as usize != len {
             return Err(Error::protocol(
                 "shm segment",
-                format!("{name} has size {} bytes, expected {len}", st.st_size),
+                format!("{name} has size {size} bytes, expected {len}"),
             ));
         }
         let seg = Self::map(fd, len, cname, false)?;
-        // SAFETY: the mapping is at least HEADER_BYTES long.
+        // SAFETY: the mapping is at least HEADER_BYTES long and page-aligned, so its first u64
+        // (the magic) is a valid AtomicU64; the owner writes it only atomically.
         let magic = unsafe { (*(seg.base as *const AtomicU64)).load(Ordering::Acquire) };
         let h = seg.header();
         if magic != MAGIC || h.payload_len != payload_len as u64 {
@@ -128,33 +132,35 @@ impl Segment {
         Ok(seg)
     }
 
-    fn map(fd: libc::c_int, len: usize, name: CString, owner: bool) -> Result<Segment> {
+    /// Maps `len` bytes of the shared-memory object `fd` (closed on return; the mapping keeps
+    /// the memory alive).
+    fn map(fd: OwnedFd, len: usize, name: CString, owner: bool) -> Result<Segment> {
         // MAP_POPULATE: fault every page in now, at setup, rather than one page at a time in
         // the first operations that touch them (measured: a 128 KiB all_reduce at the start of
         // a bench sweep took 15 us instead of 6).
-        // SAFETY: mapping a shared-memory fd of at least `len` bytes; the fd is closed after.
+        // SAFETY: a null address without MAP_FIXED lets the kernel pick a range that overlaps
+        // no existing mapping, so no Rust object is aliased or unmapped; `fd` is an object of
+        // `len` bytes (create sized it, open checked its size).
         let p = unsafe {
-            libc::mmap(
+            mm::mmap(
                 std::ptr::null_mut(),
                 len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED | libc::MAP_POPULATE,
-                fd,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::SHARED | MapFlags::POPULATE,
+                &fd,
                 0,
             )
         };
-        let err = (p == libc::MAP_FAILED).then(|| Error::last_os("mmap(shm segment)"));
-        // SAFETY: our fd; the mapping keeps the memory alive.
-        unsafe { libc::close(fd) };
-        match err {
-            Some(e) => {
+        drop(fd);
+        match p {
+            Err(e) => {
                 if owner {
-                    // SAFETY: removing the name we just created.
-                    unsafe { libc::shm_unlink(name.as_ptr()) };
+                    // Remove the name we just created.
+                    let _ = shm::unlink(name.as_c_str());
                 }
-                Err(e)
+                Err(Error::io("mmap(shm segment)", e.into()))
             }
-            None => Ok(Segment {
+            Ok(p) => Ok(Segment {
                 base: p.cast(),
                 len,
                 name,
@@ -164,7 +170,9 @@ impl Segment {
     }
 
     fn header(&self) -> &SegHeader {
-        // SAFETY: every segment starts with a header page.
+        // SAFETY: every segment starts with a header page, mapped for as long as `self`; its
+        // fields that change after creation (`state`) are atomics, the others are written only
+        // before the magic is published.
         unsafe { &*(self.base as *const SegHeader) }
     }
 
@@ -198,7 +206,7 @@ impl Segment {
 
     /// Start of the payload (page-aligned).
     pub(crate) fn payload(&self) -> *mut u8 {
-        // SAFETY: the mapping is HEADER_BYTES + payload_len long.
+        // SAFETY: the mapping is HEADER_BYTES + payload_len long, so the offset stays inside it.
         unsafe { self.base.add(HEADER_BYTES) }
     }
 
@@ -210,8 +218,8 @@ impl Segment {
     /// a crash later leaves nothing behind in /dev/shm.
     pub(crate) fn unlink(&self) {
         if self.owner {
-            // SAFETY: our own segment name.
-            unsafe { libc::shm_unlink(self.name.as_ptr()) };
+            // Our own segment name; a second unlink fails harmlessly (ENOENT).
+            let _ = shm::unlink(self.name.as_c_str());
         }
     }
 }
@@ -219,8 +227,9 @@ impl Segment {
 impl Drop for Segment {
     fn drop(&mut self) {
         self.unlink();
-        // SAFETY: unmapping our own mapping; nothing refers to it after the owner is dropped.
-        unsafe { libc::munmap(self.base.cast(), self.len) };
+        // SAFETY: `base`/`len` are exactly the mapping made in `map`, unmapped only here; the
+        // rings and windows that point into it hold the segment (Arc) and are gone by now.
+        let _ = unsafe { mm::munmap(self.base.cast(), self.len) };
     }
 }
 
@@ -232,18 +241,19 @@ mod tests {
     /// them. A forked child that drops to another uid must be refused.
     #[test]
     fn a_process_of_another_uid_cannot_open_a_segment() {
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } != 0 {
+        if !rustix::process::geteuid().is_root() {
             println!("SKIPPED a_process_of_another_uid_cannot_open_a_segment: needs root to switch uid");
             return;
         }
         let name = format!("/ferrocomm-uidtest-{}", std::process::id());
         let seg = Segment::create(&name, 4096).unwrap();
         let cname = CString::new(name).unwrap();
-        // After fork the child only makes system calls (no allocation), so forking a
-        // multi-threaded test process is safe here.
-        // SAFETY: fork/setuid/shm_open/_exit on prepared data; the parent reaps the child.
-        let status = unsafe {
+        // libc, not rustix, in the child: fork has no safe wrapper, and setuid/setgid must be
+        // the process-wide libc calls.
+        // SAFETY: after fork the child only makes async-signal-safe calls (setgid, setuid,
+        // shm_open, errno, _exit) on data prepared before the fork, and never returns, so
+        // forking this multi-threaded test process is sound. The parent only reaps it.
+        let pid = unsafe {
             match libc::fork() {
                 0 => {
                     let refused = libc::setgid(65534) == 0
@@ -252,18 +262,15 @@ mod tests {
                         && *libc::__errno_location() == libc::EACCES;
                     libc::_exit(if refused { 0 } else { 1 });
                 }
-                pid if pid > 0 => {
-                    let mut st = 0;
-                    libc::waitpid(pid, &mut st, 0);
-                    st
-                }
+                pid if pid > 0 => rustix::process::Pid::from_raw(pid).unwrap(),
                 _ => panic!("fork failed"),
             }
         };
+        let status = rustix::process::waitpid(Some(pid), rustix::process::WaitOptions::empty())
+            .unwrap()
+            .unwrap()
+            .1;
         drop(seg);
-        assert!(
-            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
-            "another uid could open the segment"
-        );
+        assert_eq!(status.exit_status(), Some(0), "another uid could open the segment");
     }
 }

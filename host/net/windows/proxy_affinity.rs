@@ -4,6 +4,7 @@
 //! thread where the scheduler puts it.
 
 use crate::contracts::error::{Error, Result};
+use rustix::thread::{sched_getaffinity, sched_setaffinity, CpuSet};
 
 /// Parses a Linux CPU list such as `0-3,8,10-11` (sysfs `local_cpulist`).
 pub(crate) fn parse_cpulist(s: &str) -> Option<Vec<usize>> {
@@ -36,31 +37,22 @@ pub(crate) fn cpus_near_pci_device(bus_id: &str, pin: bool) -> Option<Vec<usize>
 
 /// Restricts the calling thread to those of `cpus` it is allowed to run on at all.
 pub(crate) fn pin_current_thread(cpus: &[usize]) -> Result<()> {
-    // SAFETY: cpu_set_t is plain data; the libc macros only touch the set we pass.
-    unsafe {
-        let mut allowed: libc::cpu_set_t = std::mem::zeroed();
-        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut allowed) != 0 {
-            return Err(Error::io("sched_getaffinity", std::io::Error::last_os_error()));
-        }
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        let mut any = false;
-        for &c in cpus.iter().filter(|&&c| c < libc::CPU_SETSIZE as usize) {
-            if libc::CPU_ISSET(c, &allowed) {
-                libc::CPU_SET(c, &mut set);
-                any = true;
-            }
-        }
-        if !any {
-            return Err(Error::invalid(
-                "proxy affinity",
-                format!("none of CPUs {cpus:?} is allowed for this process"),
-            ));
-        }
-        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
-            return Err(Error::io("sched_setaffinity", std::io::Error::last_os_error()));
+    let allowed = sched_getaffinity(None).map_err(|e| Error::io("sched_getaffinity", e.into()))?;
+    let mut set = CpuSet::new();
+    let mut any = false;
+    for &c in cpus.iter().filter(|&&c| c < CpuSet::MAX_CPU) {
+        if allowed.is_set(c) {
+            set.set(c);
+            any = true;
         }
     }
-    Ok(())
+    if !any {
+        return Err(Error::invalid(
+            "proxy affinity",
+            format!("none of CPUs {cpus:?} is allowed for this process"),
+        ));
+    }
+    sched_setaffinity(None, &set).map_err(|e| Error::io("sched_setaffinity", e.into()))
 }
 
 #[cfg(test)]
@@ -79,17 +71,8 @@ mod tests {
     #[test]
     fn a_thread_is_pinned_to_the_allowed_cpus_of_a_list() {
         let cpu_of = || {
-            // SAFETY: as in pin_current_thread.
-            unsafe {
-                let mut set: libc::cpu_set_t = std::mem::zeroed();
-                assert_eq!(
-                    libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set),
-                    0
-                );
-                (0..libc::CPU_SETSIZE as usize)
-                    .filter(|&c| libc::CPU_ISSET(c, &set))
-                    .collect::<Vec<_>>()
-            }
+            let set = sched_getaffinity(None).unwrap();
+            (0..CpuSet::MAX_CPU).filter(|&c| set.is_set(c)).collect::<Vec<_>>()
         };
         std::thread::spawn(move || {
             let allowed = cpu_of();
