@@ -60,7 +60,8 @@ fn a_device_buffer_on_a_host_communicator_is_refused() {
     std::thread::scope(|s| {
         for c in &comms {
             s.spawn(move || {
-                // Never dereferenced: the call is refused before any backend touches it.
+                // SAFETY: the address is not device memory, but it is never dereferenced: the call
+                // is refused before any backend touches it.
                 let buf = unsafe { DeviceSliceMut::<f32>::from_raw(0, 0x10_0000, 16) }.unwrap();
                 let err = c.all_reduce(buf, ReduceOp::Sum).unwrap_err();
                 assert!(err.to_string().contains("CUDA device 0"), "{err}");
@@ -75,10 +76,15 @@ fn a_device_buffer_on_a_host_communicator_is_refused() {
 
 #[test]
 fn malformed_device_views_are_refused() {
+    // The three views below are refused by from_raw's checks: no view exists and nothing is
+    // ever dereferenced.
+    // SAFETY: refused (null), as above.
     let e = unsafe { DeviceSliceMut::<f32>::from_raw(0, 0, 4) }.unwrap_err();
     assert!(e.to_string().contains("null"), "{e}");
+    // SAFETY: refused (misaligned), as above.
     let e = unsafe { DeviceSliceMut::<u64>::from_raw(0, 0x1004, 4) }.unwrap_err();
     assert!(e.to_string().contains("aligned"), "{e}");
+    // SAFETY: refused (the length overflows), as above.
     let e = unsafe { DeviceSliceMut::<u64>::from_raw(0, 0x1000, usize::MAX / 4) }.unwrap_err();
     assert!(e.to_string().contains("overflow"), "{e}");
 }

@@ -78,6 +78,7 @@ macro_rules! kernel_args {
             unsafe fn call(&self, f: *const c_void) {
                 // SAFETY: the caller's contract: `f` takes exactly these parameters.
                 let f: unsafe extern "C" fn($($t),+) = unsafe { std::mem::transmute(f) };
+                // SAFETY: `f` is that function (above); the values are plain Copy data.
                 unsafe { f($(self.$i),+) }
             }
         }

@@ -270,8 +270,9 @@ impl Stream {
         match self {
             Stream::Cuda(s) => crate::gpu::memory::symmetric::memset_zero(addr, bytes, s.cu_stream()),
             Stream::Host(s) => {
-                // SAFETY: the caller's contract.
                 s.enqueue(move || {
+                    // SAFETY: the caller's contract: the range stays valid until the stream
+                    // has passed it; on the host device a device address is a host address.
                     unsafe { std::ptr::write_bytes(addr as *mut u8, 0, bytes) };
                     Ok(())
                 });

@@ -57,6 +57,8 @@ pub(crate) struct CpuWindow {
 // drop; all shared access goes through raw copies and atomics per docs/memory-model.md, and the
 // proxy connections are behind mutexes.
 unsafe impl Send for CpuWindow {}
+// SAFETY: as for Send: through `&CpuWindow` the memory is reached only by raw copies and
+// atomics (the window's ordering contract), and the mutable state is behind mutexes or atomics.
 unsafe impl Sync for CpuWindow {}
 
 /// Per rank, the link when the rank is reached over the network.

@@ -118,11 +118,15 @@ fn probe() -> std::result::Result<(), String> {
 unsafe fn primary_context_made(devices: i32) -> bool {
     (0..devices).any(|ordinal| {
         let (mut dev, mut flags, mut active) = (0, 0, 0);
-        sys::cuDeviceGet(&mut dev, ordinal).result().is_ok()
-            && sys::cuDevicePrimaryCtxGetState(dev, &mut flags, &mut active)
-                .result()
-                .is_ok()
-            && active != 0
+        // SAFETY: the caller's contract (the driver is initialised, `ordinal` < its device
+        // count); the out-parameters are locals that outlive the calls.
+        let known = unsafe {
+            sys::cuDeviceGet(&mut dev, ordinal).result().is_ok()
+                && sys::cuDevicePrimaryCtxGetState(dev, &mut flags, &mut active)
+                    .result()
+                    .is_ok()
+        };
+        known && active != 0
     })
 }
 

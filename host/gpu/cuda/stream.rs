@@ -92,6 +92,7 @@ pub(crate) struct Event(sys::CUevent);
 
 // SAFETY: CUDA events may be used from any thread of the process.
 unsafe impl Send for Event {}
+// SAFETY: as for Send: the driver's event calls are thread-safe, and `&Event` only offers them.
 unsafe impl Sync for Event {}
 
 impl Event {

@@ -87,8 +87,11 @@ pub(crate) struct SegmentMap {
     _segments: Vec<Option<Arc<Segment>>>,
 }
 
-// SAFETY: the mapping is plain shared memory owned by this value; accesses are by address.
+// SAFETY: the mapping is plain shared memory owned by this value (unmapped only in Drop); the
+// value itself hands out addresses, never references, and kernels access them by address.
 unsafe impl Send for SegmentMap {}
+// SAFETY: `&SegmentMap` only reads the immutable fields (base, stride, mapped), so sharing it
+// between threads races on nothing.
 unsafe impl Sync for SegmentMap {}
 
 impl SegmentMap {

@@ -46,6 +46,8 @@ pub(crate) struct Function {
 // SAFETY: code addresses of a library that stays loaded while its module lives; the library
 // kernels' module lives for the process, users' modules outlive their launches.
 unsafe impl Send for Function {}
+// SAFETY: as for Send; the fields are immutable, and calling the code from several threads at
+// once is what the launcher does anyway (it runs one kernel on many threads).
 unsafe impl Sync for Function {}
 
 fn unavailable(reason: impl Into<String>) -> Error {

@@ -42,14 +42,19 @@ impl RingEnd {
     /// power of two.
     pub(crate) unsafe fn new(base: *mut u8, cap: usize, producer: bool) -> RingEnd {
         let ctl = base as *const RingCtl;
-        let pos = if producer {
-            (*ctl).tail.load(Ordering::Relaxed)
-        } else {
-            (*ctl).head.load(Ordering::Relaxed)
+        // SAFETY: the caller's contract: `base` points to live, 64-aligned, initialised ring
+        // memory, which starts with the control block; its counters are atomics.
+        let pos = unsafe {
+            if producer {
+                (*ctl).tail.load(Ordering::Relaxed)
+            } else {
+                (*ctl).head.load(Ordering::Relaxed)
+            }
         };
         RingEnd {
             ctl,
-            data: base.add(CTL_BYTES),
+            // SAFETY: the caller's contract: the memory is CTL_BYTES + cap long.
+            data: unsafe { base.add(CTL_BYTES) },
             cap: cap as u64,
             pos,
         }

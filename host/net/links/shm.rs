@@ -60,9 +60,12 @@ pub(crate) struct Segment {
     owner: bool,
 }
 
-// SAFETY: the mapping is plain shared memory; concurrent access goes through atomics (header
-// state, ring counters) with the orderings documented in ring.rs.
+// SAFETY: the mapping is plain shared memory, owned by this value and unmapped only in Drop;
+// concurrent access goes through atomics (header state, ring counters) with the orderings
+// documented in ring.rs.
 unsafe impl Send for Segment {}
+// SAFETY: through `&Segment` the header is only read (fields written before the magic was
+// published) or changed atomically (`state`); the payload is handed out as a raw pointer.
 unsafe impl Sync for Segment {}
 
 /// `flags` plus O_NOFOLLOW, which glibc's shm_open adds and rustix's does not: a symbolic link

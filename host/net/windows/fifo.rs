@@ -25,6 +25,7 @@ pub(crate) struct Ring {
 // SAFETY: the words are atomics in memory that outlives every user of the ring (its owner joins
 // the proxy thread and producers before freeing it).
 unsafe impl Send for Ring {}
+// SAFETY: as for Send; `&Ring` reaches the memory only through those atomics.
 unsafe impl Sync for Ring {}
 
 impl Ring {
