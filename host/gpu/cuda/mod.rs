@@ -87,8 +87,8 @@ fn probe() -> std::result::Result<(), String> {
             return Err(format!("the CUDA driver is too old: it lacks {name}"));
         }
     }
-    // SAFETY: cuDriverGetVersion exists (checked above) and writes one int; it needs no cuInit.
     let mut version = 0;
+    // SAFETY: cuDriverGetVersion exists (checked above) and writes one int; it needs no cuInit.
     unsafe { sys::cuDriverGetVersion(&mut version) }
         .result()
         .map_err(|e| format!("cuDriverGetVersion failed: {}", describe(e)))?;
