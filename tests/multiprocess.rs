@@ -269,8 +269,7 @@ fn survivors_report_a_sigkilled_rank(mode: &str, expected: &str) {
         } = start_direct("child_entry", 3, &env);
         std::thread::sleep(Duration::from_millis(1500));
         let mut victim = children.pop().unwrap();
-        // SAFETY: killing our own child.
-        unsafe { libc::kill(victim.id() as i32, libc::SIGKILL) };
+        let _ = rustix::process::kill_process(rustix::process::Pid::from_child(&victim), rustix::process::Signal::KILL);
         let killed_at = Instant::now();
         for (r, c) in children.into_iter().enumerate() {
             let (status, out) = wait_bounded(c, Duration::from_secs(30));
@@ -337,8 +336,7 @@ fn ranks_on_two_hosts_between_network_namespaces() {
             .status()
             .is_ok_and(|s| s.success())
     };
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 || !ip(&format!("netns add {a}")) {
+    if !rustix::process::geteuid().is_root() || !ip(&format!("netns add {a}")) {
         println!("SKIPPED ranks_on_two_hosts_between_network_namespaces: needs root and `ip netns`");
         return;
     }

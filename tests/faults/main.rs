@@ -10,6 +10,7 @@ mod common;
 
 use common::*;
 use ferrocomm::Error;
+use rustix::process::{kill_process, Pid, Signal};
 use std::process::Child;
 use std::time::{Duration, Instant};
 
@@ -169,6 +170,13 @@ fn finish(c: Child, deadline: Instant) -> (Option<i32>, String, Instant) {
     (status.and_then(|s| s.code()), out, ended)
 }
 
+/// Sends `sig` to our child `pid` (already gone: nothing to do).
+fn signal(pid: u32, sig: Signal) {
+    if let Some(pid) = i32::try_from(pid).ok().and_then(Pid::from_raw) {
+        let _ = kill_process(pid, sig);
+    }
+}
+
 fn trials() -> u64 {
     std::env::var("FERROCOMM_FAULT_TRIALS")
         .ok()
@@ -184,8 +192,7 @@ fn kill_during(op: &str, trial: u64, seed: u64, transport: &str) -> Duration {
     // Let the ranks enter the loop, then strike at a random moment.
     std::thread::sleep(Duration::from_millis(r.gen_range(300..900)));
     let v = job.ranks.remove(victim);
-    // SAFETY: killing our own child.
-    unsafe { libc::kill(v.id() as i32, libc::SIGKILL) };
+    signal(v.id(), Signal::KILL);
     let killed = Instant::now();
     let limit = killed + Duration::from_secs(TIMEOUT_S + 1);
     let mut worst = Duration::ZERO;
@@ -251,12 +258,10 @@ fn sigkill_at_random_points_of_every_window_op_over_tcp() {
 fn a_peer_stopped_and_resumed_inside_the_timeout_does_not_fail_anyone() {
     let mut job = start("slow-peer:all_reduce", fresh_seed(), 0);
     std::thread::sleep(Duration::from_millis(500));
-    let id = job.ranks[1].id() as i32;
-    // SAFETY: stopping and resuming our own child.
-    unsafe { libc::kill(id, libc::SIGSTOP) };
+    let id = job.ranks[1].id();
+    signal(id, Signal::STOP);
     std::thread::sleep(Duration::from_millis(1500));
-    // SAFETY: as above.
-    unsafe { libc::kill(id, libc::SIGCONT) };
+    signal(id, Signal::CONT);
     for (r, c) in job.ranks.drain(..).enumerate() {
         let (code, out, _) = finish(c, Instant::now() + Duration::from_secs(60));
         assert!(code == Some(0) && out.contains("child ok"), "rank {r}:\n{out}");
