@@ -108,6 +108,9 @@
 //! Dropping the last clone closes the rank (peers still waiting on it get `Error::PeerLost`);
 //! [`Comm::finalize`] closes it explicitly, [`Comm::abort`] fails its running operation at once.
 
+// On docs.rs (nightly rustdoc, `--cfg docsrs`): items behind a cargo feature say which.
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
 // The README's code blocks are compiled and run as doctests of this empty module (only under
 // `cfg(doctest)`, so it never exists in a build or in the rendered docs). The README is not the
 // crate documentation itself (`#![doc = include_str!("../README.md")]`): it is the project's
