@@ -1,12 +1,12 @@
-// Compiles kernels/*.cu (with the device-api headers) into one fatbin embedded in the library:
-// SASS for sm_80, sm_90 and sm_100 and PTX for compute_90, so newer GPUs JIT the PTX. nvcc is
-// looked up in CUDA_HOME, on PATH, then in the project's wheel cache
-// (scripts/cuda-toolchain.sh). Without nvcc the crate still builds, and the library compiles
-// the same sources with NVRTC at run time (`cfg(ferrocomm_fatbin)` tells which).
-//
-// ptxas's resource report goes to $OUT_DIR/ptxas-report.txt. A kernel that fails to compile or
-// spills registers fails the build. FERROCOMM_REQUIRE_NVCC=1 makes a missing nvcc an error
-// (the test command sets it so CI cannot pass without compiling the kernels).
+//! Compiles kernels/*.cu (with the device-api headers) into one fatbin embedded in the library:
+//! SASS for sm_80, sm_90 and sm_100 and PTX for compute_90, so newer GPUs JIT the PTX. nvcc is
+//! looked up in CUDA_HOME, on PATH, then in the project's wheel cache
+//! (scripts/cuda-toolchain.sh). Without nvcc the crate still builds, and the library compiles
+//! the same sources with NVRTC at run time (`cfg(ferrocomm_fatbin)` tells which).
+//!
+//! ptxas's resource report goes to $OUT_DIR/ptxas-report.txt. A kernel that fails to compile or
+//! spills registers fails the build. FERROCOMM_REQUIRE_NVCC=1 makes a missing nvcc an error
+//! (the test command sets it so CI cannot pass without compiling the kernels).
 use std::path::{Path, PathBuf};
 use std::process::Command;
 

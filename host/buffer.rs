@@ -5,15 +5,21 @@ use crate::contracts::dtype::Element;
 use crate::contracts::ops::{Buf, BufMut};
 use crate::device::{DeviceSlice, DeviceSliceMut};
 
-/// A buffer a collective reads.
+/// A buffer a collective reads: `&[T]`, `&Vec<T>`, `&[T; N]`, or a view of device memory
+/// ([`DeviceSlice`], [`DeviceSliceMut`]).
 pub trait InputBuffer<'a> {
+    /// The element type; a call's input and output buffers must have the same one.
     type Elem: Element;
+    /// The untyped, borrowed buffer an [`Op`](crate::Op) carries.
     fn into_buf(self) -> Buf<'a>;
 }
 
-/// A buffer a collective writes (or reads and writes, for in-place operations).
+/// A buffer a collective writes (or reads and writes, for in-place operations): `&mut [T]`,
+/// `&mut Vec<T>`, `&mut [T; N]`, or a [`DeviceSliceMut`].
 pub trait OutputBuffer<'a> {
+    /// The element type; a call's input and output buffers must have the same one.
     type Elem: Element;
+    /// The untyped, borrowed buffer an [`Op`](crate::Op) carries.
     fn into_buf_mut(self) -> BufMut<'a>;
 }
 

@@ -10,6 +10,50 @@ use crate::contracts::ops::{equal_counts, Op, P2p};
 use crate::contracts::options::OpOptions;
 use crate::work::{Scope, Work};
 
+/// Every collective and point-to-point call, for [`Comm`] (synchronous), `&Scope`
+/// (asynchronous, see [`Comm::scope`]) and [`WithOptions`] (a per-operation timeout or hints).
+///
+/// Buffers are host slices, vectors and arrays of an [`Element`](crate::Element) type, or
+/// views of GPU memory ([`DeviceSlice`](crate::device::DeviceSlice) /
+/// [`DeviceSliceMut`](crate::device::DeviceSliceMut)). Every call checks its arguments
+/// locally before anything moves (`Error::SizeMismatch`, `InvalidRank`, `UnsupportedReduce`,
+/// ...) and is collective: every rank of the communicator makes the same calls in the same
+/// order, each with its own buffers. Reductions combine in rank order, so every rank gets
+/// bit-identical results.
+///
+/// ```
+/// use ferrocomm::prelude::*;
+///
+/// // Four ranks as threads of this process.
+/// let comms = Comm::new_group("cpu", &[Device::Cpu; 4], "sums", CommOptions::from_env()?)?;
+/// let rank_main = |c: &Comm| -> ferrocomm::Result<()> {
+///     let (rank, size) = (c.rank() as f32, c.size());
+///
+///     // all_reduce: in place, every rank gets the sum 1 + 2 + 3 + 4.
+///     let mut x = vec![rank + 1.0; 1024];
+///     c.all_reduce(&mut x, ReduceOp::Sum)?;
+///     assert!(x.iter().all(|&v| v == 10.0));
+///
+///     // reduce_scatter: rank r gets block r of the sum over ranks.
+///     let input: Vec<f32> = (0..2 * size).map(|i| i as f32 * (rank + 1.0)).collect();
+///     let mut mine = [0f32; 2];
+///     c.reduce_scatter(&mut mine, &input, ReduceOp::Sum)?;
+///     let r = c.rank() as f32;
+///     assert_eq!(mine, [2.0 * r * 10.0, (2.0 * r + 1.0) * 10.0]);
+///
+///     // broadcast from rank 2, with a per-operation timeout.
+///     let mut b = [rank as u8; 3];
+///     c.with_options(OpOptions::new().timeout(std::time::Duration::from_secs(30)))
+///         .broadcast(&mut b, 2)?;
+///     assert_eq!(b, [2, 2, 2]);
+///     Ok(())
+/// };
+/// std::thread::scope(|s| {
+///     let ranks: Vec<_> = comms.iter().map(|c| s.spawn(move || rank_main(c))).collect();
+///     ranks.into_iter().try_for_each(|h| h.join().unwrap())
+/// })?;
+/// # Ok::<(), ferrocomm::Error>(())
+/// ```
 pub trait Collectives<'a>: Sized {
     /// `()` for synchronous calls, [`Work`] for asynchronous ones.
     type Output;
@@ -29,6 +73,8 @@ pub trait Collectives<'a>: Sized {
         WithOptions { inner: self, opts }
     }
 
+    /// Issues a built operation with [`op_options`](Self::op_options): what every call below
+    /// ends in.
     fn call(&self, op: Op<'a>) -> Result<Self::Output> {
         self.issue(op, &self.op_options())
     }
@@ -155,6 +201,8 @@ pub trait Collectives<'a>: Sized {
         })
     }
 
+    /// `inputs[r]` goes to rank r; `outputs[r]` receives rank r's `inputs[rank]` (one buffer
+    /// per rank each way, of any sizes that match pairwise).
     fn all_to_all_list<O, I>(&self, outputs: Vec<O>, inputs: Vec<I>) -> Result<Self::Output>
     where
         O: OutputBuffer<'a>,
@@ -227,6 +275,8 @@ pub trait Collectives<'a>: Sized {
         })
     }
 
+    /// Returns once every rank has entered it (on device buffers' backends, also after the
+    /// current stream's earlier work).
     fn barrier(&self) -> Result<Self::Output> {
         self.call(Op::Barrier)
     }
@@ -239,6 +289,8 @@ pub trait Collectives<'a>: Sized {
         }]))
     }
 
+    /// Receives into `buf` from `peer`, which must `send` (or batch-send) exactly `buf`'s length
+    /// (on the CPU engine a message of another length is `Error::Mismatch` at the receiver).
     fn recv<O: OutputBuffer<'a>>(&self, buf: O, peer: usize) -> Result<Self::Output> {
         self.call(Op::Batch(vec![P2p::Recv {
             buf: buf.into_buf_mut(),
@@ -247,6 +299,26 @@ pub trait Collectives<'a>: Sized {
     }
 
     /// Point-to-point calls that run together (in any order without deadlock) on `issue()`.
+    ///
+    /// ```
+    /// use ferrocomm::prelude::*;
+    ///
+    /// // A ring shift: every rank sends to its right neighbour and receives from its left one.
+    /// let comms = Comm::new_group("cpu", &[Device::Cpu; 3], "ring", CommOptions::from_env()?)?;
+    /// let rank_main = |c: &Comm| -> ferrocomm::Result<()> {
+    ///     let (rank, n) = (c.rank(), c.size());
+    ///     let mine = [rank as i64; 4];
+    ///     let mut from_left = [-1i64; 4];
+    ///     c.batch().send(&mine, (rank + 1) % n).recv(&mut from_left, (rank + n - 1) % n).issue()?;
+    ///     assert_eq!(from_left, [((rank + n - 1) % n) as i64; 4]);
+    ///     Ok(())
+    /// };
+    /// std::thread::scope(|s| {
+    ///     let ranks: Vec<_> = comms.iter().map(|c| s.spawn(move || rank_main(c))).collect();
+    ///     ranks.into_iter().try_for_each(|h| h.join().unwrap())
+    /// })?;
+    /// # Ok::<(), ferrocomm::Error>(())
+    /// ```
     fn batch(&self) -> Batch<'a, '_, Self> {
         Batch {
             to: self,
@@ -263,6 +335,7 @@ pub struct Batch<'a, 'c, C: Collectives<'a>> {
 }
 
 impl<'a, C: Collectives<'a>> Batch<'a, '_, C> {
+    /// Adds a send of `buf` to `peer`.
     pub fn send<I: InputBuffer<'a>>(mut self, buf: I, peer: usize) -> Self {
         self.list.push(P2p::Send {
             buf: buf.into_buf(),
@@ -270,6 +343,7 @@ impl<'a, C: Collectives<'a>> Batch<'a, '_, C> {
         });
         self
     }
+    /// Adds a receive into `buf` from `peer`.
     pub fn recv<O: OutputBuffer<'a>>(mut self, buf: O, peer: usize) -> Self {
         self.list.push(P2p::Recv {
             buf: buf.into_buf_mut(),
@@ -277,6 +351,8 @@ impl<'a, C: Collectives<'a>> Batch<'a, '_, C> {
         });
         self
     }
+    /// Runs every transfer of the batch together: `()` once all are done on a `Comm`, one
+    /// [`Work`] for the whole batch in a scope.
     pub fn issue(self) -> Result<C::Output> {
         self.to.call(Op::Batch(self.list))
     }

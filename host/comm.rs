@@ -47,6 +47,37 @@ impl Drop for Inner {
 
 /// One rank of a communicator. Cheap to clone (clones share the rank); `Send + Sync`:
 /// operations from several threads are serialised in the order they are issued.
+///
+/// Made by [`new_comm`] (one rank per process, under a launcher) or [`Comm::new_group`] (every
+/// rank in this process, one thread each). The collectives come from the [`Collectives`]
+/// trait, windows from [`Comm::new_window`], asynchronous calls from [`Comm::scope`].
+/// Dropping the last clone closes the rank; [`Comm::finalize`] does so explicitly and reports
+/// errors.
+///
+/// ```
+/// use ferrocomm::prelude::*;
+///
+/// // Two ranks of the CPU backend in this process: rank 0 sends, rank 1 receives.
+/// let comms = Comm::new_group("cpu", &[Device::Cpu; 2], "pair", CommOptions::from_env()?)?;
+/// assert_eq!((comms[1].rank(), comms[1].size()), (1, 2));
+/// let (c0, c1) = (&comms[0], &comms[1]);
+/// let (sent, got) = std::thread::scope(|s| {
+///     let sender = s.spawn(move || c0.send(&[1.5f64, 2.5][..], 1));
+///     let receiver = s.spawn(move || {
+///         let mut buf = [0f64; 2];
+///         c1.recv(&mut buf[..], 0).map(|()| buf)
+///     });
+///     (sender.join().unwrap(), receiver.join().unwrap())
+/// });
+/// sent?;
+/// assert_eq!(got?, [1.5, 2.5]);
+/// for c in &comms {
+///     c.finalize()?;
+/// }
+/// # Ok::<(), ferrocomm::Error>(())
+/// ```
+///
+/// [`Collectives`]: crate::Collectives
 #[derive(Clone)]
 pub struct Comm {
     inner: Arc<Inner>,
@@ -79,9 +110,84 @@ fn next_generation(name: &str, rank: usize) -> u64 {
 /// Creates this process's rank of the communicator `name` on `backend` (`"cpu"`, `"auto"`, or
 /// a registered name). Collective: every rank calls it with the same name.
 ///
-/// Rank, world size and store come from `options` when set, else from the environment
-/// (torchrun, Slurm, Open MPI or PMI variables; `MASTER_ADDR`/`MASTER_PORT` or
-/// `FERROCOMM_STORE`; `FERROCOMM_TOKEN`).
+/// Rank, world size and store come from `options` when set
+/// ([`CommOptions::with_store`]), else from the environment (torchrun, Slurm, Open MPI or
+/// PMI variables; `MASTER_ADDR`/`MASTER_PORT` or `FERROCOMM_STORE`; `FERROCOMM_TOKEN`).
+///
+/// # The launcher's environment contract
+///
+/// `ferrocomm-run -n N -- prog` (like torchrun) starts `N` processes and gives each:
+///
+/// | variable | value |
+/// |---|---|
+/// | `RANK`, `WORLD_SIZE` | this process's rank, the number of ranks |
+/// | `LOCAL_RANK`, `LOCAL_WORLD_SIZE` | the same among the ranks of this host |
+/// | `MASTER_ADDR`, `MASTER_PORT` | where the job's TCP store listens |
+/// | `FERROCOMM_TOKEN` | the job secret the store demands (a fresh one per job) |
+/// | `FERROCOMM_STORE_EXTERNAL` | `1`: the launcher hosts the store, so rank 0 must not |
+///
+/// [`discover`](crate::discover) reads the rank variables (also Open MPI's, PMI's and
+/// Slurm's), [`store_from_env`](crate::store_from_env) the store's; this function does both.
+/// Without a launcher rank 0 hosts the store itself (at `MASTER_ADDR:MASTER_PORT`, or
+/// `FERROCOMM_STORE=tcp://host:port | file:///dir`).
+///
+/// # Errors
+///
+/// `Error::Config` when no launcher variables are set (and `options` names no store), a
+/// variable is malformed, or `FERROCOMM_TOKEN` is missing for a TCP store;
+/// `Error::StoreTimeout` when a rank does not arrive within the timeout; `Error::Auth` on a
+/// wrong token; `Error::UnknownBackend` / `Error::Unavailable` for the backend.
+///
+/// # Examples
+///
+/// A program started under `ferrocomm-run -n 4 -- ./prog` (or torchrun, srun, mpirun):
+///
+/// ```no_run
+/// // no_run: needs the other ranks, started by a launcher.
+/// use ferrocomm::prelude::*;
+///
+/// let comm = new_comm("cpu", Device::Cpu, "world", CommOptions::from_env()?)?;
+/// let mut x = [comm.rank() as u64];
+/// comm.all_reduce(&mut x[..], ReduceOp::Sum)?;
+/// let n = comm.size() as u64;
+/// assert_eq!(x[0], n * (n - 1) / 2);
+/// comm.finalize()?;
+/// # Ok::<(), ferrocomm::Error>(())
+/// ```
+///
+/// The same contract, played here by hand for a job of one rank: the "launcher" hosts the
+/// store and sets the variables, the "rank" only calls `new_comm`.
+///
+/// ```
+/// use ferrocomm::prelude::*;
+/// use ferrocomm::{random_token, TcpStoreServer};
+///
+/// # std::env::remove_var("FERROCOMM_STORE"); // it would win over MASTER_ADDR/MASTER_PORT
+/// // The launcher's part: a store on a free port, a fresh token, the variables.
+/// let token = random_token();
+/// let server = TcpStoreServer::bind(("127.0.0.1", 0), &token)?;
+/// for (k, v) in [
+///     ("RANK", "0".to_string()),
+///     ("WORLD_SIZE", "1".into()),
+///     ("LOCAL_RANK", "0".into()),
+///     ("LOCAL_WORLD_SIZE", "1".into()),
+///     ("MASTER_ADDR", "127.0.0.1".into()),
+///     ("MASTER_PORT", server.addr().port().to_string()),
+///     ("FERROCOMM_TOKEN", token),
+///     ("FERROCOMM_STORE_EXTERNAL", "1".into()),
+/// ] {
+///     std::env::set_var(k, v);
+/// }
+///
+/// // The rank's part.
+/// let comm = new_comm("cpu", Device::Cpu, "world", CommOptions::from_env()?)?;
+/// assert_eq!((comm.rank(), comm.size()), (0, 1));
+/// let mut x = [7i32, 8];
+/// comm.all_reduce(&mut x[..], ReduceOp::Max)?;
+/// assert_eq!(x, [7, 8]);
+/// comm.finalize()?;
+/// # Ok::<(), ferrocomm::Error>(())
+/// ```
 pub fn new_comm(backend: &str, device: Device, name: &str, options: CommOptions) -> Result<Comm> {
     let (rank, size, store, server) = match (&options.store, options.rank, options.size) {
         (Some(s), Some(r), Some(n)) => (r, n, s.clone(), None),
@@ -164,6 +270,34 @@ impl Comm {
 
     /// Creates `devices.len()` ranks of one communicator in this process, one per device (like
     /// `ncclCommInitAll`). Rank i drives `devices[i]`; give each rank to its own thread.
+    ///
+    /// The ranks rendezvous through an in-memory store, so no launcher or environment is
+    /// needed. `Error::InvalidArgument` for an empty `devices`; if one rank cannot join, the
+    /// first real error is returned.
+    ///
+    /// ```
+    /// use ferrocomm::prelude::*;
+    ///
+    /// let comms = Comm::new_group("cpu", &[Device::Cpu; 3], "trio", CommOptions::from_env()?)?;
+    /// // Collective calls block until every rank takes part: one thread per rank.
+    /// let gathered = std::thread::scope(|s| {
+    ///     let handles: Vec<_> = comms
+    ///         .iter()
+    ///         .map(|c| {
+    ///             s.spawn(move || -> ferrocomm::Result<Vec<u32>> {
+    ///                 let mut all = vec![0u32; 2 * c.size()];
+    ///                 c.all_gather(&mut all[..], &[c.rank() as u32; 2][..])?;
+    ///                 Ok(all)
+    ///             })
+    ///         })
+    ///         .collect();
+    ///     handles.into_iter().map(|h| h.join().unwrap()).collect::<ferrocomm::Result<Vec<_>>>()
+    /// })?;
+    /// for all in gathered {
+    ///     assert_eq!(all, [0, 0, 1, 1, 2, 2]);
+    /// }
+    /// # Ok::<(), ferrocomm::Error>(())
+    /// ```
     pub fn new_group(backend: &str, devices: &[Device], name: &str, options: CommOptions) -> Result<Vec<Comm>> {
         let n = devices.len();
         if n == 0 {
@@ -207,18 +341,25 @@ impl Comm {
             .collect()
     }
 
+    /// This rank, in `0..size()`.
     pub fn rank(&self) -> usize {
         self.inner.rank
     }
+    /// The number of ranks of the communicator.
     pub fn size(&self) -> usize {
         self.inner.size
     }
+    /// The name every rank gave when creating it (for a sub-communicator, the name passed to
+    /// [`Comm::split`]).
     pub fn name(&self) -> &str {
         &self.inner.name
     }
+    /// The device this rank drives.
     pub fn device(&self) -> Device {
         self.inner.device
     }
+    /// The backend name it was created with (`"cpu"`, `"device"`, `"nccl"`, `"auto"`, or a
+    /// registered one).
     pub fn backend_name(&self) -> &str {
         &self.inner.backend_name
     }
@@ -280,7 +421,8 @@ impl Comm {
         Ok(())
     }
 
-    /// Runs `op` synchronously with `opts`.
+    /// Runs `op` synchronously with `opts`: what every [`Collectives`](crate::Collectives)
+    /// call of a `Comm` ends in, for callers that build an [`Op`] themselves.
     pub fn run(&self, op: Op<'_>, opts: &OpOptions) -> Result<()> {
         self.inner.exec.run(self.prepare(op, opts)?)
     }
@@ -292,7 +434,32 @@ impl Comm {
     /// Splits off a sub-communicator. Collective over this communicator: every rank calls it,
     /// passing the (same) ordered list of ranks of the group it wants to join, or an empty list
     /// to join none. Ranks of the new communicator follow the list order. Returns `None` for
-    /// ranks in no group.
+    /// ranks in no group. The sub-communicator inherits the backend, device and options.
+    ///
+    /// Lists that are malformed (a rank out of range or twice, a group without the caller) or
+    /// that disagree between members are `Error::InvalidSplit` on every rank.
+    ///
+    /// ```
+    /// use ferrocomm::prelude::*;
+    ///
+    /// let comms = Comm::new_group("cpu", &[Device::Cpu; 4], "world", CommOptions::from_env()?)?;
+    /// let rank_main = |c: &Comm| -> ferrocomm::Result<()> {
+    ///     // Even ranks form one group, odd ranks another, in reverse order.
+    ///     let group: &[usize] = if c.rank() % 2 == 0 { &[0, 2] } else { &[3, 1] };
+    ///     let sub = c.split(group, "half")?.expect("every rank is in a group");
+    ///     assert_eq!(sub.size(), 2);
+    ///     assert_eq!(sub.rank(), group.iter().position(|&r| r == c.rank()).unwrap());
+    ///     let mut x = [c.rank() as u64];
+    ///     sub.all_reduce(&mut x[..], ReduceOp::Sum)?;
+    ///     assert_eq!(x[0], group.iter().sum::<usize>() as u64);
+    ///     Ok(())
+    /// };
+    /// std::thread::scope(|s| {
+    ///     let ranks: Vec<_> = comms.iter().map(|c| s.spawn(move || rank_main(c))).collect();
+    ///     ranks.into_iter().try_for_each(|h| h.join().unwrap())
+    /// })?;
+    /// # Ok::<(), ferrocomm::Error>(())
+    /// ```
     pub fn split(&self, ranks: &[usize], name: &str) -> Result<Option<Comm>> {
         let (me, size) = (self.inner.rank, self.inner.size);
         let generation = self.inner.splits.fetch_add(1, Ordering::Relaxed);

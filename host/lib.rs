@@ -12,20 +12,38 @@
 //! // Four ranks in this process (one thread each), on the CPU backend.
 //! let comms = Comm::new_group("cpu", &[Device::Cpu; 4], "quick", CommOptions::from_env()?)?;
 //! std::thread::scope(|s| {
-//!     for c in &comms {
-//!         s.spawn(move || -> ferrocomm::Result<()> {
-//!             let mut x = vec![c.rank() as f32 + 1.0; 8];
-//!             c.all_reduce(&mut x, ReduceOp::Sum)?;
-//!             assert_eq!(x, vec![10.0; 8]);
-//!             Ok(())
-//!         });
-//!     }
-//! });
+//!     let ranks: Vec<_> = comms
+//!         .iter()
+//!         .map(|c| {
+//!             s.spawn(move || -> ferrocomm::Result<()> {
+//!                 let mut x = vec![c.rank() as f32 + 1.0; 8];
+//!                 c.all_reduce(&mut x, ReduceOp::Sum)?;
+//!                 assert_eq!(x, vec![10.0; 8]);
+//!                 Ok(())
+//!             })
+//!         })
+//!         .collect();
+//!     ranks.into_iter().try_for_each(|h| h.join().unwrap())
+//! })?;
 //! # Ok::<(), ferrocomm::Error>(())
 //! ```
 //!
 //! Across processes, start the program with `ferrocomm-run -n 4 -- prog` (or torchrun, srun,
-//! mpirun) and call [`new_comm`]`("cpu", Device::Cpu, "world", CommOptions::from_env()?)`.
+//! mpirun) and call [`new_comm`]`("cpu", Device::Cpu, "world", CommOptions::from_env()?)`;
+//! [`new_comm`] lists the variables the launcher sets. The [`Collectives`] trait has every
+//! collective and point-to-point call, [`Comm::split`] makes sub-communicators.
+//!
+//! ## Cargo features
+//!
+//! | feature | what it adds | needs |
+//! |---|---|---|
+//! | `log-subscriber` | `ferrocomm::init_logging()`: a stderr `tracing` subscriber filtered by `FERROCOMM_LOG`, for applications without one of their own (the library never installs one) | — |
+//! | `host-kernels` | the host device, `Device::Host(i)`: the `device` backend and its kernels on CPU threads, no GPU needed | a C++20 compiler at build time |
+//! | `rdma` | RDMA verbs for window operations toward other hosts (`FERROCOMM_NET`) | rdma-core's libibverbs and libclang at build time |
+//! | `fuzzing` | `fuzzing::store_request`, the store protocol's entry point for `fuzz/` | — |
+//!
+//! Without a feature the library needs no system library at build time; the CUDA driver,
+//! NVRTC and NCCL are loaded at run time where a backend needs them.
 //!
 //! ## Windows
 //!
@@ -89,6 +107,18 @@
 //! A [`Comm`] is `Send + Sync`; calls from several threads run one at a time in issue order.
 //! Dropping the last clone closes the rank (peers still waiting on it get `Error::PeerLost`);
 //! [`Comm::finalize`] closes it explicitly, [`Comm::abort`] fails its running operation at once.
+
+// On docs.rs (nightly rustdoc, `--cfg docsrs`): items behind a cargo feature say which.
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+// The README's code blocks are compiled and run as doctests of this empty module (only under
+// `cfg(doctest)`, so it never exists in a build or in the rendered docs). The README is not the
+// crate documentation itself (`#![doc = include_str!("../README.md")]`): it is the project's
+// page (status, tests, benchmarks, layout), with links relative to the repository that would
+// break on docs.rs, while the crate docs above stay an overview of the API.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+mod readme_doctests {}
 
 // Layers, bottom up (docs/architecture.md; tests/layering.rs checks them): contracts;
 // bootstrap and net::links; gpu; net::windows; backend; the public face (the files below

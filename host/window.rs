@@ -24,6 +24,9 @@ impl Comm {
         self.new_window_with(bytes, WindowOptions::default())
     }
 
+    /// Creates a window of `bytes` per rank with `opts` (its number of signal ids).
+    /// Collective: every rank calls it with the same size and options. `Error::Unavailable`
+    /// on a backend without windows; `Error::InvalidArgument` for zero signal ids.
     pub fn new_window_with(&self, bytes: usize, opts: WindowOptions) -> Result<Window<'static>> {
         self.window(bytes, opts, None)
     }
@@ -45,6 +48,55 @@ impl Comm {
 /// One rank's handle on a window. `'buf` is the lifetime of registered user memory
 /// (`'static` for memory the window allocated). Dropping it frees this rank's part; peers that
 /// still wait on this rank then get `Error::PeerLost`.
+///
+/// Every rank owns a segment of [`bytes`](Window::bytes) bytes and a pad of signal slots; any
+/// rank puts to, gets from, signals and atomically updates any other's without the owner
+/// taking part. The ordering contract (put then signal is release, `wait_signal` is acquire)
+/// is docs/memory-model.md. Offsets are bytes; every rank, range and signal id is checked
+/// (`Error::InvalidRank`, `Error::OutOfBounds`, `Error::InvalidArgument`).
+///
+/// ```
+/// use ferrocomm::prelude::*;
+///
+/// const READY: usize = 0; // a signal id
+/// let comms = Comm::new_group("cpu", &[Device::Cpu; 3], "ring", CommOptions::from_env()?)?;
+/// let rank_main = |c: &Comm| -> ferrocomm::Result<()> {
+///     let (rank, n) = (c.rank(), c.size());
+///     let (right, left) = ((rank + 1) % n, (rank + n - 1) % n);
+///     let win = c.new_window(1024)?; // collective: 1 KiB per rank
+///     if rank == 0 {
+///         win.write_local(512, &[0u64])?; // the counter below; the barriers publish it
+///     }
+///     for step in 1..=3u64 {
+///         // Put a tile into the right neighbour's segment, then release-signal it.
+///         let tile = [rank as u32 * 100 + step as u32; 16];
+///         win.put(right, 0, &tile)?;
+///         win.signal(right, READY, SignalOp::Add, 1)?;
+///         // Acquire: once the left neighbour's signal reaches `step`, its tile is here.
+///         let seen = win.wait_signal(READY, SignalSource::Rank(left), Cmp::Ge, step)?;
+///         assert_eq!(seen.source, Some(left));
+///         let mut got = [0u32; 16];
+///         win.read_local(0, &mut got)?;
+///         assert_eq!(got, [left as u32 * 100 + step as u32; 16]);
+///         // Nobody overwrites a tile before its reader is done with it.
+///         win.barrier()?;
+///     }
+///     // An atomic counter on rank 0: every rank takes one ticket.
+///     let ticket = win.fetch_add(0, 512, 1)?;
+///     assert!(ticket < n as u64);
+///     win.barrier()?;
+///     let mut count = [0u64];
+///     win.get(0, 512, &mut count)?;
+///     assert_eq!(count[0], n as u64);
+///     // Rank 0 must not drop its segment while others still read it.
+///     win.barrier()
+/// };
+/// std::thread::scope(|s| {
+///     let ranks: Vec<_> = comms.iter().map(|c| s.spawn(move || rank_main(c))).collect();
+///     ranks.into_iter().try_for_each(|h| h.join().unwrap())
+/// })?;
+/// # Ok::<(), ferrocomm::Error>(())
+/// ```
 pub struct Window<'buf> {
     backend: Box<dyn WindowBackend>,
     comm: Comm,
@@ -67,9 +119,11 @@ impl<'buf> Window<'buf> {
         }
     }
 
+    /// This rank (its communicator's rank).
     pub fn rank(&self) -> usize {
         self.comm.rank()
     }
+    /// The number of ranks, each with a segment.
     pub fn size(&self) -> usize {
         self.comm.size()
     }
@@ -174,6 +228,8 @@ impl<'buf> Window<'buf> {
         self.wait_signal_timeout(id, from, cmp, value, self.timeout)
     }
 
+    /// [`wait_signal`](Self::wait_signal) with its own bound: `Error::Timeout` once `timeout`
+    /// passes without the condition holding (the window stays usable).
     pub fn wait_signal_timeout(
         &self,
         id: usize,

@@ -6,8 +6,12 @@ use crate::contracts::error::{Error, Result};
 /// This process's place in the job.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RankInfo {
+    /// This process's rank in the job, in `0..world_size`.
     pub rank: usize,
+    /// The number of ranks in the job.
     pub world_size: usize,
+    /// This process's rank among those of its host (`rank` where the launcher sets none): the
+    /// usual choice of GPU, `Device::Cuda(local_rank)`.
     pub local_rank: usize,
     /// Which launcher's variables were used: "torchrun", "slurm", "openmpi" or "pmi".
     pub source: &'static str,
@@ -35,6 +39,29 @@ fn parse(var: &str, v: &str) -> Result<usize> {
 /// Reads rank, world size and local rank through `lookup` (ferrocomm passes its settings' copy
 /// of the environment, `Config::var`).
 /// `Ok(None)` when no launcher variables are set at all.
+///
+/// The variables, in order of preference: torchrun's and ferrocomm-run's `RANK`, `WORLD_SIZE`,
+/// `LOCAL_RANK`; Open MPI's `OMPI_COMM_WORLD_RANK`, `_SIZE`, `_LOCAL_RANK`; PMI's `PMI_RANK`,
+/// `PMI_SIZE`, `MPI_LOCALRANKID` or `PMI_LOCAL_RANK`; Slurm's `SLURM_PROCID`, `SLURM_NTASKS`,
+/// `SLURM_LOCALID`. `Error::Config` when a value is not a number or the rank is not below the
+/// size.
+///
+/// ```
+/// use ferrocomm::discover;
+///
+/// // What `ferrocomm-run -n 4` gives its third process.
+/// let env = |k: &str| match k {
+///     "RANK" | "LOCAL_RANK" => Some("2".to_string()),
+///     "WORLD_SIZE" | "LOCAL_WORLD_SIZE" => Some("4".to_string()),
+///     _ => None,
+/// };
+/// let me = discover(env)?.expect("launcher variables are set");
+/// assert_eq!((me.rank, me.world_size, me.local_rank, me.source), (2, 4, 2, "torchrun"));
+///
+/// // The process's own environment, as `new_comm` reads it.
+/// let _here = discover(|k| std::env::var(k).ok())?;
+/// # Ok::<(), ferrocomm::Error>(())
+/// ```
 pub fn discover(lookup: impl Fn(&str) -> Option<String>) -> Result<Option<RankInfo>> {
     for (source, rank_var, size_var, local_vars) in LAUNCHERS {
         let (Some(r), Some(s)) = (lookup(rank_var), lookup(size_var)) else {
@@ -63,11 +90,33 @@ pub fn discover(lookup: impl Fn(&str) -> Option<String>) -> Result<Option<RankIn
 /// Where the job's store lives.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum StoreAddr {
-    Tcp { host: String, port: u16 },
+    /// A TCP store server (hosted by rank 0 or the launcher).
+    Tcp {
+        /// Host name or IP address (IPv6 without brackets).
+        host: String,
+        /// TCP port.
+        port: u16,
+    },
+    /// A [`FileStore`](crate::FileStore) in this directory.
     File(std::path::PathBuf),
 }
 
 /// `FERROCOMM_STORE=tcp://host:port | file:///dir`, else `MASTER_ADDR` + `MASTER_PORT`.
+/// `Error::Config` when neither is set or a value is malformed.
+///
+/// ```
+/// use ferrocomm::{store_addr, StoreAddr};
+///
+/// let torchrun = |k: &str| match k {
+///     "MASTER_ADDR" => Some("10.0.0.1".to_string()),
+///     "MASTER_PORT" => Some("29500".to_string()),
+///     _ => None,
+/// };
+/// assert_eq!(store_addr(torchrun)?, StoreAddr::Tcp { host: "10.0.0.1".into(), port: 29500 });
+/// let shared = |k: &str| (k == "FERROCOMM_STORE").then(|| "file:///shared/job7".to_string());
+/// assert_eq!(store_addr(shared)?, StoreAddr::File("/shared/job7".into()));
+/// # Ok::<(), ferrocomm::Error>(())
+/// ```
 pub fn store_addr(lookup: impl Fn(&str) -> Option<String>) -> Result<StoreAddr> {
     if let Some(s) = lookup("FERROCOMM_STORE") {
         if let Some(path) = s.strip_prefix("file://") {

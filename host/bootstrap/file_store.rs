@@ -9,6 +9,21 @@ use std::fs::{self, File, OpenOptions};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+/// A [`Store`] in a directory every rank can read and write (`FERROCOMM_STORE=file:///dir`):
+/// one file per key, so no rank has to host a server. Blocking calls poll the directory.
+///
+/// ```
+/// use ferrocomm::{FileStore, Store};
+/// use std::time::Duration;
+///
+/// let dir = std::env::temp_dir().join(format!("ferrocomm-doc-{}", std::process::id()));
+/// let (a, b) = (FileStore::new(&dir)?, FileStore::new(&dir)?); // two ranks' views
+/// a.set("rank0/addr", b"10.0.0.1")?;
+/// assert_eq!(b.get("rank0/addr", Duration::from_secs(1))?, b"10.0.0.1");
+/// assert!(b.delete("rank0/addr")?);
+/// std::fs::remove_dir_all(&dir).ok();
+/// # Ok::<(), ferrocomm::Error>(())
+/// ```
 pub struct FileStore {
     dir: PathBuf,
 }

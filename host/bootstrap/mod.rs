@@ -30,6 +30,26 @@ use std::time::Duration;
 
 /// The job store as the environment describes it. Rank 0 hosts the TCP store server unless
 /// `FERROCOMM_STORE_EXTERNAL=1` says a launcher already does (ferrocomm-run sets it).
+///
+/// Returns the store and, on the rank that hosts it, the server (keep it alive as long as any
+/// rank uses the store). The address is [`store_addr`]'s; a TCP store needs
+/// `FERROCOMM_TOKEN` (`Error::Config` without it). Clients wait up to `timeout` for the
+/// server to listen.
+///
+/// ```
+/// use ferrocomm::{store_from_env, Store};
+/// use std::time::Duration;
+///
+/// // A store in a directory: no server, no token.
+/// let dir = std::env::temp_dir().join(format!("ferrocomm-doc-store-{}", std::process::id()));
+/// std::env::set_var("FERROCOMM_STORE", format!("file://{}", dir.display()));
+/// let (store, server) = store_from_env(0, Duration::from_secs(5))?;
+/// assert!(server.is_none());
+/// store.set("hello", b"world")?;
+/// assert_eq!(store.get("hello", Duration::from_secs(1))?, b"world");
+/// std::fs::remove_dir_all(&dir).ok();
+/// # Ok::<(), ferrocomm::Error>(())
+/// ```
 pub fn store_from_env(rank: usize, timeout: Duration) -> Result<(Arc<dyn Store>, Option<TcpStoreServer>)> {
     store_from_config(&Config::from_env()?, rank, timeout)
 }

@@ -160,6 +160,7 @@ pub struct MemoryStore {
 }
 
 impl MemoryStore {
+    /// An empty store; clones share its contents.
     pub fn new() -> MemoryStore {
         MemoryStore::default()
     }
@@ -208,6 +209,8 @@ pub struct PrefixStore {
 }
 
 impl PrefixStore {
+    /// Views `inner` with every key `k` stored as `prefix/k`: how communicators and their
+    /// sub-communicators share one job store without their keys meeting.
     pub fn new(prefix: impl Into<String>, inner: Arc<dyn Store>) -> PrefixStore {
         PrefixStore {
             prefix: prefix.into(),

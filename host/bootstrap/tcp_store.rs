@@ -51,6 +51,9 @@ impl TcpStoreServer {
         Self::bind_with_cap(addr, token, DEFAULT_MAX_FRAME)
     }
 
+    /// As [`bind`](Self::bind), with requests capped at `max_frame` bytes instead of
+    /// [`DEFAULT_MAX_FRAME`]: a client that sends a larger frame is disconnected.
+    /// `Error::Config` for an empty token, `Error::Io` when the address cannot be bound.
     pub fn bind_with_cap(addr: impl ToSocketAddrs, token: &str, max_frame: u32) -> Result<TcpStoreServer> {
         if token.is_empty() {
             return Err(Error::Config(
@@ -115,6 +118,7 @@ impl TcpStoreServer {
         })
     }
 
+    /// The address the server listens on (with the port the system chose for port 0).
     pub fn addr(&self) -> SocketAddr {
         self.addr
     }

@@ -15,17 +15,24 @@ use std::time::Duration;
 
 /// Everything a backend needs to join a communicator.
 pub struct BackendInit<'a> {
+    /// The rank the backend plays, in `0..size`.
     pub rank: usize,
+    /// The number of ranks of the communicator.
     pub size: usize,
     /// A store namespace private to this communicator.
     pub store: Arc<dyn Store>,
+    /// The communicator's name (the same on every rank).
     pub name: &'a str,
+    /// The device this rank drives.
     pub device: Device,
+    /// The communicator's options (timeout, hints, transport settings).
     pub options: &'a CommOptions,
 }
 
 /// Per-operation settings, resolved against the communicator's defaults.
 pub struct RunOptions<'a> {
+    /// How long the operation may take: the operation's own timeout, else the
+    /// communicator's. A backend fails with `Error::Timeout` once it passes.
     pub timeout: Duration,
     /// The communicator's hints overridden key by key by the operation's own. A backend
     /// ignores (with a debug event) a key it does not know or a value it cannot honour for
@@ -71,11 +78,62 @@ pub(crate) fn unknown_hints_ignored(backend: &str, op: &str, hints: &BTreeMap<St
 /// The communicator calls `run` for one operation at a time, in issue order, after validating
 /// the operation's local arguments; `abort` may be called from any thread at any time and must
 /// make a running `run` return promptly.
+///
+/// ```
+/// use ferrocomm::prelude::*;
+/// use ferrocomm::{backend_factory, register_backend, Backend, BackendInit, Op, RunOptions};
+/// use std::sync::{atomic::{AtomicUsize, Ordering}, Arc};
+///
+/// /// Counts the operations it runs, then hands them to the CPU backend.
+/// struct Counting {
+///     inner: Box<dyn Backend>,
+///     ops: Arc<AtomicUsize>,
+/// }
+///
+/// impl Backend for Counting {
+///     fn name(&self) -> &'static str {
+///         "counting"
+///     }
+///     fn run(&self, op: &mut Op<'_>, opts: &RunOptions) -> ferrocomm::Result<()> {
+///         self.ops.fetch_add(1, Ordering::Relaxed);
+///         self.inner.run(op, opts)
+///     }
+///     fn abort(&self) {
+///         self.inner.abort()
+///     }
+///     fn finalize(&self) -> ferrocomm::Result<()> {
+///         self.inner.finalize()
+///     }
+/// }
+///
+/// let ops = Arc::new(AtomicUsize::new(0));
+/// let (cpu, count) = (backend_factory("cpu")?, ops.clone());
+/// register_backend(
+///     "counting",
+///     Arc::new(move |init: &BackendInit| {
+///         Ok(Box::new(Counting { inner: cpu(init)?, ops: count.clone() }) as Box<dyn Backend>)
+///     }),
+/// );
+/// let comm = Comm::new_group("counting", &[Device::Cpu], "counted", CommOptions::from_env()?)?.remove(0);
+/// comm.barrier()?;
+/// let mut x = [1u8];
+/// comm.broadcast(&mut x[..], 0)?;
+/// assert_eq!(ops.load(Ordering::Relaxed), 2);
+/// # Ok::<(), ferrocomm::Error>(())
+/// ```
 pub trait Backend: Send + Sync {
+    /// The backend's name, as logs and errors print it.
     fn name(&self) -> &'static str;
     /// Executes `op` to completion (or fails within `opts.timeout`).
     fn run(&self, op: &mut Op<'_>, opts: &RunOptions) -> Result<()>;
+    /// Makes a running `run` return promptly with an error, from any thread; the communicator
+    /// refuses later operations itself. The built-in backends also tell peers, which get
+    /// `Error::PeerLost` naming this rank.
     fn abort(&self);
+    /// Completes what is pending and releases the rank's resources ([`Comm::finalize`]);
+    /// no operation follows it.
+    ///
+    /// [`Comm::finalize`]: crate::Comm::finalize
     fn finalize(&self) -> Result<()>;
     /// Makes the backend of a sub-communicator from this one (as `ncclCommSplit` does), or
     /// `None` to have it built from the registry like any new communicator. Collective over

@@ -330,6 +330,7 @@ pub enum NetTransport {
     /// RDMA where the library has the `rdma` feature and a device with an active port opens,
     /// else TCP (the default).
     Auto,
+    /// TCP links only, even where RDMA would work.
     Tcp,
     /// RDMA verbs or an error saying why not.
     Rdma,

@@ -7,19 +7,30 @@ use half::{bf16, f16};
 #[repr(u8)]
 #[non_exhaustive]
 pub enum DType {
+    /// IEEE 754 binary32 (`f32`).
     F32 = 1,
+    /// IEEE 754 binary64 (`f64`).
     F64 = 2,
+    /// IEEE 754 binary16 ([`f16`](crate::f16)); reductions combine in `f32`.
     F16 = 3,
+    /// bfloat16 ([`bf16`](crate::bf16)); reductions combine in `f32`.
     BF16 = 4,
+    /// Signed 8-bit integer (`i8`); arithmetic wraps.
     I8 = 5,
+    /// Unsigned 8-bit integer (`u8`); arithmetic wraps.
     U8 = 6,
+    /// Signed 32-bit integer (`i32`); arithmetic wraps.
     I32 = 7,
+    /// Signed 64-bit integer (`i64`); arithmetic wraps.
     I64 = 8,
+    /// Unsigned 32-bit integer (`u32`); arithmetic wraps.
     U32 = 9,
+    /// Unsigned 64-bit integer (`u64`); arithmetic wraps.
     U64 = 10,
 }
 
 impl DType {
+    /// Every element type, in the order of their wire codes.
     pub const ALL: [DType; 10] = [
         DType::F32,
         DType::F64,
@@ -33,6 +44,7 @@ impl DType {
         DType::U64,
     ];
 
+    /// Bytes per element (1, 2, 4 or 8).
     pub fn size(self) -> usize {
         match self {
             DType::I8 | DType::U8 => 1,
@@ -42,10 +54,12 @@ impl DType {
         }
     }
 
+    /// Whether the type is a floating-point one (bitwise reductions are refused on these).
     pub fn is_float(self) -> bool {
         matches!(self, DType::F32 | DType::F64 | DType::F16 | DType::BF16)
     }
 
+    /// The Rust name of the type (`"f32"`, `"bf16"`, ...), as errors and logs print it.
     pub fn name(self) -> &'static str {
         match self {
             DType::F32 => "f32",
@@ -80,6 +94,13 @@ mod sealed {
 /// library takes of these slices are sound only for types without padding or invalid bit
 /// patterns, which is exactly this list.
 pub trait Element: sealed::Sealed + Copy + Send + Sync + 'static {
+    /// The [`DType`] that buffers of this type carry.
+    ///
+    /// ```
+    /// use ferrocomm::{bf16, DType, Element};
+    /// assert_eq!(<bf16 as Element>::DTYPE, DType::BF16);
+    /// assert_eq!(u64::DTYPE.size(), 8);
+    /// ```
     const DTYPE: DType;
 }
 
@@ -107,20 +128,29 @@ pub(crate) fn as_bytes_mut<T: Element>(s: &mut [T]) -> &mut [u8] {
 #[derive(Clone, Copy, Debug, PartialEq)]
 #[non_exhaustive]
 pub enum ReduceOp {
+    /// Elementwise sum.
     Sum,
+    /// Elementwise product.
     Prod,
+    /// Elementwise minimum (exact: no rounding).
     Min,
+    /// Elementwise maximum (exact: no rounding).
     Max,
     /// Sum divided by the number of ranks (integer division for integer types).
     Avg,
+    /// Bitwise AND; integer types only (`Error::UnsupportedReduce` on floats).
     BAnd,
+    /// Bitwise OR; integer types only (`Error::UnsupportedReduce` on floats).
     BOr,
+    /// Bitwise exclusive OR; integer types only (`Error::UnsupportedReduce` on floats).
     BXor,
-    /// Each rank's input is multiplied by the scalar before the sum.
+    /// Each rank's input is multiplied by the scalar before the sum; the scalar must be
+    /// finite (`Error::InvalidArgument` otherwise).
     PremulSum(f64),
 }
 
 impl ReduceOp {
+    /// Whether the op is `BAnd`, `BOr` or `BXor`, defined on integer types only.
     pub fn is_bitwise(self) -> bool {
         matches!(self, ReduceOp::BAnd | ReduceOp::BOr | ReduceOp::BXor)
     }

@@ -19,6 +19,8 @@ pub trait Fence: Send + Sync {
 pub struct FenceSlot(Mutex<Option<Box<dyn Fence>>>);
 
 impl FenceSlot {
+    /// Leaves `fence` for the operation's waiter (replacing any earlier one): `Work::wait`
+    /// then orders the waiter's stream after it, and `Work::is_completed` asks it.
     pub fn set(&self, fence: Box<dyn Fence>) {
         *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(fence);
     }

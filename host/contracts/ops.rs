@@ -9,6 +9,7 @@ use crate::contracts::error::{Error, Result};
 /// Where a buffer's bytes live.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Location {
+    /// Ordinary host memory (also the memory of the host device, `Device::Host`).
     Host,
     /// Memory of CUDA device `ordinal` (a device pointer; ranks in one process may share it).
     Cuda(usize),
@@ -17,8 +18,11 @@ pub enum Location {
 /// Bytes in device memory: a device pointer, never dereferenced on the host.
 #[derive(Clone, Copy, Debug)]
 pub struct DeviceBytes {
+    /// The CUDA device the memory belongs to.
     pub ordinal: usize,
+    /// The device address of the first byte (a `CUdeviceptr`).
     pub ptr: u64,
+    /// Length, bytes.
     pub len: usize,
 }
 
@@ -63,6 +67,7 @@ pub struct BufMut<'a> {
 const DEVICE_ON_HOST: &str = "host_bytes called on a device buffer; backends check Op::location first";
 
 impl<'a> Buf<'a> {
+    /// Views a host slice; its element type becomes the buffer's [`DType`].
     pub fn new<T: Element>(s: &'a [T]) -> Self {
         Buf {
             bytes: Bytes::Host(as_bytes(s)),
@@ -82,18 +87,22 @@ impl<'a> Buf<'a> {
             dtype,
         }
     }
+    /// The element type.
     pub fn dtype(&self) -> DType {
         self.dtype
     }
+    /// Length in bytes.
     pub fn byte_len(&self) -> usize {
         match &self.bytes {
             Bytes::Host(b) => b.len(),
             Bytes::Device(d) => d.len,
         }
     }
+    /// Length in elements of [`dtype`](Self::dtype).
     pub fn count(&self) -> usize {
         self.byte_len() / self.dtype.size()
     }
+    /// Whether the bytes are in host or device memory (and on which device).
     pub fn location(&self) -> Location {
         match &self.bytes {
             Bytes::Host(_) => Location::Host,
@@ -146,6 +155,7 @@ impl<'a> Buf<'a> {
 }
 
 impl<'a> BufMut<'a> {
+    /// Views a mutable host slice; its element type becomes the buffer's [`DType`].
     pub fn new<T: Element>(s: &'a mut [T]) -> Self {
         BufMut {
             bytes: BytesMut::Host(as_bytes_mut(s)),
@@ -164,30 +174,37 @@ impl<'a> BufMut<'a> {
             dtype,
         }
     }
+    /// The element type.
     pub fn dtype(&self) -> DType {
         self.dtype
     }
+    /// Length in bytes.
     pub fn byte_len(&self) -> usize {
         match &self.bytes {
             BytesMut::Host(b) => b.len(),
             BytesMut::Device(d) => d.len,
         }
     }
+    /// Length in elements of [`dtype`](Self::dtype).
     pub fn count(&self) -> usize {
         self.byte_len() / self.dtype.size()
     }
+    /// Whether the bytes are in host or device memory (and on which device).
     pub fn location(&self) -> Location {
         match &self.bytes {
             BytesMut::Host(_) => Location::Host,
             BytesMut::Device(d) => Location::Cuda(d.ordinal),
         }
     }
+    /// The device pointer, for a buffer in device memory.
     pub fn device_bytes(&self) -> Option<DeviceBytes> {
         match &self.bytes {
             BytesMut::Host(_) => None,
             BytesMut::Device(d) => Some(*d),
         }
     }
+    /// The host bytes of the buffer.
+    ///
     /// # Panics
     /// If the buffer is in device memory (see [`Buf::host_bytes`]).
     pub fn host_bytes(&self) -> &[u8] {
@@ -196,6 +213,8 @@ impl<'a> BufMut<'a> {
             BytesMut::Device(_) => panic!("{DEVICE_ON_HOST}"),
         }
     }
+    /// The host bytes of the buffer, for writing.
+    ///
     /// # Panics
     /// If the buffer is in device memory (see [`Buf::host_bytes`]).
     pub fn host_bytes_mut(&mut self) -> &mut [u8] {
@@ -273,56 +292,92 @@ pub(crate) fn equal_counts(op: &'static str, len: usize, size: usize) -> Result<
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum P2p<'a> {
-    Send { buf: Buf<'a>, peer: usize },
-    Recv { buf: BufMut<'a>, peer: usize },
+    /// Send `buf` to rank `peer`, which posts a matching [`P2p::Recv`].
+    Send {
+        /// The bytes to send.
+        buf: Buf<'a>,
+        /// The receiving rank.
+        peer: usize,
+    },
+    /// Receive into `buf` from rank `peer`, which posts a matching [`P2p::Send`] of the same
+    /// length.
+    Recv {
+        /// Where the message lands; its length must equal the sender's.
+        buf: BufMut<'a>,
+        /// The sending rank.
+        peer: usize,
+    },
 }
 
 /// A communication operation with its buffers, as a backend receives it.
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum Op<'a> {
+    /// `buf` is reduced in place over all ranks; every rank gets the same result.
     AllReduce {
+        /// This rank's contribution, overwritten with the result.
         buf: BufMut<'a>,
+        /// How elements combine.
         op: ReduceOp,
     },
     /// The result lands in `root`'s buffer; the other ranks' buffers are left unchanged.
     Reduce {
+        /// This rank's contribution; on `root`, overwritten with the result.
         buf: BufMut<'a>,
+        /// How elements combine.
         op: ReduceOp,
+        /// The rank that receives the result.
         root: usize,
     },
+    /// `root`'s `buf` is copied into every other rank's `buf`.
     Broadcast {
+        /// The data on `root`; the destination elsewhere (same length on every rank).
         buf: BufMut<'a>,
+        /// The rank whose buffer is sent.
         root: usize,
     },
     /// `outputs[r]` receives rank r's `input`.
     AllGather {
+        /// This rank's contribution.
         input: Buf<'a>,
+        /// One buffer per rank, in rank order; `outputs[r]` has rank r's input length.
         outputs: Vec<BufMut<'a>>,
     },
     /// `output` receives the reduction over ranks of their `inputs[rank]`.
     ReduceScatter {
+        /// One part per rank, in rank order; part r is reduced into rank r's `output`.
         inputs: Vec<Buf<'a>>,
+        /// This rank's part of the reduced result.
         output: BufMut<'a>,
+        /// How elements combine.
         op: ReduceOp,
     },
     /// `outputs[r]` receives rank r's `inputs[rank]`.
     AllToAll {
+        /// One part per rank: `inputs[r]` goes to rank r.
         inputs: Vec<Buf<'a>>,
+        /// One part per rank: `outputs[r]` comes from rank r.
         outputs: Vec<BufMut<'a>>,
     },
     /// Root's `inputs[r]` goes to rank r's `output`; `inputs` is `None` off the root.
     Scatter {
+        /// On `root`, one part per rank, in rank order; `None` elsewhere.
         inputs: Option<Vec<Buf<'a>>>,
+        /// This rank's part.
         output: BufMut<'a>,
+        /// The rank that holds the parts.
         root: usize,
     },
     /// Rank r's `input` goes to root's `outputs[r]`; `outputs` is `None` off the root.
     Gather {
+        /// This rank's contribution.
         input: Buf<'a>,
+        /// On `root`, one buffer per rank, in rank order; `None` elsewhere.
         outputs: Option<Vec<BufMut<'a>>>,
+        /// The rank that collects.
         root: usize,
     },
+    /// Returns on each rank once every rank has entered it.
     Barrier,
     /// Point-to-point transfers progressed together; never deadlocks whatever their order.
     Batch(Vec<P2p<'a>>),

@@ -10,8 +10,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// The default timeout of every blocking operation: `FERROCOMM_TIMEOUT` seconds, else 600 s.
-/// Reads the whole environment's settings afresh ([`Config`]), so any malformed `FERROCOMM_*`
-/// variable is an error here too.
+/// Reads the whole environment's settings afresh (every `FERROCOMM_*` variable), so any
+/// malformed variable is an `Error::Config` here too.
 pub fn default_timeout() -> Result<Duration> {
     Ok(Config::from_env()?.timeout)
 }
@@ -32,7 +32,9 @@ pub struct TransportOptions {
 }
 
 impl TransportOptions {
-    /// The transport settings of a fresh read of the environment ([`Config`]).
+    /// The transport settings of a fresh read of the environment (`FERROCOMM_SHM_RING_BYTES`,
+    /// `FERROCOMM_TRANSPORT`, `FERROCOMM_NET`, `FERROCOMM_SOCKET_ADDR`); `Error::Config` when
+    /// any `FERROCOMM_*` variable is malformed.
     pub fn from_env() -> Result<TransportOptions> {
         TransportOptions::from_config(&Config::from_env()?)
     }
@@ -87,8 +89,11 @@ pub struct CommOptions {
     pub timeout: Duration,
     /// The store to rendezvous through; default: from the environment (see `bootstrap`).
     pub store: Option<Arc<dyn Store>>,
-    /// This rank and the world size; default: from the launcher's environment variables.
+    /// This rank; default: from the launcher's environment variables. Set together with
+    /// `store` and `size` ([`with_store`](Self::with_store)).
     pub rank: Option<usize>,
+    /// The world size; default: from the launcher's environment variables. Set together with
+    /// `store` and `rank`.
     pub size: Option<usize>,
     /// Backend hints (`key = value` strings): the defaults of every operation's hints. An
     /// operation's own hints ([`OpOptions::hints`]) override these key by key.
@@ -105,6 +110,8 @@ pub struct CommOptions {
     /// Hints must be the same on every rank: they may pick the algorithm every rank runs.
     /// The README lists each backend's hints.
     pub hints: BTreeMap<String, String>,
+    /// How ranks reach each other (shared-memory ring size, TCP, the network path of
+    /// windows); from the `FERROCOMM_*` transport variables.
     pub transport: TransportOptions,
     /// Before every operation, check across ranks that all of them are making the same call
     /// with matching sizes, and fail it with `Error::Mismatch` otherwise
@@ -138,11 +145,40 @@ impl CommOptions {
         })
     }
 
+    /// Sets the default timeout of every operation (see [`CommOptions::timeout`]).
     pub fn with_timeout(mut self, t: Duration) -> Self {
         self.timeout = t;
         self
     }
 
+    /// Rendezvous through `store` as rank `rank` of `size`, instead of the launcher's
+    /// environment: every rank passes the same store (shared memory, a directory, a TCP
+    /// server) and its own rank.
+    ///
+    /// ```
+    /// use ferrocomm::prelude::*;
+    /// use ferrocomm::{MemoryStore, Store};
+    /// use std::sync::Arc;
+    ///
+    /// let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    /// let totals = std::thread::scope(|s| {
+    ///     let ranks: Vec<_> = (0..2)
+    ///         .map(|rank| {
+    ///             let store = store.clone();
+    ///             s.spawn(move || -> ferrocomm::Result<u32> {
+    ///                 let opts = CommOptions::from_env()?.with_store(store, rank, 2);
+    ///                 let comm = new_comm("cpu", Device::Cpu, "stored", opts)?;
+    ///                 let mut x = [rank as u32 + 1];
+    ///                 comm.all_reduce(&mut x[..], ReduceOp::Sum)?;
+    ///                 Ok(x[0])
+    ///             })
+    ///         })
+    ///         .collect();
+    ///     ranks.into_iter().map(|h| h.join().unwrap()).collect::<ferrocomm::Result<Vec<_>>>()
+    /// })?;
+    /// assert_eq!(totals, [3, 3]);
+    /// # Ok::<(), ferrocomm::Error>(())
+    /// ```
     pub fn with_store(mut self, store: Arc<dyn Store>, rank: usize, size: usize) -> Self {
         self.store = Some(store);
         self.rank = Some(rank);
@@ -150,6 +186,7 @@ impl CommOptions {
         self
     }
 
+    /// Sets [`CommOptions::check_calls`]: compare every call across ranks before it runs.
     pub fn with_check_calls(mut self, on: bool) -> Self {
         self.check_calls = on;
         self

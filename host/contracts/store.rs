@@ -6,8 +6,24 @@ use std::net::IpAddr;
 use std::time::Duration;
 
 /// A rendezvous store, shared by every rank of a job. Blocking calls take a timeout and end in
-/// `Error::Timeout` naming the key they waited for.
+/// `Error::StoreTimeout` naming the key they waited for.
+///
+/// ```
+/// use ferrocomm::{MemoryStore, PrefixStore, Store};
+/// use std::{sync::Arc, time::Duration};
+///
+/// let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+/// let job = PrefixStore::new("job7", store.clone());
+/// job.set("addr", b"10.0.0.1:4000")?;
+/// assert_eq!(store.get("job7/addr", Duration::from_secs(1))?, b"10.0.0.1:4000");
+/// assert_eq!(job.add("arrived", 1)?, 1);
+/// assert_eq!(job.add("arrived", 1)?, 2);
+/// let err = job.get("never", Duration::from_millis(10)).unwrap_err();
+/// assert!(matches!(err, ferrocomm::Error::StoreTimeout { .. }), "{err}");
+/// # Ok::<(), ferrocomm::Error>(())
+/// ```
 pub trait Store: Send + Sync {
+    /// Stores `value` under `key`, replacing any earlier value, and wakes its waiters.
     fn set(&self, key: &str, value: &[u8]) -> Result<()>;
     /// Waits until `key` exists, then returns its value.
     fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>>;

@@ -22,15 +22,28 @@ pub enum SignalOp {
 /// The comparison a `wait_signal` waits for: `slot <cmp> value`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Cmp {
+    /// `slot == value`.
     Eq,
+    /// `slot != value`.
     Ne,
+    /// `slot >= value` (the usual wait for an epoch counter).
     Ge,
+    /// `slot > value`.
     Gt,
+    /// `slot <= value`.
     Le,
+    /// `slot < value`.
     Lt,
 }
 
 impl Cmp {
+    /// Whether `have <cmp> want` holds, `have` being the slot's value.
+    ///
+    /// ```
+    /// use ferrocomm::Cmp;
+    /// assert!(Cmp::Ge.holds(3, 3));
+    /// assert!(!Cmp::Gt.holds(3, 3));
+    /// ```
     pub fn holds(self, have: u64, want: u64) -> bool {
         match self {
             Cmp::Eq => have == want,
@@ -80,22 +93,37 @@ impl Default for WindowOptions {
 pub struct WindowSpec {
     /// Unique per communicator, equal on every rank.
     pub id: u64,
+    /// Bytes of data per rank (the segment's user part).
     pub bytes: usize,
+    /// Signal ids per source rank.
     pub signals: usize,
     /// User memory to expose (`register`), or `None` to allocate.
     pub registered: Option<*mut u8>,
+    /// Bound of every wait of the window (its communicator's timeout).
     pub timeout: Duration,
 }
 
 /// A backend's window for one rank. `Window` has checked ranks, ranges and ids before any call.
+/// Each method implements the verb of the same name of [`Window`](crate::Window) with the
+/// guarantees of docs/memory-model.md.
 pub trait WindowBackend: Send + Sync {
+    /// Copies `src` into rank `dst`'s segment at byte `offset`; `src` is reusable on return.
     fn put(&self, dst: usize, offset: usize, src: &[u8]) -> Result<()>;
+    /// Copies rank `src`'s segment at byte `offset` into `dst`, complete on return.
     fn get(&self, src: usize, offset: usize, dst: &mut [u8]) -> Result<()>;
+    /// Release-writes this rank's slot of signal `id` on rank `dst` (rule 1).
     fn signal(&self, dst: usize, id: usize, op: SignalOp, value: u64) -> Result<()>;
+    /// Waits (acquire, rule 2) until signal `id` from `from` satisfies `cmp value` on this
+    /// rank's pad; `Error::Timeout` after `timeout`.
     fn wait_signal(&self, id: usize, from: SignalSource, cmp: Cmp, value: u64, timeout: Duration) -> Result<Observed>;
+    /// Atomically adds `value` to the aligned u64 at `dst`:`offset`; returns the old value.
     fn fetch_add(&self, dst: usize, offset: usize, value: u64) -> Result<u64>;
+    /// Atomically replaces the aligned u64 at `dst`:`offset` by `desired` if it equals
+    /// `expected`; returns the old value.
     fn compare_swap(&self, dst: usize, offset: usize, expected: u64, desired: u64) -> Result<u64>;
+    /// Orders this rank's earlier puts and signals to each target before its later ones.
     fn fence(&self) -> Result<()>;
+    /// Waits until every earlier put, signal and atomic of this rank is complete at its target.
     fn flush(&self) -> Result<()>;
     /// This rank's segment.
     fn local_base(&self) -> *mut u8;

@@ -451,6 +451,7 @@ mod tests {
 pub struct NcclLibrary {
     /// `2.21.5`.
     pub version: String,
+    /// The file that was loaded.
     pub path: std::path::PathBuf,
 }
 

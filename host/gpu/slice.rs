@@ -13,13 +13,57 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use std::marker::PhantomData;
 
 /// Read-only device memory of `len` elements of `T`.
+///
+/// Collectives take it wherever they take `&[T]`; [`DeviceSliceMut`] goes where they take
+/// `&mut [T]`. All buffers of one call must be on the communicator's GPU
+/// (`Error::InvalidArgument` otherwise). A synchronous call on device buffers is enqueued on
+/// the thread's current stream ([`use_stream`](crate::device::use_stream); the legacy default
+/// stream otherwise) and returns before the GPU has run it, like a kernel launch.
+///
+/// ```no_run
+/// // no_run: needs a CUDA GPU.
+/// use ferrocomm::device::{self, DeviceSlice, DeviceSliceMut};
+/// use ferrocomm::prelude::*;
+///
+/// type AnyError = Box<dyn std::error::Error + Send + Sync>;
+///
+/// // Two ranks on GPU 0, one thread each, each with a stream of its own.
+/// let comms = Comm::new_group("device", &[Device::Cuda(0); 2], "gpu", CommOptions::from_env()?)?;
+/// let rank_main = |c: &Comm| -> Result<(), AnyError> {
+///     let stream = device::new_stream(0)?;
+///     let _current = device::use_stream(&stream);
+///     let r = c.rank() as f32;
+///
+///     // all_reduce in place on a cudarc allocation, enqueued on `stream`.
+///     let mut grads = stream.clone_htod(&[r + 1.0; 1024])?;
+///     c.all_reduce(DeviceSliceMut::new(&mut grads)?, ReduceOp::Sum)?;
+///
+///     // all_gather from a read-only view into a writable one.
+///     let mine = stream.clone_htod(&[r; 4])?;
+///     let mut all = stream.alloc_zeros::<f32>(4 * c.size())?;
+///     c.all_gather(DeviceSliceMut::new(&mut all)?, DeviceSlice::new(&mine)?)?;
+///
+///     // Copies on the same stream come after the collectives.
+///     let (grads, all) = (stream.clone_dtoh(&grads)?, stream.clone_dtoh(&all)?);
+///     stream.synchronize()?;
+///     assert!(grads.iter().all(|&v| v == 3.0));
+///     assert_eq!(all, [0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0]);
+///     Ok(())
+/// };
+/// std::thread::scope(|s| {
+///     let ranks: Vec<_> = comms.iter().map(|c| s.spawn(move || rank_main(c))).collect();
+///     ranks.into_iter().try_for_each(|h| h.join().unwrap())
+/// })?;
+/// # Ok::<(), AnyError>(())
+/// ```
 #[derive(Clone, Copy, Debug)]
 pub struct DeviceSlice<'a, T> {
     bytes: DeviceBytes,
     _borrow: PhantomData<&'a [T]>,
 }
 
-/// Writable device memory of `len` elements of `T`.
+/// Writable device memory of `len` elements of `T`: the output (or in-place) buffer of a
+/// collective on device memory. See [`DeviceSlice`] for an example.
 #[derive(Debug)]
 pub struct DeviceSliceMut<'a, T> {
     bytes: DeviceBytes,
@@ -89,6 +133,7 @@ macro_rules! common {
             pub fn len(&self) -> usize {
                 self.bytes.len / std::mem::size_of::<T>()
             }
+            /// Whether the view has no elements.
             pub fn is_empty(&self) -> bool {
                 self.bytes.len == 0
             }
@@ -96,6 +141,7 @@ macro_rules! common {
             pub fn ordinal(&self) -> usize {
                 self.bytes.ordinal
             }
+            /// The device address of the first element (a `CUdeviceptr`).
             pub fn device_ptr(&self) -> u64 {
                 self.bytes.ptr
             }

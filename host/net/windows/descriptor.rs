@@ -4,15 +4,23 @@
 
 use crate::contracts::window::SignalOp;
 
+/// Op code of a put descriptor (bits 56..62 of word 0; `FERROCOMM_PROXY_PUT`).
 pub const PUT: u64 = 1;
+/// Op code of a signal descriptor (bits 56..62 of word 0; `FERROCOMM_PROXY_SIGNAL`).
 pub const SIGNAL: u64 = 2;
+/// Bit of word 0 that carries the lap parity (see [`parity`]).
 pub const PARITY_BIT: u32 = 63;
+/// Shift of the op code in word 0.
 pub const OP_SHIFT: u32 = 56;
+/// Shift of the target rank (16 bits) in word 0.
 pub const PEER_SHIFT: u32 = 40;
+/// Shift of a put's byte count (24 bits) in word 1.
 pub const BYTES_SHIFT: u32 = 40;
+/// Mask of the 40-bit window offsets (windows up to 1 TiB).
 pub const OFFSET_MASK: u64 = (1 << 40) - 1;
 /// Bytes per PUT descriptor; larger puts take several.
 pub const MAX_PUT: usize = 1 << 23;
+/// The largest rank a descriptor can name (16 bits).
 pub const MAX_PEER: usize = 0xffff;
 /// The largest window whose offsets fit a descriptor (40 bits).
 pub const MAX_WINDOW_BYTES: usize = 1 << 40;
@@ -22,16 +30,24 @@ pub const MAX_WINDOW_BYTES: usize = 1 << 40;
 pub enum Descriptor {
     /// `bytes` from offset `src` of our window data to offset `dst` of `peer`'s.
     Put {
+        /// The target rank.
         peer: usize,
+        /// Byte offset in the target's window data.
         dst: usize,
+        /// Byte offset in this rank's window data.
         src: usize,
+        /// Length, bytes (at most [`MAX_PUT`]).
         bytes: usize,
     },
     /// Signal `id` of `peer`'s pad, our slot.
     Signal {
+        /// The target rank.
         peer: usize,
+        /// The signal id (below the window's signal count).
         id: usize,
+        /// Whether `value` replaces the slot or is added to it.
         op: SignalOp,
+        /// The operand.
         value: u64,
     },
 }
@@ -121,8 +137,11 @@ impl Descriptor {
 /// The window a queue serves, for checking descriptors.
 #[derive(Clone, Copy, Debug)]
 pub struct Limits {
+    /// Ranks of the window's communicator.
     pub size: usize,
+    /// Bytes of window data per rank.
     pub bytes: usize,
+    /// Signal ids per source rank.
     pub signals: usize,
 }
 
