@@ -48,7 +48,7 @@ fn sweep(a: &Args) -> Result<(), Failure> {
 
 fn main() -> ExitCode {
     let result = match cli::parse() {
-        Invocation::Sweep(a) => sweep(&a),
+        Invocation::Sweep(a) => ferrocomm::init_logging().map_err(Failure::from).and_then(|_| sweep(&a)),
         Invocation::Plot(p) => plot::run(&p),
         Invocation::Completions(shell) => {
             clap_complete::generate(
