@@ -1,5 +1,6 @@
 """Turns the JSON of scripts/cpu_compare.sh into the collectives section of
-docs/results/cpu.md (between the markers below, replaced on every run) and a plot.
+docs/results/cpu.md (between the markers below, replaced on every run), which shows the plot
+PLOT_PNG (`ferrocomm-bench plot` draws it from the same JSON).
 
     compare_report.py JSON_DIR CPU_MD PLOT_PNG COMMIT COMMAND
 """
@@ -105,7 +106,8 @@ def main():
                 verdicts.append(f"- all_reduce bandwidth, 2 processes, 64 MiB: paired busbw ratio to MPICH "
                                 f"{bw:.2f} (goal ≥ 0.9): {'met' if bw >= 0.9 else 'NOT met'}.")
     lines[header_end:header_end] = ["Goals:", ""] + verdicts + [""]
-    lines += [f"![latency and bus bandwidth](./{os.path.basename(png)})", "", END]
+    lines += [f"![latency and bus bandwidth](./{os.path.basename(png)})", "",
+              "Drawn by `ferrocomm-bench plot` from the same JSON (each size's fastest run per tool).", "", END]
     section = "\n".join(lines)
 
     text = open(md).read() if os.path.exists(md) else "# CPU results\n"
@@ -114,29 +116,6 @@ def main():
     else:
         text = text.rstrip() + "\n\n" + section + "\n"
     open(md, "w").write(text)
-
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
-    for col, op in enumerate(("all_reduce", "all_gather", "all_to_all")):
-        for tool, style in (("ferrocomm", "-"), ("mpich", "--"), ("gloo", ":")):
-            for n in (2, 4):
-                rows = load(d, tool, op, n)
-                if not rows:
-                    continue
-                x = sorted(rows)
-                axes[0][col].plot(x, [rows[b]["time_us"] for b in x], style, marker=".", label=f"{tool} n={n}")
-                axes[1][col].plot(x, [rows[b]["busbw"] for b in x], style, marker=".", label=f"{tool} n={n}")
-        axes[0][col].set_title(f"{op}: latency (us)")
-        axes[1][col].set_title(f"{op}: bus bandwidth (GB/s)")
-        for row in (0, 1):
-            axes[row][col].set_xscale("log", base=2)
-            axes[row][col].grid(True, which="both", alpha=0.3)
-        axes[0][col].set_yscale("log")
-    axes[1][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
 
 
 if __name__ == "__main__":

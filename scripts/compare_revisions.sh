@@ -15,7 +15,10 @@ mkdir -p "$base"
 for rev in "$old" "$new"; do
   if [ ! -x "$base/bin-$rev" ]; then
     [ -d "$base/src-$rev" ] || git worktree add --detach "$base/src-$rev" "$rev" >/dev/null
-    CARGO_TARGET_DIR="$PWD/$base/target" cargo build --release --quiet --bin ferrocomm-bench \
+    # ferrocomm-bench became a package of its own (crates/ferrocomm-bench); before, it was a
+    # binary of the library's package. Its command line is the same in both.
+    if [ -f "$base/src-$rev/crates/ferrocomm-bench/Cargo.toml" ]; then which=(-p ferrocomm-bench); else which=(--bin ferrocomm-bench); fi
+    CARGO_TARGET_DIR="$PWD/$base/target" cargo build --release --quiet "${which[@]}" \
       --manifest-path "$base/src-$rev/Cargo.toml"
     cp "$base/target/release/ferrocomm-bench" "$base/bin-$rev"
   fi

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The standard CPU comparison: ferrocomm against MPICH (MPI_Allreduce / MPI_Allgather /
 # MPI_Alltoall) and Gloo (PyTorch's CPU collectives) at 2 and 4 processes on this host, in one
-# run. Installs what it needs (Debian mpich; torch + matplotlib from PyPI into
-# .toolchain-cache/gloo-venv), writes JSON under target/compare/, the plot
-# docs/results/cpu-collectives.png, and the collectives section of docs/results/cpu.md.
+# run. Installs what it needs (Debian mpich; torch from PyPI into .toolchain-cache/gloo-venv),
+# writes JSON under target/compare/, the collectives section of docs/results/cpu.md, and its
+# plot docs/results/cpu-collectives.png (drawn by `ferrocomm-bench plot`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cache=.toolchain-cache
@@ -16,10 +16,10 @@ if ! command -v mpicc >/dev/null; then
 fi
 if [ ! -x "$cache/gloo-venv/bin/torchrun" ]; then
   python3 -m venv "$cache/gloo-venv"
-  "$cache/gloo-venv/bin/pip" install -q torch numpy matplotlib
+  "$cache/gloo-venv/bin/pip" install -q torch numpy
 fi
 py="$cache/gloo-venv/bin/python"
-cargo build --release --quiet --bin ferrocomm-bench
+cargo build --release --quiet -p ferrocomm-bench
 mpicc -O2 -Wall -o target/peers/mpi_bench benches/peers/mpi_bench.c
 # Cores before OMP_NUM_THREADS is set: GNU nproc honours that variable, and reading it after
 # made every run look oversubscribed (50 iterations instead of 2000 at 2 processes).
@@ -58,4 +58,7 @@ done
 
 "$py" scripts/compare_report.py "$out" docs/results/cpu.md docs/results/cpu-collectives.png \
   "$(git rev-parse --short HEAD)" "./scripts/cpu_compare.sh"
+# Every run of every tool: repeated runs of one tool, op and size merge, each size keeping its
+# fastest, as the tables do.
+target/release/ferrocomm-bench plot -o docs/results/cpu-collectives.png "$out"/*.json
 echo "wrote docs/results/cpu.md and docs/results/cpu-collectives.png"

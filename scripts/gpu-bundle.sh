@@ -16,6 +16,7 @@ export CUDA_HOME FERROCOMM_REQUIRE_NVCC=1
 
 rm -rf .gpu-bundle && mkdir -p .gpu-bundle/lib
 cargo build --release --features host-kernels --bins --examples
+cargo build --release -p ferrocomm-bench --features host-kernels
 cargo test --release --features host-kernels --no-run --message-format=json \
   --test gpu_windows --test gpu_nccl --test gpu_collectives --test nccl --test device_compile --test host_device 2>/dev/null |
   python3 -c 'import json,sys

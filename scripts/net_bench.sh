@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ "$(id -u)" = 0 ] || { echo "net_bench.sh: needs root for ip netns" >&2; exit 1; }
-cargo build --release --quiet --bin ferrocomm-bench
+cargo build --release --quiet -p ferrocomm-bench
 bench=target/release/ferrocomm-bench
 out=target/net-bench
 rm -rf "$out"

@@ -1,13 +1,17 @@
 //! ferrocomm-run's handling of signals: SIGINT and SIGTERM reach every rank, ranks that ignore
 //! them are SIGKILLed after the grace period, the launcher exits with 128 + the signal's number,
-//! and no rank outlives it, not even when the launcher itself is SIGKILLed.
+//! and no rank outlives it, not even when the launcher itself is SIGKILLed. Its command line:
+//! two launchers on loopback form one job of two nodes, and malformed command lines are clap's
+//! usage errors.
 //!
-//! The ranks are `sh` scripts that write their pid to a file and then `exec sleep 600`, so the
-//! pid the test reads is the sleeping rank's own.
+//! In the signal tests the ranks are `sh` scripts that write their pid to a file and then
+//! `exec sleep 600`, so the pid the test reads is the sleeping rank's own. In the multi-node
+//! test they are this test binary again (`rank_entry`).
 
 mod common;
 
-use common::wait_child;
+use common::{job_variables, test_entry_command, wait_child};
+use ferrocomm::prelude::*;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -236,4 +240,214 @@ fn a_sigkilled_launcher_leaves_no_rank() {
     // The kernel kills the orphaned ranks (PR_SET_PDEATHSIG); none of them reaps them here.
     let left = wait_gone(&job.pids, Duration::from_secs(5));
     assert!(left.is_empty(), "ranks {left:?} outlived the SIGKILLed launcher");
+}
+
+/// Set for the ranks that `rank_entry` runs as.
+const MODE: &str = "FERROCOMM_TEST_LAUNCHER_RANK";
+
+/// The rank side of `two_launchers_form_one_job_across_nodes`: checks the variables the
+/// launcher set, runs an all_reduce and an all_gather over the whole job, and prints what it
+/// saw.
+#[test]
+#[ignore = "run by the multi-node launcher test as its ranks"]
+fn rank_entry() {
+    if std::env::var(MODE).is_err() {
+        eprintln!("rank_entry: not started by a launcher test, nothing to do");
+        return;
+    }
+    let var = |k: &str| -> usize {
+        std::env::var(k)
+            .unwrap_or_else(|_| panic!("{k} unset"))
+            .parse()
+            .unwrap()
+    };
+    let (rank, world, local, local_world, node, nodes) = (
+        var("RANK"),
+        var("WORLD_SIZE"),
+        var("LOCAL_RANK"),
+        var("LOCAL_WORLD_SIZE"),
+        var("GROUP_RANK"),
+        var("GROUP_WORLD_SIZE"),
+    );
+    assert_eq!(
+        (var("NODE_RANK"), var("ROLE_RANK"), var("ROLE_WORLD_SIZE")),
+        (node, rank, world)
+    );
+    let comm = new_comm("cpu", Device::Cpu, "launcher-nodes", CommOptions::from_env().unwrap()).unwrap();
+    assert_eq!((comm.rank(), comm.size()), (rank, world));
+    let mut sum = [rank as i64 + 1];
+    comm.all_reduce(&mut sum, ReduceOp::Sum).unwrap();
+    let mut nodes_of = vec![0i64; world];
+    comm.all_gather(&mut nodes_of, &[node as i64]).unwrap();
+    comm.finalize().unwrap();
+    println!(
+        "rank ok: {rank} of {world}, local {local} of {local_world}, node {node} of {nodes}, sum {}, nodes {nodes_of:?}",
+        sum[0]
+    );
+}
+
+/// `ferrocomm-run -n 2 --nnodes 2 --node-rank R ...` for node `rank`, running `program`.
+fn node_launcher(rank: usize, port: &str, token: &str, program: &Command) -> Child {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ferrocomm-run"));
+    cmd.args(["-n", "2", "--nnodes", "2", "--node-rank", &rank.to_string()])
+        .args(["--master-addr", "127.0.0.1", "--master-port", port, "--"])
+        .arg(program.get_program())
+        .args(program.get_args());
+    // The job is the launchers' to describe, not whatever job this test runs in.
+    for k in job_variables(std::env::vars().map(|(k, _)| k)) {
+        cmd.env_remove(k);
+    }
+    cmd.env("FERROCOMM_TOKEN", token)
+        .env("FERROCOMM_TIMEOUT", "60")
+        .env(MODE, "1")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("start ferrocomm-run")
+}
+
+fn free_port() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port().to_string()
+}
+
+#[test]
+fn two_launchers_form_one_job_across_nodes() {
+    let (port, token) = (free_port(), ferrocomm::random_token());
+    let entry = test_entry_command("rank_entry");
+    // Node 1 first: its ranks wait for node 0's store.
+    let nodes: Vec<Child> = [1, 0]
+        .iter()
+        .map(|&r| node_launcher(r, &port, &token, &entry))
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let outs: Vec<(Option<ExitStatus>, String)> = nodes
+        .into_iter()
+        .map(|c| {
+            let (status, out, _) = wait_child(c, deadline);
+            (status, out)
+        })
+        .collect();
+    for (node, (status, out)) in [1, 0].iter().zip(&outs) {
+        assert!(status.is_some_and(|s| s.success()), "node {node}: {status:?}\n{out}");
+        for local in 0..2 {
+            let rank = node * 2 + local;
+            // The test harness may print its "test rank_entry ... " before the line.
+            let want =
+                format!("rank ok: {rank} of 4, local {local} of 2, node {node} of 2, sum 10, nodes [0, 0, 1, 1]");
+            let prefix = format!("[{rank}]: ");
+            assert!(
+                out.lines().any(|l| l.starts_with(&prefix) && l.ends_with(&want)),
+                "node {node} lacks {want:?} from rank {rank}:\n{out}"
+            );
+        }
+    }
+}
+
+/// Node 0's store outlives node 0's own ranks: its launcher exits only once node 1's launcher
+/// reports that its ranks, which run a second longer, have ended.
+#[test]
+fn node_zero_keeps_the_store_until_every_node_is_done() {
+    let (port, token) = (free_port(), ferrocomm::random_token());
+    let mut ranks = Command::new("sh");
+    ranks.args(["-c", r#"if [ "$GROUP_RANK" = 1 ]; then sleep 1; fi"#]);
+    let t0 = Instant::now();
+    let nodes: Vec<Child> = [0, 1]
+        .iter()
+        .map(|&r| node_launcher(r, &port, &token, &ranks))
+        .collect();
+    let ended: Vec<(Option<ExitStatus>, Instant)> = nodes
+        .into_iter()
+        .map(|c| {
+            let (status, _, at) = wait_child(c, Instant::now() + Duration::from_secs(60));
+            (status, at)
+        })
+        .collect();
+    assert!(ended.iter().all(|(s, _)| s.is_some_and(|s| s.success())), "{ended:?}");
+    let node0 = ended[0].1 - t0;
+    assert!(
+        node0 >= Duration::from_secs(1),
+        "node 0 left after {node0:?}, before node 1's ranks ended"
+    );
+}
+
+#[test]
+fn malformed_command_lines_are_usage_errors() {
+    let run = |args: &[&str], envs: &[(&str, &str)]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_ferrocomm-run"))
+            .args(args)
+            .env_remove("FERROCOMM_TOKEN")
+            .env_remove("FERROCOMM_RUN_GRACE")
+            .envs(envs.iter().copied())
+            .output()
+            .unwrap();
+        (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let help = Command::new(env!("CARGO_BIN_EXE_ferrocomm-run"))
+        .arg("--help")
+        .output()
+        .unwrap();
+    assert!(help.status.success());
+    assert!(String::from_utf8_lossy(&help.stdout).contains("Usage: ferrocomm-run"));
+    for (args, envs, says) in [
+        (&["true"][..], &[][..], "--nproc-per-node"),
+        (&["-n", "2"], &[], "PROGRAM"),
+        (&["-n", "0", "true"], &[], "at least 1"),
+        (&["-n", "1", "--grace", "soon", "true"], &[], "--grace"),
+        (
+            &["-n", "1", "true"],
+            &[("FERROCOMM_RUN_GRACE", "soon")],
+            "FERROCOMM_RUN_GRACE",
+        ),
+        (
+            &["-n", "1", "--nnodes", "2", "--node-rank", "2", "true"],
+            &[],
+            "--node-rank 2",
+        ),
+        (
+            &["-n", "1", "--nnodes", "2", "true"],
+            &[("FERROCOMM_TOKEN", "t")],
+            "--master-addr",
+        ),
+        (
+            &[
+                "-n",
+                "1",
+                "--nnodes",
+                "2",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                "1",
+                "true",
+            ],
+            &[],
+            "FERROCOMM_TOKEN",
+        ),
+    ] {
+        let (code, err) = run(args, envs);
+        assert_eq!(code, Some(2), "{args:?}: {err}");
+        assert!(err.contains(says), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn a_single_node_job_passes_the_environment_through() {
+    let out = Command::new(env!("CARGO_BIN_EXE_ferrocomm-run"))
+        .args([
+            "-n",
+            "2",
+            "--",
+            "sh",
+            "-c",
+            r#"echo "$RANK/$WORLD_SIZE/$LOCAL_RANK/$GROUP_RANK/$MY_SETTING""#,
+        ])
+        .env("MY_SETTING", "kept")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    for want in ["[0]: 0/2/0/0/kept", "[1]: 1/2/1/0/kept"] {
+        assert!(text.lines().any(|l| l == want), "{want:?} missing:\n{text}");
+    }
 }

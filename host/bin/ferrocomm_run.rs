@@ -1,94 +1,201 @@
-//! `ferrocomm-run -n N [--grace SECONDS] [--] program [args...]`: starts N local ranks of
-//! `program` (like `torchrun --standalone`). It hosts the job's TCP store with a fresh token, sets
-//! the torchrun variables for each rank, prefixes every output line with the rank, and when one
-//! rank fails it stops the others and exits non-zero.
+//! `ferrocomm-run -n N [--nnodes M --node-rank R --master-addr HOST --master-port PORT] [--]
+//! program [args...]`: starts N ranks of `program` on this node, as torchrun does. It sets the
+//! torchrun variables for each rank, prefixes every output line with the rank, and when one
+//! rank fails it stops the others and exits non-zero. `--help` says it all; a malformed command
+//! line is clap's usage error (status 2).
+//!
+//! The job's TCP store: on one node the launcher hosts it with a fresh token (at
+//! `--master-addr`, default 127.0.0.1, and `--master-port`, default any free port). With
+//! `--nnodes M > 1`, one launcher runs on each node with its own `--node-rank`; node 0's hosts
+//! the store at `--master-addr:--master-port`, every node's ranks connect there, and the job
+//! token comes from `FERROCOMM_TOKEN`, which every node must share. Node 0 keeps the store up
+//! until every node's launcher reports its ranks ended (or `EXIT_WAIT` passes), since ranks on
+//! other nodes may still use it.
 //!
 //! SIGINT and SIGTERM sent to the launcher are forwarded to every rank; whatever is left after
 //! the grace period is SIGKILLed, and the launcher exits with 128 + the signal's number. Ranks
 //! never outlive it: it reaps every rank before it exits, and on Linux each rank asks the kernel
 //! to SIGKILL it should the launcher die without doing so (itself SIGKILLed).
 
+use clap::{CommandFactory, Parser};
+use ferrocomm::Store;
+use std::ffi::OsString;
 use std::io::{self, BufRead, BufReader, Write};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Child, Command, ExitCode, ExitStatus, Stdio};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-const USAGE: &str = "usage: ferrocomm-run -n N [--grace SECONDS] [--] program [args...]";
 /// How long ranks get between SIGTERM (or a forwarded SIGINT) and SIGKILL, unless `--grace` or
 /// `FERROCOMM_RUN_GRACE` says otherwise.
-const DEFAULT_GRACE: Duration = Duration::from_secs(5);
-const GRACE_VAR: &str = "FERROCOMM_RUN_GRACE";
+const DEFAULT_GRACE: &str = "5";
 /// How often the launcher looks at its ranks while no signal arrives.
 const POLL: Duration = Duration::from_millis(10);
 /// How long the output of ranks that all exited may still be drained: a process a rank started
 /// outside its process group can keep the pipes open for ever.
 const DRAIN: Duration = Duration::from_secs(2);
+/// How long node 0 keeps the store up for the other nodes' ranks once its own ended (torchrun
+/// waits as long at its exit barrier).
+const EXIT_WAIT: Duration = Duration::from_secs(300);
+/// How long a launcher tries to reach node 0's store to report that its ranks ended.
+const REPORT_WAIT: Duration = Duration::from_secs(10);
+/// The store key each node's launcher adds 1 to when its ranks have ended.
+const NODES_DONE: &str = "ferrocomm-run/nodes-done";
 
 /// What keeps the launcher from running the job.
 #[derive(Debug, thiserror::Error)]
 enum LaunchError {
-    /// A malformed command line or setting; empty for `--help`.
-    #[error("{0}")]
-    Usage(String),
-    #[error("cannot start the store: {0}")]
-    Store(#[from] ferrocomm::Error),
+    #[error("cannot host the job's store at {addr}: {source}")]
+    Store {
+        addr: String,
+        #[source]
+        source: ferrocomm::Error,
+    },
     #[error("cannot take over SIGINT and SIGTERM: {0}")]
     Signals(#[source] io::Error),
 }
 
-/// The parsed command line.
-struct Options {
-    n: usize,
+/// Starts the ranks of a program on this node and sets the variables torchrun sets (RANK,
+/// WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE, ROLE_RANK,
+/// ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), plus NODE_RANK and FERROCOMM_TOKEN; every other
+/// variable of this environment passes through. Output lines are prefixed with `[rank]: `.
+///
+/// One node: `ferrocomm-run -n 4 -- ./prog args`. Several: the same command on every node with
+/// `--nnodes`, that node's `--node-rank`, node 0's `--master-addr` and a `--master-port`, and
+/// the same secret in FERROCOMM_TOKEN everywhere.
+#[derive(Parser, Debug)]
+#[command(name = "ferrocomm-run", version)]
+struct Cli {
+    /// Ranks to start on this node.
+    #[arg(short = 'n', long = "nproc-per-node", visible_alias = "nproc", value_name = "N",
+          value_parser = at_least_one, required_unless_present = "completions")]
+    nproc_per_node: Option<usize>,
+    /// Nodes in the job, each running one ferrocomm-run.
+    #[arg(long, value_name = "N", default_value = "1", value_parser = at_least_one)]
+    nnodes: usize,
+    /// This node's place among them, from 0; node 0 hosts the job's store.
+    #[arg(long, value_name = "RANK", default_value_t = 0)]
+    node_rank: usize,
+    /// Node 0's address, where it hosts the store (default 127.0.0.1; needed with --nnodes > 1).
+    #[arg(long, value_name = "HOST")]
+    master_addr: Option<String>,
+    /// The store's port (default: any free one on a single node; needed with --nnodes > 1).
+    #[arg(long, value_name = "PORT")]
+    master_port: Option<u16>,
+    /// Seconds ranks get between a forwarded SIGTERM or SIGINT and SIGKILL (fractions allowed).
+    #[arg(long, value_name = "SECONDS", env = "FERROCOMM_RUN_GRACE", default_value = DEFAULT_GRACE,
+          value_parser = parse_grace)]
     grace: Duration,
-    prog: Vec<String>,
+    /// Prints a completion script for SHELL and exits.
+    #[arg(long, value_name = "SHELL", hide = true, exclusive = true)]
+    completions: Option<clap_complete::Shell>,
+    /// The program and its arguments (after `--` where they start with `-`).
+    #[arg(
+        value_name = "PROGRAM",
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        required_unless_present = "completions"
+    )]
+    program: Vec<OsString>,
 }
 
-/// Parses the arguments; `grace_var` is the value of `FERROCOMM_RUN_GRACE`, which `--grace`
-/// overrides.
-fn parse(args: &[String], grace_var: Option<String>) -> Result<Options, String> {
-    let mut n = None;
-    let mut grace = match grace_var {
-        Some(v) => parse_grace(&v).map_err(|e| format!("{GRACE_VAR}={v}: {e}"))?,
-        None => DEFAULT_GRACE,
-    };
-    let mut i = 0;
-    while i < args.len() {
-        match args[i].as_str() {
-            "-n" | "--nproc" | "--nproc-per-node" => {
-                let v = args.get(i + 1).ok_or("-n needs a value")?;
-                n = Some(v.parse::<usize>().map_err(|_| format!("-n {v}: not a number"))?);
-                i += 2;
-            }
-            "--grace" => {
-                let v = args.get(i + 1).ok_or("--grace needs a value")?;
-                grace = parse_grace(v).map_err(|e| format!("--grace {v}: {e}"))?;
-                i += 2;
-            }
-            "-h" | "--help" => return Err(String::new()),
-            "--" => {
-                i += 1;
-                break;
-            }
-            a if a.starts_with('-') => return Err(format!("unknown option {a}")),
-            _ => break,
+/// What this launcher runs, its command line checked.
+struct Job {
+    /// Ranks on this node.
+    nproc: usize,
+    nnodes: usize,
+    node_rank: usize,
+    master_addr: String,
+    /// 0 on a single node without `--master-port`: the store takes any free port.
+    master_port: u16,
+    /// The job token: fresh on a single node, FERROCOMM_TOKEN's on several.
+    token: String,
+    grace: Duration,
+    program: Vec<OsString>,
+}
+
+impl Job {
+    /// The job the command line describes, or clap's usage error for what clap cannot check
+    /// alone (the multi-node flags go together, the token is in the environment).
+    fn from_cli(cli: Cli) -> Result<Job, clap::Error> {
+        let usage = |msg: String| Cli::command().error(clap::error::ErrorKind::ArgumentConflict, msg);
+        let nproc = cli.nproc_per_node.ok_or_else(|| usage("-n N is missing".into()))?;
+        if cli.program.is_empty() {
+            return Err(usage("the program to run is missing".into()));
         }
+        if cli.node_rank >= cli.nnodes {
+            return Err(usage(format!(
+                "--node-rank {} is not below --nnodes {}",
+                cli.node_rank, cli.nnodes
+            )));
+        }
+        let (master_addr, master_port, token) = if cli.nnodes == 1 {
+            let addr = cli.master_addr.unwrap_or_else(|| "127.0.0.1".into());
+            (addr, cli.master_port.unwrap_or(0), ferrocomm::random_token())
+        } else {
+            let (Some(addr), Some(port)) = (cli.master_addr, cli.master_port) else {
+                return Err(usage(format!(
+                    "--nnodes {} needs --master-addr and --master-port: where node 0 hosts the job's store",
+                    cli.nnodes
+                )));
+            };
+            // The one variable the launcher reads itself: every node's launcher must know the
+            // same token, and only the user can give it to all of them.
+            let token = std::env::var("FERROCOMM_TOKEN").ok().filter(|t| !t.is_empty());
+            let Some(token) = token else {
+                return Err(Cli::command().error(
+                    clap::error::ErrorKind::MissingRequiredArgument,
+                    format!(
+                        "--nnodes {} needs FERROCOMM_TOKEN: export the same secret on every node (for \
+                         instance FERROCOMM_TOKEN=$(openssl rand -hex 16)); the store admits only \
+                         ranks that know it",
+                        cli.nnodes
+                    ),
+                ));
+            };
+            (addr, port, token)
+        };
+        Ok(Job {
+            nproc,
+            nnodes: cli.nnodes,
+            node_rank: cli.node_rank,
+            master_addr,
+            master_port,
+            token,
+            grace: cli.grace,
+            program: cli.program,
+        })
     }
-    let n = n.ok_or("missing -n N")?;
-    if n == 0 {
-        return Err("-n must be at least 1".into());
+
+    /// The job-wide rank of local rank `local`.
+    fn rank(&self, local: usize) -> usize {
+        self.node_rank * self.nproc + local
     }
-    let prog = args[i..].to_vec();
-    if prog.is_empty() {
-        return Err("missing program".into());
+
+    fn world_size(&self) -> usize {
+        self.nnodes * self.nproc
     }
-    Ok(Options { n, grace, prog })
+
+    /// Whether this launcher hosts the store: on one node, or as node 0 of several.
+    fn hosts_store(&self) -> bool {
+        self.node_rank == 0
+    }
+}
+
+/// A count of at least 1.
+fn at_least_one(v: &str) -> Result<usize, String> {
+    match v.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("{v:?} is not a whole number of at least 1")),
+    }
 }
 
 /// Seconds, fractions allowed (`0.5`).
 fn parse_grace(v: &str) -> Result<Duration, String> {
-    let secs: f64 = v.parse().map_err(|_| "not a number of seconds".to_string())?;
-    Duration::try_from_secs_f64(secs).map_err(|_| "not a non-negative number of seconds".to_string())
+    // The value may come from FERROCOMM_RUN_GRACE, which clap's message would not name.
+    let bad = |what: &str| format!("{v:?} (from --grace or FERROCOMM_RUN_GRACE) is not {what}");
+    let secs: f64 = v.parse().map_err(|_| bad("a number of seconds"))?;
+    Duration::try_from_secs_f64(secs).map_err(|_| bad("a non-negative number of seconds"))
 }
 
 /// The termination signals the launcher forwards. They are blocked in every thread of the
@@ -261,17 +368,24 @@ impl Ranks {
     }
 }
 
-/// The command that starts rank `rank` of `opts.n`.
-fn rank_command(opts: &Options, rank: usize, port: &str, token: &str, signals: &Signals) -> Command {
-    let mut cmd = Command::new(&opts.prog[0]);
-    cmd.args(&opts.prog[1..])
-        .env("RANK", rank.to_string())
-        .env("WORLD_SIZE", opts.n.to_string())
-        .env("LOCAL_RANK", rank.to_string())
-        .env("LOCAL_WORLD_SIZE", opts.n.to_string())
-        .env("MASTER_ADDR", "127.0.0.1")
-        .env("MASTER_PORT", port)
-        .env("FERROCOMM_TOKEN", token)
+/// The command that starts local rank `local` of this node.
+fn rank_command(job: &Job, local: usize, port: u16, signals: &Signals) -> Command {
+    let mut cmd = Command::new(&job.program[0]);
+    cmd.args(&job.program[1..])
+        .env("RANK", job.rank(local).to_string())
+        .env("WORLD_SIZE", job.world_size().to_string())
+        .env("LOCAL_RANK", local.to_string())
+        .env("LOCAL_WORLD_SIZE", job.nproc.to_string())
+        // torchrun's names for the node (its "group") and for the rank within the one role.
+        .env("GROUP_RANK", job.node_rank.to_string())
+        .env("GROUP_WORLD_SIZE", job.nnodes.to_string())
+        .env("ROLE_RANK", job.rank(local).to_string())
+        .env("ROLE_WORLD_SIZE", job.world_size().to_string())
+        // Not torchrun's, but what other launchers (Lightning, Slurm scripts) call the node.
+        .env("NODE_RANK", job.node_rank.to_string())
+        .env("MASTER_ADDR", &job.master_addr)
+        .env("MASTER_PORT", port.to_string())
+        .env("FERROCOMM_TOKEN", &job.token)
         .env("FERROCOMM_STORE_EXTERNAL", "1")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -287,35 +401,43 @@ fn rank_command(opts: &Options, rank: usize, port: &str, token: &str, signals: &
     cmd
 }
 
-fn run(args: &[String]) -> Result<ExitCode, LaunchError> {
+fn run(job: &Job) -> Result<ExitCode, LaunchError> {
     // Before anything starts a thread (the store, the output pumps): they inherit the mask.
     let signals = Signals::block().map_err(LaunchError::Signals)?;
-    let opts = parse(args, std::env::var(GRACE_VAR).ok()).map_err(LaunchError::Usage)?;
-    let token = ferrocomm::random_token();
-    let server = ferrocomm::TcpStoreServer::bind("127.0.0.1:0", &token)?;
-    let port = server.addr().port().to_string();
+    let server = if job.hosts_store() {
+        let addr = (job.master_addr.as_str(), job.master_port);
+        let server = ferrocomm::TcpStoreServer::bind(addr, &job.token).map_err(|source| LaunchError::Store {
+            addr: format!("{}:{}", job.master_addr, job.master_port),
+            source,
+        })?;
+        Some(server)
+    } else {
+        None
+    };
+    // On a single node without --master-port the server chose the port.
+    let port = server.as_ref().map_or(job.master_port, |s| s.addr().port());
 
     let mut ranks = Ranks {
-        children: Vec::with_capacity(opts.n),
+        children: Vec::with_capacity(job.nproc),
     };
     let mut pumps = Vec::new();
     let mut stop: Option<Stop> = None;
     // When the ranks still running get SIGKILL; unset once they did.
     let mut kill_at: Option<Instant> = None;
-    for rank in 0..opts.n {
+    for local in 0..job.nproc {
         // Spawned from this thread, which lives as long as the launcher: see prepare_rank.
-        match rank_command(&opts, rank, &port, &token, &signals).spawn() {
+        match rank_command(job, local, port, &signals).spawn() {
             Ok(mut c) => {
                 if let Some(o) = c.stdout.take() {
-                    pumps.push(pump(rank, o, false));
+                    pumps.push(pump(job.rank(local), o, false));
                 }
                 if let Some(e) = c.stderr.take() {
-                    pumps.push(pump(rank, e, true));
+                    pumps.push(pump(job.rank(local), e, true));
                 }
                 ranks.children.push(Some(c));
             }
             Err(e) => {
-                eprintln!("ferrocomm-run: cannot start {:?}: {e}", opts.prog[0]);
+                eprintln!("ferrocomm-run: cannot start {:?}: {e}", job.program[0]);
                 stop = Some(Stop::SpawnFailed);
                 ranks.signal(libc::SIGKILL);
                 break;
@@ -323,21 +445,22 @@ fn run(args: &[String]) -> Result<ExitCode, LaunchError> {
         }
         // A signal during the start stops it: the remaining ranks are not started.
         if let Some(sig) = signals.next(Duration::ZERO) {
-            forward(&ranks, sig, &mut stop, &mut kill_at, opts.grace);
+            forward(&ranks, sig, &mut stop, &mut kill_at, job.grace);
             break;
         }
     }
 
     while ranks.any_left() {
-        for (rank, status) in ranks.reap() {
+        for (local, status) in ranks.reap() {
             if !status.success() && stop.is_none() {
                 eprintln!(
-                    "ferrocomm-run: rank {rank} failed ({}); stopping the other ranks",
+                    "ferrocomm-run: rank {} failed ({}); stopping the other ranks",
+                    job.rank(local),
                     describe(status)
                 );
                 stop = Some(Stop::RankFailed(status));
                 ranks.signal(libc::SIGTERM);
-                kill_at = Some(Instant::now() + opts.grace);
+                kill_at = Some(Instant::now() + job.grace);
             }
         }
         if !ranks.any_left() {
@@ -346,14 +469,14 @@ fn run(args: &[String]) -> Result<ExitCode, LaunchError> {
         if kill_at.is_some_and(|t| Instant::now() >= t) {
             eprintln!(
                 "ferrocomm-run: ranks still running after {:?}; sending SIGKILL",
-                opts.grace
+                job.grace
             );
             ranks.signal(libc::SIGKILL);
             kill_at = None;
         }
         // Waiting for a signal is also the pause between looks at the ranks.
         if let Some(sig) = signals.next(POLL) {
-            forward(&ranks, sig, &mut stop, &mut kill_at, opts.grace);
+            forward(&ranks, sig, &mut stop, &mut kill_at, job.grace);
         }
     }
 
@@ -366,6 +489,11 @@ fn run(args: &[String]) -> Result<ExitCode, LaunchError> {
             let _ = p.join();
         }
     }
+    if job.nnodes > 1 {
+        // A launcher that was told to stop does not hold the store up for other nodes.
+        let wait = !matches!(stop, Some(Stop::Signal(_)));
+        exit_barrier(job, port, server.is_some() && wait, &signals);
+    }
     drop(server);
     Ok(match stop {
         Some(Stop::RankFailed(status)) => ExitCode::from(exit_code(status)),
@@ -374,6 +502,54 @@ fn run(args: &[String]) -> Result<ExitCode, LaunchError> {
         Some(Stop::SpawnFailed) => ExitCode::from(1),
         None => ExitCode::SUCCESS,
     })
+}
+
+/// Several nodes, after this node's ranks ended: reports that to node 0's store, and, where
+/// `hold` (node 0, not stopped by a signal), keeps the store up until every node has reported,
+/// `EXIT_WAIT` passes or a signal arrives, because ranks of other nodes may still be using it.
+/// Failures here are reported and otherwise ignored: the ranks' outcome decides the exit code.
+fn exit_barrier(job: &Job, port: u16, hold: bool, signals: &Signals) {
+    let report = || -> ferrocomm::Result<(ferrocomm::TcpStore, i64)> {
+        let store = ferrocomm::TcpStore::connect((job.master_addr.as_str(), port), &job.token, REPORT_WAIT)?;
+        let done = store.add(NODES_DONE, 1)?;
+        Ok((store, done))
+    };
+    let (store, done) = match report() {
+        Ok(reported) => reported,
+        Err(e) => {
+            eprintln!("ferrocomm-run: cannot tell node 0 that this node's ranks ended: {e}");
+            return;
+        }
+    };
+    if !hold || done >= job.nnodes as i64 {
+        return;
+    }
+    let started = Instant::now();
+    let deadline = started + EXIT_WAIT;
+    // Said only when the wait is long enough to be noticed.
+    let mut said = false;
+    while Instant::now() < deadline {
+        if !said && started.elapsed() >= Duration::from_secs(2) {
+            eprintln!(
+                "ferrocomm-run: keeping the job's store up until the ranks of the other nodes end (at most {EXIT_WAIT:?})"
+            );
+            said = true;
+        }
+        // Waiting for a signal is the pause between looks at the count; a signal ends the wait.
+        if let Some(sig) = signals.next(Duration::from_millis(100)) {
+            eprintln!("ferrocomm-run: got {}; closing the store now", signal_name(sig));
+            return;
+        }
+        match store.add(NODES_DONE, 0) {
+            Ok(n) if n >= job.nnodes as i64 => return,
+            Ok(_) => {}
+            Err(e) => {
+                eprintln!("ferrocomm-run: lost the job's store while waiting for the other nodes: {e}");
+                return;
+            }
+        }
+    }
+    eprintln!("ferrocomm-run: the other nodes' ranks did not end within {EXIT_WAIT:?}; closing the store");
 }
 
 /// Handles a signal the launcher received: the first one since the job started stopping is
@@ -399,16 +575,14 @@ fn forward(ranks: &Ranks, sig: libc::c_int, stop: &mut Option<Stop>, kill_at: &m
 }
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    match run(&args) {
+    let cli = Cli::parse();
+    if let Some(shell) = cli.completions {
+        clap_complete::generate(shell, &mut Cli::command(), "ferrocomm-run", &mut io::stdout());
+        return ExitCode::SUCCESS;
+    }
+    let job = Job::from_cli(cli).unwrap_or_else(|e| e.exit());
+    match run(&job) {
         Ok(code) => code,
-        Err(LaunchError::Usage(e)) => {
-            if !e.is_empty() {
-                eprintln!("ferrocomm-run: {e}");
-            }
-            eprintln!("{USAGE}");
-            ExitCode::from(2)
-        }
         Err(e) => {
             eprintln!("ferrocomm-run: {e}");
             ExitCode::from(1)

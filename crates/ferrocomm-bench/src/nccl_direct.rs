@@ -5,7 +5,8 @@
 //! The direct calls use their own few NCCL bindings on purpose: they measure NCCL without any
 //! of ferrocomm in the way.
 
-use crate::args::Args;
+use crate::cli::Args;
+use crate::progress::Progress;
 use ferrocomm::device::cudarc::driver::{CudaStream, DevicePtr};
 use ferrocomm::device::{self, DeviceSliceMut};
 use ferrocomm::prelude::*;
@@ -92,6 +93,7 @@ impl Drop for Direct {
     }
 }
 
+/// Runs `nccl_all_reduce` on GPU 0 and prints its table.
 pub fn run(a: &Args) -> Result<()> {
     let stream: Arc<CudaStream> = device::new_stream(0)?;
     let comm = Comm::new_group("nccl", &[Device::Cuda(0)], "bench-nccl", CommOptions::from_env()?)?
@@ -114,8 +116,11 @@ pub fn run(a: &Args) -> Result<()> {
         "#{:>11} {:>12} {:>12} {:>13} {:>9}",
         "size(B)", "direct(us)", "ferrocomm(us)", "overhead(us)", "overhead"
     );
-    let mut bytes = a.min_bytes.max(4);
-    while bytes <= max {
+    // f32: whole elements.
+    let sizes = crate::size::sweep(a.min_bytes.max(4), max, a.factor);
+    let progress = Progress::new(&a.op, sizes.len(), true);
+    for bytes in sizes {
+        progress.start_size(bytes);
         let count = bytes / 4;
         let ours = || -> Result<()> {
             // SAFETY: `buf` holds at least `count` f32 on GPU 0 and outlives the call.
@@ -138,15 +143,14 @@ pub fn run(a: &Args) -> Result<()> {
         // Twice each, interleaved, so drift hits both alike; the better of two is reported.
         let (d1, o1, d2, o2) = (time(&theirs)?, time(&ours)?, time(&theirs)?, time(&ours)?);
         let (d, o) = (d1.min(d2), o1.min(o2));
-        println!(
+        progress.print_row(&format!(
             "{:>12} {:>12.2} {:>12.2} {:>13.2} {:>8.1}%",
             bytes,
             d,
             o,
             o - d,
             (o - d) / d * 100.0
-        );
-        bytes *= a.factor;
+        ));
     }
     Ok(())
 }

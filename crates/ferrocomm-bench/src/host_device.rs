@@ -9,12 +9,14 @@
 //! bytes; the peer's window must then hold them. `device_pingpong`: `ferrocomm_bench_pingpong`
 //! between two ranks' kernels; both must finish.
 
-use crate::args::Args;
+use crate::cli::Args;
+use crate::progress::Progress;
 use ferrocomm::device::{host_library, HostModule};
 use ferrocomm::prelude::*;
 use ferrocomm::{bf16, Error, Result};
 use std::time::Instant;
 
+/// Runs a device row on the host device and prints its figures.
 pub fn run(a: &Args) -> Result<()> {
     match a.op.as_str() {
         "device_all_reduce" => all_reduce(a),
@@ -62,8 +64,10 @@ fn measure_put(w: &Window, kernels: &HostModule, a: &Args) -> Result<()> {
         w.device_handle()?,
         w.remote_ptr(1).expect("ranks of one process are mapped"),
     );
-    let mut bytes = a.min_bytes;
-    while bytes <= a.max_bytes {
+    let sizes = crate::size::sweep(a.min_bytes, a.max_bytes, a.factor);
+    let progress = Progress::new(&a.op, sizes.len(), true);
+    for bytes in sizes {
+        progress.start_size(bytes);
         let blocks = (bytes / (64 << 10)).clamp(1, 16) as u32;
         let args = (h, 1i32, 0u64, src.as_ptr() as u64, bytes as u64);
         // SAFETY: ferrocomm_put_blocks takes (handle, peer, dst_offset, src, bytes); the source
@@ -95,13 +99,12 @@ fn measure_put(w: &Window, kernels: &HostModule, a: &Args) -> Result<()> {
             }
         }
         let t_put = time(&put_once)?;
-        println!(
+        progress.print_row(&format!(
             "{:>12} {:>12.2} {:>12.2}",
             bytes,
             bytes as f64 / t_put / 1e9,
             bytes as f64 / t_copy / 1e9
-        );
-        bytes *= a.factor;
+        ));
     }
     Ok(())
 }
@@ -209,8 +212,11 @@ fn all_reduce(a: &Args) -> Result<()> {
         header += &format!(" {:>13}", format!("{algo}(us)"));
     }
     println!("{header}");
-    let mut bytes = a.min_bytes.max(2) & !1;
-    while bytes <= a.max_bytes {
+    // bf16: whole elements.
+    let sizes = crate::size::sweep(a.min_bytes.max(2) & !1, a.max_bytes, a.factor);
+    let progress = Progress::new(&a.op, sizes.len(), true);
+    for bytes in sizes {
+        progress.start_size(bytes);
         let mut row = format!("{bytes:>12}");
         for algo in &algos {
             let times = std::thread::scope(|s| {
@@ -227,8 +233,7 @@ fn all_reduce(a: &Args) -> Result<()> {
             })?;
             row += &format!(" {:>13.1}", times.iter().copied().fold(0.0, f64::max));
         }
-        println!("{row}");
-        bytes *= a.factor;
+        progress.print_row(&row);
     }
     for c in &comms {
         c.finalize()?;

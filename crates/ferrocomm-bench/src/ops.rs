@@ -4,6 +4,7 @@
 //! Sizes follow nccl-tests: `bytes` is the per-rank buffer of all_reduce, broadcast, reduce and
 //! send_recv, and the *total* (all ranks' blocks) of all_gather, reduce_scatter and all_to_all.
 
+use crate::report::Row;
 use ferrocomm::prelude::*;
 use ferrocomm::{bf16, f16, Error, Result, WithOptions};
 use std::time::Instant;
@@ -28,15 +29,6 @@ fn value(r: usize, i: usize) -> f64 {
     ((r + i) % 8 + 1) as f64
 }
 
-pub struct Row {
-    pub bytes: usize,
-    pub count: usize,
-    pub time_us: f64,
-    pub algbw: f64,
-    pub busbw: f64,
-    pub wrong: u64,
-}
-
 /// nccl-tests' bus bandwidth factor: busbw = algbw * factor.
 pub fn bus_factor(op: &str, n: usize) -> f64 {
     let n = n as f64;
@@ -56,21 +48,6 @@ pub fn count_for(op: &str, bytes: usize, esize: usize, n: usize) -> Option<usize
         _ => total,
     };
     (c > 0).then_some(c)
-}
-
-fn redop(name: &str) -> Result<ReduceOp> {
-    Ok(match name {
-        "sum" => ReduceOp::Sum,
-        "prod" => ReduceOp::Prod,
-        "min" => ReduceOp::Min,
-        "max" => ReduceOp::Max,
-        "avg" => ReduceOp::Avg,
-        other => {
-            return Err(Error::Config(format!(
-                "--redop {other}: expected sum, prod, min, max or avg"
-            )))
-        }
-    })
 }
 
 /// Expected reduction of element `i` over ranks (check supports sum, min, max).
@@ -113,8 +90,8 @@ pub struct Bench<'c> {
 }
 
 impl<'c> Bench<'c> {
-    pub fn new(comm: &'c Comm, a: &crate::args::Args) -> Result<Bench<'c>> {
-        let rop = redop(&a.redop)?;
+    pub fn new(comm: &'c Comm, a: &crate::cli::Args) -> Result<Bench<'c>> {
+        let rop = a.redop.reduce_op();
         if a.check && !matches!(rop, ReduceOp::Sum | ReduceOp::Min | ReduceOp::Max) {
             return Err(Error::Config("--check supports --redop sum, min and max".into()));
         }

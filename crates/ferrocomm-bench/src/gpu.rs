@@ -4,7 +4,8 @@
 //! `device_pingpong`: put(8 B) + signal, then wait, between the two ranks' kernels
 //! (ferrocomm_bench_pingpong); the half round trip is the latency.
 
-use crate::args::Args;
+use crate::cli::Args;
+use crate::progress::Progress;
 use ferrocomm::device::cudarc::driver::{sys, LaunchConfig, PushKernelArg};
 use ferrocomm::device::{self};
 use ferrocomm::prelude::*;
@@ -19,6 +20,7 @@ fn cuda(call: &str) -> impl Fn(ferrocomm::device::cudarc::driver::DriverError) -
     }
 }
 
+/// Runs `device_put` or `device_pingpong` on GPU 0 and prints its figures.
 pub fn run(a: &Args) -> Result<()> {
     device::available(0)?;
     let comms = Comm::new_group("device", &[Device::Cuda(0); 2], "bench-gpu", CommOptions::from_env()?)?;
@@ -64,8 +66,10 @@ fn measure_put(w: &Window, a: &Args) -> Result<()> {
         "#{:>11} {:>12} {:>12} {:>7}",
         "size(B)", "put GB/s", "memcpy GB/s", "ratio"
     );
-    let mut bytes = a.min_bytes;
-    while bytes <= max {
+    let sizes = crate::size::sweep(a.min_bytes, max, a.factor);
+    let progress = Progress::new(&a.op, sizes.len(), true);
+    for bytes in sizes {
+        progress.start_size(bytes);
         let (n, peer) = (bytes as u64, 1i32);
         let blocks = (bytes / (64 << 10)).clamp(1, 1024) as u32;
         let put_once = || -> Result<()> {
@@ -100,8 +104,13 @@ fn measure_put(w: &Window, a: &Args) -> Result<()> {
         // Interleave so clock and temperature drift hit both alike.
         let (t_put, t_copy) = (time(&put_once)?, time(&memcpy_once)?);
         let (gput, gcopy) = (bytes as f64 / t_put / 1e9, bytes as f64 / t_copy / 1e9);
-        println!("{:>12} {:>12.1} {:>12.1} {:>7.3}", bytes, gput, gcopy, gput / gcopy);
-        bytes *= a.factor;
+        progress.print_row(&format!(
+            "{:>12} {:>12.1} {:>12.1} {:>7.3}",
+            bytes,
+            gput,
+            gcopy,
+            gput / gcopy
+        ));
     }
     Ok(())
 }

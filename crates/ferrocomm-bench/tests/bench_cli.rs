@@ -1,5 +1,6 @@
 //! ferrocomm-bench runs every op with --check and reports no wrong element; its JSON and CSV
-//! carry one row per size; bad arguments are usage errors.
+//! carry one row per size; nccl-tests' flags are accepted; bad arguments are clap's usage
+//! errors.
 
 use std::process::Command;
 
@@ -154,13 +155,82 @@ fn threads_mode_writes_json_and_csv_rows() {
 }
 
 #[test]
+fn nccl_tests_flags_run_a_checked_sweep() {
+    let out = bench(&[
+        "all_reduce",
+        "-b",
+        "1K",
+        "-e",
+        "4K",
+        "-f",
+        "2",
+        "-n",
+        "2",
+        "-w",
+        "1",
+        "-c",
+        "1",
+        "-d",
+        "int32",
+        "-o",
+        "max",
+        "--world",
+        "2",
+        "--threads",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}\n{text}", String::from_utf8_lossy(&out.stderr));
+    let rows: Vec<&str> = text.lines().filter(|l| !l.starts_with('#')).collect();
+    assert_eq!(rows.len(), 3, "{text}");
+    for r in rows {
+        let cols: Vec<&str> = r.split_whitespace().collect();
+        assert_eq!((cols[2], cols[3], cols[8]), ("i32", "max", "0"), "{r}");
+    }
+}
+
+#[test]
 fn bad_arguments_are_usage_errors_and_graph_needs_a_gpu() {
-    assert_eq!(bench(&[]).status.code(), Some(2));
-    assert_eq!(bench(&["all_reduce", "-b", "1x"]).status.code(), Some(2));
-    assert_eq!(bench(&["all_reduce", "-b", "64", "-e", "8"]).status.code(), Some(2));
+    let usage = |args: &[&str]| {
+        let out = bench(args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    assert!(usage(&[]).contains("Usage: ferrocomm-bench"));
+    assert!(usage(&["no_such_op"]).contains("no_such_op"));
+    assert!(usage(&["all_reduce", "-b", "1x"]).contains("1x"));
+    assert!(usage(&["all_reduce", "-b", "64", "-e", "8"]).contains("minbytes <= maxbytes"));
+    assert!(usage(&["all_reduce", "--dtype", "f8"]).contains("f8"));
+    assert!(usage(&["all_reduce", "-c", "2"]).contains("0 or 1"));
     let g = bench(&["all_reduce", "--graph", "--world", "1"]);
     assert_eq!(g.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&g.stderr).contains("GPU"));
-    let d = bench(&["all_reduce", "--dtype", "f8", "--world", "1", "--threads"]);
-    assert_eq!(d.status.code(), Some(1));
+}
+
+#[test]
+fn help_is_clap_and_lists_every_op() {
+    let out = bench(&["--help"]);
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    for op in [
+        "all_reduce",
+        "device_all_reduce",
+        "nccl_all_reduce",
+        "queue_pickup",
+        "plot",
+    ] {
+        assert!(text.contains(op), "{op} missing from --help:\n{text}");
+    }
+    let op_help = String::from_utf8_lossy(&bench(&["all_reduce", "--help"]).stdout).into_owned();
+    for flag in [
+        "--minbytes",
+        "--maxbytes",
+        "--stepfactor",
+        "--iters",
+        "--warmup_iters",
+        "--check",
+        "--datatype",
+        "--redop",
+    ] {
+        assert!(op_help.contains(flag), "{flag} missing:\n{op_help}");
+    }
 }

@@ -11,8 +11,9 @@
 //! Caches may serve some of the algorithm's reads of small messages, so the ratio means most
 //! where the ranks' buffers are far larger than the L2 (from 64 MiB).
 
-use crate::args::Args;
+use crate::cli::Args;
 use crate::nccl_direct::{Direct, NCCL_BFLOAT16};
+use crate::progress::Progress;
 use ferrocomm::device::cudarc::driver::{sys, CudaGraph, CudaStream, DevicePtr, DevicePtrMut};
 use ferrocomm::device::{self, DeviceSliceMut};
 use ferrocomm::prelude::*;
@@ -86,7 +87,10 @@ fn ours(comms: &[Comm], bytes: usize, algorithm: &str, a: &Args) -> Result<f64> 
             })
             .collect();
         hs.into_iter()
-            .map(|h| h.join().expect("a bench rank panicked"))
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(Error::Config("a bench rank panicked".into())))
+            })
             .collect()
     });
     let mut worst = 0f64;
@@ -144,6 +148,7 @@ fn algorithms(a: &Args) -> Vec<String> {
     }
 }
 
+/// Runs `device_all_reduce` on GPU 0 and prints its table.
 pub fn run(a: &Args) -> Result<()> {
     device::available(0)?;
     let world = a.world.max(2);
@@ -176,8 +181,11 @@ pub fn run(a: &Args) -> Result<()> {
         header += &format!(" {:>13}", format!("{algo} roof"));
     }
     println!("{header}");
-    let mut bytes = a.min_bytes.max(2) & !1;
-    while bytes <= a.max_bytes {
+    // bf16: whole elements.
+    let sizes = crate::size::sweep(a.min_bytes.max(2) & !1, a.max_bytes, a.factor);
+    let progress = Progress::new(&a.op, sizes.len(), true);
+    for bytes in sizes {
+        progress.start_size(bytes);
         let times = algos
             .iter()
             .map(|algo| ours(&comms, bytes, algo, a))
@@ -202,8 +210,7 @@ pub fn run(a: &Args) -> Result<()> {
             let roof = bytes_moved(algo, bytes, world).map(|m| world as f64 * m / t / 1e3 / copy_gbs);
             row += &format!(" {:>13}", roof.map_or("-".into(), |r| format!("{r:.3}")));
         }
-        println!("{row}");
-        bytes *= a.factor;
+        progress.print_row(&row);
     }
     for c in &comms {
         c.finalize()?;
