@@ -575,6 +575,13 @@ fn forward(ranks: &Ranks, sig: libc::c_int, stop: &mut Option<Stop>, kill_at: &m
 }
 
 fn main() -> ExitCode {
+    // The library installs no subscriber; built with feature log-subscriber, FERROCOMM_LOG shows
+    // the events of the store this launcher hosts (without it the ranks still get the variable).
+    #[cfg(feature = "log-subscriber")]
+    if let Err(e) = ferrocomm::init_logging() {
+        eprintln!("ferrocomm-run: {e}");
+        return ExitCode::from(2);
+    }
     let cli = Cli::parse();
     if let Some(shell) = cli.completions {
         clap_complete::generate(shell, &mut Cli::command(), "ferrocomm-run", &mut io::stdout());

@@ -19,9 +19,9 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 /// Every `FERROCOMM_*` variable the library, its binaries and its build read. The library's
-/// own are fields of [`Config`]; `FERROCOMM_RUN_GRACE` and `FERROCOMM_PYTHON` belong to the
-/// binaries, `FERROCOMM_REQUIRE_*` to the build and the tests.
-pub(crate) const VARIABLES: [&str; 28] = [
+/// own are fields of [`Config`]; `FERROCOMM_RUN_GRACE` belongs to the
+/// launcher, `FERROCOMM_REQUIRE_*` to the build and the tests.
+pub(crate) const VARIABLES: [&str; 27] = [
     "FERROCOMM_TIMEOUT",
     "FERROCOMM_ABORT_ON_ERROR",
     "FERROCOMM_CHECK_CALLS",
@@ -34,7 +34,6 @@ pub(crate) const VARIABLES: [&str; 28] = [
     "FERROCOMM_SOCKET_ADDR",
     "FERROCOMM_NET",
     "FERROCOMM_MULTICAST",
-    "FERROCOMM_PYTHON",
     "FERROCOMM_PROXY_AFFINITY",
     "FERROCOMM_PROXY_POLL_US",
     "FERROCOMM_CPU_DIRECT_MAX",

@@ -10,7 +10,7 @@
 //! `Error::custom` ("13 refuses to be serialized") by a fixed "Serde Serialization Error", and
 //! the object collectives owe the user that message; MessagePack keeps it.
 
-use serde::{de::DeserializeOwned, Deserialize, Serialize};
+use serde::{de::DeserializeOwned, Serialize};
 use std::io::Cursor;
 
 /// Bumped whenever the bytes a value encodes to may change: a new format, a new framing.

@@ -280,6 +280,7 @@ impl Nccl {
     pub(crate) fn describe(&self, code: c_int, comm: CommPtr) -> String {
         // SAFETY: both return pointers to static or per-thread NUL-terminated strings.
         let text = unsafe { cstr((self.api.ncclGetErrorString)(code)) };
+        // SAFETY: as above; `comm` is null or a live communicator (NCCL accepts both).
         let last = unsafe { cstr((self.api.ncclGetLastError)(comm)) };
         if last.is_empty() {
             format!("{text} (ncclResult {code})")

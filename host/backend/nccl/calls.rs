@@ -124,15 +124,18 @@ pub(crate) fn issue(
         // which the caller borrows for the call and which stay valid in stream order; counts in
         // elements of the declared dtype, as validated by `Op::validate`.
         let send = |b: &Buf, peer: usize| {
+            // SAFETY: as stated above for every call.
             check("ncclSend", unsafe {
                 (api.ncclSend)(ptr(dev(b)), b.count(), dtype(b.dtype()), peer as c_int, c, stream)
             })
         };
         let recv = |b: &BufMut, peer: usize| {
+            // SAFETY: as stated above for every call.
             check("ncclRecv", unsafe {
                 (api.ncclRecv)(ptr(dev_mut(b)), b.count(), dtype(b.dtype()), peer as c_int, c, stream)
             })
         };
+        // SAFETY: as stated above for every call.
         unsafe {
             check("ncclGroupStart", (api.ncclGroupStart)())?;
             let body = (|| -> Result<()> {

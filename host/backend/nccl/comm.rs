@@ -22,6 +22,7 @@ pub(crate) struct NcclComm {
 // SAFETY: NCCL communicators may be used from any thread; calls are serialised by the
 // communicator's executor, and abort/async-error polling are the documented cross-thread calls.
 unsafe impl Send for NcclComm {}
+// SAFETY: as for Send; the pointer is behind an RwLock and the flag is atomic.
 unsafe impl Sync for NcclComm {}
 
 fn nonblocking() -> Config {
