@@ -159,6 +159,7 @@ pub mod fuzzing {
 }
 pub use buffer::{InputBuffer, OutputBuffer};
 pub use comm::{new_comm, Comm};
+pub use contracts::config::parse_bytes;
 pub use contracts::dtype::{DType, Element, ReduceOp};
 pub use contracts::error::{Error, Result};
 pub use contracts::fence::{Fence, FenceSlot};

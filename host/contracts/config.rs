@@ -306,8 +306,16 @@ impl Raw<'_> {
     }
 }
 
-/// `1024`, `64K`, `4M`, `1G` (powers of 1024).
-pub(crate) fn parse_bytes(s: &str) -> Option<usize> {
+/// A byte count as ferrocomm's settings and programs write it: `1024`, `64K`, `4M`, `1G`
+/// (powers of 1024; also `KB`/`KiB` forms, any case). `None` for anything else, and for a
+/// count that does not fit in `usize`.
+///
+/// ```
+/// assert_eq!(ferrocomm::parse_bytes("64K"), Some(65536));
+/// assert_eq!(ferrocomm::parse_bytes("1gib"), Some(1 << 30));
+/// assert_eq!(ferrocomm::parse_bytes("1.5M"), None);
+/// ```
+pub fn parse_bytes(s: &str) -> Option<usize> {
     let s = s.trim();
     let (digits, unit) = match s.char_indices().find(|(_, c)| !c.is_ascii_digit()) {
         Some((i, _)) => s.split_at(i),

@@ -1,22 +1,11 @@
 //! Message sizes: the command line's byte counts (`64K`, `4M`, `1G`), the sizes one sweep
 //! visits, and sizes written for people (axis labels).
 
-/// Parses `1024`, `64K`, `4M`, `1G` (powers of 1024; also `KB`/`KiB` forms, any case), as the
-/// library's `FERROCOMM_*` byte settings read them.
+/// Parses `1024`, `64K`, `4M`, `1G` with the library's own parser (`ferrocomm::parse_bytes`,
+/// the one `FERROCOMM_*` byte settings go through), so both read sizes alike.
 pub fn parse(s: &str) -> Result<usize, String> {
-    let t = s.trim();
-    let (digits, unit) = t.split_at(t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len()));
-    let scale: usize = match unit.to_ascii_uppercase().as_str() {
-        "" | "B" => 1,
-        "K" | "KB" | "KIB" => 1 << 10,
-        "M" | "MB" | "MIB" => 1 << 20,
-        "G" | "GB" | "GIB" => 1 << 30,
-        _ => return Err(format!("{s:?} is not a size (bytes, or with a K, M or G suffix)")),
-    };
-    let n: usize = digits
-        .parse()
-        .map_err(|_| format!("{s:?} is not a size (bytes, or with a K, M or G suffix)"))?;
-    n.checked_mul(scale).ok_or_else(|| format!("{s:?} is too large"))
+    ferrocomm::parse_bytes(s)
+        .ok_or_else(|| format!("{s:?} is not a size (bytes, or with a K, M or G suffix) or is too large"))
 }
 
 /// `min`, `min * factor`, ... up to `max`, as nccl-tests visits them.
