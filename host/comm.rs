@@ -123,7 +123,7 @@ fn next_generation(name: &str, rank: usize) -> u64 {
 /// | `RANK`, `WORLD_SIZE` | this process's rank, the number of ranks |
 /// | `LOCAL_RANK`, `LOCAL_WORLD_SIZE` | the same among the ranks of this host |
 /// | `MASTER_ADDR`, `MASTER_PORT` | where the job's TCP store listens |
-/// | `FERROCOMM_TOKEN` | the job secret the store demands (a fresh one per job) |
+/// | `FERROCOMM_TOKEN` | the job secret the store demands (a fresh one per job on one node; on several, the secret the user exported as `FERROCOMM_TOKEN` on every node) |
 /// | `FERROCOMM_STORE_EXTERNAL` | `1`: the launcher hosts the store, so rank 0 must not |
 ///
 /// [`discover`](crate::discover) reads the rank variables (also Open MPI's, PMI's and

@@ -85,7 +85,7 @@
 //! | `FERROCOMM_PROXY_POLL_US` | how long a window's proxy thread spins after its last queued descriptor before it sleeps, µs (2000 on hosts of 4+ cores, else 0) |
 //! | `FERROCOMM_CPU_DIRECT_MAX` | largest per-rank message sent directly, bytes (64 KiB) |
 //! | `FERROCOMM_CPU_CHUNK` | broadcast pipelining chunk, bytes (256 KiB) |
-//! | `FERROCOMM_LOG` | log filter, e.g. `debug` |
+//! | `FERROCOMM_LOG` | log filter, e.g. `debug`, for the subscriber `init_logging` installs (feature `log-subscriber`); the library installs none |
 //! | `FERROCOMM_NVRTC_PATH` | libnvrtc.so.13 (or its folder) for run-time kernel compilation |
 //! | `CUDA_HOME` | CUDA root: nvcc at build time, NVRTC at run time |
 //! | `CUDA_DEVICE_MAX_CONNECTIONS` | CUDA's hardware queues per context; ferrocomm sets 32 before it initialises CUDA unless set (ranks sharing a GPU in one process need their streams on separate queues) |

@@ -67,20 +67,20 @@ enum LaunchError {
 #[command(name = "ferrocomm-run", version)]
 struct Cli {
     /// Ranks to start on this node.
-    #[arg(short = 'n', long = "nproc-per-node", visible_alias = "nproc", value_name = "N",
+    #[arg(short = 'n', long = "nproc-per-node", visible_alias = "nproc", alias = "nproc_per_node", value_name = "N",
           value_parser = at_least_one, required_unless_present = "completions")]
     nproc_per_node: Option<usize>,
     /// Nodes in the job, each running one ferrocomm-run.
     #[arg(long, value_name = "N", default_value = "1", value_parser = at_least_one)]
     nnodes: usize,
     /// This node's place among them, from 0; node 0 hosts the job's store.
-    #[arg(long, value_name = "RANK", default_value_t = 0)]
+    #[arg(long, alias = "node_rank", value_name = "RANK", default_value_t = 0)]
     node_rank: usize,
     /// Node 0's address, where it hosts the store (default 127.0.0.1; needed with --nnodes > 1).
-    #[arg(long, value_name = "HOST")]
+    #[arg(long, alias = "master_addr", value_name = "HOST")]
     master_addr: Option<String>,
     /// The store's port (default: any free one on a single node; needed with --nnodes > 1).
-    #[arg(long, value_name = "PORT")]
+    #[arg(long, alias = "master_port", value_name = "PORT")]
     master_port: Option<u16>,
     /// Seconds ranks get between a forwarded SIGTERM or SIGINT and SIGKILL (fractions allowed).
     #[arg(long, value_name = "SECONDS", env = "FERROCOMM_RUN_GRACE", default_value = DEFAULT_GRACE,
@@ -123,6 +123,14 @@ impl Job {
         if cli.program.is_empty() {
             return Err(usage("the program to run is missing".into()));
         }
+        // Far above any node's cores, and far below where ranks' numbers would overflow.
+        const MAX_RANKS: usize = 1 << 20;
+        if nproc.checked_mul(cli.nnodes).map_or(true, |n| n > MAX_RANKS) {
+            return Err(usage(format!(
+                "-n {nproc} ranks on each of --nnodes {} nodes: more than {MAX_RANKS} ranks",
+                cli.nnodes
+            )));
+        }
         if cli.node_rank >= cli.nnodes {
             return Err(usage(format!(
                 "--node-rank {} is not below --nnodes {}",
@@ -153,6 +161,12 @@ impl Job {
                     ),
                 ));
             };
+            if port == 0 {
+                return Err(usage(format!(
+                    "--nnodes {} needs a fixed --master-port, not 0: the other nodes must know it",
+                    cli.nnodes
+                )));
+            }
             (addr, port, token)
         };
         Ok(Job {
@@ -264,14 +278,12 @@ fn prepare_rank(blocked: &libc::sigset_t, launcher: libc::pid_t) -> io::Result<(
         // The kernel sends the signal when the thread that forked the rank ends: the launcher's
         // main thread, which ends only with the launcher. So a SIGKILLed launcher takes its
         // ranks along.
-        // SAFETY: prctl with PR_SET_PDEATHSIG takes a signal number and touches no memory.
-        if unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) } != 0 {
-            return Err(io::Error::last_os_error());
-        }
+        // rustix makes these as plain system calls: async-signal-safe, no allocation.
+        use rustix::process::{getppid, set_parent_process_death_signal, Pid, Signal};
+        set_parent_process_death_signal(Some(Signal::KILL))?;
         // The launcher may have died between fork and prctl: then no signal will ever come, and
         // the rank must not start.
-        // SAFETY: getppid cannot fail and touches no memory.
-        if unsafe { libc::getppid() } != launcher {
+        if Pid::as_raw(getppid()) != launcher {
             return Err(io::Error::from_raw_os_error(libc::ESRCH));
         }
     }
@@ -339,14 +351,19 @@ impl Ranks {
     /// Sends `sig` to every rank that has not been reaped yet: to its process group, which also
     /// holds what the rank started without leaving it (a shell wrapper's program).
     fn signal(&self, sig: libc::c_int) {
+        use rustix::process::{kill_process, kill_process_group, Pid, Signal};
+        let Some(sig) = Signal::from_named_raw(sig) else {
+            return;
+        };
         for c in self.children.iter().flatten() {
-            let pid = c.id() as libc::pid_t;
-            // SAFETY: kill touches no memory. The rank is unreaped, so neither its pid nor its
-            // group id (the same number) can have been reused.
+            // The rank is unreaped, so neither its pid nor its group id (the same number) can
+            // have been reused.
+            let Some(pid) = Pid::from_raw(c.id() as i32) else {
+                continue;
+            };
             // A rank that moved to another group of its own accord gets the signal itself.
-            if unsafe { libc::kill(-pid, sig) } != 0 {
-                // SAFETY: as above.
-                unsafe { libc::kill(pid, sig) };
+            if kill_process_group(pid, sig).is_err() {
+                let _ = kill_process(pid, sig);
             }
         }
     }
@@ -405,7 +422,11 @@ fn run(job: &Job) -> Result<ExitCode, LaunchError> {
     // Before anything starts a thread (the store, the output pumps): they inherit the mask.
     let signals = Signals::block().map_err(LaunchError::Signals)?;
     let server = if job.hosts_store() {
-        let addr = (job.master_addr.as_str(), job.master_port);
+        // Node 0 of several listens on every interface, as torchrun does: its own name may
+        // resolve to a loopback address (127.0.1.1 in Debian's /etc/hosts) that other nodes
+        // cannot reach. The token, not the interface, keeps strangers out.
+        let host = if job.nnodes > 1 { "0.0.0.0" } else { job.master_addr.as_str() };
+        let addr = (host, job.master_port);
         let server = ferrocomm::TcpStoreServer::bind(addr, &job.token).map_err(|source| LaunchError::Store {
             addr: format!("{}:{}", job.master_addr, job.master_port),
             source,
@@ -490,8 +511,9 @@ fn run(job: &Job) -> Result<ExitCode, LaunchError> {
         }
     }
     if job.nnodes > 1 {
-        // A launcher that was told to stop does not hold the store up for other nodes.
-        let wait = !matches!(stop, Some(Stop::Signal(_)));
+        // A launcher that was told to stop, or whose ranks failed, does not hold the store up
+        // for other nodes: their ranks lose this node's anyway.
+        let wait = stop.is_none();
         exit_barrier(job, port, server.is_some() && wait, &signals);
     }
     drop(server);
@@ -577,12 +599,12 @@ fn forward(ranks: &Ranks, sig: libc::c_int, stop: &mut Option<Stop>, kill_at: &m
 fn main() -> ExitCode {
     // The library installs no subscriber; built with feature log-subscriber, FERROCOMM_LOG shows
     // the events of the store this launcher hosts (without it the ranks still get the variable).
+    let cli = Cli::parse();
     #[cfg(feature = "log-subscriber")]
     if let Err(e) = ferrocomm::init_logging() {
         eprintln!("ferrocomm-run: {e}");
         return ExitCode::from(2);
     }
-    let cli = Cli::parse();
     if let Some(shell) = cli.completions {
         clap_complete::generate(shell, &mut Cli::command(), "ferrocomm-run", &mut io::stdout());
         return ExitCode::SUCCESS;

@@ -16,7 +16,7 @@ use std::io::Cursor;
 /// Bumped whenever the bytes a value encodes to may change: a new format, a new framing.
 pub(crate) const FORMAT_VERSION: u8 = 1;
 
-/// `v` as bytes: the version byte, then postcard. The error says why `v` does not serialize.
+/// `v` as bytes: the version byte, then MessagePack. The error says why `v` does not serialize.
 pub(crate) fn encode<T: Serialize + ?Sized>(v: &T) -> Result<Vec<u8>, String> {
     let mut bytes = vec![FORMAT_VERSION];
     rmp_serde::encode::write(&mut bytes, v).map_err(|e| e.to_string())?;

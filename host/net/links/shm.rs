@@ -113,8 +113,9 @@ impl Segment {
         let fd = shm::open(cname.as_c_str(), shm_flags(shm::OFlags::RDWR), Mode::empty())
             .map_err(|e| Error::io(format!("shm_open({name}, open)"), e.into()))?;
         let len = HEADER_BYTES + payload_len;
-        // A failed fstat reads as size 0, which no segment has.
-        let size = rustix::fs::fstat(&fd).map(|st| st.st_size).unwrap_or(0);
+        let size = rustix::fs::fstat(&fd)
+            .map_err(|e| Error::io(format!("fstat({name})"), e.into()))?
+            .st_size;
         if size as usize != len {
             return Err(Error::protocol(
                 "shm segment",
