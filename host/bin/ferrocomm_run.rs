@@ -425,7 +425,11 @@ fn run(job: &Job) -> Result<ExitCode, LaunchError> {
         // Node 0 of several listens on every interface, as torchrun does: its own name may
         // resolve to a loopback address (127.0.1.1 in Debian's /etc/hosts) that other nodes
         // cannot reach. The token, not the interface, keeps strangers out.
-        let host = if job.nnodes > 1 { "0.0.0.0" } else { job.master_addr.as_str() };
+        let host = if job.nnodes > 1 {
+            "0.0.0.0"
+        } else {
+            job.master_addr.as_str()
+        };
         let addr = (host, job.master_port);
         let server = ferrocomm::TcpStoreServer::bind(addr, &job.token).map_err(|source| LaunchError::Store {
             addr: format!("{}:{}", job.master_addr, job.master_port),
