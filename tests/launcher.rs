@@ -424,6 +424,29 @@ fn malformed_command_lines_are_usage_errors() {
             &[],
             "FERROCOMM_TOKEN",
         ),
+        (
+            &[
+                "-n",
+                "1",
+                "--nnodes",
+                "2",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                "0",
+                "true",
+            ],
+            &[("FERROCOMM_TOKEN", "t")],
+            "fixed --master-port",
+        ),
+        (&["-n", "4096", "--nnodes", "4096", "true"], &[], "more than"),
+        // torchrun's underscore spellings are the same flags, not the program to run.
+        (&["--nproc_per_node", "0", "true"], &[], "at least 1"),
+        (
+            &["-n", "1", "--nnodes", "2", "--node_rank", "5", "true"],
+            &[],
+            "--node-rank 5",
+        ),
     ] {
         let (code, err) = run(args, envs);
         assert_eq!(code, Some(2), "{args:?}: {err}");
