@@ -3,6 +3,7 @@
 //! merge, each size keeping its fastest run, as scripts/compare_report.py's tables do.
 
 use crate::report::Report;
+use clap::CommandFactory;
 use std::collections::BTreeMap;
 
 /// One size of a line.
@@ -49,21 +50,6 @@ struct Key {
     dtype: String,
 }
 
-/// The bench's ops in the order of `ferrocomm-bench --help`: the panels' order.
-const OPS: [&str; 11] = [
-    "all_reduce",
-    "reduce",
-    "broadcast",
-    "all_gather",
-    "reduce_scatter",
-    "all_to_all",
-    "send_recv",
-    "put",
-    "get",
-    "signal",
-    "queue_put",
-];
-
 /// Groups `reports` into panels of lines, in an order that does not depend on the files'
 /// order: panels as the bench lists its ops (others after them, by name), lines by tool,
 /// backend, world size and type.
@@ -102,7 +88,12 @@ pub fn panels(reports: &[Report]) -> Result<Vec<Panel>, String> {
             }
         }
     }
-    let rank = |op: &str| OPS.iter().position(|o| *o == op).unwrap_or(OPS.len());
+    // Panels in the order of `ferrocomm-bench --help`: its subcommands are the ops' names.
+    let order: Vec<String> = crate::cli::Cli::command()
+        .get_subcommands()
+        .map(|c| c.get_name().to_owned())
+        .collect();
+    let rank = |op: &str| order.iter().position(|o| o == op).unwrap_or(order.len());
     ops.sort_by(|(a, _), (b, _)| (rank(a), a).cmp(&(rank(b), b)));
     Ok(ops
         .into_iter()
