@@ -23,7 +23,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 /// Operation kinds as the check encodes them; the position is the code.
-const KINDS: [&str; 10] = [
+const KINDS: [&str; 13] = [
     "all_reduce",
     "reduce",
     "broadcast",
@@ -34,6 +34,9 @@ const KINDS: [&str; 10] = [
     "gather",
     "barrier",
     "send/recv",
+    "all_reduce_residual_rmsnorm",
+    "moe_dispatch",
+    "moe_combine",
 ];
 /// One of each reduction, to name a code (the pre-multiplied sum's scalar is per rank).
 const REDUCE_OPS: [ReduceOp; 9] = [
@@ -252,6 +255,35 @@ fn views(op: &Op<'_>, me: usize, n: usize) -> Vec<View> {
                 })),
                 ..view("send/recv", None, None, None)
             },
+            // The root field carries the row length, which every rank must share.
+            Op::AllReduceRmsNorm(f) => both(
+                view(
+                    "all_reduce_residual_rmsnorm",
+                    Some(f.x.dtype()),
+                    Some(f.out.dtype() as u8),
+                    Some(f.hidden),
+                ),
+                Traffic::one(f.x.dtype(), f.x.byte_len()),
+            ),
+            // Per-peer traffic depends on the routing; the shape is what must agree.
+            Op::MoeDispatch(m) => view(
+                "moe_dispatch",
+                m.send
+                    .as_ref()
+                    .map(|s| s.tokens.dtype())
+                    .or(m.recv.as_ref().map(|r| r.tokens.dtype())),
+                Some(u8::from(m.send.is_some()) | u8::from(m.recv.is_some()) << 1),
+                Some(m.shape.hidden),
+            ),
+            Op::MoeCombine(m) => view(
+                "moe_combine",
+                m.send
+                    .as_ref()
+                    .map(|s| s.expert_out.dtype())
+                    .or(m.recv.as_ref().map(|r| r.out.dtype())),
+                Some(u8::from(m.send.is_some()) | u8::from(m.recv.is_some()) << 1),
+                Some(m.shape.hidden),
+            ),
         })
         .collect()
 }

@@ -6,8 +6,10 @@ use crate::buffer::{InputBuffer, OutputBuffer};
 use crate::comm::Comm;
 use crate::contracts::dtype::ReduceOp;
 use crate::contracts::error::Result;
+use crate::contracts::inference::{MoeShape, RmsNormFusion};
 use crate::contracts::ops::{equal_counts, Op, P2p};
 use crate::contracts::options::OpOptions;
+use crate::inference::{Combine, Dispatch};
 use crate::work::{Scope, Work};
 
 /// Every collective and point-to-point call, for [`Comm`] (synchronous), `&Scope`
@@ -273,6 +275,106 @@ pub trait Collectives<'a>: Sized {
             outputs,
             root,
         })
+    }
+
+    /// The end of a tensor-parallel layer in one operation (TensorRT-LLM's and FlashInfer's
+    /// all_reduce fusion `RESIDUAL_RMS_NORM`): `residual += Σ_ranks x`, then
+    /// `out = rmsnorm(residual) * gamma` with `eps`. `x`, `residual` and `out` are
+    /// `[tokens, hidden]`, `gamma` is `[hidden]`, all of one type (f32, f16 or bf16). Sums run
+    /// in f32, over ranks in rank order, so every rank gets the same bits; the norm reads the
+    /// f32 sum (see [`RmsNormFusion`](crate::RmsNormFusion)). The hint `algorithm` =
+    /// `oneshot` / `twoshot` overrides the choice by size.
+    ///
+    /// ```
+    /// use ferrocomm::prelude::*;
+    ///
+    /// let comms = Comm::new_group("cpu", &[Device::Cpu; 2], "tp", CommOptions::from_env()?)?;
+    /// std::thread::scope(|s| {
+    ///     for c in &comms {
+    ///         s.spawn(move || -> ferrocomm::Result<()> {
+    ///             let hidden = 4;
+    ///             let x = vec![1.0f32; 2 * hidden]; // this rank's partial sums, 2 tokens
+    ///             let mut residual = vec![1.0f32; 2 * hidden];
+    ///             let (gamma, mut y) = (vec![2.0f32; hidden], vec![0f32; 2 * hidden]);
+    ///             c.all_reduce_residual_rmsnorm(&x, &mut residual, &gamma, &mut y, 0.0)?;
+    ///             assert_eq!(residual, vec![3.0; 2 * hidden]); // 1 + 1 (two ranks) + 1
+    ///             assert_eq!(y, vec![2.0; 2 * hidden]); // 3 / rms(3) * 2
+    ///             Ok(())
+    ///         });
+    ///     }
+    /// });
+    /// # Ok::<(), ferrocomm::Error>(())
+    /// ```
+    fn all_reduce_residual_rmsnorm<X, R, G, O>(
+        &self,
+        x: X,
+        residual: R,
+        gamma: G,
+        out: O,
+        eps: f32,
+    ) -> Result<Self::Output>
+    where
+        X: InputBuffer<'a>,
+        R: OutputBuffer<'a, Elem = X::Elem>,
+        G: InputBuffer<'a, Elem = X::Elem>,
+        O: OutputBuffer<'a, Elem = X::Elem>,
+    {
+        let f = RmsNormFusion::new(
+            x.into_buf(),
+            residual.into_buf_mut(),
+            gamma.into_buf(),
+            out.into_buf_mut(),
+            eps,
+        );
+        self.call(Op::AllReduceRmsNorm(f))
+    }
+
+    /// [`all_reduce_residual_rmsnorm`](Self::all_reduce_residual_rmsnorm) with the output
+    /// quantised to fp8 e4m3 (`RESIDUAL_RMS_NORM_QUANT_FP8`): each token's row is divided by
+    /// its scale `max |y| / 448`, written to `scales` (one f32 per token), so `y ≈ out * scale`.
+    fn all_reduce_residual_rmsnorm_fp8<X, R, G, O, S>(
+        &self,
+        x: X,
+        residual: R,
+        gamma: G,
+        out: O,
+        scales: S,
+        eps: f32,
+    ) -> Result<Self::Output>
+    where
+        X: InputBuffer<'a>,
+        R: OutputBuffer<'a, Elem = X::Elem>,
+        G: InputBuffer<'a, Elem = X::Elem>,
+        O: OutputBuffer<'a, Elem = crate::F8E4M3>,
+        S: OutputBuffer<'a, Elem = f32>,
+    {
+        let f = RmsNormFusion::new(
+            x.into_buf(),
+            residual.into_buf_mut(),
+            gamma.into_buf(),
+            out.into_buf_mut(),
+            eps,
+        )
+        .with_scales(scales.into_buf_mut());
+        self.call(Op::AllReduceRmsNorm(f))
+    }
+
+    /// Mixture-of-experts dispatch (DeepEP's `dispatch`): each token goes once to every rank
+    /// that owns one of its `topk` experts, and lands in a `[local experts, capacity, hidden]`
+    /// buffer in (source rank, token, k) order, with counts and each row's source. Either half
+    /// may run alone: a [`Dispatch::send`] without `recv` returns once the rows are on their
+    /// way (on the CPU backend: there), a later [`Dispatch::recv_only`] receives them, and the
+    /// rank computes in between. More rows for an expert than `shape.capacity` is
+    /// `Error::CapacityExceeded` on the receiving rank (the counts say how many came).
+    fn moe_dispatch(&self, shape: MoeShape, buffers: Dispatch<'a>) -> Result<Self::Output> {
+        self.call(Op::MoeDispatch(buffers.into_op(shape)))
+    }
+
+    /// Mixture-of-experts combine (DeepEP's `combine`): each expert row goes back to its
+    /// token's rank, and `out[t] = Σ_k weight[t, k] * row(t, k)` in f32, k in order (the same
+    /// bits on every run).
+    fn moe_combine(&self, shape: MoeShape, buffers: Combine<'a>) -> Result<Self::Output> {
+        self.call(Op::MoeCombine(buffers.into_op(shape)))
     }
 
     /// Returns once every rank has entered it (on device buffers' backends, also after the

@@ -123,6 +123,8 @@ mod readme_doctests {}
 // bootstrap and net::links; gpu; net::windows; backend; the public face (the files below
 // `mod backend;`), which reaches the backends only through backend::registry.
 mod contracts;
+// Layer 1: host arithmetic of the inference collectives.
+mod compute;
 
 mod bootstrap;
 
@@ -137,6 +139,7 @@ mod collectives;
 mod comm;
 pub mod device;
 mod executor;
+mod inference;
 #[cfg(feature = "log-subscriber")]
 mod logging;
 mod objects;
@@ -163,15 +166,20 @@ pub use contracts::config::parse_bytes;
 pub use contracts::dtype::{DType, Element, ReduceOp};
 pub use contracts::error::{Error, Result};
 pub use contracts::fence::{Fence, FenceSlot};
+pub use contracts::inference::{
+    CombineRecv, CombineSend, DispatchRecv, DispatchSend, MoeCombine, MoeDispatch, MoeShape, RmsNormFusion, FP8_BLOCK,
+};
 pub use contracts::ops::{Buf, BufMut, DeviceBytes, Location, Op, P2p};
 pub use contracts::options::{default_timeout, AbortOnError, CommOptions, NetTransport, OpOptions, TransportOptions};
 pub use contracts::placement::Device;
 pub use contracts::window::{Cmp, Observed, SignalOp, SignalSource, WindowBackend, WindowOptions, WindowSpec};
+pub use inference::{Combine, Dispatch};
 #[cfg(feature = "log-subscriber")]
 pub use logging::init_logging;
 pub use window::Window;
 pub use work::{Scope, Work};
 
+pub use contracts::fp8::F8E4M3;
 pub use half::{bf16, f16};
 
 /// The names most programs need.

@@ -27,11 +27,14 @@ pub enum DType {
     U32 = 9,
     /// Unsigned 64-bit integer (`u64`); arithmetic wraps.
     U64 = 10,
+    /// fp8 e4m3 ([`F8E4M3`](crate::F8E4M3)); reductions combine in `f32`, rounded (with
+    /// saturation) once per step.
+    F8E4M3 = 11,
 }
 
 impl DType {
     /// Every element type, in the order of their wire codes.
-    pub const ALL: [DType; 10] = [
+    pub const ALL: [DType; 11] = [
         DType::F32,
         DType::F64,
         DType::F16,
@@ -42,12 +45,13 @@ impl DType {
         DType::I64,
         DType::U32,
         DType::U64,
+        DType::F8E4M3,
     ];
 
     /// Bytes per element (1, 2, 4 or 8).
     pub fn size(self) -> usize {
         match self {
-            DType::I8 | DType::U8 => 1,
+            DType::I8 | DType::U8 | DType::F8E4M3 => 1,
             DType::F16 | DType::BF16 => 2,
             DType::F32 | DType::I32 | DType::U32 => 4,
             DType::F64 | DType::I64 | DType::U64 => 8,
@@ -56,7 +60,7 @@ impl DType {
 
     /// Whether the type is a floating-point one (bitwise reductions are refused on these).
     pub fn is_float(self) -> bool {
-        matches!(self, DType::F32 | DType::F64 | DType::F16 | DType::BF16)
+        matches!(self, DType::F32 | DType::F64 | DType::F16 | DType::BF16 | DType::F8E4M3)
     }
 
     /// The Rust name of the type (`"f32"`, `"bf16"`, ...), as errors and logs print it.
@@ -72,6 +76,7 @@ impl DType {
             DType::I64 => "i64",
             DType::U32 => "u32",
             DType::U64 => "u64",
+            DType::F8E4M3 => "f8e4m3",
         }
     }
 
@@ -110,7 +115,7 @@ macro_rules! element {
         impl Element for $t { const DTYPE: DType = DType::$d; }
     )*};
 }
-element!(f32 => F32, f64 => F64, f16 => F16, bf16 => BF16, i8 => I8, u8 => U8, i32 => I32, i64 => I64, u32 => U32, u64 => U64);
+element!(f32 => F32, f64 => F64, f16 => F16, bf16 => BF16, i8 => I8, u8 => U8, i32 => I32, i64 => I64, u32 => U32, u64 => U64, crate::contracts::fp8::F8E4M3 => F8E4M3);
 
 /// Views a slice of elements as bytes.
 pub(crate) fn as_bytes<T: Element>(s: &[T]) -> &[u8] {

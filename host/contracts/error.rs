@@ -97,6 +97,20 @@ pub enum Error {
         /// What is wrong with the argument and, for an unknown value, the accepted ones.
         reason: String,
     },
+    /// More rows were routed to a buffer than its capacity holds (a MoE dispatch: more tokens
+    /// for one expert than `MoeShape::capacity`). The rows that fit were delivered and the
+    /// counts say how many came; nothing is dropped silently.
+    #[error("{op}: {what} received {count} rows, its capacity is {capacity}")]
+    CapacityExceeded {
+        /// The operation that was called.
+        op: &'static str,
+        /// Which buffer overflowed (`"local expert 3"`).
+        what: String,
+        /// The rows routed to it.
+        count: usize,
+        /// The rows it holds.
+        capacity: usize,
+    },
     /// Ranks issued different operations (or the same one with different arguments).
     #[error("{op}: mismatched call with rank {peer}: {detail}")]
     Mismatch {

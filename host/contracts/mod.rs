@@ -10,6 +10,8 @@ pub(crate) mod config;
 pub(crate) mod dtype;
 pub(crate) mod error;
 pub(crate) mod fence;
+pub(crate) mod fp8;
+pub(crate) mod inference;
 pub(crate) mod ops;
 pub(crate) mod options;
 pub(crate) mod placement;

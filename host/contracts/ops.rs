@@ -5,6 +5,7 @@
 
 use crate::contracts::dtype::{as_bytes, as_bytes_mut, DType, Element, ReduceOp};
 use crate::contracts::error::{Error, Result};
+use crate::contracts::inference::{MoeCombine, MoeDispatch, RmsNormFusion};
 
 /// Where a buffer's bytes live.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -381,6 +382,12 @@ pub enum Op<'a> {
     Barrier,
     /// Point-to-point transfers progressed together; never deadlocks whatever their order.
     Batch(Vec<P2p<'a>>),
+    /// all_reduce, residual add and RMSNorm in one operation (see [`RmsNormFusion`]).
+    AllReduceRmsNorm(RmsNormFusion<'a>),
+    /// Mixture-of-experts dispatch, or one of its halves (see [`MoeDispatch`]).
+    MoeDispatch(MoeDispatch<'a>),
+    /// Mixture-of-experts combine, or one of its halves (see [`MoeCombine`]).
+    MoeCombine(MoeCombine<'a>),
 }
 
 impl Op<'_> {
@@ -401,6 +408,9 @@ impl Op<'_> {
                 [P2p::Recv { .. }] => "recv",
                 _ => "batch_p2p",
             },
+            Op::AllReduceRmsNorm(_) => "all_reduce_residual_rmsnorm",
+            Op::MoeDispatch(_) => "moe_dispatch",
+            Op::MoeCombine(_) => "moe_combine",
         }
     }
 
@@ -470,6 +480,38 @@ impl Op<'_> {
                 P2p::Send { buf, .. } => input(buf),
                 P2p::Recv { buf, .. } => output(buf),
             }),
+            Op::AllReduceRmsNorm(f) => {
+                input(&f.x);
+                input(&f.gamma);
+                output(&f.residual);
+                output(&f.out);
+                f.scales.iter().for_each(output);
+            }
+            Op::MoeDispatch(m) => {
+                if let Some(s) = &m.send {
+                    input(&s.tokens);
+                    s.scales.iter().for_each(&mut *input);
+                    input(&s.topk_idx);
+                }
+                if let Some(r) = &m.recv {
+                    output(&r.tokens);
+                    r.scales.iter().for_each(&mut *output);
+                    output(&r.counts);
+                    output(&r.src);
+                }
+            }
+            Op::MoeCombine(m) => {
+                if let Some(s) = &m.send {
+                    input(&s.expert_out);
+                    input(&s.src);
+                    input(&s.counts);
+                }
+                if let Some(r) = &m.recv {
+                    input(&r.topk_idx);
+                    input(&r.topk_weights);
+                    output(&r.out);
+                }
+            }
         }
     }
 
@@ -555,6 +597,9 @@ impl Op<'_> {
             Op::Batch(v) => v.iter().try_for_each(|p| match p {
                 P2p::Send { peer, .. } | P2p::Recv { peer, .. } => check_rank(*peer),
             }),
+            Op::AllReduceRmsNorm(f) => f.validate(),
+            Op::MoeDispatch(m) => m.validate(size),
+            Op::MoeCombine(m) => m.validate(size),
         }
     }
 }

@@ -3,6 +3,7 @@
 //! Integers wrap (as NCCL's do); f16 and bf16 are combined in f32 and rounded once per step.
 
 use crate::contracts::dtype::{DType, ReduceOp};
+use crate::contracts::fp8::F8E4M3;
 use half::{bf16, f16};
 
 trait Arith: Copy + Default {
@@ -73,6 +74,7 @@ float_arith!(f32, f32, |x: f32| x, |x: f32| x);
 float_arith!(f64, f64, |x: f64| x, |x: f64| x);
 float_arith!(f16, f32, f16::to_f32, f16::from_f32);
 float_arith!(bf16, f32, bf16::to_f32, bf16::from_f32);
+float_arith!(F8E4M3, f32, F8E4M3::to_f32, F8E4M3::from_f32);
 
 /// Runs `f` on `bytes` viewed as a slice of `T`, copying through an aligned temporary when the
 /// bytes are not aligned for `T` (scratch space is aligned, so that path is rare).
@@ -139,6 +141,7 @@ macro_rules! dispatch {
             DType::I64 => $f::<i64>($($arg),*),
             DType::U32 => $f::<u32>($($arg),*),
             DType::U64 => $f::<u64>($($arg),*),
+            DType::F8E4M3 => $f::<F8E4M3>($($arg),*),
         }
     };
 }

@@ -48,6 +48,9 @@ pub(crate) fn op_name(code: u8) -> &'static str {
         8 => "gather",
         9 => "barrier",
         10 => "send/recv",
+        11 => "all_reduce_residual_rmsnorm",
+        12 => "moe_dispatch",
+        13 => "moe_combine",
         _ => "unknown",
     }
 }

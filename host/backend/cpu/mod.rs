@@ -6,6 +6,7 @@
 mod algorithms;
 mod engine;
 mod header;
+mod inference;
 mod oneshot;
 mod window;
 
@@ -144,6 +145,8 @@ mod tuning_tests;
 struct State {
     engine: Engine,
     scratch: Scratch,
+    /// MoE rows between the send and receive halves of a dispatch or combine.
+    pending: inference::Pending,
     /// Set by a failure in the middle of a transfer: the streams may be out of step, so later
     /// operations refuse to run rather than read garbage.
     broken: bool,
@@ -192,6 +195,7 @@ pub(crate) fn create_host(init: &BackendInit) -> Result<CpuBackend> {
         state: Mutex::new(State {
             engine: Engine::new(init.rank, init.size, t),
             scratch: Scratch::default(),
+            pending: Default::default(),
             broken: false,
         }),
         abort: Arc::new(AtomicBool::new(false)),
@@ -261,14 +265,22 @@ impl Backend for CpuBackend {
         let State {
             engine,
             scratch,
+            pending,
             broken,
         } = &mut *st;
-        let r = self.dispatch(engine, scratch, &ctx, op, opts);
+        let r = match op {
+            Op::AllReduceRmsNorm(f) => inference::all_reduce_rmsnorm(engine, &ctx, f, opts, self.tuning.direct_max),
+            Op::MoeDispatch(m) => inference::moe_dispatch(engine, &ctx, pending, m),
+            Op::MoeCombine(m) => inference::moe_combine(engine, &ctx, pending, m),
+            _ => self.dispatch(engine, scratch, &ctx, op, opts),
+        };
         engine.end_call();
         let Err(e) = r else { return Ok(()) };
         // Argument errors are found before any byte moves; everything else may leave a
         // message half sent.
-        if matches!(e, Error::InvalidArgument { .. }) {
+        // A MoE receive half that overflowed a capacity (or was misused) has taken in
+        // everything that was sent: the streams are in step.
+        if matches!(e, Error::InvalidArgument { .. } | Error::CapacityExceeded { .. }) {
             return Err(e);
         }
         *broken = true;
@@ -470,6 +482,9 @@ impl CpuBackend {
                 let t = tag(9, DType::U8, None);
                 begin(e, t, 0, 0, Algo::Direct, true, true);
                 algorithms::barrier(e, ctx, t)
+            }
+            Op::AllReduceRmsNorm(_) | Op::MoeDispatch(_) | Op::MoeCombine(_) => {
+                Err(Error::invalid(ctx.op, "run by the inference module, not the dispatch"))
             }
             Op::Batch(list) => {
                 let mut x: Vec<Xfer> = Vec::with_capacity(list.len());

@@ -6,6 +6,9 @@
 use crate::backend::cpu::CpuBackend;
 use crate::contracts::backend::{Backend, RunOptions};
 use crate::contracts::error::{Error, Result};
+use crate::contracts::inference::{
+    CombineRecv, CombineSend, DispatchRecv, DispatchSend, MoeCombine, MoeDispatch, RmsNormFusion,
+};
 use crate::contracts::ops::{Buf, BufMut, DeviceBytes, Op, P2p};
 use crate::gpu::cuda::{self, copy, stream::Event};
 
@@ -132,5 +135,54 @@ fn on_host<'b>(
                 })
                 .collect(),
         ),
+        Op::AllReduceRmsNorm(f) => {
+            // for_each_buffer's order: x, gamma, then residual, out, scales.
+            let (x, gamma) = (i(&f.x), i(&f.gamma));
+            let (residual, out) = (o(&f.residual), o(&f.out));
+            Op::AllReduceRmsNorm(RmsNormFusion {
+                x,
+                residual,
+                gamma,
+                out,
+                scales: f.scales.as_ref().map(o),
+                hidden: f.hidden,
+                eps: f.eps,
+            })
+        }
+        Op::MoeDispatch(m) => {
+            let send = m.send.as_ref().map(|s| DispatchSend {
+                tokens: i(&s.tokens),
+                scales: s.scales.as_ref().map(&mut i),
+                topk_idx: i(&s.topk_idx),
+            });
+            let recv = m.recv.as_ref().map(|r| DispatchRecv {
+                tokens: o(&r.tokens),
+                scales: r.scales.as_ref().map(&mut o),
+                counts: o(&r.counts),
+                src: o(&r.src),
+            });
+            Op::MoeDispatch(MoeDispatch {
+                shape: m.shape,
+                send,
+                recv,
+            })
+        }
+        Op::MoeCombine(m) => {
+            let send = m.send.as_ref().map(|s| CombineSend {
+                expert_out: i(&s.expert_out),
+                src: i(&s.src),
+                counts: i(&s.counts),
+            });
+            let recv = m.recv.as_ref().map(|r| CombineRecv {
+                topk_idx: i(&r.topk_idx),
+                topk_weights: i(&r.topk_weights),
+                out: o(&r.out),
+            });
+            Op::MoeCombine(MoeCombine {
+                shape: m.shape,
+                send,
+                recv,
+            })
+        }
     }
 }

@@ -135,8 +135,12 @@ fn same_size_everywhere(op: &Op<'_>) -> bool {
     !matches!(op, Op::AllToAll { .. })
 }
 
-/// NCCL has no bitwise reductions; those take the own path whatever the hint.
+/// NCCL has no bitwise reductions and no inference collectives; those take the own path
+/// whatever the hint.
 fn nccl_supports(op: &Op<'_>) -> bool {
+    if matches!(op, Op::AllReduceRmsNorm(_) | Op::MoeDispatch(_) | Op::MoeCombine(_)) {
+        return false;
+    }
     let reduce = match op {
         Op::AllReduce { op, .. } | Op::Reduce { op, .. } | Op::ReduceScatter { op, .. } => Some(*op),
         _ => None,

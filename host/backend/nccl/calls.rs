@@ -24,6 +24,8 @@ pub(crate) fn dtype(d: DType) -> c_int {
         DType::F32 => 7,
         DType::F64 => 8,
         DType::BF16 => 9,
+        // ncclFloat8e4m3 (NCCL 2.24+, reductions on sm_90 and later only).
+        DType::F8E4M3 => 10,
     }
 }
 
@@ -63,6 +65,7 @@ fn redop(
                 DType::U32 => scalar[..4].copy_from_slice(&(s as u32).to_ne_bytes()),
                 DType::I64 => scalar.copy_from_slice(&(s as i64).to_ne_bytes()),
                 DType::U64 => scalar.copy_from_slice(&(s as u64).to_ne_bytes()),
+                DType::F8E4M3 => scalar[0] = crate::contracts::fp8::F8E4M3::from_f32(s as f32).to_bits(),
             }
             let mut out = 0;
             // SAFETY: NCCL reads the scalar now (host immediate) and writes the operator.
@@ -246,6 +249,13 @@ pub(crate) fn issue(
                         P2p::Recv { buf, peer } => recv(buf, *peer),
                     }),
                     Op::Barrier => Err(Error::invalid(name, "a barrier has no buffers; the backend runs it")),
+                    Op::AllReduceRmsNorm(_) | Op::MoeDispatch(_) | Op::MoeCombine(_) => Err(Error::Unavailable {
+                        backend: "nccl".into(),
+                        reason: format!(
+                            "{name} on device buffers runs on the device backend (its own kernels, with NCCL \
+                             underneath where it helps); the nccl backend runs it on host buffers only"
+                        ),
+                    }),
                 }
             })();
             // The group is always closed, also after an error inside it.
