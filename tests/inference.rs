@@ -1,0 +1,276 @@
+//! The inference collectives on the CPU backend (the oracle): the fused all_reduce + residual +
+#![allow(clippy::needless_range_loop)] // index loops mirror the formulas they check
+//! RMSNorm and MoE dispatch / combine against f64 references, bit-identical across ranks and
+//! runs, and their errors. The host device runs the same suite (tests/host_device.rs).
+
+mod common;
+use common::inference_suite::{fused_norm, fused_norm_with, moe, MoeCase, Routing};
+use common::*;
+use ferrocomm::{bf16, f16, Combine, Dispatch, Error, MoeShape, F8E4M3};
+
+const CPU: Device = Device::Cpu;
+
+#[test]
+fn fused_norm_matches_the_reference_for_every_dtype_world_and_algorithm() {
+    for world in [1, 2, 3, 4] {
+        for hint in [Some("oneshot"), Some("twoshot"), None] {
+            fused_norm::<f32>("cpu", CPU, world, 5, 129, hint, false);
+            fused_norm::<bf16>("cpu", CPU, world, 7, 64, hint, false);
+        }
+    }
+    fused_norm::<f16>("cpu", CPU, 3, 17, 1000, Some("twoshot"), false);
+    fused_norm::<f16>("cpu", CPU, 2, 1, 1, None, false);
+    fused_norm::<bf16>("cpu", CPU, 2, 1, 7, Some("twoshot"), false);
+}
+
+#[test]
+fn fused_norm_runs_from_one_to_4096_tokens() {
+    for tokens in [1, 2, 31, 256] {
+        fused_norm::<bf16>("cpu", CPU, 4, tokens, 256, None, false);
+    }
+    fused_norm::<f32>("cpu", CPU, 2, 4096, 16, Some("oneshot"), false);
+    fused_norm::<bf16>("cpu", CPU, 4, 4096, 16, Some("twoshot"), false);
+}
+
+#[test]
+fn fused_norm_with_fp8_output_dequantises_to_the_reference() {
+    for (world, hint) in [(1, None), (2, Some("oneshot")), (4, Some("twoshot"))] {
+        fused_norm::<bf16>("cpu", CPU, world, 9, 512, hint, true);
+        fused_norm::<f32>("cpu", CPU, world, 3, 33, hint, true);
+    }
+}
+
+#[test]
+fn fused_norm_over_tcp_matches_too() {
+    // Every rank a "host" of its own.
+    for hint in ["oneshot", "twoshot"] {
+        let tcp = tcp_options(Duration::from_secs(30));
+        fused_norm_with::<bf16>("cpu", CPU, tcp, 3, (11, 96), Some(hint), false);
+    }
+}
+
+#[test]
+fn fused_norm_refuses_bad_arguments_before_anything_moves() {
+    let results = run_group(1, "norm-bad", options(Duration::from_secs(5)), |c| {
+        let (x, mut res, gamma, mut out) = (vec![0f32; 8], vec![0f32; 8], vec![1f32; 3], vec![0f32; 8]);
+        let rows = c.all_reduce_residual_rmsnorm(&x, &mut res, &gamma, &mut out, 1e-6);
+        let (mut short, g4) = (vec![0f32; 4], vec![1f32; 4]);
+        let size = c.all_reduce_residual_rmsnorm(&x, &mut res, &g4, &mut short, 1e-6);
+        let eps = c.all_reduce_residual_rmsnorm(&x, &mut res, &g4, &mut out, f32::NAN);
+        let (xi, mut ri, gi, mut oi) = (vec![0i32; 8], vec![0i32; 8], vec![1i32; 4], vec![0i32; 8]);
+        let dtype = c.all_reduce_residual_rmsnorm(&xi, &mut ri, &gi, &mut oi, 0.0);
+        let (mut q, mut scales) = (vec![F8E4M3::default(); 8], vec![0f32; 3]);
+        let scale_count = c.all_reduce_residual_rmsnorm_fp8(&x, &mut res, &g4, &mut q, &mut scales, 0.0);
+        (rows, size, eps, dtype, scale_count)
+    });
+    let (rows, size, eps, dtype, scale_count) = &results[0];
+    assert!(
+        matches!(rows, Err(Error::InvalidArgument { reason, .. }) if reason.contains("whole rows")),
+        "{rows:?}"
+    );
+    assert!(
+        matches!(size, Err(Error::SizeMismatch { what, .. }) if what == "out"),
+        "{size:?}"
+    );
+    assert!(
+        matches!(eps, Err(Error::InvalidArgument { reason, .. }) if reason.contains("eps")),
+        "{eps:?}"
+    );
+    assert!(
+        matches!(dtype, Err(Error::InvalidArgument { reason, .. }) if reason.contains("f32, f16 or bf16")),
+        "{dtype:?}"
+    );
+    assert!(
+        matches!(scale_count, Err(Error::SizeMismatch { expected: 2, .. })),
+        "{scale_count:?}"
+    );
+}
+
+#[test]
+fn fused_norm_with_a_different_row_length_on_one_rank_is_a_mismatch() {
+    let results = run_group(2, "norm-mismatch", options(Duration::from_secs(10)), |c| {
+        // The same element count, cut into rows of 4 on rank 0 and of 8 on rank 1.
+        let hidden = 4 * (c.rank() + 1);
+        let (x, mut res, gamma, mut out) = (vec![1f32; 16], vec![0f32; 16], vec![1f32; hidden], vec![0f32; 16]);
+        c.all_reduce_residual_rmsnorm(&x, &mut res, &gamma, &mut out, 0.0)
+    });
+    for (r, got) in results.iter().enumerate() {
+        assert!(matches!(got, Err(Error::Mismatch { .. })), "rank {r}: {got:?}");
+    }
+}
+
+fn shape(experts: usize, topk: usize, hidden: usize, capacity: usize) -> MoeShape {
+    MoeShape {
+        experts,
+        topk,
+        hidden,
+        capacity,
+    }
+}
+
+#[test]
+fn moe_dispatch_and_combine_match_the_reference_at_every_world_and_k() {
+    for world in [1, 2, 4, 8] {
+        for topk in [1, 8] {
+            let case = MoeCase {
+                world,
+                tokens: 13,
+                shape: shape(16, topk, 33, 13 * world),
+                routing: Routing::Random,
+                halves: false,
+            };
+            moe::<bf16>("cpu", CPU, case);
+        }
+    }
+    let case = MoeCase {
+        world: 2,
+        tokens: 9,
+        shape: shape(4, 2, 8, 18),
+        routing: Routing::Random,
+        halves: false,
+    };
+    moe::<f32>("cpu", CPU, case);
+    moe::<f16>("cpu", CPU, case);
+}
+
+#[test]
+fn moe_with_skewed_routing_all_to_one_expert_and_experts_without_tokens() {
+    for (world, topk) in [(4, 1), (4, 8), (2, 3)] {
+        let tokens = 17;
+        let case = MoeCase {
+            world,
+            tokens,
+            shape: shape(8 * world, topk, 24, tokens * world),
+            routing: Routing::AllToOne,
+            halves: false,
+        };
+        let got = moe::<bf16>("cpu", CPU, case);
+        // Rank 0 has every row; the others none.
+        assert!(got[0].0.iter().take(topk).all(|&c| c as usize == tokens * world));
+        assert!(got[1..].iter().all(|g| g.0.iter().all(|&c| c == 0)));
+        let sparse = MoeCase {
+            routing: Routing::LastRankSparse,
+            ..case
+        };
+        moe::<bf16>("cpu", CPU, sparse);
+    }
+}
+
+#[test]
+fn moe_halves_run_as_separate_calls_with_compute_between() {
+    for world in [1, 3] {
+        let case = MoeCase {
+            world,
+            tokens: 6,
+            shape: shape(6, 2, 16, 6 * world),
+            routing: Routing::Random,
+            halves: true,
+        };
+        moe::<bf16>("cpu", CPU, case);
+    }
+}
+
+#[test]
+fn moe_fp8_tokens_travel_with_their_block_scales() {
+    let (world, tokens, hidden) = (2, 5, 256);
+    let s = shape(4, 2, hidden, tokens * world);
+    let got = run_group(world, "moe-fp8", options(Duration::from_secs(10)), |c| {
+        let x: Vec<F8E4M3> = (0..tokens * hidden)
+            .map(|i| F8E4M3::from_f32(((i * 7 + c.rank()) % 200) as f32 / 10.0 - 10.0))
+            .collect();
+        let scales: Vec<f32> = (0..tokens * 2).map(|i| (i + 100 * c.rank()) as f32).collect();
+        let ids: Vec<i32> = (0..tokens)
+            .flat_map(|t| [(t % 4) as i32, ((t + 1) % 4) as i32])
+            .collect();
+        let local = 2;
+        let mut recv = vec![F8E4M3::default(); local * s.capacity * hidden];
+        let mut recv_scales = vec![-1f32; local * s.capacity * 2];
+        let (mut counts, mut src) = (vec![0i32; local], vec![0i32; local * s.capacity * 3]);
+        let d = Dispatch::send(&x, &ids)
+            .scales(&scales)
+            .recv(&mut recv, &mut counts, &mut src)
+            .recv_scales(&mut recv_scales);
+        c.moe_dispatch(s, d).unwrap();
+        (x, scales, recv, recv_scales, counts, src)
+    });
+    for (me, (_, _, recv, recv_scales, counts, src)) in got.iter().enumerate() {
+        for e in 0..2 {
+            for i in 0..counts[e] as usize {
+                let slot = e * s.capacity + i;
+                let (r, t) = (src[slot * 3] as usize, src[slot * 3 + 1] as usize);
+                let (x, scales) = (&got[r].0, &got[r].1);
+                assert_eq!(
+                    &recv[slot * hidden..][..hidden],
+                    &x[t * hidden..][..hidden],
+                    "rank {me} slot {slot}"
+                );
+                assert_eq!(
+                    &recv_scales[slot * 2..][..2],
+                    &scales[t * 2..][..2],
+                    "rank {me} slot {slot} scales"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn moe_capacity_overflow_is_an_error_never_a_silent_drop() {
+    let s = shape(2, 1, 4, 3);
+    let got = run_group(2, "moe-overflow", options(Duration::from_secs(10)), |c| {
+        let x = vec![1f32; 5 * 4];
+        let ids = vec![0i32; 5]; // 10 rows for expert 0 on rank 0, capacity 3
+        let (mut recv, mut counts, mut src) = (vec![0f32; 3 * 4], vec![0i32; 1], vec![0i32; 9]);
+        let r = c.moe_dispatch(s, Dispatch::send(&x, &ids).recv(&mut recv, &mut counts, &mut src));
+        // The communicator is still usable afterwards.
+        let mut y = [1u8];
+        c.all_reduce(&mut y[..], ReduceOp::Sum).unwrap();
+        (r, counts[0], y[0])
+    });
+    match &got[0].0 {
+        Err(Error::CapacityExceeded {
+            count: 10, capacity: 3, ..
+        }) => {}
+        other => panic!("rank 0: {other:?}"),
+    }
+    assert_eq!(got[0].1, 10, "the count says how many came");
+    assert!(got[1].0.is_ok(), "rank 1 received nothing: {:?}", got[1].0);
+    assert_eq!((got[0].2, got[1].2), (2, 2));
+}
+
+#[test]
+fn moe_refuses_bad_routing_and_shapes() {
+    let got = run_group(2, "moe-bad", options(Duration::from_secs(10)), |c| {
+        let x = vec![1f32; 2 * 4];
+        let (mut recv, mut counts, mut src) = (vec![0f32; 2 * 4 * 4], vec![0i32; 2], vec![0i32; 2 * 4 * 3]);
+        let bad_id = c.moe_dispatch(shape(4, 1, 4, 4), Dispatch::send(&x, &[0i32, 9]));
+        let uneven = c.moe_dispatch(shape(3, 1, 4, 4), Dispatch::send(&x, &[0i32, 1]));
+        let recv_first = c.moe_dispatch(
+            shape(4, 1, 4, 4),
+            Dispatch::recv_only().recv(&mut recv, &mut counts, &mut src),
+        );
+        let bad_src = c.moe_combine(
+            shape(4, 1, 4, 4),
+            Combine::send(&recv, &vec![5i32; 2 * 4 * 3], &[1i32, 0]),
+        );
+        (bad_id, uneven, recv_first, bad_src)
+    });
+    for (bad_id, uneven, recv_first, bad_src) in &got {
+        assert!(
+            matches!(bad_id, Err(Error::InvalidArgument { reason, .. }) if reason.contains("topk_idx[1] = 9")),
+            "{bad_id:?}"
+        );
+        assert!(
+            matches!(uneven, Err(Error::InvalidArgument { reason, .. }) if reason.contains("evenly")),
+            "{uneven:?}"
+        );
+        assert!(
+            matches!(recv_first, Err(Error::InvalidArgument { reason, .. }) if reason.contains("without a send half")),
+            "{recv_first:?}"
+        );
+        assert!(
+            matches!(bad_src, Err(Error::InvalidArgument { reason, .. }) if reason.contains("src[0, 0]")),
+            "{bad_src:?}"
+        );
+    }
+}
