@@ -19,6 +19,7 @@ use std::path::{Path, PathBuf};
 /// The layers, bottom up, by module path prefix (the longest prefix wins).
 const LAYERS: &[(&str, usize, &str)] = &[
     ("contracts", 1, "contracts"),
+    ("compute", 1, "contracts"),
     ("bootstrap", 2, "bootstrap and links"),
     ("net::links", 2, "bootstrap and links"),
     ("gpu", 3, "GPU wing"),

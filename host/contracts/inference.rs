@@ -3,9 +3,9 @@
 //! and the dispatch and combine of a mixture-of-experts layer ([`MoeDispatch`],
 //! [`MoeCombine`]). Their local checks live here; their arithmetic in `compute/`.
 
+use crate::contracts::bufs::{Buf, BufMut};
 use crate::contracts::dtype::DType;
 use crate::contracts::error::{Error, Result};
-use crate::contracts::ops::{Buf, BufMut};
 
 /// `residual = Σ_ranks x + residual`, then `out = rmsnorm(residual) * gamma` (TensorRT-LLM's
 /// `RESIDUAL_RMS_NORM` fusion; with an fp8 `out`, `RESIDUAL_RMS_NORM_QUANT_FP8`).

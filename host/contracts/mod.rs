@@ -6,6 +6,7 @@
 //! May import: nothing of this crate outside this folder.
 
 pub(crate) mod backend;
+pub(crate) mod bufs;
 pub(crate) mod config;
 pub(crate) mod dtype;
 pub(crate) mod error;
