@@ -85,66 +85,45 @@ fn close(what: &str, i: usize, got: f64, want: f64, tol: f64, scale: f64) {
     );
 }
 
-/// Runs the fused norm on `world` ranks with `hint` (or none), checks every rank against the
-/// f64 reference and every rank's bits against rank 0's, twice.
-pub fn fused_norm<T: Act>(
-    backend: &str,
-    device: Device,
-    world: usize,
-    tokens: usize,
-    hidden: usize,
-    hint: Option<&str>,
-    fp8: bool,
-) {
-    let opts = options(Duration::from_secs(30));
-    fused_norm_with::<T>(backend, device, opts, world, (tokens, hidden), hint, fp8)
-}
+/// One rank's fused norm results: (new residual, out as bits, fp8 scales).
+pub type NormResult<T> = (Vec<T>, Vec<u8>, Vec<f32>);
 
-/// `fused_norm` with the communicator options `opts` (the TCP transport, say).
-pub fn fused_norm_with<T: Act>(
-    backend: &str,
-    device: Device,
-    mut opts: CommOptions,
-    world: usize,
+const EPS: f32 = 1e-5;
+
+/// Runs the fused norm on this rank's inputs (`hint`: the `algorithm` hint, if any).
+pub fn norm_rank<T: Act>(
+    c: &Comm,
+    seed: u64,
     (tokens, hidden): (usize, usize),
     hint: Option<&str>,
     fp8: bool,
-) {
-    let seed = fresh_seed();
-    let eps = 1e-5f32;
-    let name = format!("norm-{world}-{tokens}-{hidden}-{hint:?}-{fp8}");
-    if let Some(h) = hint {
-        opts = opts.with_hint("algorithm", h);
+) -> NormResult<T> {
+    let (x, mut residual, gamma) = norm_inputs::<T>(seed, c.rank(), tokens, hidden);
+    let o = hint.map_or(OpOptions::new(), |h| OpOptions::new().hint("algorithm", h));
+    if fp8 {
+        let mut out = vec![F8E4M3::from_bits(0x7F); tokens * hidden];
+        let mut scales = vec![f32::NAN; tokens];
+        c.with_options(o)
+            .all_reduce_residual_rmsnorm_fp8(&x, &mut residual, &gamma, &mut out, &mut scales, EPS)
+            .unwrap();
+        (residual, out.iter().map(|v| v.to_bits()).collect(), scales)
+    } else {
+        let mut out = vec![T::from_f64(-12345.0); tokens * hidden];
+        c.with_options(o)
+            .all_reduce_residual_rmsnorm(&x, &mut residual, &gamma, &mut out, EPS)
+            .unwrap();
+        (residual, out.iter().flat_map(bytes_of).collect(), Vec::new())
     }
-    type Got<T> = (Vec<T>, Vec<u8>, Vec<f32>);
-    let run = |c: &Comm| -> Got<T> {
-        let (x, mut residual, gamma) = norm_inputs::<T>(seed, c.rank(), tokens, hidden);
-        if fp8 {
-            let mut out = vec![F8E4M3::from_bits(0x7F); tokens * hidden];
-            let mut scales = vec![f32::NAN; tokens];
-            c.all_reduce_residual_rmsnorm_fp8(&x, &mut residual, &gamma, &mut out, &mut scales, eps)
-                .unwrap();
-            (residual, out.iter().map(|v| v.to_bits()).collect(), scales)
-        } else {
-            let mut out = vec![T::from_f64(-12345.0); tokens * hidden];
-            c.all_reduce_residual_rmsnorm(&x, &mut residual, &gamma, &mut out, eps)
-                .unwrap();
-            let bits = out.iter().flat_map(|v| bytes_of(v)).collect();
-            (residual, bits, Vec::new())
-        }
-    };
-    let first = run_group_on_device(backend, device, world, &name, opts.clone(), run);
-    let again = run_group_on_device(backend, device, world, &format!("{name}-again"), opts, run);
-    assert_eq!(first, again, "two runs on the same inputs give the same bits");
-    for (r, got) in first.iter().enumerate() {
-        assert_eq!(got, &first[0], "rank {r} and rank 0 got different bits");
-    }
+}
+
+/// Checks one rank's result against the f64 reference of `world` ranks' inputs.
+pub fn check_norm<T: Act>(world: usize, seed: u64, (tokens, hidden): (usize, usize), fp8: bool, got: &NormResult<T>) {
     let xs: Vec<Vec<T>> = (0..world)
         .map(|r| norm_inputs::<T>(seed, r, tokens, hidden).0)
         .collect();
     let (_, residual, gamma) = norm_inputs::<T>(seed, 0, tokens, hidden);
-    let (s, y) = norm_reference(&xs, &residual, &gamma, hidden, eps as f64);
-    let (res, out, scales) = &first[0];
+    let (s, y) = norm_reference(&xs, &residual, &gamma, hidden, EPS as f64);
+    let (res, out, scales) = got;
     for i in 0..tokens * hidden {
         close("residual", i, res[i].to_f64(), s[i], T::TOL, 1.0);
     }
@@ -167,6 +146,69 @@ pub fn fused_norm_with<T: Act>(
             close("scale", t, scales[t] as f64, amax / 448.0, 2.0 * T::TOL, 0.0);
         }
     }
+}
+
+/// Runs the fused norm on `world` ranks with `hint` (or none), checks every rank against the
+/// f64 reference and every rank's bits against rank 0's, twice.
+pub fn fused_norm<T: Act>(
+    backend: &str,
+    device: Device,
+    world: usize,
+    tokens: usize,
+    hidden: usize,
+    hint: Option<&str>,
+    fp8: bool,
+) {
+    let opts = options(Duration::from_secs(30));
+    fused_norm_with::<T>(backend, device, opts, world, (tokens, hidden), hint, fp8)
+}
+
+/// `fused_norm` with the communicator options `opts` (the TCP transport, say).
+pub fn fused_norm_with<T: Act>(
+    backend: &str,
+    device: Device,
+    opts: CommOptions,
+    world: usize,
+    rows: (usize, usize),
+    hint: Option<&str>,
+    fp8: bool,
+) {
+    let seed = fresh_seed();
+    let name = format!("norm-{world}-{rows:?}-{hint:?}-{fp8}").replace(' ', "");
+    let run = |c: &Comm| norm_rank::<T>(c, seed, rows, hint, fp8);
+    let first = run_group_on_device(backend, device, world, &name, opts.clone(), run);
+    let again = run_group_on_device(backend, device, world, &format!("{name}-again"), opts, run);
+    assert_eq!(first, again, "two runs on the same inputs give the same bits");
+    for (r, got) in first.iter().enumerate() {
+        assert_eq!(got, &first[0], "rank {r} and rank 0 got different bits");
+    }
+    check_norm(world, seed, rows, fp8, &first[0]);
+}
+
+/// The inference collectives on one rank of any communicator (processes, too): the fused norm
+/// both ways and a MoE round trip, checked against the references; returns the checks made.
+pub fn on_comm(c: &Comm, seed: u64) -> usize {
+    for hint in ["oneshot", "twoshot"] {
+        let got = norm_rank::<bf16>(c, seed, (9, 96), Some(hint), false);
+        check_norm(c.size(), seed, (9, 96), false, &got);
+    }
+    let fp8 = norm_rank::<f32>(c, seed, (3, 40), None, true);
+    check_norm(c.size(), seed, (3, 40), true, &fp8);
+    let case = MoeCase {
+        world: c.size(),
+        tokens: 7,
+        shape: MoeShape {
+            experts: 2 * c.size(),
+            topk: 2,
+            hidden: 24,
+            capacity: 7 * c.size(),
+        },
+        routing: Routing::Random,
+        halves: true,
+    };
+    let got = moe_rank::<bf16>(c, seed, &case).unwrap();
+    check_moe_rank::<bf16>(c.rank(), seed, &case, &got);
+    4
 }
 
 fn bytes_of<T: Element>(v: &T) -> Vec<u8> {
@@ -230,7 +272,7 @@ pub struct MoeCase {
 }
 
 /// Per rank: (counts, src, received rows as bits, combined output as f64).
-type MoeResult = (Vec<i32>, Vec<i32>, Vec<u8>, Vec<f64>);
+pub type MoeResult = (Vec<i32>, Vec<i32>, Vec<u8>, Vec<f64>);
 
 fn moe_inputs<T: Act>(seed: u64, rank: usize, case: &MoeCase) -> (Vec<T>, Vec<i64>, Vec<f32>) {
     let mut r = rng(seed, rank as u64);
@@ -297,11 +339,21 @@ pub fn moe<T: Act>(backend: &str, device: Device, case: MoeCase) -> Vec<MoeResul
         let same = a.3.iter().zip(&b.3).all(|(x, y)| x.to_bits() == y.to_bits());
         assert!(same, "combine is deterministic");
     }
+    for (me, g) in got.iter().enumerate() {
+        check_moe_rank::<T>(me, seed, &case, g);
+    }
+    got
+}
+
+/// Checks rank `me`'s dispatch (exactly: the rows, their order and sources) and combine
+/// (against Σ_k w_k factor(e_k) x in f64).
+pub fn check_moe_rank<T: Act>(me: usize, seed: u64, case: &MoeCase, got: &MoeResult) {
     let s = case.shape;
     let local = s.experts / case.world;
     let inputs: Vec<_> = (0..case.world).map(|r| moe_inputs::<T>(seed, r, &case)).collect();
     // Dispatch: the rows each rank's experts should have, in (source, token, k) order.
-    for (me, (counts, src, bits, out)) in got.iter().enumerate() {
+    {
+        let (counts, src, bits, out) = got;
         let mut want: Vec<Vec<(usize, usize, usize)>> = vec![Vec::new(); local];
         for (r, (_, ids, _)) in inputs.iter().enumerate() {
             for t in 0..case.tokens {
@@ -355,5 +407,4 @@ pub fn moe<T: Act>(backend: &str, device: Device, case: MoeCase) -> Vec<MoeResul
             }
         }
     }
-    got
 }
