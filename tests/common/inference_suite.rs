@@ -350,7 +350,7 @@ pub fn moe<T: Act>(backend: &str, device: Device, case: MoeCase) -> Vec<MoeResul
 pub fn check_moe_rank<T: Act>(me: usize, seed: u64, case: &MoeCase, got: &MoeResult) {
     let s = case.shape;
     let local = s.experts / case.world;
-    let inputs: Vec<_> = (0..case.world).map(|r| moe_inputs::<T>(seed, r, &case)).collect();
+    let inputs: Vec<_> = (0..case.world).map(|r| moe_inputs::<T>(seed, r, case)).collect();
     // Dispatch: the rows each rank's experts should have, in (source, token, k) order.
     {
         let (counts, src, bits, out) = got;
