@@ -18,7 +18,7 @@ rm -rf .gpu-bundle && mkdir -p .gpu-bundle/lib
 cargo build --release --features host-kernels --bins --examples
 cargo build --release -p ferrocomm-bench --features host-kernels
 cargo test --release --features host-kernels --no-run --message-format=json \
-  --test gpu_windows --test gpu_nccl --test gpu_collectives --test nccl --test device_compile --test host_device 2>/dev/null |
+  --test gpu_windows --test gpu_nccl --test gpu_collectives --test gpu_inference --test nccl --test device_compile --test host_device 2>/dev/null |
   python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)
@@ -29,7 +29,7 @@ cp target/release/ferrocomm-bench target/release/examples/fused_put_signal .gpu-
 # The bundle travels with the working tree, 64 MiB in all: no symbols, everything compressed
 # (about 45 MB, NVRTC two thirds of it); run.sh unpacks it on the GPU machine.
 mkdir -p .gpu-bundle/bin
-for b in ferrocomm-bench fused_put_signal gpu_windows gpu_nccl gpu_collectives nccl device_compile host_device; do
+for b in ferrocomm-bench fused_put_signal gpu_windows gpu_nccl gpu_collectives gpu_inference nccl device_compile host_device; do
   strip ".gpu-bundle/$b"
   xz -T0 -6 -c ".gpu-bundle/$b" > ".gpu-bundle/bin/$b.xz" && rm ".gpu-bundle/$b"
 done
@@ -44,7 +44,7 @@ cat > .gpu-bundle/run.sh <<'RUN'
 # machine.txt, tests.log (every test step, appended), bench.log (every benchmark, appended),
 # gpu-rows.md (the benchmark tables for docs/results/gpu.md), status.txt (one line a step).
 # With step names after OUTDIR only those run:
-#   tests:  device_compile nccl gpu_windows gpu_nccl gpu_collectives example host_device
+#   tests:  device_compile nccl gpu_windows gpu_nccl gpu_collectives gpu_inference example host_device
 #   bench:  device_put device_pingpong nccl_all_reduce device_all_reduce device_all_reduce_bw
 # Each step is bounded by `timeout` well inside 9 minutes.
 set -uo pipefail
@@ -52,7 +52,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 out=${1:-${OUT:-/tmp/ferrocomm-gpu}}
 shift || true
 steps=("$@")
-[[ ${#steps[@]} -gt 0 ]] || steps=(device_compile nccl gpu_windows gpu_nccl gpu_collectives example host_device
+[[ ${#steps[@]} -gt 0 ]] || steps=(device_compile nccl gpu_windows gpu_nccl gpu_collectives gpu_inference example host_device
   device_put device_pingpong nccl_all_reduce device_all_reduce device_all_reduce_bw)
 mkdir -p "$out"
 export FERROCOMM_REQUIRE_NVRTC=1
@@ -86,7 +86,7 @@ status=0
 for step in "${steps[@]}"; do
   t0=$(date +%s)
   case $step in
-    device_compile|nccl|gpu_windows|gpu_nccl|gpu_collectives) FERROCOMM_REQUIRE_GPU=1 tests 480 "$step" ;;
+    device_compile|nccl|gpu_windows|gpu_nccl|gpu_collectives|gpu_inference) FERROCOMM_REQUIRE_GPU=1 tests 480 "$step" ;;
     # The host device needs no GPU: this step also proves the bundle on a machine without one.
     host_device) tests 480 host_device ;;
     example) { echo "## fused_put_signal"; timeout 60 "$bin/fused_put_signal" 2>&1; } | tee -a "$out/tests.log" ;;

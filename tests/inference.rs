@@ -279,7 +279,9 @@ fn moe_refuses_bad_routing_and_shapes() {
 fn fp8_elements_move_exactly_and_reduce_in_f32_rounded_per_step() {
     let world = 3;
     let got = run_group(world, "fp8-moves", options(Duration::from_secs(10)), |c| {
-        let mine: Vec<F8E4M3> = (0..64).map(|i| F8E4M3::from_bits((i * 3 + c.rank() * 5) as u8 & 0x7E)).collect();
+        let mine: Vec<F8E4M3> = (0..64)
+            .map(|i| F8E4M3::from_bits((i * 3 + c.rank() * 5) as u8 & 0x7E))
+            .collect();
         let mut all = vec![F8E4M3::default(); 64 * world];
         c.all_gather(&mut all, &mine).unwrap();
         let mut sum = mine.clone();
@@ -293,9 +295,14 @@ fn fp8_elements_move_exactly_and_reduce_in_f32_rounded_per_step() {
         }
         for i in 0..64 {
             // Rank order, one rounding per step (as every f16/bf16 reduction of the CPU engine).
-            let want = (1..world).fold(got[0].0[i], |acc, p| F8E4M3::from_f32(acc.to_f32() + got[p].0[i].to_f32()));
+            let want = (1..world).fold(got[0].0[i], |acc, p| {
+                F8E4M3::from_f32(acc.to_f32() + got[p].0[i].to_f32())
+            });
             assert_eq!(sum[i], want, "rank {r} element {i}");
         }
-        assert!(matches!(bits, Err(Error::UnsupportedReduce { dtype: "f8e4m3", .. })), "{bits:?}");
+        assert!(
+            matches!(bits, Err(Error::UnsupportedReduce { dtype: "f8e4m3", .. })),
+            "{bits:?}"
+        );
     }
 }

@@ -46,7 +46,7 @@ impl Act for bf16 {
 }
 
 /// One rank's inputs of the fused norm.
-fn norm_inputs<T: Act>(seed: u64, rank: usize, tokens: usize, hidden: usize) -> (Vec<T>, Vec<T>, Vec<T>) {
+pub fn norm_inputs<T: Act>(seed: u64, rank: usize, tokens: usize, hidden: usize) -> (Vec<T>, Vec<T>, Vec<T>) {
     let mut r = rng(seed, rank as u64);
     let x = (0..tokens * hidden)
         .map(|_| T::from_f64(r.gen_range(-1.0..1.0)))
@@ -274,7 +274,7 @@ pub struct MoeCase {
 /// Per rank: (counts, src, received rows as bits, combined output as f64).
 pub type MoeResult = (Vec<i32>, Vec<i32>, Vec<u8>, Vec<f64>);
 
-fn moe_inputs<T: Act>(seed: u64, rank: usize, case: &MoeCase) -> (Vec<T>, Vec<i64>, Vec<f32>) {
+pub fn moe_inputs<T: Act>(seed: u64, rank: usize, case: &MoeCase) -> (Vec<T>, Vec<i64>, Vec<f32>) {
     let mut r = rng(seed, rank as u64);
     let x: Vec<T> = (0..case.tokens * case.shape.hidden)
         .map(|_| T::from_f64(r.gen_range(-1.0..1.0)))
@@ -286,7 +286,7 @@ fn moe_inputs<T: Act>(seed: u64, rank: usize, case: &MoeCase) -> (Vec<T>, Vec<i6
     (x, ids, w)
 }
 
-fn expert_factor(expert: usize) -> f64 {
+pub fn expert_factor(expert: usize) -> f64 {
     1.0 + expert as f64 / 64.0
 }
 

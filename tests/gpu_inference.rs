@@ -1,0 +1,230 @@
+//! The inference collectives on device buffers with every rank on GPU 0 in this process: the
+//! fused all_reduce + residual + RMSNorm (one- and two-shot, bf16 and fp8 out) and MoE
+//! dispatch / combine (bf16, K = 1 and 8, skewed routing, separate halves), checked with the
+//! same references as the CPU backend (tests/common/inference_suite.rs), every rank's bits
+//! equal. NCCL cannot serve ranks that share a GPU, so these take the device backend's own path.
+//! Skips with a reason without a GPU; FERROCOMM_REQUIRE_GPU=1 turns a skip into a failure.
+
+mod common;
+
+use common::inference_suite::{
+    check_moe_rank, check_norm, expert_factor, moe_inputs, norm_inputs, Act, MoeCase, MoeResult, NormResult, Routing,
+};
+use common::*;
+use ferrocomm::device::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use ferrocomm::device::{self, DeviceSlice, DeviceSliceMut};
+use ferrocomm::{bf16, Combine, Dispatch, MoeShape, F8E4M3};
+use std::sync::Arc;
+
+fn bytes_of<T: Element>(v: &[T]) -> &[u8] {
+    // SAFETY: ferrocomm's element types are plain numbers.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), std::mem::size_of_val(v)) }
+}
+
+fn from_bytes<T: Element + Default + Clone>(b: &[u8]) -> Vec<T> {
+    let mut v = vec![T::default(); b.len() / std::mem::size_of::<T>()];
+    // SAFETY: `v` has exactly `b.len()` bytes.
+    unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), v.as_mut_ptr().cast(), b.len()) };
+    v
+}
+
+fn view<T: Element>(mem: &mut CudaSlice<u8>, s: &Arc<CudaStream>) -> DeviceSliceMut<'static, T> {
+    let n = mem.len() / std::mem::size_of::<T>();
+    let (ptr, _sync) = mem.device_ptr(s);
+    // SAFETY: `mem` holds n elements of T on GPU 0 and outlives every call that uses the view
+    // (each rank keeps it until after the stream is synchronised).
+    unsafe { DeviceSliceMut::from_raw(0, ptr, n) }.unwrap()
+}
+
+fn input<T: Element>(mem: &CudaSlice<u8>, s: &Arc<CudaStream>) -> DeviceSlice<'static, T> {
+    let n = mem.len() / std::mem::size_of::<T>();
+    let (ptr, _sync) = mem.device_ptr(s);
+    // SAFETY: as in `view`.
+    unsafe { DeviceSlice::from_raw(0, ptr, n) }.unwrap()
+}
+
+fn on_ranks<R: Send>(n: usize, name: &str, f: impl Fn(&Comm, &Arc<CudaStream>) -> R + Sync) -> Vec<R> {
+    let comms = Comm::new_group(
+        "device",
+        &vec![Device::Cuda(0); n],
+        name,
+        options(Duration::from_secs(60)),
+    )
+    .unwrap();
+    std::thread::scope(|sc| {
+        let hs: Vec<_> = comms
+            .iter()
+            .map(|c| {
+                sc.spawn(|| {
+                    let s = device::new_stream(0).unwrap();
+                    let _current = device::use_stream(&s);
+                    f(c, &s)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn norm_on_gpu<T: Act>(
+    c: &Comm,
+    s: &Arc<CudaStream>,
+    seed: u64,
+    rows: (usize, usize),
+    hint: &str,
+    fp8: bool,
+) -> NormResult<T> {
+    let (tokens, hidden) = rows;
+    let (x, residual, gamma) = norm_inputs::<T>(seed, c.rank(), tokens, hidden);
+    let (dx, mut dres, dgamma) = (
+        s.clone_htod(bytes_of(&x)).unwrap(),
+        s.clone_htod(bytes_of(&residual)).unwrap(),
+        s.clone_htod(bytes_of(&gamma)).unwrap(),
+    );
+    let o = c.with_options(OpOptions::new().hint("algorithm", hint));
+    let got = if fp8 {
+        let mut out = s.clone_htod(&vec![0x7Fu8; tokens * hidden]).unwrap();
+        let mut scales = s.clone_htod(bytes_of(&vec![f32::NAN; tokens])).unwrap();
+        o.all_reduce_residual_rmsnorm_fp8(
+            input::<T>(&dx, s),
+            view::<T>(&mut dres, s),
+            input::<T>(&dgamma, s),
+            view::<F8E4M3>(&mut out, s),
+            view::<f32>(&mut scales, s),
+            1e-5,
+        )
+        .unwrap();
+        (s.clone_dtoh(&out).unwrap(), from_bytes(&s.clone_dtoh(&scales).unwrap()))
+    } else {
+        let mut out = s.clone_htod(&vec![0xEEu8; tokens * hidden * T::DTYPE.size()]).unwrap();
+        o.all_reduce_residual_rmsnorm(
+            input::<T>(&dx, s),
+            view::<T>(&mut dres, s),
+            input::<T>(&dgamma, s),
+            view::<T>(&mut out, s),
+            1e-5,
+        )
+        .unwrap();
+        (s.clone_dtoh(&out).unwrap(), Vec::new())
+    };
+    s.synchronize().unwrap();
+    (from_bytes(&s.clone_dtoh(&dres).unwrap()), got.0, got.1)
+}
+
+#[test]
+fn gpu_fused_norm_matches_the_reference_and_every_rank_agrees() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let seed = fresh_seed();
+    for world in [2, 4] {
+        for (rows, hint, fp8) in [
+            ((1, 4096), "oneshot", false),
+            ((128, 4096), "twoshot", false),
+            ((64, 7168), "oneshot", true),
+            ((5, 129), "twoshot", false),
+        ] {
+            let got = on_ranks(world, &format!("gpu-norm-{world}-{rows:?}-{hint}-{fp8}"), |c, s| {
+                norm_on_gpu::<bf16>(c, s, seed, rows, hint, fp8)
+            });
+            for g in &got {
+                assert_eq!(g, &got[0], "every rank's bits agree");
+            }
+            check_norm(world, seed, rows, fp8, &got[0]);
+        }
+    }
+}
+
+fn moe_on_gpu(c: &Comm, s: &Arc<CudaStream>, seed: u64, case: &MoeCase) -> MoeResult {
+    let sh = case.shape;
+    let local = sh.experts / case.world;
+    let (x, ids, w) = moe_inputs::<bf16>(seed, c.rank(), case);
+    let rows = local * sh.capacity;
+    let (dx, dids, dw) = (
+        s.clone_htod(bytes_of(&x)).unwrap(),
+        s.clone_htod(bytes_of(&ids)).unwrap(),
+        s.clone_htod(bytes_of(&w)).unwrap(),
+    );
+    let mut drecv = s.clone_htod(&vec![0xEEu8; rows * sh.hidden * 2]).unwrap();
+    let mut dcounts = s.clone_htod(bytes_of(&vec![-7i32; local])).unwrap();
+    let mut dsrc = s.clone_htod(bytes_of(&vec![-7i32; rows * 3])).unwrap();
+    let send = || Dispatch::send(input::<bf16>(&dx, s), input::<i64>(&dids, s));
+    let recv = |d: Dispatch<'static>, r: &mut CudaSlice<u8>, cn: &mut CudaSlice<u8>, sr: &mut CudaSlice<u8>| {
+        d.recv(view::<bf16>(r, s), view::<i32>(cn, s), view::<i32>(sr, s))
+    };
+    if case.halves {
+        c.moe_dispatch(sh, send()).unwrap();
+        c.moe_dispatch(sh, recv(Dispatch::recv_only(), &mut drecv, &mut dcounts, &mut dsrc))
+            .unwrap();
+    } else {
+        c.moe_dispatch(sh, recv(send(), &mut drecv, &mut dcounts, &mut dsrc))
+            .unwrap();
+    }
+    let recv_bits = s.clone_dtoh(&drecv).unwrap();
+    let counts: Vec<i32> = from_bytes(&s.clone_dtoh(&dcounts).unwrap());
+    let src: Vec<i32> = from_bytes(&s.clone_dtoh(&dsrc).unwrap());
+    // The "experts": row * (1 + expert / 64), on the host.
+    let mut expert_out: Vec<bf16> = from_bytes(&recv_bits);
+    for e in 0..local {
+        let f = expert_factor(c.rank() * local + e);
+        for i in 0..(counts[e] as usize).min(sh.capacity) {
+            for v in &mut expert_out[(e * sh.capacity + i) * sh.hidden..][..sh.hidden] {
+                *v = bf16::from_f64(v.to_f64() * f);
+            }
+        }
+    }
+    let dout_experts = s.clone_htod(bytes_of(&expert_out)).unwrap();
+    let mut dout = s.clone_htod(&vec![0xEEu8; case.tokens * sh.hidden * 2]).unwrap();
+    let csend = || {
+        Combine::send(
+            input::<bf16>(&dout_experts, s),
+            input::<i32>(&dsrc, s),
+            input::<i32>(&dcounts, s),
+        )
+    };
+    if case.halves {
+        c.moe_combine(sh, csend()).unwrap();
+        let r = Combine::recv_only().recv(input::<i64>(&dids, s), input::<f32>(&dw, s), view::<bf16>(&mut dout, s));
+        c.moe_combine(sh, r).unwrap();
+    } else {
+        let r = csend().recv(input::<i64>(&dids, s), input::<f32>(&dw, s), view::<bf16>(&mut dout, s));
+        c.moe_combine(sh, r).unwrap();
+    }
+    let out: Vec<bf16> = from_bytes(&s.clone_dtoh(&dout).unwrap());
+    s.synchronize().unwrap();
+    (counts, src, recv_bits, out.iter().map(|v| v.to_f64()).collect())
+}
+
+#[test]
+fn gpu_moe_dispatch_and_combine_match_the_reference() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let seed = fresh_seed();
+    for (world, topk, routing, halves) in [
+        (2, 8, Routing::Random, false),
+        (4, 1, Routing::Random, true),
+        (4, 8, Routing::AllToOne, false),
+        (8, 8, Routing::Random, false),
+    ] {
+        let tokens = 128;
+        let case = MoeCase {
+            world,
+            tokens,
+            shape: MoeShape {
+                experts: 32,
+                topk,
+                hidden: 7168,
+                capacity: tokens * world,
+            },
+            routing,
+            halves,
+        };
+        let got = on_ranks(world, &format!("gpu-moe-{world}-{topk}-{halves}"), |c, s| {
+            moe_on_gpu(c, s, seed, &case)
+        });
+        for (me, g) in got.iter().enumerate() {
+            check_moe_rank::<bf16>(me, seed, &case, g);
+        }
+    }
+}
