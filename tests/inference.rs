@@ -306,3 +306,39 @@ fn fp8_elements_move_exactly_and_reduce_in_f32_rounded_per_step() {
         );
     }
 }
+
+#[test]
+fn moe_normal_mode_sizes_the_buffers_from_exchanged_counts() {
+    let (world, tokens, topk, experts, hidden) = (4, 23, 3, 8, 16);
+    let seed = fresh_seed();
+    let got = run_group(world, "moe-normal", options(Duration::from_secs(10)), |c| {
+        let mut r = rng(seed, c.rank() as u64);
+        // Skewed: expert 5 is in every token's top-k.
+        let ids: Vec<i64> = (0..tokens)
+            .flat_map(|_| [5, r.gen_range(0..5), r.gen_range(6..8)])
+            .collect();
+        let counts = c.moe_expert_counts(experts, &ids).unwrap();
+        let capacity = *counts.iter().max().unwrap();
+        let s = shape(experts, topk, hidden, capacity);
+        let local = experts / world;
+        let x = vec![1f32; tokens * hidden];
+        let (mut recv, mut got_counts, mut src) = (
+            vec![0f32; local * capacity * hidden],
+            vec![0i32; local],
+            vec![0i32; local * capacity * 3],
+        );
+        c.moe_dispatch(s, Dispatch::send(&x, &ids).recv(&mut recv, &mut got_counts, &mut src))
+            .unwrap();
+        (counts, capacity, got_counts)
+    });
+    for (r, (counts, capacity, got_counts)) in got.iter().enumerate() {
+        assert_eq!(counts, &got[0].0, "every rank learns the same counts");
+        assert_eq!(*capacity, tokens * world, "expert 5 gets every token of every rank");
+        let local = experts / world;
+        let mine: Vec<i32> = counts[r * local..(r + 1) * local].iter().map(|&c| c as i32).collect();
+        assert_eq!(
+            got_counts, &mine,
+            "rank {r}: the dispatch delivers what the counts said"
+        );
+    }
+}
