@@ -6,7 +6,7 @@
 mod common;
 use common::*;
 #[cfg(feature = "host-kernels")]
-use ferrocomm::{bf16, f16, Error};
+use ferrocomm::{bf16, f16, Error, F8E4M3};
 
 fn opts() -> CommOptions {
     options(Duration::from_secs(30))
@@ -717,6 +717,283 @@ mod with_kernels {
             w.synchronize().unwrap();
             assert_eq!(wrong, 0);
             w.barrier().unwrap();
+        });
+    }
+
+    /// An activation type of the fused norm, with the tolerance of its results relative to
+    /// the values they approximate (its rounding, plus the f32 sums').
+    trait Act: TestElem + Copy + Send + Sync {
+        const REL: f64;
+        fn of(x: f64) -> Self;
+        fn val(self) -> f64;
+    }
+    impl Act for f32 {
+        const REL: f64 = 1e-5;
+        fn of(x: f64) -> Self {
+            x as f32
+        }
+        fn val(self) -> f64 {
+            self as f64
+        }
+    }
+    impl Act for f16 {
+        const REL: f64 = 2e-3;
+        fn of(x: f64) -> Self {
+            f16::from_f64(x)
+        }
+        fn val(self) -> f64 {
+            self.to_f64()
+        }
+    }
+    impl Act for bf16 {
+        const REL: f64 = 1.6e-2;
+        fn of(x: f64) -> Self {
+            bf16::from_f64(x)
+        }
+        fn val(self) -> f64 {
+            self.to_f64()
+        }
+    }
+
+    const NORM_EPS: f32 = 1e-5;
+
+    #[derive(Clone, Copy, Debug)]
+    struct NormCase {
+        dtype: DType,
+        fp8: bool,
+        hidden: usize,
+        tokens: usize,
+    }
+
+    /// What a rank got, every value as f64 (exactly): residual, out (fp8 decoded), scales.
+    #[derive(Debug)]
+    struct NormGot {
+        residual: Vec<f64>,
+        out: Vec<f64>,
+        scales: Vec<f64>,
+    }
+
+    impl NormGot {
+        fn bits(&self) -> Vec<u64> {
+            let all = self.residual.iter().chain(&self.out).chain(&self.scales);
+            all.map(|v| v.to_bits()).collect()
+        }
+    }
+
+    /// Rank `rank`'s x and the shared residual and gamma of a case, as values of its dtype.
+    fn norm_inputs<T: Act>(seed: u64, case: NormCase, rank: usize) -> (Vec<T>, Vec<T>, Vec<T>) {
+        let n = case.hidden * case.tokens;
+        let stream = (case.hidden * 1000 + case.tokens) as u64 * 16;
+        let draw = |r: &mut StdRng, n: usize, range: f64| -> Vec<T> {
+            (0..n).map(|_| T::of(r.gen_range(-range..range))).collect()
+        };
+        let x = draw(&mut rng(seed, stream + rank as u64), n, 1.0);
+        let mut shared = rng(seed, stream + 15);
+        (x, draw(&mut shared, n, 1.0), draw(&mut shared, case.hidden, 1.5))
+    }
+
+    /// One call of the fused norm on this rank, outputs poisoned first.
+    fn run_norm<T: Act>(c: &Comm, seed: u64, case: NormCase, algo: &str) -> ferrocomm::Result<NormGot> {
+        let (x, mut residual, gamma) = norm_inputs::<T>(seed, case, c.rank());
+        let comm = c.with_options(OpOptions::new().hint("algorithm", algo));
+        let (out, scales) = if case.fp8 {
+            let mut out = vec![F8E4M3::from_bits(0x7f); x.len()];
+            let mut scales = vec![-12345.0f32; case.tokens];
+            comm.all_reduce_residual_rmsnorm_fp8(
+                &x[..],
+                &mut residual[..],
+                &gamma[..],
+                &mut out[..],
+                &mut scales[..],
+                NORM_EPS,
+            )?;
+            let out = out.iter().map(|v| v.to_f32() as f64).collect();
+            (out, scales.iter().map(|&s| s as f64).collect())
+        } else {
+            let mut out = vec![T::poison(); x.len()];
+            comm.all_reduce_residual_rmsnorm(&x[..], &mut residual[..], &gamma[..], &mut out[..], NORM_EPS)?;
+            (out.iter().map(|v| v.val()).collect(), Vec::new())
+        };
+        Ok(NormGot {
+            residual: residual.iter().map(|v| v.val()).collect(),
+            out,
+            scales,
+        })
+    }
+
+    fn run_norm_any(c: &Comm, seed: u64, case: NormCase, algo: &str) -> ferrocomm::Result<NormGot> {
+        match case.dtype {
+            DType::F32 => run_norm::<f32>(c, seed, case, algo),
+            DType::F16 => run_norm::<f16>(c, seed, case, algo),
+            DType::BF16 => run_norm::<bf16>(c, seed, case, algo),
+            other => unreachable!("no fused norm case of {other:?}"),
+        }
+    }
+
+    /// Checks rank 0's result against the definition in f64 (host/contracts/inference.rs).
+    fn check_norm<T: Act>(seed: u64, case: NormCase, world: usize, got: &NormGot) -> Result<(), String> {
+        let h = case.hidden;
+        let inputs: Vec<_> = (0..world).map(|r| norm_inputs::<T>(seed, case, r)).collect();
+        let (residual, gamma) = (&inputs[0].1, &inputs[0].2);
+        for t in 0..case.tokens {
+            let row = t * h..(t + 1) * h;
+            let s: Vec<f64> = row
+                .clone()
+                .map(|i| inputs.iter().map(|(x, _, _)| x[i].val()).sum::<f64>() + residual[i].val())
+                .collect();
+            let terms: Vec<f64> = row
+                .clone()
+                .map(|i| inputs.iter().map(|(x, _, _)| x[i].val().abs()).sum::<f64>() + residual[i].val().abs())
+                .collect();
+            let inv = 1.0 / (s.iter().map(|v| v * v).sum::<f64>() / h as f64 + NORM_EPS as f64).sqrt();
+            let y: Vec<f64> = (0..h).map(|j| s[j] * inv * gamma[j].val()).collect();
+            let y_max = y.iter().fold(0f64, |m, v| m.max(v.abs()));
+            for j in 0..h {
+                let i = t * h + j;
+                // The rounded sum: its dtype's rounding plus f32 sums of world + 1 terms.
+                let tol = T::REL * s[j].abs() + 1.2e-7 * (world + 2) as f64 * terms[j] + 1e-30;
+                if (got.residual[i] - s[j]).abs() > tol {
+                    return Err(format!(
+                        "token {t} residual[{j}] = {}, want {} ± {tol}",
+                        got.residual[i], s[j]
+                    ));
+                }
+                let (value, tol) = if case.fp8 {
+                    // 3 mantissa bits: half an ulp is 2^-4 of the value; subnormals are steps
+                    // of the row's max / 448 / 512.
+                    (got.out[i] * got.scales[t], y[j].abs() / 16.0 + 1e-3 * y_max)
+                } else {
+                    (got.out[i], T::REL * y[j].abs() + 1e-5 * y_max)
+                };
+                if (value - y[j]).abs() > tol || value.is_nan() {
+                    return Err(format!("token {t} out[{j}] = {value}, want {} ± {tol}", y[j]));
+                }
+            }
+            if case.fp8 {
+                let want = if y_max > 0.0 { y_max / 448.0 } else { 1.0 };
+                if (got.scales[t] - want).abs() > 1e-5 * want {
+                    return Err(format!("token {t} scale = {}, want {want}", got.scales[t]));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn check_norm_any(seed: u64, case: NormCase, world: usize, got: &NormGot) -> Result<(), String> {
+        match case.dtype {
+            DType::F32 => check_norm::<f32>(seed, case, world, got),
+            DType::F16 => check_norm::<f16>(seed, case, world, got),
+            _ => check_norm::<bf16>(seed, case, world, got),
+        }
+    }
+
+    /// Every case with both algorithms, twice each, on `world` host-device ranks: within the
+    /// definition's tolerance, the same bits on every rank, in both runs and by both algorithms
+    /// (each row is computed by the same code in the same order either way).
+    fn norm_sweep(world: usize, seed: u64, cases: &[NormCase]) {
+        const ALGOS: [&str; 2] = ["oneshot", "twoshot"];
+        let results = on_ranks(world, &format!("hd-norm-{world}"), |c| {
+            let mut got = Vec::new();
+            for &case in cases {
+                for algo in ALGOS {
+                    for _ in 0..2 {
+                        got.push(run_norm_any(c, seed, case, algo).unwrap_or_else(|e| panic!("{case:?} {algo}: {e}")));
+                    }
+                }
+            }
+            got
+        });
+        for (k, &case) in cases.iter().enumerate() {
+            let first = &results[0][4 * k];
+            for (a, algo) in ALGOS.iter().enumerate() {
+                for run in 0..2 {
+                    let i = 4 * k + 2 * a + run;
+                    for (r, rank) in results.iter().enumerate() {
+                        assert!(
+                            rank[i].bits() == first.bits(),
+                            "world {world} {case:?} {algo} run {run}: rank {r}'s bits differ from rank 0's first one-shot"
+                        );
+                    }
+                }
+            }
+            if let Err(why) = check_norm_any(seed, case, world, first) {
+                panic!("world {world} {case:?}: {why}");
+            }
+        }
+    }
+
+    #[test]
+    fn fused_rmsnorm_kernels_match_the_definition_on_every_rank() {
+        let seed = fresh_seed();
+        let families = [
+            (DType::F32, false),
+            (DType::F16, false),
+            (DType::BF16, false),
+            (DType::F32, true),
+            (DType::F16, true),
+            (DType::BF16, true),
+        ];
+        for world in [1, 2, 3, 4] {
+            let mut cases = Vec::new();
+            // Every shape in f32 and in one more family, which rotates with the shape and world.
+            for (i, (hidden, tokens)) in [1, 7, 129, 1000]
+                .into_iter()
+                .flat_map(|h| [1, 5, 64].map(|t| (h, t)))
+                .enumerate()
+            {
+                for (dtype, fp8) in [families[0], families[1 + (i + world) % 5]] {
+                    cases.push(NormCase {
+                        dtype,
+                        fp8,
+                        hidden,
+                        tokens,
+                    });
+                }
+            }
+            norm_sweep(world, seed, &cases);
+        }
+    }
+
+    /// 4096 tokens of 64 f32: 1 MiB per rank, past the window's region, so several launches
+    /// of whole rows per call.
+    #[test]
+    fn fused_rmsnorm_of_many_tokens_runs_in_several_launches() {
+        let seed = fresh_seed();
+        for (dtype, fp8) in [(DType::F32, false), (DType::BF16, true)] {
+            norm_sweep(
+                2,
+                seed,
+                &[NormCase {
+                    dtype,
+                    fp8,
+                    hidden: 64,
+                    tokens: 4096,
+                }],
+            );
+        }
+    }
+
+    /// Ranks that disagree on the row length: the kernels compare the calls' headers and every
+    /// rank gets `Error::Mismatch` (nothing computed), and the next matched call works.
+    #[test]
+    fn a_fused_rmsnorm_with_another_hidden_size_is_a_mismatch_on_every_rank() {
+        let seed = fresh_seed();
+        on_ranks(2, "hd-norm-mismatch", |c| {
+            let case = NormCase {
+                dtype: DType::F32,
+                fp8: false,
+                hidden: 8 >> c.rank(),
+                tokens: 4,
+            };
+            for algo in ["oneshot", "twoshot"] {
+                match run_norm_any(c, seed, case, algo) {
+                    Err(Error::Mismatch { peer, .. }) => assert_eq!(peer, 1 - c.rank()),
+                    other => panic!("rank {}: expected a mismatch, got {other:?}", c.rank()),
+                }
+            }
+            let case = NormCase { hidden: 8, ..case };
+            let got = run_norm_any(c, seed, case, "oneshot").unwrap();
+            check_norm_any(seed, case, 2, &got).unwrap();
         });
     }
 

@@ -164,6 +164,32 @@ pub(crate) const REDUCE_SCATTER: Kernel<(WindowHandle, Parts, u64, u64, u64, u32
 pub(crate) const ALL_TO_ALL: Kernel<(WindowHandle, AllToAllArgs, u64)> =
     Kernel::new("ferrocomm_alltoall", Shape::Grid(COLLECTIVE_THREADS));
 
+/// kernels/fused_norm.cu's `NormArgs`: device addresses (`scales` 0 unless `out` is fp8), the
+/// rows of one launch and elements per row, `vectors` where 16-byte accesses are allowed.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct NormArgs {
+    pub(crate) x: u64,
+    pub(crate) residual: u64,
+    pub(crate) gamma: u64,
+    pub(crate) out: u64,
+    pub(crate) scales: u64,
+    pub(crate) rows: u64,
+    pub(crate) hidden: u64,
+    pub(crate) eps: f32,
+    pub(crate) vectors: u32,
+}
+
+const _: () = assert!(std::mem::size_of::<NormArgs>() == 64);
+
+/// kernels/fused_norm.cu: (handle, args, counters); families by the suffix of (dtype, fp8
+/// out), e.g. `bf16` or `bf16_fp8`.
+pub(crate) type NormKernelArgs = (WindowHandle, NormArgs, u64);
+pub(crate) const RMSNORM_ONESHOT: Kernel<NormKernelArgs> =
+    Kernel::new("ferrocomm_rmsnorm_oneshot_", Shape::Grid(COLLECTIVE_THREADS));
+pub(crate) const RMSNORM_TWOSHOT: Kernel<NormKernelArgs> =
+    Kernel::new("ferrocomm_rmsnorm_twoshot_", Shape::Grid(COLLECTIVE_THREADS));
+
 /// A loaded kernel: a CUDA function, or a host-device function.
 #[derive(Clone)]
 pub(crate) enum Function {

@@ -1,7 +1,8 @@
 //! The device backend's own collective kernels on device buffers: one- and two-shot
 //! all_reduce (kernels/oneshot.cu, twoshot.cu), multimem all_reduce where the window has a
-//! multicast object (kernels/multimem.cu), one-shot all_gather and reduce_scatter, and
-//! all_to_all with any sizes (kernels/alltoall.cu).
+//! multicast object (kernels/multimem.cu), one-shot all_gather and reduce_scatter,
+//! all_to_all with any sizes (kernels/alltoall.cu), and the fused all_reduce + residual +
+//! RMSNorm (kernels/fused_norm.cu, planned in `norm`).
 //!
 //! Every rank of a device communicator holds one window for them, made when the communicator
 //! is (so nothing is allocated during a CUDA graph capture): a region for the one- and
@@ -17,6 +18,8 @@
 //! (buffer addresses, alignment, the v-form sizes of all_to_all), or one rank would launch a
 //! kernel that its peers never join: plans depend only on the operation, the element counts
 //! every rank shares, and the world size. Addresses and alignment only pick the access width.
+
+mod norm;
 
 use super::call_order::CallOrder;
 use super::rank::DeviceRank;
@@ -74,6 +77,7 @@ pub(crate) struct OwnCollectives {
     reduce_scatter: HashMap<&'static str, Function>,
     all_gather: Function,
     all_to_all: Function,
+    norm: norm::NormKernels,
     /// The most bytes per rank one launch of the one- and two-shot kernels takes (the first
     /// region); larger messages run as several launches.
     max_bytes: usize,
@@ -163,6 +167,7 @@ impl OwnCollectives {
             reduce_scatter,
             all_gather: load(kernels::ALL_GATHER.name.into())?,
             all_to_all: load(kernels::ALL_TO_ALL.name.into())?,
+            norm: norm::NormKernels::load(load)?,
             max_bytes,
             two_shot_min,
             timeout,
@@ -199,7 +204,7 @@ impl OwnCollectives {
     ) -> Result<Option<(&Function, Launch)>> {
         let few_ranks = self.size <= MAX_RANKS;
         let hd = self.host_device;
-        if explain && !matches!(op, Op::AllReduce { .. }) {
+        if explain && !matches!(op, Op::AllReduce { .. } | Op::AllReduceRmsNorm(_)) {
             if let Some(a) = hints.get("algorithm").filter(|a| *a != "oneshot") {
                 hint_ignored(
                     "device",
@@ -280,6 +285,7 @@ impl OwnCollectives {
                 let bytes = inputs.iter().map(Buf::byte_len).sum::<usize>();
                 (few_ranks && usable).then(|| (&self.all_to_all, Launch::all_to_all(bytes, a)))
             }
+            Op::AllReduceRmsNorm(f) => self.plan_norm(f, hints, explain),
             _ => None,
         };
         Ok(plan)
@@ -348,6 +354,8 @@ impl OwnCollectives {
                 let counters = counters + (SHOT_COUNTERS * 8) as u64;
                 kernels::ALL_TO_ALL.launch(f, queue, MAX_BLOCKS as u32, (handle, *a, counters))
             }
+            // The fused norm's counters are the one- and two-shot kernels': one protocol.
+            Args::Norm(call) => call.enqueue(f, queue, handle, counters),
             // Messages larger than the window's region run as consecutive launches, one per
             // chunk (the same cut on every rank: it depends on the counts and the region).
             Args::Shot {
@@ -421,6 +429,8 @@ enum Args {
     },
     /// Boxed, like `Param::Table`: these are hundreds of bytes, moved once per call.
     AllToAll(Box<AllToAllArgs>),
+    /// The fused norm: launches of whole rows.
+    Norm(Box<norm::NormCall>),
 }
 
 impl Args {
@@ -487,6 +497,7 @@ impl Launch {
     fn count(&self) -> u32 {
         match &self.args {
             Args::AllToAll(_) => 1,
+            Args::Norm(call) => call.count(),
             Args::Shot { n, .. } => chunks(*n, self.unit, self.chunk).count().max(1) as u32,
         }
     }

@@ -1,0 +1,270 @@
+//! The fused all_reduce + residual add + RMSNorm (`Op::AllReduceRmsNorm`) on the collective
+//! window: kernels/fused_norm.cu's one-shot (every rank computes every row; few rows) and
+//! two-shot (each rank computes its run of rows, then every rank copies the others' results;
+//! many rows), picked by size or by the hint `algorithm` = `oneshot` / `twoshot`.
+//!
+//! A launch keeps every rank's rows of `x`, the two-shot results and a scratch row per block in
+//! the window's first region; a call with more rows than fit runs as consecutive launches of
+//! whole rows, the same cut on every rank (it depends only on the shape, the dtypes, the world
+//! size and the region). A row that does not fit even alone has no kernel here: the backend
+//! then runs the operation on its other paths (the CPU engine, or the staged host copy).
+
+use super::{reach, reach_mut, Args, Launch, OwnCollectives, MAX_BLOCKS};
+use crate::contracts::backend::hint_ignored;
+use crate::contracts::dtype::DType;
+use crate::contracts::error::Result;
+use crate::contracts::inference::RmsNormFusion;
+use crate::contracts::window_handle::WindowHandle;
+use crate::gpu::kernels::{self, Function, NormArgs, Queue};
+use std::collections::{BTreeMap, HashMap};
+
+const OP: &str = "all_reduce_residual_rmsnorm";
+
+/// kernels/fused_norm.cu's per-block header bytes.
+const HEADER_BYTES: usize = 32;
+
+/// The fused norm's kernels per name suffix (`f32`, `f16`, `bf16`, each also with `_fp8`).
+pub(super) struct NormKernels {
+    one_shot: HashMap<&'static str, Function>,
+    two_shot: HashMap<&'static str, Function>,
+}
+
+/// kernels/fused_norm.cu's `FERROCOMM_FOR_EACH_NORM`: (activation dtype, fp8 out, suffix).
+const SUFFIXES: [(DType, bool, &str); 6] = [
+    (DType::F32, false, "f32"),
+    (DType::F16, false, "f16"),
+    (DType::BF16, false, "bf16"),
+    (DType::F32, true, "f32_fp8"),
+    (DType::F16, true, "f16_fp8"),
+    (DType::BF16, true, "bf16_fp8"),
+];
+
+fn suffix(dtype: DType, fp8: bool) -> Option<&'static str> {
+    SUFFIXES.iter().find(|s| s.0 == dtype && s.1 == fp8).map(|s| s.2)
+}
+
+impl NormKernels {
+    pub(super) fn load(load: impl Fn(String) -> Result<Function>) -> Result<NormKernels> {
+        let (mut one_shot, mut two_shot) = (HashMap::new(), HashMap::new());
+        for (_, _, s) in SUFFIXES {
+            one_shot.insert(s, load(format!("{}{s}", kernels::RMSNORM_ONESHOT.name))?);
+            two_shot.insert(s, load(format!("{}{s}", kernels::RMSNORM_TWOSHOT.name))?);
+        }
+        Ok(NormKernels { one_shot, two_shot })
+    }
+}
+
+/// One call: its arguments over all rows, and how many rows each launch takes.
+pub(super) struct NormCall {
+    args: NormArgs,
+    two_shot: bool,
+    row_in: u64,
+    row_out: u64,
+    per_launch: u64,
+}
+
+impl NormCall {
+    /// The arguments of each launch: consecutive runs of at most `per_launch` rows.
+    fn launches(&self) -> impl Iterator<Item = NormArgs> + '_ {
+        let a = self.args;
+        (0..a.rows.div_ceil(self.per_launch)).map(move |k| {
+            let first = k * self.per_launch;
+            NormArgs {
+                x: a.x + first * self.row_in,
+                residual: a.residual + first * self.row_in,
+                out: a.out + first * self.row_out,
+                scales: if a.scales == 0 { 0 } else { a.scales + 4 * first },
+                rows: self.per_launch.min(a.rows - first),
+                ..a
+            }
+        })
+    }
+
+    /// How many kernel launches the call makes.
+    pub(super) fn count(&self) -> u32 {
+        self.args.rows.div_ceil(self.per_launch).max(1) as u32
+    }
+
+    /// Puts the call's launches on `queue`. Every rank has the same rows per launch, so the
+    /// same grids (one block per row, up to MAX_BLOCKS).
+    pub(super) fn enqueue(&self, f: &Function, queue: Queue<'_>, handle: WindowHandle, counters: u64) -> Result<()> {
+        let kernel = if self.two_shot {
+            &kernels::RMSNORM_TWOSHOT
+        } else {
+            &kernels::RMSNORM_ONESHOT
+        };
+        for a in self.launches() {
+            let blocks = a.rows.clamp(1, MAX_BLOCKS as u64) as u32;
+            kernel.launch(f, queue, blocks, (handle, a, counters))?;
+        }
+        Ok(())
+    }
+}
+
+/// kernels/fused_norm.cu's `Layout`: the segment bytes a launch of `rows` rows uses.
+fn segment_bytes(rows: usize, hidden: usize, in_size: usize, out_size: usize, size: usize, two_shot: bool) -> usize {
+    let pad16 = |b: usize| b.next_multiple_of(16);
+    let own = if two_shot { rows.div_ceil(size.max(1)) } else { 0 };
+    let result_row = pad16(hidden * in_size) + pad16(hidden * out_size) + 16;
+    HEADER_BYTES * MAX_BLOCKS + pad16(rows * hidden * in_size) + own * result_row + MAX_BLOCKS * pad16(hidden * 4)
+}
+
+/// The most rows (at most `tokens`) that one launch fits into `region` bytes; 0 when not even
+/// one row fits.
+fn rows_per_launch(tokens: usize, region: usize, bytes: impl Fn(usize) -> usize) -> usize {
+    if bytes(1) > region {
+        return 0;
+    }
+    // The bytes grow with the rows: bisect for the last count that fits.
+    let (mut lo, mut hi) = (1, tokens.max(1));
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if bytes(mid) <= region {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    lo
+}
+
+/// Two-shot or not: the hint's where it names one of the two, else two-shot from
+/// `two_shot_min` bytes of `x` when every rank gets a row; with why a hint was not honoured.
+fn pick(hint: Option<&str>, x_bytes: usize, tokens: usize, size: usize, two_shot_min: usize) -> (bool, Option<&str>) {
+    let by_size = x_bytes >= two_shot_min && tokens >= size;
+    match hint {
+        None => (by_size, None),
+        Some("oneshot") => (false, None),
+        Some("twoshot") => (true, None),
+        Some(_) => (by_size, Some("the fused norm's kernels run oneshot or twoshot")),
+    }
+}
+
+impl OwnCollectives {
+    /// The kernel and launches for the fused norm `f`, if a kernel here runs it (see the
+    /// module doc); `explain`: note a hint that cannot be honoured.
+    pub(super) fn plan_norm(
+        &self,
+        f: &mut RmsNormFusion<'_>,
+        hints: &BTreeMap<String, String>,
+        explain: bool,
+    ) -> Option<(&Function, Launch)> {
+        let hd = self.host_device;
+        let (d, hidden, tokens) = (f.x.dtype(), f.hidden, f.tokens());
+        let s = suffix(d, f.quantised())?;
+        let x = reach(&f.x, hd)?;
+        let gamma = reach(&f.gamma, hd)?;
+        let residual = reach_mut(&mut f.residual, hd)?;
+        let out = reach_mut(&mut f.out, hd)?;
+        let scales = match f.scales.as_mut() {
+            Some(sc) => reach_mut(sc, hd)?.ptr,
+            None => 0,
+        };
+        let hint = hints.get("algorithm").map(String::as_str);
+        let (two_shot, ignored) = pick(hint, x.len, tokens, self.size, self.two_shot_min);
+        if let (Some(why), Some(value), true) = (ignored, hint, explain) {
+            hint_ignored("device", OP, "algorithm", value, why);
+        }
+        let (in_size, out_size) = (d.size(), f.out.dtype().size());
+        let per_launch = rows_per_launch(tokens, self.max_bytes, |rows| {
+            segment_bytes(rows, hidden, in_size, out_size, self.size, two_shot)
+        });
+        if per_launch == 0 {
+            return None;
+        }
+        // 16-byte groups of a row: every row starts aligned where the buffers do.
+        let group = 16 / in_size;
+        let vectors = hidden % group == 0 && [x.ptr, residual.ptr, gamma.ptr, out.ptr].iter().all(|p| p % 16 == 0);
+        let args = NormArgs {
+            x: x.ptr,
+            residual: residual.ptr,
+            gamma: gamma.ptr,
+            out: out.ptr,
+            scales,
+            rows: tokens as u64,
+            hidden: hidden as u64,
+            eps: f.eps,
+            vectors: vectors.into(),
+        };
+        let call = NormCall {
+            args,
+            two_shot,
+            row_in: (hidden * in_size) as u64,
+            row_out: (hidden * out_size) as u64,
+            per_launch: per_launch as u64,
+        };
+        let kernels = if two_shot {
+            &self.norm.two_shot
+        } else {
+            &self.norm.one_shot
+        };
+        Some((&kernels[s], Launch::norm(x.len, call)))
+    }
+}
+
+impl Launch {
+    /// The fused norm chunks by rows itself.
+    fn norm(bytes: usize, call: NormCall) -> Launch {
+        Launch {
+            bytes,
+            args: Args::Norm(Box::new(call)),
+            unit: 1,
+            chunk: usize::MAX,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hints_pick_the_algorithm_and_the_size_rule_needs_a_row_per_rank() {
+        assert_eq!(pick(None, 100, 64, 4, 1000), (false, None));
+        assert_eq!(pick(None, 1000, 64, 4, 1000), (true, None));
+        // Fewer rows than ranks: one-shot whatever the size.
+        assert_eq!(pick(None, 1 << 20, 3, 4, 1000), (false, None));
+        assert_eq!(pick(Some("twoshot"), 8, 1, 4, 1000), (true, None));
+        assert_eq!(pick(Some("oneshot"), 1 << 20, 64, 4, 1000), (false, None));
+        let (two, why) = pick(Some("multimem"), 1 << 20, 64, 4, 1000);
+        assert!(two && why.is_some());
+    }
+
+    #[test]
+    fn launches_take_whole_rows_that_fit_the_region() {
+        let bytes = |rows| segment_bytes(rows, 1000, 2, 1, 4, true);
+        let region = 1 << 20;
+        let per = rows_per_launch(4096, region, bytes);
+        assert!(per > 1 && bytes(per) <= region && bytes(per + 1) > region, "{per}");
+        assert_eq!(
+            rows_per_launch(3, region, bytes),
+            3,
+            "never more rows than the call has"
+        );
+        // A row larger than the region: no launch can take it.
+        assert_eq!(
+            rows_per_launch(8, region, |r| segment_bytes(r, 1 << 20, 4, 4, 2, false)),
+            0
+        );
+        let call = NormCall {
+            args: NormArgs {
+                x: 1 << 20,
+                residual: 2 << 20,
+                out: 3 << 20,
+                scales: 4 << 20,
+                rows: 10,
+                hidden: 8,
+                ..Default::default()
+            },
+            two_shot: false,
+            row_in: 16,
+            row_out: 8,
+            per_launch: 4,
+        };
+        let l: Vec<NormArgs> = call.launches().collect();
+        assert_eq!(l.iter().map(|a| a.rows).collect::<Vec<_>>(), vec![4, 4, 2]);
+        assert_eq!(call.count(), 3);
+        assert_eq!((l[2].x, l[2].residual), ((1 << 20) + 128, (2 << 20) + 128));
+        assert_eq!((l[2].out, l[2].scales), ((3 << 20) + 64, (4 << 20) + 32));
+    }
+}

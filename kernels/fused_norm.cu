@@ -1,0 +1,195 @@
+// all_reduce + residual add + RMSNorm in one kernel (TensorRT-LLM's RESIDUAL_RMS_NORM fusion,
+// optionally quantising the output to fp8), on the device backend's collective window. Per
+// token row t: s = the sum of every rank's x[t] in rank order in f32, plus residual[t];
+// residual[t] = s rounded; out[t] = rmsnorm(s) * gamma, rounded or quantised with the row's
+// scale (ferrocomm/norm.cuh; the host's definition is host/contracts/inference.rs).
+//
+// One-shot (few rows): each rank copies its x into its segment and signals READY; block b then
+// computes the rows t = b, b + grid, ... from every segment, so every rank computes every row,
+// with the same code in the same order: the same bits everywhere.
+// Two-shot (many rows): the rows are cut into one run per rank (rank r: rows r * rows / size
+// to (r + 1) * rows / size, as the CPU engine cuts them); rank r computes its run only, puts
+// each result (residual row, out row, scale) in its segment and signals REDUCED; every rank
+// then copies the other runs' results. Every rank's residual must then be the same, as a
+// tensor-parallel residual stream is: rank r's residual makes run r.
+//
+// Block b handles the rows t = b (mod grid) in every phase, so READY / REDUCED of block b cover
+// exactly the rows block b of each peer reads. Each block writes a header (row bytes, rows,
+// kernel, eps) with its rows: a peer whose header differs made another call, and every rank
+// then records MISMATCH (the relation is symmetric, so all of them do) and computes nothing.
+// The f32 sums of a row wait in a private scratch row of the block in our own segment, which
+// no peer reads. The protocol (epochs, ids, segment reuse) is in collective.cuh; the host cuts
+// larger calls into launches of whole rows (host/backend/device/collectives/norm.rs).
+
+#include "collective.cuh"
+
+using namespace ferrocomm;
+using namespace ferrocomm::coll;
+
+// Named, not anonymous: the kernels are compiled as one unit (build.rs), and alltoall.cu's
+// anonymous namespace has names of its own.
+namespace fused_norm {
+
+// host/gpu/kernels.rs mirrors it: device addresses, rows of this launch, elements per row.
+struct NormArgs {
+  u64 x, residual, gamma, out, scales;  // scales: 0 unless out is fp8
+  u64 rows, hidden;
+  float eps;
+  u32 vectors;  // every buffer 16-byte aligned and hidden a multiple of 16 bytes' elements
+};
+static_assert(sizeof(NormArgs) == 64, "NormArgs is mirrored by host/gpu/kernels.rs");
+
+FERROCOMM_DEVICE_INLINE constexpr u64 pad16(u64 b) { return (b + 15) / 16 * 16; }
+
+// Per block: row bytes, rows, kernel, eps bits.
+constexpr u64 HEADER_BYTES = 32;
+
+// Where one launch keeps what in a segment (byte offsets; host/backend/device/collectives/norm.rs
+// computes the same to bound the rows per launch): the blocks' headers, every row of x, the
+// two-shot results of our run (`own` rows: residual row, out row, scale, each 16-byte aligned),
+// then one f32 scratch row per block.
+struct Layout {
+  u64 x, results, result_row, result_out, result_scale, scratch, scratch_row;
+  FERROCOMM_DEVICE_INLINE Layout(u64 rows, u64 hidden, u64 in_size, u64 out_size, u64 own) {
+    x = HEADER_BYTES * MAX_BLOCKS;
+    results = x + pad16(rows * hidden * in_size);
+    result_out = pad16(hidden * in_size);
+    result_scale = result_out + pad16(hidden * out_size);
+    result_row = result_scale + 16;
+    scratch = results + own * result_row;
+    scratch_row = pad16(hidden * 4);
+  }
+};
+
+// dst[i] = src[i] for i < n at block scope, 16 bytes at a time where both are aligned.
+template <class Raw>
+FERROCOMM_DEVICE_INLINE void copy_row(Raw* dst, const Raw* src, u64 n) {
+  constexpr u64 V = 16 / sizeof(Raw);
+  const bool vec = ((reinterpret_cast<u64>(dst) | reinterpret_cast<u64>(src)) & 15u) == 0;
+  const u64 vhi = vec ? n / V * V : 0;
+  for (u64 g = threadIdx.x; g < vhi / V; g += blockDim.x) {
+    reinterpret_cast<uint4*>(dst)[g] = reinterpret_cast<const uint4*>(src)[g];
+  }
+  for (u64 i = vhi + threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+}
+
+// The first row t >= lo that this block handles (t = blockIdx.x mod gridDim.x).
+FERROCOMM_DEVICE_INLINE u64 first_row(u64 lo) { return lo + (blockIdx.x + gridDim.x - lo % gridDim.x) % gridDim.x; }
+
+// Whether every peer's header for this block is ours; records the first difference.
+FERROCOMM_DEVICE_INLINE bool agree(const Window& w, const ferrocomm_window_handle& h, const u64 (&mine)[4]) {
+  bool ok = true;
+  for (i32 p = 0; p < w.size(); ++p) {
+    if (p == w.rank()) continue;
+    const u64* theirs = w.peer_ptr<const u64>(p, HEADER_BYTES * blockIdx.x);
+    const bool same = theirs[0] == mine[0] && theirs[1] == mine[1] && theirs[2] == mine[2] && theirs[3] == mine[3];
+    if (!same && ok && threadIdx.x == 0) {
+      // As alltoall.cu: our row bytes and theirs, or all ones where those agree but the call does not.
+      record_status(h.status, FERROCOMM_STATUS_MISMATCH, FERROCOMM_OP_COLLECTIVE, p, READY_ID + blockIdx.x, mine[0],
+                    theirs[0] != mine[0] ? theirs[0] : ~0ull);
+    }
+    ok &= same;
+  }
+  return ok;
+}
+
+// Row t: s = the sum of every segment's x row in rank order + residual; residual = s rounded;
+// s kept in f32 in `scratch`, cut as rmsnorm_row reads it (no barrier needed between).
+template <class E>
+FERROCOMM_DEVICE_INLINE void sum_row(const Window& w, u64 x_offset, typename E::Raw* residual, float* scratch, u64 n,
+                                     bool vec) {
+  using G = RowGroups<E>;
+  for (u64 g = threadIdx.x; g < G::count(n); g += blockDim.x) {
+    float acc[G::V], v[G::V];
+    reduce_group<E>(w, x_offset, n, g, vec, acc);
+    load_group<E>(residual, n, g, vec, v);
+#pragma unroll
+    for (u32 k = 0; k < G::V; ++k) acc[k] += v[k];
+    store_group<E>(residual, n, g, vec, acc);
+    store_group<F32>(reinterpret_cast<u32*>(scratch), n, g, vec, acc);
+  }
+}
+
+template <class E, class O, u32 KIND>
+FERROCOMM_DEVICE_INLINE void all_reduce_rmsnorm(const ferrocomm_window_handle& h, const NormArgs& a, u64* counters,
+                                                bool two_shot) {
+  using In = typename E::Raw;
+  using Out = typename O::Raw;
+  const Window w(h);
+  const u64 n = a.hidden, size = static_cast<u64>(w.size()), me = static_cast<u64>(w.rank());
+  const u64 row_in = n * sizeof(In);
+  // Rank r's run of rows in the two-shot (the largest has own_max rows).
+  auto run = [&](u64 r) { return r * a.rows / size; };
+  const u64 own_max = two_shot ? (a.rows + size - 1) / size : 0;
+  const Layout l(a.rows, n, sizeof(In), sizeof(Out), own_max);
+  const bool vec = a.vectors != 0;
+  const In* x = reinterpret_cast<const In*>(a.x);
+  In* residual = reinterpret_cast<In*>(a.residual);
+  const In* gamma = reinterpret_cast<const In*>(a.gamma);
+  Out* out = reinterpret_cast<Out*>(a.out);
+  float* scales = reinterpret_cast<float*>(a.scales);
+  Step s;
+  if (!begin(w, counters, s)) return;
+  float* scratch = w.local_ptr<float>(l.scratch + blockIdx.x * l.scratch_row);
+  const u64 header[4] = {row_in, a.rows, KIND | (two_shot ? 0x100u : 0u), __float_as_uint(a.eps)};
+  if (threadIdx.x < 4) w.local_ptr<u64>(HEADER_BYTES * blockIdx.x)[threadIdx.x] = header[threadIdx.x];
+  for (u64 t = blockIdx.x; t < a.rows; t += gridDim.x) copy_row(w.local_ptr<In>(l.x + t * row_in), x + t * n, n);
+  // Our own rows are read group by group, by other threads than copied them (the exchange
+  // syncs the block only where there are peers to signal).
+  __syncthreads();
+  if (!exchange(w, s, s.ready)) return;
+  if (agree(w, h, header)) {
+    const u64 lo = two_shot ? run(me) : 0, hi = two_shot ? run(me + 1) : a.rows;
+    for (u64 t = first_row(lo); t < hi; t += gridDim.x) {
+      sum_row<E>(w, l.x + t * row_in, residual + t * n, scratch, n, vec);
+      const float scale = rmsnorm_row<E, O>(scratch, gamma, out + t * n, n, a.eps, vec);
+      if (scales && threadIdx.x == 0) scales[t] = scale;
+      if (two_shot) {
+        // The rows were written group by group by other threads than copy_row's.
+        __syncthreads();
+        unsigned char* r = w.local_ptr<unsigned char>(l.results + (t - lo) * l.result_row);
+        copy_row(reinterpret_cast<In*>(r), residual + t * n, n);
+        copy_row(reinterpret_cast<Out*>(r + l.result_out), out + t * n, n);
+        if (threadIdx.x == 0) *reinterpret_cast<float*>(r + l.result_scale) = scale;
+      }
+    }
+    if (two_shot) {
+      if (!exchange(w, s, s.reduced)) return;
+      for (i32 p = 0; p < w.size(); ++p) {
+        if (p == w.rank()) continue;
+        const u64 plo = run(static_cast<u64>(p)), phi = run(static_cast<u64>(p) + 1);
+        for (u64 t = first_row(plo); t < phi; t += gridDim.x) {
+          const unsigned char* r = w.peer_ptr<const unsigned char>(p, l.results + (t - plo) * l.result_row);
+          copy_row(residual + t * n, reinterpret_cast<const In*>(r), n);
+          copy_row(out + t * n, reinterpret_cast<const Out*>(r + l.result_out), n);
+          if (scales && threadIdx.x == 0) scales[t] = *reinterpret_cast<const float*>(r + l.result_scale);
+        }
+      }
+    }
+  }
+  end(w, counters, s);
+}
+
+}  // namespace fused_norm
+
+// Every (name suffix, activation type, output type, kernel code) of the fused norm; the host
+// (host/backend/device/collectives/norm.rs, `norm_suffix`) loads them by these suffixes.
+#define FERROCOMM_FOR_EACH_NORM(M) \
+  M(f32, F32, F32, 1)              \
+  M(f16, F16, F16, 2)              \
+  M(bf16, Bf16, Bf16, 3)           \
+  M(f32_fp8, F32, E4M3, 4)         \
+  M(f16_fp8, F16, E4M3, 5)         \
+  M(bf16_fp8, Bf16, E4M3, 6)
+
+#define FERROCOMM_NORM(name, E, O, KIND)                                                                   \
+  extern "C" __global__ void __launch_bounds__(256, 1)                                                     \
+      ferrocomm_rmsnorm_oneshot_##name(ferrocomm_window_handle h, const fused_norm::NormArgs a, u64* counters) {      \
+    fused_norm::all_reduce_rmsnorm<E, O, KIND>(h, a, counters, false);                                                 \
+  }                                                                                                        \
+  extern "C" __global__ void __launch_bounds__(256, 1)                                                     \
+      ferrocomm_rmsnorm_twoshot_##name(ferrocomm_window_handle h, const fused_norm::NormArgs a, u64* counters) {      \
+    fused_norm::all_reduce_rmsnorm<E, O, KIND>(h, a, counters, true);                                                  \
+  }
+
+FERROCOMM_FOR_EACH_NORM(FERROCOMM_NORM)
