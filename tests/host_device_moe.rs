@@ -143,7 +143,8 @@ struct Out {
 
 /// An error's kind (the variant's name): the CPU engine words its messages differently.
 fn kind(r: &std::result::Result<(), String>) -> std::result::Result<(), String> {
-    r.clone().map_err(|e| e.chars().take_while(|c| c.is_alphanumeric()).collect())
+    r.clone()
+        .map_err(|e| e.chars().take_while(|c| c.is_alphanumeric()).collect())
 }
 
 /// Runs a dispatch (both halves at once, or send then receive) and, if `combine`, a combine of
@@ -173,11 +174,13 @@ fn run_rank<T: Tok>(comm: &Comm, seed: u64, c: &Case, separate: bool, combine: b
         }
     };
     let dispatch = if separate {
-        comm.moe_dispatch(s, send()).map_err(|e| format!("{e:?}")).and_then(|()| {
-            let d = Dispatch::recv_only().recv(&mut rt, &mut counts, &mut src);
-            let d = if fp8 { d.recv_scales(&mut rsc) } else { d };
-            comm.moe_dispatch(s, d).map_err(|e| format!("{e:?}"))
-        })
+        comm.moe_dispatch(s, send())
+            .map_err(|e| format!("{e:?}"))
+            .and_then(|()| {
+                let d = Dispatch::recv_only().recv(&mut rt, &mut counts, &mut src);
+                let d = if fp8 { d.recv_scales(&mut rsc) } else { d };
+                comm.moe_dispatch(s, d).map_err(|e| format!("{e:?}"))
+            })
     } else {
         let d = send().recv(&mut rt, &mut counts, &mut src);
         let d = if fp8 { d.recv_scales(&mut rsc) } else { d };
@@ -244,16 +247,33 @@ fn check<T: Tok>(seed: u64, c: &Case, rank: usize, got: &Out) {
             let row = &got.tokens[slot * s.hidden..(slot + 1) * s.hidden];
             match rows.get(i) {
                 Some(&(p, t, k)) => {
-                    assert_eq!(&got.src[slot * 3..slot * 3 + 3], &[p as i32, t as i32, k as i32], "rank {rank} src[{e},{i}]");
-                    let want_row: Vec<u64> = all[p].tokens[t * s.hidden..(t + 1) * s.hidden].iter().map(|x| x.bits()).collect();
+                    assert_eq!(
+                        &got.src[slot * 3..slot * 3 + 3],
+                        &[p as i32, t as i32, k as i32],
+                        "rank {rank} src[{e},{i}]"
+                    );
+                    let want_row: Vec<u64> = all[p].tokens[t * s.hidden..(t + 1) * s.hidden]
+                        .iter()
+                        .map(|x| x.bits())
+                        .collect();
                     assert_eq!(row, &want_row[..], "rank {rank} row [{e},{i}] = token {t} of rank {p}");
                     if T::DTYPE == DType::F8E4M3 {
-                        let ws: Vec<u32> = all[p].scales[t * nb..(t + 1) * nb].iter().map(|x| x.to_bits()).collect();
-                        assert_eq!(&got.scales[slot * nb..(slot + 1) * nb], &ws[..], "rank {rank} scales [{e},{i}]");
+                        let ws: Vec<u32> = all[p].scales[t * nb..(t + 1) * nb]
+                            .iter()
+                            .map(|x| x.to_bits())
+                            .collect();
+                        assert_eq!(
+                            &got.scales[slot * nb..(slot + 1) * nb],
+                            &ws[..],
+                            "rank {rank} scales [{e},{i}]"
+                        );
                     }
                 }
                 None => {
-                    assert!(row.iter().all(|&b| b == T::poison().bits()), "rank {rank}: row [{e},{i}] past the count was written");
+                    assert!(
+                        row.iter().all(|&b| b == T::poison().bits()),
+                        "rank {rank}: row [{e},{i}] past the count was written"
+                    );
                     assert_eq!(&got.src[slot * 3..slot * 3 + 3], &[-9, -9, -9]);
                 }
             }
@@ -270,7 +290,9 @@ fn check<T: Tok>(seed: u64, c: &Case, rank: usize, got: &Out) {
     let expert_out: Vec<Vec<bf16>> = (0..c.world)
         .map(|q| {
             let mut r = rng(seed, 1000 + q as u64);
-            (0..rows * s.hidden).map(|_| bf16::from_f32(r.gen_range(-2.0..2.0))).collect()
+            (0..rows * s.hidden)
+                .map(|_| bf16::from_f32(r.gen_range(-2.0..2.0)))
+                .collect()
         })
         .collect();
     // Where (rank, token, k) landed: (owner, expert, row).
@@ -324,7 +346,11 @@ fn run_case<T: Tok>(c: &Case, separate: bool, combine: bool) {
             combine: o.combine.as_ref().map(kind),
             ..o.clone()
         };
-        assert_eq!(strip(a), strip(cpu), "rank {rank}: the device kernels and the CPU engine differ");
+        assert_eq!(
+            strip(a),
+            strip(cpu),
+            "rank {rank}: the device kernels and the CPU engine differ"
+        );
     }
 }
 
@@ -410,17 +436,24 @@ fn capacity_overflow_is_an_error_with_exact_counts_and_the_window_stays_usable()
         run_case::<bf16>(&c, false, false);
         // Combine after an overflow: the owner of the tokens with a missing row says so.
         let seed = fresh_seed();
-        let res = run_group_on_device("device", Device::Host(0), world, &format!("moe-over-{world}"), opts(), |comm| {
-            let first = run_rank::<bf16>(comm, seed, &c, false, true);
-            // The next call on the same communicator works.
-            let ok = Case {
-                routing: Routing::Random,
-                shape: shape(2 * world, 2, 128, 64),
-                ..c.clone()
-            };
-            let second = run_rank::<bf16>(comm, seed, &ok, false, true);
-            (first, second, ok)
-        });
+        let res = run_group_on_device(
+            "device",
+            Device::Host(0),
+            world,
+            &format!("moe-over-{world}"),
+            opts(),
+            |comm| {
+                let first = run_rank::<bf16>(comm, seed, &c, false, true);
+                // The next call on the same communicator works.
+                let ok = Case {
+                    routing: Routing::Random,
+                    shape: shape(2 * world, 2, 128, 64),
+                    ..c.clone()
+                };
+                let second = run_rank::<bf16>(comm, seed, &ok, false, true);
+                (first, second, ok)
+            },
+        );
         for (rank, (first, second, ok)) in res.iter().enumerate() {
             let comb = first.combine.as_ref().unwrap();
             assert!(

@@ -243,16 +243,19 @@ impl OwnMoe {
             // Host buffers belong to the call: it returns once every launch has ended.
             Stream::Host(_) => {
                 handle.timeout_ns = timeout.as_nanos().min(u64::MAX as u128) as u64;
-                let enqueued = launches
-                    .iter()
-                    .try_for_each(|(f, k, blocks, a)| k.launch(f, window_stream.queue(), *blocks, (handle, *a, counters)));
+                let enqueued = launches.iter().try_for_each(|(f, k, blocks, a)| {
+                    k.launch(f, window_stream.queue(), *blocks, (handle, *a, counters))
+                });
                 let n = launches.len() as u32;
                 enqueued
                     .and_then(|()| live.window.finish(name, (timeout + Duration::from_secs(1)) * n))
                     .and_then(|()| self.take_errors(live, name))
             }
             Stream::Cuda(_) => {
-                let order = live.order.as_ref().ok_or_else(|| Error::invalid(name, "no call order"))?;
+                let order = live
+                    .order
+                    .as_ref()
+                    .ok_or_else(|| Error::invalid(name, "no call order"))?;
                 order.run(stream, || {
                     let q = Queue::Cuda(cuda::stream::raw(stream));
                     launches
@@ -279,7 +282,10 @@ impl OwnMoe {
         if st.live.as_ref().is_some_and(|l| l.layout.bytes >= layout.bytes) {
             if let Some(l) = st.live.as_mut() {
                 // The same bytes suffice; the offsets follow this shape.
-                l.layout = Layout { bytes: l.layout.bytes, ..layout };
+                l.layout = Layout {
+                    bytes: l.layout.bytes,
+                    ..layout
+                };
             }
             return Ok(());
         }
@@ -381,7 +387,11 @@ impl OwnMoe {
             local: local as u64,
             capacity: s.capacity as u64,
             row_bytes: (s.hidden * d.size()) as u64,
-            scale_bytes: if d == DType::F8E4M3 { 4 * (s.hidden / FP8_BLOCK) as u64 } else { 0 },
+            scale_bytes: if d == DType::F8E4M3 {
+                4 * (s.hidden / FP8_BLOCK) as u64
+            } else {
+                0
+            },
             ..Default::default()
         };
         let record = |a: &MoeArgs| -> u64 {
@@ -570,7 +580,17 @@ mod tests {
         assert_eq!(l.combine_region, 2 * l.dispatch_slot);
         assert_eq!(l.bytes, 2 * (l.dispatch_slot + l.combine_slot));
         assert!(OwnMoe::takes(&s, 2));
-        assert!(!OwnMoe::takes(&MoeShape { topk: 33, experts: 64, ..s }, 2), "topk beyond the kernels'");
+        assert!(
+            !OwnMoe::takes(
+                &MoeShape {
+                    topk: 33,
+                    experts: 64,
+                    ..s
+                },
+                2
+            ),
+            "topk beyond the kernels'"
+        );
         assert!(!OwnMoe::takes(&s, 17), "more ranks than the kernels take");
         let huge = MoeShape {
             experts: 1024,
@@ -579,6 +599,13 @@ mod tests {
             capacity: 1 << 16,
         };
         assert!(!OwnMoe::takes(&huge, 8), "staging beyond WINDOW_MAX");
-        assert!(Layout::of(&MoeShape { capacity: usize::MAX, ..s }, 2).is_none());
+        assert!(Layout::of(
+            &MoeShape {
+                capacity: usize::MAX,
+                ..s
+            },
+            2
+        )
+        .is_none());
     }
 }
