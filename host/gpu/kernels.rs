@@ -115,6 +115,37 @@ pub(crate) struct AllToAllArgs {
 const _: () = assert!(std::mem::size_of::<Parts>() == 8 * MAX_RANKS);
 const _: () = assert!(std::mem::size_of::<AllToAllArgs>() == 8 * (4 * MAX_RANKS + 2));
 
+/// kernels/moe.cu's `Args`: one layout for the four MoE kernels (unused fields 0).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct MoeArgs {
+    pub(crate) tokens: u64,
+    pub(crate) scales: u64,
+    pub(crate) idx: u64,
+    pub(crate) weights: u64,
+    pub(crate) out: u64,
+    pub(crate) counts: u64,
+    pub(crate) src: u64,
+    pub(crate) n_tokens: u64,
+    pub(crate) hidden: u64,
+    pub(crate) topk: u64,
+    pub(crate) experts: u64,
+    pub(crate) local: u64,
+    pub(crate) capacity: u64,
+    pub(crate) row_bytes: u64,
+    pub(crate) scale_bytes: u64,
+    pub(crate) idx64: u64,
+    pub(crate) dtype: u64,
+    pub(crate) region: u64,
+    pub(crate) slot: u64,
+    pub(crate) header: u64,
+    pub(crate) record: u64,
+    pub(crate) rows: u64,
+    pub(crate) errors: u64,
+}
+
+const _: () = assert!(std::mem::size_of::<MoeArgs>() == 8 * 23);
+
 /// Threads per block of the collective kernels (their `__launch_bounds__`).
 pub(crate) const COLLECTIVE_THREADS: u32 = 256;
 
@@ -189,6 +220,17 @@ pub(crate) const RMSNORM_ONESHOT: Kernel<NormKernelArgs> =
     Kernel::new("ferrocomm_rmsnorm_oneshot_", Shape::Grid(COLLECTIVE_THREADS));
 pub(crate) const RMSNORM_TWOSHOT: Kernel<NormKernelArgs> =
     Kernel::new("ferrocomm_rmsnorm_twoshot_", Shape::Grid(COLLECTIVE_THREADS));
+
+// kernels/moe.cu: (handle, args, counters). Sends run one block per destination rank,
+// receives a fixed grid (host/backend/device/moe.rs).
+pub(crate) const MOE_DISPATCH_SEND: Kernel<(WindowHandle, MoeArgs, u64)> =
+    Kernel::new("ferrocomm_moe_dispatch_send", Shape::Grid(COLLECTIVE_THREADS));
+pub(crate) const MOE_DISPATCH_RECV: Kernel<(WindowHandle, MoeArgs, u64)> =
+    Kernel::new("ferrocomm_moe_dispatch_recv", Shape::Grid(COLLECTIVE_THREADS));
+pub(crate) const MOE_COMBINE_SEND: Kernel<(WindowHandle, MoeArgs, u64)> =
+    Kernel::new("ferrocomm_moe_combine_send", Shape::Grid(COLLECTIVE_THREADS));
+pub(crate) const MOE_COMBINE_RECV: Kernel<(WindowHandle, MoeArgs, u64)> =
+    Kernel::new("ferrocomm_moe_combine_recv", Shape::Grid(COLLECTIVE_THREADS));
 
 /// A loaded kernel: a CUDA function, or a host-device function.
 #[derive(Clone)]

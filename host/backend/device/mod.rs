@@ -10,6 +10,7 @@
 mod call_order;
 mod collectives;
 mod host_staged;
+mod moe;
 mod multicast;
 mod rank;
 mod route;
@@ -37,6 +38,8 @@ pub(crate) struct DeviceBackend {
     nccl: Option<NcclBackend>,
     /// ferrocomm's own collective kernels, where every rank is on this host.
     own: Option<collectives::OwnCollectives>,
+    /// ferrocomm's own MoE dispatch / combine kernels, where every rank is on this host.
+    moe: Option<moe::OwnMoe>,
     policy: Policy,
     /// Another rank of this process runs on this GPU: own kernels need a stream per rank.
     gpu_shared_in_process: bool,
@@ -82,6 +85,7 @@ pub(crate) fn create(init: &BackendInit) -> Result<Box<dyn Backend>> {
         },
         nccl,
         own: None,
+        moe: None,
         policy,
         gpu_shared_in_process: team.gpu_shared_in_process[init.rank],
     };
@@ -89,6 +93,14 @@ pub(crate) fn create(init: &BackendInit) -> Result<Box<dyn Backend>> {
         Ok(own) => Some(own),
         Err(Error::Unavailable { reason, .. }) => {
             tracing::debug!(%reason, "device backend without its own collective kernels");
+            None
+        }
+        Err(e) => return Err(e),
+    };
+    backend.moe = match moe::OwnMoe::create(&backend.me) {
+        Ok(moe) => Some(moe),
+        Err(Error::Unavailable { reason, .. }) => {
+            tracing::debug!(%reason, "device backend without its own MoE kernels");
             None
         }
         Err(e) => return Err(e),
@@ -141,6 +153,19 @@ impl Backend for DeviceBackend {
     fn run(&self, op: &mut Op<'_>, opts: &RunOptions) -> Result<()> {
         let name = op.name();
         route::check_hints(name, opts.hints)?;
+        // MoE dispatch / combine: the own kernels wherever they take the shape (the same
+        // decision for both halves on every rank: see moe.rs), on the host device or on device
+        // buffers; otherwise the paths below (CPU engine, staged copy).
+        if let Some(moe) = self.moe.as_ref().filter(|m| m.supports(op)) {
+            if self.me.gpu == crate::gpu::target::Gpu::Host {
+                return moe.run(&self.me, op, opts.stream, opts.timeout);
+            }
+            if matches!(op.location()?, Some(Location::Cuda(_))) {
+                crate::gpu::cuda::context(self.me.ordinal)?;
+                self.check_own_stream(name, opts.stream)?;
+                return moe.run(&self.me, op, opts.stream, opts.timeout);
+            }
+        }
         if self.me.gpu == crate::gpu::target::Gpu::Host {
             // Host memory is the host device's memory: its kernels run what they can, unless
             // the hints ask for one of the CPU engine's algorithms.

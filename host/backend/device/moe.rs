@@ -1,0 +1,611 @@
+//! The device backend's own MoE dispatch and combine (kernels/moe.cu) for ranks that reach
+//! each other's segments by loads and stores (every rank on one host), on device buffers and
+//! on the host device. The protocol is described at the top of kernels/moe.cu.
+//!
+//! Whether the kernels run an operation depends only on its shape and the world size, which
+//! every rank shares, so the send and receive halves of one dispatch or combine always take the
+//! same path (the kernels' staging or the CPU engine's pending rows): see [`OwnMoe::supports`].
+//! Elsewhere (ranks on several hosts, more ranks or a larger `topk` than the kernels take, a
+//! shape whose staging would not fit [`WINDOW_MAX`]) the backend keeps its other path.
+//!
+//! The window is made at the first call that needs it (collectively: every rank makes the same
+//! call with the same shape), sized for that shape; a later call with a larger shape makes a
+//! larger one. So the first call of a shape must not be captured into a CUDA graph; later ones
+//! may be (the kernels advance their own epochs). A source's staging holds local experts x
+//! capacity rows, so a dispatch never needs more: a source that sends more tokens to one rank
+//! has necessarily overflowed one of its experts (`Error::CapacityExceeded`, with exact counts;
+//! in that case the rows of that rank's other experts are unspecified too).
+//!
+//! Errors of the data (capacity exceeded, a bad expert id, a bad `src`, a missing row) are
+//! recorded by the kernels in a record of this module and reported as the CPU engine reports
+//! them: on the host device by the call itself, on a GPU by the next MoE call on the
+//! communicator (the kernels run asynchronously). The kernels finish their protocol even then,
+//! so the next call runs normally.
+
+use super::call_order::CallOrder;
+use super::rank::DeviceRank;
+use super::window::DeviceWindow;
+use crate::contracts::dtype::DType;
+use crate::contracts::error::{Error, Result};
+use crate::contracts::inference::{MoeCombine, MoeDispatch, MoeShape, FP8_BLOCK};
+use crate::contracts::ops::{Buf, BufMut, Op};
+use crate::contracts::window::WindowSpec;
+use crate::contracts::window_handle::{DeviceStatus, STATUS_MISMATCH, STATUS_OK};
+use crate::gpu::cuda;
+use crate::gpu::kernels::{self, Function, MoeArgs, Queue};
+use crate::gpu::memory::Pinned;
+use crate::gpu::target::{Gpu, Stream};
+use std::sync::Mutex;
+use std::time::Duration;
+
+/// kernels/moe.cu's MOE_BLOCKS, MOE_MAX_RANKS, MOE_MAX_TOPK, signal ids, counters and error ops.
+const MOE_BLOCKS: u32 = 8;
+const MAX_RANKS: usize = 16;
+const MAX_TOPK: usize = 32;
+const SIGNAL_IDS: usize = 2 + 2 * MOE_BLOCKS as usize;
+const COUNTERS: usize = 2 * MAX_RANKS + 2 * MOE_BLOCKS as usize;
+const OP_CAPACITY: u32 = 0x4d01;
+const OP_EXPERT: u32 = 0x4d02;
+const OP_SRC: u32 = 0x4d03;
+const OP_MISSING: u32 = 0x4d04;
+const OP_STEP: u32 = 0x4d05;
+
+/// The most bytes of one rank's MoE window; larger shapes keep the backend's other path.
+pub(crate) const WINDOW_MAX: usize = 1 << 30;
+
+/// The window ids of MoE windows count down from here (only their store namespace uses them).
+const WINDOW_ID: u64 = u64::MAX - (1 << 32);
+
+/// Where each op's staging lies in a segment: both sized for the largest record of the shape
+/// (4-byte elements), so the layout depends only on the shape and the world.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Layout {
+    /// Records per source slot: local experts x capacity.
+    rows: usize,
+    header: usize,
+    dispatch_slot: usize,
+    combine_slot: usize,
+    /// Where combine's region starts (dispatch's is at 0).
+    combine_region: usize,
+    bytes: usize,
+}
+
+fn align16(n: usize) -> Option<usize> {
+    n.checked_next_multiple_of(16)
+}
+
+impl Layout {
+    fn of(s: &MoeShape, world: usize) -> Option<Layout> {
+        let local = s.local_experts(world);
+        let rows = local.checked_mul(s.capacity)?;
+        let header = align16(16 + 4 * local)?;
+        let data = align16(s.hidden.checked_mul(4)?)?;
+        let dispatch_record = align16(4 + 4 * s.topk)?.checked_add(data)?;
+        let combine_record = 16 + data;
+        let dispatch_slot = rows.checked_mul(dispatch_record)?.checked_add(header)?;
+        let combine_slot = rows.checked_mul(combine_record)?.checked_add(header)?;
+        let combine_region = world.checked_mul(dispatch_slot)?;
+        let bytes = combine_region.checked_add(world.checked_mul(combine_slot)?)?;
+        Some(Layout {
+            rows,
+            header,
+            dispatch_slot,
+            combine_slot,
+            combine_region,
+            bytes,
+        })
+    }
+}
+
+/// The kernels' own path for MoE dispatch and combine of one rank.
+pub(crate) struct OwnMoe {
+    dispatch_send: Function,
+    dispatch_recv: Function,
+    combine_send: Function,
+    combine_recv: Function,
+    host_device: bool,
+    rank: usize,
+    size: usize,
+    state: Mutex<State>,
+}
+
+#[derive(Default)]
+struct State {
+    live: Option<Live>,
+    /// Windows made so far (each gets an id of its own).
+    made: u64,
+    /// The shape and dtype of a send half whose receive half has not run.
+    dispatch: Option<(MoeShape, DType)>,
+    combine: Option<(MoeShape, DType)>,
+}
+
+/// A window with its counters and error record.
+struct Live {
+    window: DeviceWindow,
+    counters: Pinned<u64>,
+    errors: Pinned<DeviceStatus>,
+    layout: Layout,
+    order: Option<CallOrder>,
+    timeout: Duration,
+}
+
+impl Drop for Live {
+    /// Kernels of the last calls may still run on the users' streams: the window must not be
+    /// unmapped under them (bounded by their own deadlines).
+    fn drop(&mut self) {
+        if let Some(order) = &self.order {
+            let _ = self.window.enter_gpu();
+            if let Err(e) = order.wait_last(self.timeout + Duration::from_secs(1)) {
+                tracing::warn!("MoE kernels still running when their window is released: {e}");
+            }
+        }
+    }
+}
+
+/// The kernels' code of a combine's element type.
+fn act_code(d: DType) -> Option<u64> {
+    match d {
+        DType::F32 => Some(0),
+        DType::F16 => Some(1),
+        DType::BF16 => Some(2),
+        _ => None,
+    }
+}
+
+impl OwnMoe {
+    /// Where every rank is on this host; `Unavailable` elsewhere.
+    pub(crate) fn create(b: &DeviceRank) -> Result<OwnMoe> {
+        if let Err(why) = &b.one_host {
+            return Err(Error::Unavailable {
+                backend: "device".into(),
+                reason: format!("own MoE kernels need every rank on one host: {why}"),
+            });
+        }
+        let f = |name: &str| b.gpu.function(name);
+        Ok(OwnMoe {
+            dispatch_send: f(kernels::MOE_DISPATCH_SEND.name)?,
+            dispatch_recv: f(kernels::MOE_DISPATCH_RECV.name)?,
+            combine_send: f(kernels::MOE_COMBINE_SEND.name)?,
+            combine_recv: f(kernels::MOE_COMBINE_RECV.name)?,
+            host_device: b.gpu == Gpu::Host,
+            rank: b.rank,
+            size: b.size,
+            state: Mutex::new(State::default()),
+        })
+    }
+
+    /// Whether the kernels run `op`: a MoE dispatch or combine of a shape they take. Depends
+    /// only on the shape and the world size, never on the buffers or the halves given, so both
+    /// halves of one operation go the same way on every rank.
+    pub(crate) fn supports(&self, op: &Op<'_>) -> bool {
+        let shape = match op {
+            Op::MoeDispatch(m) => m.shape,
+            Op::MoeCombine(m) => m.shape,
+            _ => return false,
+        };
+        Self::takes(&shape, self.size)
+    }
+
+    fn takes(s: &MoeShape, world: usize) -> bool {
+        world <= MAX_RANKS
+            && s.topk <= MAX_TOPK
+            && s.capacity <= i32::MAX as usize
+            && Layout::of(s, world).is_some_and(|l| l.bytes <= WINDOW_MAX)
+    }
+
+    /// Runs `op` (`supports(op)` holds) on `stream`: to completion on the host device,
+    /// enqueued on a GPU.
+    pub(crate) fn run(&self, b: &DeviceRank, op: &mut Op<'_>, stream: u64, timeout: Duration) -> Result<()> {
+        let name = op.name();
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        // Failures of an earlier call's kernels (on a GPU, they end after their call returned).
+        if let Some(live) = &st.live {
+            live.window.take_status(name, timeout)?;
+            self.take_errors(live, name)?;
+        }
+        let hd = self.host_device;
+        let (shape, plan) = match op {
+            Op::MoeDispatch(m) => (m.shape, self.plan_dispatch(&mut st, m, hd)?),
+            Op::MoeCombine(m) => (m.shape, self.plan_combine(&mut st, m, hd)?),
+            _ => return Err(Error::invalid(name, "not a MoE operation")),
+        };
+        let layout = Layout::of(&shape, self.size)
+            .filter(|l| l.bytes <= WINDOW_MAX)
+            .ok_or_else(|| Error::invalid(name, "the shape's staging does not fit the MoE window"))?;
+        self.ensure_window(b, &mut st, layout, timeout)?;
+        let live = st.live.as_ref().ok_or_else(|| Error::invalid(name, "no MoE window"))?;
+        let counters = live.counters.device_addr();
+        let launches: Vec<(&Function, &kernels::Kernel<_>, u32, MoeArgs)> = plan
+            .launches
+            .iter()
+            .map(|l| {
+                let mut a = l.args;
+                let (region, slot) = match l.step {
+                    Step::DispatchSend | Step::DispatchRecv => (0, layout.dispatch_slot),
+                    Step::CombineSend | Step::CombineRecv => (layout.combine_region, layout.combine_slot),
+                };
+                a.region = region as u64;
+                a.slot = slot as u64;
+                a.header = layout.header as u64;
+                a.rows = layout.rows as u64;
+                a.errors = live.errors.device_addr();
+                let (f, k, blocks) = match l.step {
+                    Step::DispatchSend => (&self.dispatch_send, &kernels::MOE_DISPATCH_SEND, self.size as u32),
+                    Step::DispatchRecv => (&self.dispatch_recv, &kernels::MOE_DISPATCH_RECV, MOE_BLOCKS),
+                    Step::CombineSend => (&self.combine_send, &kernels::MOE_COMBINE_SEND, self.size as u32),
+                    Step::CombineRecv => (&self.combine_recv, &kernels::MOE_COMBINE_RECV, MOE_BLOCKS),
+                };
+                (f, k, blocks, a)
+            })
+            .collect();
+        let (mut handle, window_stream) = live.window.handle_and_stream();
+        let result = match window_stream {
+            // Host buffers belong to the call: it returns once every launch has ended.
+            Stream::Host(_) => {
+                handle.timeout_ns = timeout.as_nanos().min(u64::MAX as u128) as u64;
+                let enqueued = launches.iter().try_for_each(|(f, k, blocks, a)| {
+                    k.launch(f, window_stream.queue(), *blocks, (handle, *a, counters))
+                });
+                let n = launches.len() as u32;
+                enqueued
+                    .and_then(|()| live.window.finish(name, (timeout + Duration::from_secs(1)) * n))
+                    .and_then(|()| self.take_errors(live, name))
+            }
+            Stream::Cuda(_) => {
+                let order = live
+                    .order
+                    .as_ref()
+                    .ok_or_else(|| Error::invalid(name, "no call order"))?;
+                order.run(stream, || {
+                    let q = Queue::Cuda(cuda::stream::raw(stream));
+                    launches
+                        .iter()
+                        .try_for_each(|(f, k, blocks, a)| k.launch(f, q, *blocks, (handle, *a, counters)))
+                })
+            }
+        };
+        // The halves ran (their protocol completes even when the data was wrong): a send half
+        // alone leaves its rows waiting for the receive half.
+        let pending = match op {
+            Op::MoeDispatch(_) => &mut st.dispatch,
+            _ => &mut st.combine,
+        };
+        *pending = plan.sent.filter(|_| !plan.received);
+        if plan.received {
+            *pending = None;
+        }
+        result
+    }
+
+    /// Makes (or grows) the window for `layout`: collective, every rank calls with the same shape.
+    fn ensure_window(&self, b: &DeviceRank, st: &mut State, layout: Layout, timeout: Duration) -> Result<()> {
+        if st.live.as_ref().is_some_and(|l| l.layout.bytes >= layout.bytes) {
+            if let Some(l) = st.live.as_mut() {
+                // The same bytes suffice; the offsets follow this shape.
+                l.layout = Layout {
+                    bytes: l.layout.bytes,
+                    ..layout
+                };
+            }
+            return Ok(());
+        }
+        if st.dispatch.is_some() || st.combine.is_some() {
+            return Err(Error::invalid(
+                "moe",
+                "a larger MoE shape while a send half waits for its receive half",
+            ));
+        }
+        st.live = None;
+        let spec = WindowSpec {
+            id: WINDOW_ID - st.made,
+            bytes: layout.bytes,
+            signals: SIGNAL_IDS,
+            registered: None,
+            timeout,
+        };
+        st.made += 1;
+        let window = DeviceWindow::create(b, &spec)?;
+        st.live = Some(Live {
+            counters: b.gpu.records(COUNTERS)?,
+            errors: b.gpu.records(1)?,
+            window,
+            layout,
+            order: (b.gpu != Gpu::Host).then(CallOrder::new).transpose()?,
+            timeout,
+        });
+        Ok(())
+    }
+
+    /// Reports (and clears) the first data error the kernels recorded, as the CPU engine words it.
+    fn take_errors(&self, live: &Live, op: &'static str) -> Result<()> {
+        let s = live.errors.read(0);
+        if s.code == STATUS_OK {
+            return Ok(());
+        }
+        live.errors.write(0, DeviceStatus::default());
+        // Which call's shape the record belongs to is not kept: say what the record says.
+        Err(match (s.code, s.op) {
+            (STATUS_MISMATCH, _) | (_, OP_STEP) => Error::Mismatch {
+                op,
+                peer: usize::try_from(s.peer).unwrap_or(usize::MAX),
+                detail: format!(
+                    "its MoE staging holds epoch {} where this rank expected {}: the ranks' calls are out of step",
+                    s.observed, s.expected
+                ),
+            },
+            (_, OP_CAPACITY) => {
+                let el = s.peer.max(0) as usize;
+                Error::CapacityExceeded {
+                    op,
+                    what: format!("local expert {el} of rank {}", self.rank),
+                    count: s.observed as usize,
+                    capacity: s.expected as usize,
+                }
+            }
+            (_, OP_EXPERT) => Error::invalid(
+                op,
+                format!(
+                    "topk_idx[{}] = {} is not an expert id or -1",
+                    s.expected, s.observed as i64
+                ),
+            ),
+            (_, OP_SRC) if s.expected == u64::MAX => Error::invalid(
+                op,
+                format!("counts[{}] = {} is negative", s.peer, s.observed as u32 as i32),
+            ),
+            (_, OP_SRC) => Error::invalid(
+                op,
+                format!(
+                    "src[{}, {}] = (rank {}, k {}) is not a dispatched row's source",
+                    s.peer,
+                    s.expected,
+                    (s.observed >> 32) as u32 as i32,
+                    s.observed as u32 as i32
+                ),
+            ),
+            (_, OP_MISSING) => Error::invalid(
+                op,
+                format!(
+                    "no row came back for token {}, k = {} (from rank {}): its dispatch exceeded that \
+                     expert's capacity, or the expert rank's counts were cut",
+                    s.expected, s.observed, s.peer
+                ),
+            ),
+            (code, other) => Error::invalid(op, format!("MoE kernel error {code} (op {other:#x})")),
+        })
+    }
+
+    fn plan_dispatch(&self, st: &mut State, m: &mut MoeDispatch<'_>, hd: bool) -> Result<Plan> {
+        const OP: &str = "moe_dispatch";
+        let s = m.shape;
+        let local = s.local_experts(self.size);
+        let mut plan = Plan::default();
+        let common = |d: DType| MoeArgs {
+            hidden: s.hidden as u64,
+            topk: s.topk as u64,
+            experts: s.experts as u64,
+            local: local as u64,
+            capacity: s.capacity as u64,
+            row_bytes: (s.hidden * d.size()) as u64,
+            scale_bytes: if d == DType::F8E4M3 {
+                4 * (s.hidden / FP8_BLOCK) as u64
+            } else {
+                0
+            },
+            ..Default::default()
+        };
+        let record = |a: &MoeArgs| -> u64 {
+            let ids = (4 + 4 * s.topk as u64).next_multiple_of(16);
+            ids + a.row_bytes.next_multiple_of(16) + a.scale_bytes.next_multiple_of(16)
+        };
+        if let Some(send) = &m.send {
+            if st.dispatch.is_some() {
+                return Err(Error::invalid(
+                    OP,
+                    "the receive half of the previous dispatch has not run: send halves cannot overlap",
+                ));
+            }
+            let d = send.tokens.dtype();
+            let mut a = common(d);
+            a.tokens = addr(&send.tokens, hd)?;
+            a.scales = send.scales.as_ref().map(|b| addr(b, hd)).transpose()?.unwrap_or(0);
+            a.idx = addr(&send.topk_idx, hd)?;
+            a.idx64 = (send.topk_idx.dtype() == DType::I64).into();
+            a.n_tokens = send.tokens_count(s.hidden) as u64;
+            a.record = record(&a);
+            plan.launches.push(Launch {
+                step: Step::DispatchSend,
+                args: a,
+            });
+            plan.sent = Some((s, d));
+        }
+        if let Some(recv) = &mut m.recv {
+            let d = recv.tokens.dtype();
+            if m.send.is_none() {
+                match st.dispatch {
+                    None => return Err(Error::invalid(OP, "a receive half without a send half before it")),
+                    Some((ss, sd)) if ss != s || sd != d => {
+                        return Err(Error::invalid(
+                            OP,
+                            format!("the receive half ({s:?}, {d}) does not match its send half ({ss:?}, {sd})"),
+                        ))
+                    }
+                    _ => {}
+                }
+            }
+            let mut a = common(d);
+            a.tokens = addr_mut(&mut recv.tokens, hd)?;
+            a.scales = recv.scales.as_mut().map(|b| addr_mut(b, hd)).transpose()?.unwrap_or(0);
+            a.counts = addr_mut(&mut recv.counts, hd)?;
+            a.src = addr_mut(&mut recv.src, hd)?;
+            a.record = record(&a);
+            plan.launches.push(Launch {
+                step: Step::DispatchRecv,
+                args: a,
+            });
+            plan.received = true;
+        }
+        Ok(plan)
+    }
+
+    fn plan_combine(&self, st: &mut State, m: &mut MoeCombine<'_>, hd: bool) -> Result<Plan> {
+        const OP: &str = "moe_combine";
+        let s = m.shape;
+        let local = s.local_experts(self.size);
+        let mut plan = Plan::default();
+        let common = |d: DType| -> Result<MoeArgs> {
+            let row_bytes = (s.hidden * d.size()) as u64;
+            Ok(MoeArgs {
+                hidden: s.hidden as u64,
+                topk: s.topk as u64,
+                experts: s.experts as u64,
+                local: local as u64,
+                capacity: s.capacity as u64,
+                row_bytes,
+                dtype: act_code(d).ok_or_else(|| Error::invalid(OP, format!("rows of {d}")))?,
+                record: 16 + row_bytes.next_multiple_of(16),
+                ..Default::default()
+            })
+        };
+        if let Some(send) = &m.send {
+            if st.combine.is_some() {
+                return Err(Error::invalid(
+                    OP,
+                    "the receive half of the previous combine has not run: send halves cannot overlap",
+                ));
+            }
+            let d = send.expert_out.dtype();
+            let mut a = common(d)?;
+            a.tokens = addr(&send.expert_out, hd)?;
+            a.src = addr(&send.src, hd)?;
+            a.counts = addr(&send.counts, hd)?;
+            plan.launches.push(Launch {
+                step: Step::CombineSend,
+                args: a,
+            });
+            plan.sent = Some((s, d));
+        }
+        if let Some(recv) = &mut m.recv {
+            let d = recv.out.dtype();
+            if m.send.is_none() {
+                match st.combine {
+                    None => return Err(Error::invalid(OP, "a receive half without a send half before it")),
+                    Some((ss, sd)) if ss != s || sd != d => {
+                        return Err(Error::invalid(
+                            OP,
+                            format!("the receive half ({s:?}, {d}) does not match its send half ({ss:?}, {sd})"),
+                        ))
+                    }
+                    _ => {}
+                }
+            }
+            let mut a = common(d)?;
+            a.idx = addr(&recv.topk_idx, hd)?;
+            a.idx64 = (recv.topk_idx.dtype() == DType::I64).into();
+            a.weights = addr(&recv.topk_weights, hd)?;
+            a.out = addr_mut(&mut recv.out, hd)?;
+            a.n_tokens = (recv.out.count() / s.hidden) as u64;
+            plan.launches.push(Launch {
+                step: Step::CombineRecv,
+                args: a,
+            });
+            plan.received = true;
+        }
+        Ok(plan)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Step {
+    DispatchSend,
+    DispatchRecv,
+    CombineSend,
+    CombineRecv,
+}
+
+struct Launch {
+    step: Step,
+    /// Without the layout's fields (filled in once the window is there).
+    args: MoeArgs,
+}
+
+#[derive(Default)]
+struct Plan {
+    launches: Vec<Launch>,
+    /// The send half's shape and dtype.
+    sent: Option<(MoeShape, DType)>,
+    /// The receive half runs.
+    received: bool,
+}
+
+/// The address kernels use for a buffer: its device memory, or on the host device its host
+/// memory.
+fn addr(b: &Buf<'_>, host_device: bool) -> Result<u64> {
+    match b.device_bytes() {
+        Some(d) => Ok(d.ptr),
+        None if host_device => Ok(b.host_bytes().as_ptr() as u64),
+        None => Err(mixed()),
+    }
+}
+
+fn addr_mut(b: &mut BufMut<'_>, host_device: bool) -> Result<u64> {
+    match b.device_bytes() {
+        Some(d) => Ok(d.ptr),
+        None if host_device => Ok(b.host_bytes_mut().as_mut_ptr() as u64),
+        None => Err(mixed()),
+    }
+}
+
+fn mixed() -> Error {
+    Error::invalid("moe", "a host buffer among device buffers")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_layout_depends_on_the_shape_and_the_world_only_and_bounds_the_window() {
+        let s = MoeShape {
+            experts: 8,
+            topk: 2,
+            hidden: 128,
+            capacity: 4,
+        };
+        let l = Layout::of(&s, 2).unwrap();
+        assert_eq!(l.rows, 16);
+        assert_eq!(l.header, 32);
+        assert_eq!(l.dispatch_slot, 32 + 16 * (16 + 512));
+        assert_eq!(l.combine_slot, 32 + 16 * (16 + 512));
+        assert_eq!(l.combine_region, 2 * l.dispatch_slot);
+        assert_eq!(l.bytes, 2 * (l.dispatch_slot + l.combine_slot));
+        assert!(OwnMoe::takes(&s, 2));
+        assert!(
+            !OwnMoe::takes(
+                &MoeShape {
+                    topk: 33,
+                    experts: 64,
+                    ..s
+                },
+                2
+            ),
+            "topk beyond the kernels'"
+        );
+        assert!(!OwnMoe::takes(&s, 17), "more ranks than the kernels take");
+        let huge = MoeShape {
+            experts: 1024,
+            topk: 8,
+            hidden: 1 << 16,
+            capacity: 1 << 16,
+        };
+        assert!(!OwnMoe::takes(&huge, 8), "staging beyond WINDOW_MAX");
+        assert!(Layout::of(
+            &MoeShape {
+                capacity: usize::MAX,
+                ..s
+            },
+            2
+        )
+        .is_none());
+    }
+}

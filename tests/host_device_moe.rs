@@ -1,0 +1,500 @@
+//! The device backend's own MoE dispatch and combine kernels (kernels/moe.cu) on the host
+//! device: against a reference computed here (f64 for combine), against the CPU backend on the
+//! same inputs (bitwise), and bit-identical across runs. Needs the `host-kernels` feature.
+
+#![cfg(feature = "host-kernels")]
+
+mod common;
+use common::*;
+use ferrocomm::{bf16, Combine, Dispatch, Error, MoeShape, F8E4M3};
+
+fn opts() -> CommOptions {
+    options(Duration::from_secs(30))
+}
+
+/// A token element: random values, a poison, its bits and its value.
+trait Tok: Element + Copy + Send + Sync + std::fmt::Debug {
+    fn random(r: &mut StdRng) -> Self;
+    fn poison() -> Self;
+    fn bits(self) -> u64;
+}
+
+impl Tok for f32 {
+    fn random(r: &mut StdRng) -> Self {
+        r.gen_range(-2.0..2.0)
+    }
+    fn poison() -> Self {
+        f32::from_bits(0x7fc0_dead)
+    }
+    fn bits(self) -> u64 {
+        self.to_bits() as u64
+    }
+}
+
+impl Tok for bf16 {
+    fn random(r: &mut StdRng) -> Self {
+        bf16::from_f32(r.gen_range(-2.0..2.0))
+    }
+    fn poison() -> Self {
+        bf16::from_bits(0x7fcd)
+    }
+    fn bits(self) -> u64 {
+        self.to_bits() as u64
+    }
+}
+
+impl Tok for F8E4M3 {
+    fn random(r: &mut StdRng) -> Self {
+        F8E4M3::from_bits(r.gen_range(0u8..0x7e) | if r.gen() { 0x80 } else { 0 })
+    }
+    fn poison() -> Self {
+        F8E4M3::from_bits(0x7f)
+    }
+    fn bits(self) -> u64 {
+        self.to_bits() as u64
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Routing {
+    /// K distinct random experts per token, some slots -1.
+    Random,
+    /// Every token's first slot to this expert, the others -1: one expert gets everything,
+    /// every other expert nothing.
+    AllTo(usize),
+}
+
+#[derive(Clone, Debug)]
+struct Case {
+    world: usize,
+    shape: MoeShape,
+    /// Tokens per rank.
+    tokens: Vec<usize>,
+    routing: Routing,
+    idx64: bool,
+}
+
+/// Every rank's inputs (each rank computes all of them from the seed, for the reference).
+struct Inputs<T> {
+    tokens: Vec<T>,
+    scales: Vec<f32>,
+    idx: Vec<i64>,
+    weights: Vec<f32>,
+}
+
+fn inputs<T: Tok>(seed: u64, c: &Case, rank: usize) -> Inputs<T> {
+    let mut r = rng(seed, rank as u64 + 1);
+    let (t, s) = (c.tokens[rank], c.shape);
+    let tokens = (0..t * s.hidden).map(|_| T::random(&mut r)).collect();
+    let scales = (0..t * (s.hidden / 128)).map(|_| r.gen_range(0.01f32..4.0)).collect();
+    let mut idx = vec![-1i64; t * s.topk];
+    for tok in 0..t {
+        match c.routing {
+            Routing::Random => {
+                let mut picked: Vec<i64> = Vec::new();
+                while picked.len() < s.topk {
+                    let x = r.gen_range(0..s.experts) as i64;
+                    if !picked.contains(&x) {
+                        picked.push(x);
+                    }
+                }
+                for (k, x) in picked.into_iter().enumerate() {
+                    // Some slots skipped (never all of a token's).
+                    idx[tok * s.topk + k] = if k > 0 && r.gen_ratio(1, 5) { -1 } else { x };
+                }
+            }
+            Routing::AllTo(x) => idx[tok * s.topk] = x as i64,
+        }
+    }
+    let weights = (0..t * s.topk).map(|_| r.gen_range(-1.0f32..1.0)).collect();
+    Inputs {
+        tokens,
+        scales,
+        idx,
+        weights,
+    }
+}
+
+/// The reference dispatch to `rank`: per local expert, the (source, token, k) of its rows.
+fn reference(all_idx: &[Vec<i64>], c: &Case, rank: usize) -> Vec<Vec<(usize, usize, usize)>> {
+    let local = c.shape.experts / c.world;
+    let mut rows = vec![Vec::new(); local];
+    for (p, idx) in all_idx.iter().enumerate() {
+        for (q, &x) in idx.iter().enumerate() {
+            if x >= 0 && x as usize / local == rank {
+                rows[x as usize % local].push((p, q / c.shape.topk, q % c.shape.topk));
+            }
+        }
+    }
+    rows
+}
+
+/// One rank's results of a dispatch then a combine (outputs poisoned first).
+#[derive(Clone, Debug, PartialEq)]
+struct Out {
+    dispatch: std::result::Result<(), String>,
+    tokens: Vec<u64>,
+    scales: Vec<u32>,
+    counts: Vec<i32>,
+    src: Vec<i32>,
+    combine: Option<std::result::Result<(), String>>,
+    out: Vec<u32>,
+}
+
+/// An error's kind (the variant's name): the CPU engine words its messages differently.
+fn kind(r: &std::result::Result<(), String>) -> std::result::Result<(), String> {
+    r.clone()
+        .map_err(|e| e.chars().take_while(|c| c.is_alphanumeric()).collect())
+}
+
+/// Runs a dispatch (both halves at once, or send then receive) and, if `combine`, a combine of
+/// expert outputs made from `seed` back (bf16 rows), on one rank.
+fn run_rank<T: Tok>(comm: &Comm, seed: u64, c: &Case, separate: bool, combine: bool) -> Out {
+    let rank = comm.rank();
+    let s = c.shape;
+    let local = s.experts / c.world;
+    let rows = local * s.capacity;
+    let fp8 = T::DTYPE == DType::F8E4M3;
+    let inp = inputs::<T>(seed, c, rank);
+    let idx32: Vec<i32> = inp.idx.iter().map(|&x| x as i32).collect();
+    let mut rt = vec![T::poison(); rows * s.hidden];
+    let mut rsc = vec![f32::from_bits(0x7fc0_beef); rows * (s.hidden / 128)];
+    let mut counts = vec![-7i32; local];
+    let mut src = vec![-9i32; rows * 3];
+    let send = || {
+        let d = if c.idx64 {
+            Dispatch::send(&inp.tokens, &inp.idx)
+        } else {
+            Dispatch::send(&inp.tokens, &idx32)
+        };
+        if fp8 {
+            d.scales(&inp.scales)
+        } else {
+            d
+        }
+    };
+    let dispatch = if separate {
+        comm.moe_dispatch(s, send())
+            .map_err(|e| format!("{e:?}"))
+            .and_then(|()| {
+                let d = Dispatch::recv_only().recv(&mut rt, &mut counts, &mut src);
+                let d = if fp8 { d.recv_scales(&mut rsc) } else { d };
+                comm.moe_dispatch(s, d).map_err(|e| format!("{e:?}"))
+            })
+    } else {
+        let d = send().recv(&mut rt, &mut counts, &mut src);
+        let d = if fp8 { d.recv_scales(&mut rsc) } else { d };
+        comm.moe_dispatch(s, d).map_err(|e| format!("{e:?}"))
+    };
+    let mut out = vec![bf16::from_bits(0x7fcd); c.tokens[rank] * s.hidden];
+    let combined = combine.then(|| {
+        let mut r = rng(seed, 1000 + rank as u64);
+        let expert_out: Vec<bf16> = (0..rows * s.hidden)
+            .map(|_| bf16::from_f32(r.gen_range(-2.0..2.0)))
+            .collect();
+        let recv = |out: &mut Vec<bf16>| {
+            if c.idx64 {
+                comm.moe_combine(s, Combine::recv_only().recv(&inp.idx, &inp.weights, out))
+            } else {
+                comm.moe_combine(s, Combine::recv_only().recv(&idx32, &inp.weights, out))
+            }
+        };
+        let r = if separate {
+            comm.moe_combine(s, Combine::send(&expert_out, &src, &counts))
+                .and_then(|()| recv(&mut out))
+        } else if c.idx64 {
+            comm.moe_combine(
+                s,
+                Combine::send(&expert_out, &src, &counts).recv(&inp.idx, &inp.weights, &mut out),
+            )
+        } else {
+            comm.moe_combine(
+                s,
+                Combine::send(&expert_out, &src, &counts).recv(&idx32, &inp.weights, &mut out),
+            )
+        };
+        r.map_err(|e| format!("{e:?}"))
+    });
+    Out {
+        dispatch,
+        tokens: rt.iter().map(|t| t.bits()).collect(),
+        scales: rsc.iter().map(|x| x.to_bits()).collect(),
+        counts,
+        src,
+        combine: combined,
+        out: out.iter().map(|x| x.to_bits() as u32).collect(),
+    }
+}
+
+/// Checks one rank's dispatch against the reference, and its combine against f64.
+fn check<T: Tok>(seed: u64, c: &Case, rank: usize, got: &Out) {
+    let s = c.shape;
+    let local = s.experts / c.world;
+    let all: Vec<Inputs<T>> = (0..c.world).map(|r| inputs::<T>(seed, c, r)).collect();
+    let all_idx: Vec<Vec<i64>> = all.iter().map(|i| i.idx.clone()).collect();
+    let want = reference(&all_idx, c, rank);
+    let nb = s.hidden / 128;
+    let over = want.iter().any(|w| w.len() > s.capacity);
+    match (&got.dispatch, over) {
+        (Ok(()), false) => {}
+        (Err(e), true) => assert!(e.contains("CapacityExceeded"), "rank {rank}: {e}"),
+        (r, _) => panic!("rank {rank}: dispatch {r:?}, overflow expected: {over} ({c:?})"),
+    }
+    for (e, rows) in want.iter().enumerate() {
+        assert_eq!(got.counts[e] as usize, rows.len(), "rank {rank} counts[{e}] ({c:?})");
+        for i in 0..s.capacity {
+            let slot = e * s.capacity + i;
+            let row = &got.tokens[slot * s.hidden..(slot + 1) * s.hidden];
+            match rows.get(i) {
+                Some(&(p, t, k)) => {
+                    assert_eq!(
+                        &got.src[slot * 3..slot * 3 + 3],
+                        &[p as i32, t as i32, k as i32],
+                        "rank {rank} src[{e},{i}]"
+                    );
+                    let want_row: Vec<u64> = all[p].tokens[t * s.hidden..(t + 1) * s.hidden]
+                        .iter()
+                        .map(|x| x.bits())
+                        .collect();
+                    assert_eq!(row, &want_row[..], "rank {rank} row [{e},{i}] = token {t} of rank {p}");
+                    if T::DTYPE == DType::F8E4M3 {
+                        let ws: Vec<u32> = all[p].scales[t * nb..(t + 1) * nb]
+                            .iter()
+                            .map(|x| x.to_bits())
+                            .collect();
+                        assert_eq!(
+                            &got.scales[slot * nb..(slot + 1) * nb],
+                            &ws[..],
+                            "rank {rank} scales [{e},{i}]"
+                        );
+                    }
+                }
+                None => {
+                    assert!(
+                        row.iter().all(|&b| b == T::poison().bits()),
+                        "rank {rank}: row [{e},{i}] past the count was written"
+                    );
+                    assert_eq!(&got.src[slot * 3..slot * 3 + 3], &[-9, -9, -9]);
+                }
+            }
+        }
+    }
+    // Combine: every rank's expert outputs, as run_rank made them.
+    let Some(comb) = &got.combine else { return };
+    if over {
+        // Some token of some rank lost a row: that rank must say so; checked by the caller.
+        return;
+    }
+    comb.as_ref().unwrap_or_else(|e| panic!("rank {rank}: combine {e}"));
+    let rows = local * s.capacity;
+    let expert_out: Vec<Vec<bf16>> = (0..c.world)
+        .map(|q| {
+            let mut r = rng(seed, 1000 + q as u64);
+            (0..rows * s.hidden)
+                .map(|_| bf16::from_f32(r.gen_range(-2.0..2.0)))
+                .collect()
+        })
+        .collect();
+    // Where (rank, token, k) landed: (owner, expert, row).
+    let mut at = std::collections::HashMap::new();
+    for q in 0..c.world {
+        for (e, list) in reference(&all_idx, c, q).iter().enumerate() {
+            for (i, &(p, t, k)) in list.iter().enumerate() {
+                at.insert((p, t, k), (q, e, i));
+            }
+        }
+    }
+    let me = &all[rank];
+    for t in 0..c.tokens[rank] {
+        for j in 0..s.hidden {
+            let (mut sum, mut mag) = (0f64, 0f64);
+            for k in 0..s.topk {
+                if me.idx[t * s.topk + k] < 0 {
+                    continue;
+                }
+                let (q, e, i) = at[&(rank, t, k)];
+                let v = expert_out[q][(e * s.capacity + i) * s.hidden + j].to_f64() * me.weights[t * s.topk + k] as f64;
+                sum += v;
+                mag += v.abs();
+            }
+            let g = bf16::from_bits(got.out[t * s.hidden + j] as u16).to_f64();
+            assert!(
+                (g - sum).abs() <= 1e-2 * mag.max(sum.abs()) + 1e-6,
+                "rank {rank} out[{t},{j}] = {g}, want {sum} (|terms| {mag})"
+            );
+        }
+    }
+}
+
+fn run_case<T: Tok>(c: &Case, separate: bool, combine: bool) {
+    let seed = fresh_seed();
+    let name = format!("moe-{}-{}-{}", c.world, T::DTYPE, rand::random::<u32>());
+    let dev = run_group_on_device("device", Device::Host(0), c.world, &name, opts(), |comm| {
+        let a = run_rank::<T>(comm, seed, c, separate, combine);
+        let b = run_rank::<T>(comm, seed, c, !separate, combine);
+        (a, b)
+    });
+    let cpu = run_group_on_device("cpu", Device::Cpu, c.world, &format!("{name}-cpu"), opts(), |comm| {
+        run_rank::<T>(comm, seed, c, separate, combine)
+    });
+    for (rank, ((a, b), cpu)) in dev.iter().zip(&cpu).enumerate() {
+        check::<T>(seed, c, rank, a);
+        assert_eq!(a, b, "rank {rank}: two runs (halves apart and together) differ");
+        // The CPU engine's messages differ in wording; the data must not.
+        let strip = |o: &Out| Out {
+            dispatch: kind(&o.dispatch),
+            combine: o.combine.as_ref().map(kind),
+            ..o.clone()
+        };
+        assert_eq!(
+            strip(a),
+            strip(cpu),
+            "rank {rank}: the device kernels and the CPU engine differ"
+        );
+    }
+}
+
+fn shape(experts: usize, topk: usize, hidden: usize, capacity: usize) -> MoeShape {
+    MoeShape {
+        experts,
+        topk,
+        hidden,
+        capacity,
+    }
+}
+
+#[test]
+fn dispatch_and_combine_match_the_reference_and_the_cpu_engine() {
+    for world in [1, 2, 4] {
+        for (topk, experts) in [(1, 4 * world), (8, 16.max(2 * world))] {
+            let c = Case {
+                world,
+                shape: shape(experts, topk, 256, 64),
+                tokens: (0..world).map(|r| 5 + 3 * r).collect(),
+                routing: Routing::Random,
+                idx64: topk == 8,
+            };
+            run_case::<bf16>(&c, false, true);
+        }
+    }
+}
+
+#[test]
+fn fp8_tokens_travel_with_their_scales() {
+    for world in [1, 2, 4] {
+        let c = Case {
+            world,
+            shape: shape(8 * world, 4, 384, 48),
+            tokens: (0..world).map(|r| 9 + r).collect(),
+            routing: Routing::Random,
+            idx64: false,
+        };
+        run_case::<F8E4M3>(&c, true, true);
+    }
+}
+
+#[test]
+fn f32_tokens_and_odd_rows() {
+    // 100 f32: rows of 400 bytes (16-byte copies); combine in bf16 with hidden 100.
+    for world in [2, 4] {
+        let c = Case {
+            world,
+            shape: shape(2 * world, 2, 100, 40),
+            tokens: (0..world).map(|r| 7 + 2 * r).collect(),
+            routing: Routing::Random,
+            idx64: true,
+        };
+        run_case::<f32>(&c, false, true);
+    }
+}
+
+#[test]
+fn skewed_routing_one_expert_gets_everything() {
+    for world in [1, 2, 4] {
+        let c = Case {
+            world,
+            shape: shape(4 * world, 2, 128, 8 * world),
+            tokens: vec![8; world],
+            routing: Routing::AllTo(world.min(3)),
+            idx64: false,
+        };
+        run_case::<bf16>(&c, true, true);
+    }
+}
+
+#[test]
+fn capacity_overflow_is_an_error_with_exact_counts_and_the_window_stays_usable() {
+    for world in [1, 2, 4] {
+        // 6 tokens per rank to one expert of capacity 5: that rank overflows.
+        let c = Case {
+            world,
+            shape: shape(2 * world, 2, 128, 5),
+            tokens: vec![6; world],
+            routing: Routing::AllTo(2 * world - 1),
+            idx64: false,
+        };
+        run_case::<bf16>(&c, false, false);
+        // Combine after an overflow: the owner of the tokens with a missing row says so.
+        let seed = fresh_seed();
+        let res = run_group_on_device(
+            "device",
+            Device::Host(0),
+            world,
+            &format!("moe-over-{world}"),
+            opts(),
+            |comm| {
+                let first = run_rank::<bf16>(comm, seed, &c, false, true);
+                // The next call on the same communicator works.
+                let ok = Case {
+                    routing: Routing::Random,
+                    shape: shape(2 * world, 2, 128, 64),
+                    ..c.clone()
+                };
+                let second = run_rank::<bf16>(comm, seed, &ok, false, true);
+                (first, second, ok)
+            },
+        );
+        for (rank, (first, second, ok)) in res.iter().enumerate() {
+            let comb = first.combine.as_ref().unwrap();
+            assert!(
+                comb.as_ref().is_err_and(|e| e.contains("no row came back")),
+                "rank {rank}: combine after an overflow: {comb:?}"
+            );
+            check::<bf16>(seed, ok, rank, second);
+        }
+    }
+}
+
+#[test]
+fn eight_ranks() {
+    let c = Case {
+        world: 8,
+        shape: shape(16, 8, 128, 32),
+        tokens: (0..8).map(|r| 3 + r).collect(),
+        routing: Routing::Random,
+        idx64: false,
+    };
+    run_case::<bf16>(&c, true, true);
+}
+
+#[test]
+fn halves_out_of_order_are_refused() {
+    let res = run_group_on_device("device", Device::Host(0), 2, "moe-order", opts(), |comm| {
+        let s = shape(4, 1, 128, 8);
+        let (mut rt, mut counts, mut src) = (vec![bf16::ZERO; 2 * 8 * 128], vec![0i32; 2], vec![0i32; 2 * 8 * 3]);
+        let recv_first = comm
+            .moe_dispatch(s, Dispatch::recv_only().recv(&mut rt, &mut counts, &mut src))
+            .unwrap_err();
+        let tokens = vec![bf16::ONE; 3 * 128];
+        let idx = vec![0i32, 1, 2];
+        comm.moe_dispatch(s, Dispatch::send(&tokens, &idx)).unwrap();
+        let twice = comm.moe_dispatch(s, Dispatch::send(&tokens, &idx)).unwrap_err();
+        comm.moe_dispatch(s, Dispatch::recv_only().recv(&mut rt, &mut counts, &mut src))
+            .unwrap();
+        (recv_first, twice)
+    });
+    for (a, b) in res {
+        assert!(matches!(a, Error::InvalidArgument { .. }), "{a}");
+        assert!(b.to_string().contains("cannot overlap"), "{b}");
+    }
+}
