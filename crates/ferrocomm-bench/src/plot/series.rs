@@ -169,8 +169,10 @@ mod tests {
                     algbw: 0.0,
                     busbw: bytes as f64 / time_us / 1e3,
                     wrong: 0,
+                    ..Row::default()
                 })
                 .collect(),
+            params: None,
         }
     }
 
