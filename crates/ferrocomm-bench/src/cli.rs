@@ -488,6 +488,37 @@ mod tests {
     }
 
     #[test]
+    fn the_inference_ops_have_their_defaults() {
+        let parse = |argv: &[&str]| Cli::try_parse_from(std::iter::once("ferrocomm-bench").chain(argv.iter().copied()));
+        match parse(&["moe"]).unwrap().command {
+            Command::Moe(m) => {
+                let o = m.opts;
+                assert_eq!(
+                    (o.tokens, o.hidden, o.topk, o.experts, o.capacity, o.fp8),
+                    (vec![128], 7168, 8, 256, None, false)
+                );
+            }
+            other => panic!("parsed as {other:?}"),
+        }
+        match parse(&["rmsnorm", "--tokens", "1,8", "--fp8", "-d", "bf16"])
+            .unwrap()
+            .command
+        {
+            Command::Rmsnorm(r) => {
+                assert_eq!((r.opts.hidden, r.opts.tokens, r.opts.fp8), (4096, vec![1, 8], true));
+                assert_eq!(r.common.dtype, DType::Bf16);
+            }
+            other => panic!("parsed as {other:?}"),
+        }
+        assert!(parse(&["moe", "--tokens", "0"]).is_err());
+        assert!(parse(&["rmsnorm", "--hidden", "0"]).is_err());
+        assert!(
+            parse(&["all_reduce", "--hidden", "8"]).is_err(),
+            "only the inference ops take --hidden"
+        );
+    }
+
+    #[test]
     fn malformed_values_are_refused() {
         for bad in [
             &["all_reduce", "-b", "1x"][..],
