@@ -37,6 +37,13 @@ pub enum Command {
     AllToAll(Args),
     /// A ring: each rank sends to the right and receives from the left.
     SendRecv(Args),
+    /// all_reduce + residual add + RMSNorm fused in one call, against the same steps unfused
+    /// (all_reduce into a copy of x, then the bench's own residual + norm pass), side by side
+    /// (size: bytes of x per rank, whole token rows of `--hidden`; or `--tokens`).
+    Rmsnorm(RmsNormArgs),
+    /// MoE dispatch + combine (DeepEP's shape by default: 128 tokens per rank, hidden 7168,
+    /// top-8 of 256 experts), random routing, identity experts; times of each half.
+    Moe(MoeArgs),
     /// Window put + signal to the right neighbour, then wait for the left one's.
     Put(Args),
     /// Window get from the right neighbour.
@@ -151,6 +158,79 @@ pub struct Args {
     /// Draw the rows as `plot` does (PNG or SVG, by the file's extension).
     #[arg(long, value_name = "FILE")]
     pub plot: Option<PathBuf>,
+    /// The flags of `rmsnorm` and `moe`, from their subcommands.
+    #[arg(skip)]
+    pub inference: Option<Inference>,
+}
+
+/// `rmsnorm`'s flags: the common ones and its own.
+#[derive(clap::Args, Clone, Debug)]
+pub struct RmsNormArgs {
+    #[command(flatten)]
+    pub common: Args,
+    #[command(flatten)]
+    pub opts: RmsNormOpts,
+}
+
+/// What `rmsnorm` adds to the common flags.
+#[derive(clap::Args, Clone, Debug, PartialEq)]
+pub struct RmsNormOpts {
+    /// Elements per token row (gamma's length).
+    #[arg(long, value_name = "N", default_value_t = 4096, value_parser = at_least::<1>)]
+    pub hidden: usize,
+    /// Token counts to run (comma-separated) instead of the -b/-e/-f byte sweep.
+    #[arg(long, value_name = "N,...", value_delimiter = ',', value_parser = at_least::<1>)]
+    pub tokens: Vec<usize>,
+    /// Quantise the output to fp8 e4m3 with a scale per token (RESIDUAL_RMS_NORM_QUANT_FP8).
+    #[arg(long)]
+    pub fp8: bool,
+    /// The norm's epsilon.
+    #[arg(long, value_name = "EPS", default_value_t = 1e-6)]
+    pub eps: f32,
+}
+
+/// `moe`'s flags: the common ones and its own.
+#[derive(clap::Args, Clone, Debug)]
+pub struct MoeArgs {
+    #[command(flatten)]
+    pub common: Args,
+    #[command(flatten)]
+    pub opts: MoeOpts,
+}
+
+/// What `moe` adds to the common flags (-b/-e/-f do not apply: a row per `--tokens` value).
+#[derive(clap::Args, Clone, Debug, PartialEq)]
+pub struct MoeOpts {
+    /// Tokens per rank (comma-separated: a row each).
+    #[arg(long, value_name = "N,...", value_delimiter = ',', default_value = "128", value_parser = at_least::<1>)]
+    pub tokens: Vec<usize>,
+    /// Elements per token row.
+    #[arg(long, value_name = "N", default_value_t = 7168, value_parser = at_least::<1>)]
+    pub hidden: usize,
+    /// Experts per token (K).
+    #[arg(long, value_name = "K", default_value_t = 8, value_parser = at_least::<1>)]
+    pub topk: usize,
+    /// Experts over all ranks (a multiple of the world size).
+    #[arg(long, value_name = "N", default_value_t = 256, value_parser = at_least::<1>)]
+    pub experts: usize,
+    /// Rows per local expert in the receive buffers; default tokens x ranks (DeepEP's
+    /// low-latency layout: never exceeded).
+    #[arg(long, value_name = "ROWS", value_parser = at_least::<1>)]
+    pub capacity: Option<usize>,
+    /// Dispatch fp8 e4m3 tokens with a scale per 128 elements (DeepEP's fp8 dispatch); the
+    /// experts' outputs and the combine stay in `--datatype`.
+    #[arg(long)]
+    pub fp8: bool,
+    /// Seed of the random routing and weights.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub seed: u64,
+}
+
+/// The flags of the inference ops, carried in `Args`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Inference {
+    RmsNorm(RmsNormOpts),
+    Moe(MoeOpts),
 }
 
 /// `ferrocomm-bench plot`'s arguments.
@@ -306,6 +386,14 @@ pub fn parse() -> Invocation {
         | Command::DevicePingpong(a)
         | Command::DeviceAllReduce(a)
         | Command::NcclAllReduce(a) => a,
+        Command::Rmsnorm(r) => Args {
+            inference: Some(Inference::RmsNorm(r.opts)),
+            ..r.common
+        },
+        Command::Moe(m) => Args {
+            inference: Some(Inference::Moe(m.opts)),
+            ..m.common
+        },
     };
     if args.min_bytes == 0 || args.min_bytes > args.max_bytes {
         let msg = format!(
@@ -397,6 +485,37 @@ mod tests {
         assert_eq!((a.dtype, a.world), (DType::Bf16, 3));
         let a = sweep(&["all_reduce", "-b", "8", "--check"]).unwrap();
         assert!(a.check);
+    }
+
+    #[test]
+    fn the_inference_ops_have_their_defaults() {
+        let parse = |argv: &[&str]| Cli::try_parse_from(std::iter::once("ferrocomm-bench").chain(argv.iter().copied()));
+        match parse(&["moe"]).unwrap().command {
+            Command::Moe(m) => {
+                let o = m.opts;
+                assert_eq!(
+                    (o.tokens, o.hidden, o.topk, o.experts, o.capacity, o.fp8),
+                    (vec![128], 7168, 8, 256, None, false)
+                );
+            }
+            other => panic!("parsed as {other:?}"),
+        }
+        match parse(&["rmsnorm", "--tokens", "1,8", "--fp8", "-d", "bf16"])
+            .unwrap()
+            .command
+        {
+            Command::Rmsnorm(r) => {
+                assert_eq!((r.opts.hidden, r.opts.tokens, r.opts.fp8), (4096, vec![1, 8], true));
+                assert_eq!(r.common.dtype, DType::Bf16);
+            }
+            other => panic!("parsed as {other:?}"),
+        }
+        assert!(parse(&["moe", "--tokens", "0"]).is_err());
+        assert!(parse(&["rmsnorm", "--hidden", "0"]).is_err());
+        assert!(
+            parse(&["all_reduce", "--hidden", "8"]).is_err(),
+            "only the inference ops take --hidden"
+        );
     }
 
     #[test]

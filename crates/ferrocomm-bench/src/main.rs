@@ -6,6 +6,7 @@ mod cli;
 mod device_coll;
 mod gpu;
 mod host_device;
+mod inference;
 mod nccl_direct;
 mod ops;
 mod plot;

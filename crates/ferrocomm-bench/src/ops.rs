@@ -229,6 +229,7 @@ impl<'c> Bench<'c> {
             algbw,
             busbw: algbw * bus_factor(&self.op, n),
             wrong,
+            ..Row::default()
         }))
     }
 

@@ -25,10 +25,35 @@ pub struct Report {
     pub redop: String,
     /// One row per size, ascending.
     pub rows: Vec<Row>,
+    /// The inference ops' shape (`rmsnorm`, `moe`); absent for the other ops.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub params: Option<Params>,
 }
 
-/// One size: nccl-tests' columns.
-#[derive(Clone, Debug, Serialize, Deserialize)]
+/// The shape an inference op ran with (fields that do not apply are absent).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Params {
+    /// Elements per token row.
+    pub hidden: usize,
+    /// `rmsnorm`: the output is fp8 e4m3 with per-token scales; `moe`: the dispatched tokens
+    /// are fp8 e4m3 with per-128-element scales.
+    pub fp8: bool,
+    /// `rmsnorm`: the norm's epsilon.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eps: Option<f32>,
+    /// `moe`: experts per token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub topk: Option<usize>,
+    /// `moe`: experts over all ranks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub experts: Option<usize>,
+    /// `moe`: rows per local expert in the receive buffers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity: Option<usize>,
+}
+
+/// One size: nccl-tests' columns, and the inference ops' own after them (absent elsewhere).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct Row {
     /// nccl-tests' size: per rank for all_reduce, broadcast, reduce and send_recv, all ranks'
     /// blocks together for all_gather, reduce_scatter and all_to_all.
@@ -46,6 +71,21 @@ pub struct Row {
     /// Wrong elements over all ranks (`--check`; 0 without it).
     #[serde(default)]
     pub wrong: u64,
+    /// `rmsnorm`, `moe`: token rows per rank.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<usize>,
+    /// `rmsnorm`: the same steps unfused (`time_us` is the fused call), slowest rank's mean.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unfused_us: Option<f64>,
+    /// `rmsnorm`: `unfused_us / time_us` (above 1: the fused call is faster).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ratio: Option<f64>,
+    /// `moe`: the dispatch's slowest rank's mean (`time_us`: dispatch + combine).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dispatch_us: Option<f64>,
+    /// `moe`: the combine's slowest rank's mean.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub combine_us: Option<f64>,
 }
 
 impl Row {
@@ -59,6 +99,10 @@ impl Row {
             time_us: round(self.time_us, 3),
             algbw: round(self.algbw, 4),
             busbw: round(self.busbw, 4),
+            unfused_us: self.unfused_us.map(|v| round(v, 3)),
+            ratio: self.ratio.map(|v| round(v, 4)),
+            dispatch_us: self.dispatch_us.map(|v| round(v, 3)),
+            combine_us: self.combine_us.map(|v| round(v, 3)),
             ..self.clone()
         }
     }
@@ -82,9 +126,19 @@ impl Report {
         write(path, text + "\n")
     }
 
-    /// Writes the report as CSV: a header, then a row per size with the report's fields.
+    /// Writes the report as CSV: a header, then a row per size with the report's fields. The
+    /// inference ops add their columns after `wrong` (`rmsnorm`: tokens, hidden, fp8,
+    /// unfused_us, ratio; `moe`: tokens, hidden, topk, experts, capacity, fp8, dispatch_us,
+    /// combine_us); the other ops' columns are as they always were.
     pub fn write_csv(&self, path: &Path) -> ferrocomm::Result<()> {
-        let mut s = String::from("tool,backend,op,world,dtype,redop,bytes,count,time_us,algbw,busbw,wrong\n");
+        let extra = self.params.as_ref().map(|p| (p, p.topk.is_some()));
+        let mut s = String::from("tool,backend,op,world,dtype,redop,bytes,count,time_us,algbw,busbw,wrong");
+        match extra {
+            Some((_, false)) => s += ",tokens,hidden,fp8,unfused_us,ratio",
+            Some((_, true)) => s += ",tokens,hidden,topk,experts,capacity,fp8,dispatch_us,combine_us",
+            None => {}
+        }
+        s += "\n";
         for r in &self.rows {
             s += &format!(
                 "{},{},{},{},{},{},{},{},{:.3},{:.4},{:.4},{}\n",
@@ -101,6 +155,34 @@ impl Report {
                 r.busbw,
                 r.wrong
             );
+            let opt = |v: Option<f64>, places: usize| v.map(|v| format!("{v:.places$}")).unwrap_or_default();
+            let tokens = r.tokens.unwrap_or_default();
+            match extra {
+                Some((p, false)) => {
+                    s.pop();
+                    s += &format!(
+                        ",{tokens},{},{},{},{}\n",
+                        p.hidden,
+                        p.fp8,
+                        opt(r.unfused_us, 3),
+                        opt(r.ratio, 4)
+                    );
+                }
+                Some((p, true)) => {
+                    s.pop();
+                    s += &format!(
+                        ",{tokens},{},{},{},{},{},{},{}\n",
+                        p.hidden,
+                        p.topk.unwrap_or_default(),
+                        p.experts.unwrap_or_default(),
+                        p.capacity.unwrap_or_default(),
+                        p.fp8,
+                        opt(r.dispatch_us, 3),
+                        opt(r.combine_us, 3)
+                    );
+                }
+                None => {}
+            }
         }
         write(path, s)
     }
@@ -132,7 +214,9 @@ mod tests {
                 algbw: 0.006_480_1,
                 busbw: 0.006_480_1,
                 wrong: 0,
+                ..Row::default()
             }],
+            params: None,
         };
         let path = std::env::temp_dir().join(format!("fc-report-{}.json", std::process::id()));
         r.write_json(&path).unwrap();

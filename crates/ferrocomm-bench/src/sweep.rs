@@ -69,6 +69,9 @@ fn sweep<T: BenchElem>(comm: &Comm, a: &Args) -> Result<Vec<Row>> {
 
 /// Runs the sweep with the element type `--datatype` names.
 pub fn run(comm: &Comm, a: &Args) -> Result<Vec<Row>> {
+    if a.inference.is_some() {
+        return crate::inference::run(comm, a);
+    }
     match a.dtype {
         DType::F32 => sweep::<f32>(comm, a),
         DType::F64 => sweep::<f64>(comm, a),
@@ -93,6 +96,7 @@ pub fn write_outputs(a: &Args, world: usize, rows: Vec<Row>) -> std::result::Res
         dtype: a.dtype.name().into(),
         redop: a.redop.name().into(),
         rows,
+        params: crate::inference::params(a, world),
     };
     if let Some(p) = &a.json {
         report.write_json(p)?;

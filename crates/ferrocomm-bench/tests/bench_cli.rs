@@ -112,6 +112,331 @@ fn every_op_passes_its_check_across_processes() {
     }
 }
 
+/// The data rows of a table (the lines that are not comments).
+fn rows(text: &str) -> Vec<&str> {
+    text.lines().filter(|l| !l.starts_with('#')).collect()
+}
+
+/// Runs `args`, expects success and rows whose last column (#wrong) is 0; returns the rows'
+/// columns.
+fn checked(args: &[&str]) -> Vec<Vec<String>> {
+    let out = bench(args);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{args:?}: {}\n{text}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows = rows(&text);
+    assert!(!rows.is_empty(), "{args:?}: no rows\n{text}");
+    for r in &rows {
+        assert_eq!(
+            r.split_whitespace().last(),
+            Some("0"),
+            "{args:?}: wrong elements in {r:?}"
+        );
+    }
+    rows.iter()
+        .map(|r| r.split_whitespace().map(str::to_owned).collect())
+        .collect()
+}
+
+#[test]
+fn rmsnorm_fused_and_unfused_pass_their_check_across_processes() {
+    for dtype in ["f32", "bf16", "f16"] {
+        for fp8 in [false, true] {
+            let mut args = vec![
+                "rmsnorm", "--tokens", "1,3,16", "--hidden", "256", "-n", "3", "-w", "1", "--world", "2", "-d", dtype,
+                "--check",
+            ];
+            if fp8 {
+                args.push("--fp8");
+            }
+            let rows = checked(&args);
+            let tokens: Vec<&str> = rows.iter().map(|r| r[0].as_str()).collect();
+            assert_eq!(tokens, ["1", "3", "16"], "{args:?}");
+            // Both times and their ratio are there.
+            for r in &rows {
+                let (fused, unfused, ratio): (f64, f64, f64) =
+                    (r[2].parse().unwrap(), r[3].parse().unwrap(), r[4].parse().unwrap());
+                assert!(fused > 0.0 && unfused > 0.0, "{r:?}");
+                assert!((ratio - unfused / fused).abs() < 0.01 * ratio + 0.002, "{r:?}");
+            }
+        }
+    }
+    // Three ranks, both algorithms of the fused call.
+    for algo in ["oneshot", "twoshot"] {
+        checked(&[
+            "rmsnorm", "--tokens", "2,7", "--hidden", "128", "-n", "2", "-w", "1", "--world", "3", "-d", "bf16",
+            "--algo", algo, "--check",
+        ]);
+    }
+}
+
+#[test]
+fn rmsnorm_sizes_are_whole_token_rows_of_the_byte_sweep() {
+    // Rows of 256 f32 = 1 KiB: 512 B holds none, 1K..8K hold 1, 2, 4, 8.
+    let rows = checked(&[
+        "rmsnorm",
+        "-b",
+        "512",
+        "-e",
+        "8K",
+        "--hidden",
+        "256",
+        "-n",
+        "2",
+        "-w",
+        "1",
+        "--world",
+        "2",
+        "--threads",
+        "--check",
+    ]);
+    let got: Vec<(&str, &str)> = rows.iter().map(|r| (r[0].as_str(), r[1].as_str())).collect();
+    assert_eq!(got, [("1", "1024"), ("2", "2048"), ("4", "4096"), ("8", "8192")]);
+}
+
+#[test]
+fn moe_dispatch_and_combine_pass_their_check() {
+    for (dtype, fp8, world, threads) in [
+        ("bf16", false, "2", false),
+        ("f32", false, "2", true),
+        ("bf16", true, "2", false),
+        ("f16", true, "3", true),
+    ] {
+        let mut args = vec![
+            "moe",
+            "--tokens",
+            "1,8,32",
+            "--hidden",
+            "256",
+            "--topk",
+            "4",
+            "--experts",
+            "12",
+            "-n",
+            "3",
+            "-w",
+            "1",
+            "--world",
+            world,
+            "-d",
+            dtype,
+            "--check",
+        ];
+        if fp8 {
+            args.push("--fp8");
+        }
+        if threads {
+            args.push("--threads");
+        }
+        let rows = checked(&args);
+        assert_eq!(rows.len(), 3, "{args:?}");
+        for r in &rows {
+            let (d, c, total): (f64, f64, f64) = (r[2].parse().unwrap(), r[3].parse().unwrap(), r[4].parse().unwrap());
+            assert!(d > 0.0 && c > 0.0 && total > 0.0, "{r:?}");
+        }
+    }
+    // A capacity below what the routing sends is the library's error, not a wrong count.
+    let out = bench(&[
+        "moe",
+        "--tokens",
+        "16",
+        "--hidden",
+        "128",
+        "--topk",
+        "2",
+        "--experts",
+        "2",
+        "--capacity",
+        "1",
+        "-n",
+        "1",
+        "-w",
+        "0",
+        "--world",
+        "2",
+        "--threads",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("capacity"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn inference_ops_refuse_what_they_cannot_run() {
+    for args in [
+        &[
+            "rmsnorm",
+            "--tokens",
+            "1",
+            "--hidden",
+            "64",
+            "-d",
+            "i32",
+            "--world",
+            "2",
+            "--threads",
+        ][..],
+        &[
+            "moe",
+            "--tokens",
+            "1",
+            "--hidden",
+            "128",
+            "--experts",
+            "7",
+            "--world",
+            "2",
+            "--threads",
+        ],
+        &[
+            "moe",
+            "--tokens",
+            "1",
+            "--hidden",
+            "128",
+            "--topk",
+            "9",
+            "--experts",
+            "8",
+            "--world",
+            "2",
+            "--threads",
+        ],
+    ] {
+        let out = bench(args);
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        assert!(!out.stderr.is_empty(), "{args:?}");
+    }
+    let out = bench(&["moe", "--tokens", "0"]);
+    assert_eq!(out.status.code(), Some(2));
+}
+
+#[test]
+fn inference_rows_extend_the_json_and_csv_and_plot_draws_them() {
+    let dir = std::env::temp_dir().join(format!("fc-bench-inf-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = |name: &str| dir.join(name).to_str().unwrap().to_owned();
+    let out = bench(&[
+        "rmsnorm",
+        "--tokens",
+        "1,4",
+        "--hidden",
+        "128",
+        "-n",
+        "2",
+        "-w",
+        "1",
+        "--world",
+        "2",
+        "--threads",
+        "-d",
+        "bf16",
+        "--fp8",
+        "--json",
+        &path("n.json"),
+        "--csv",
+        &path("n.csv"),
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let j = std::fs::read_to_string(dir.join("n.json")).unwrap();
+    assert!(
+        j.starts_with("{\"tool\":\"ferrocomm\",\"backend\":\"cpu\",\"op\":\"rmsnorm\",\"world\":2,\"dtype\":\"bf16\"")
+            && j.contains("\"tokens\":4,\"unfused_us\":")
+            && j.contains("\"ratio\":")
+            && j.contains("\"params\":{\"hidden\":128,\"fp8\":true,\"eps\":"),
+        "{j}"
+    );
+    let c = std::fs::read_to_string(dir.join("n.csv")).unwrap();
+    let mut lines = c.lines();
+    assert_eq!(
+        lines.next(),
+        Some("tool,backend,op,world,dtype,redop,bytes,count,time_us,algbw,busbw,wrong,tokens,hidden,fp8,unfused_us,ratio")
+    );
+    assert!(lines.all(|l| l.contains(",0,") && l.split(',').count() == 17), "{c}");
+
+    let out = bench(&[
+        "moe",
+        "--tokens",
+        "2,4",
+        "--hidden",
+        "128",
+        "--topk",
+        "2",
+        "--experts",
+        "4",
+        "-n",
+        "2",
+        "-w",
+        "1",
+        "--world",
+        "2",
+        "--threads",
+        "--json",
+        &path("m.json"),
+        "--csv",
+        &path("m.csv"),
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let j = std::fs::read_to_string(dir.join("m.json")).unwrap();
+    assert!(
+        j.contains("\"op\":\"moe\"")
+            && j.contains("\"tokens\":2,\"dispatch_us\":")
+            && j.contains("\"combine_us\":")
+            && j.contains("\"params\":{\"hidden\":128,\"fp8\":false,\"topk\":2,\"experts\":4,\"capacity\":8}"),
+        "{j}"
+    );
+    let c = std::fs::read_to_string(dir.join("m.csv")).unwrap();
+    assert!(
+        c.starts_with(
+            "tool,backend,op,world,dtype,redop,bytes,count,time_us,algbw,busbw,wrong,tokens,hidden,topk,experts,\
+             capacity,fp8,dispatch_us,combine_us\n"
+        ) && c.lines().count() == 3,
+        "{c}"
+    );
+
+    // The other ops' files keep their columns, and plot takes all of them together.
+    let out = bench(&[
+        "all_reduce",
+        "-b",
+        "8",
+        "-e",
+        "64",
+        "-n",
+        "2",
+        "-w",
+        "1",
+        "--world",
+        "2",
+        "--threads",
+        "--json",
+        &path("a.json"),
+        "--csv",
+        &path("a.csv"),
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let a = std::fs::read_to_string(dir.join("a.json")).unwrap();
+    assert!(!a.contains("params") && !a.contains("tokens"), "{a}");
+    let c = std::fs::read_to_string(dir.join("a.csv")).unwrap();
+    assert!(
+        c.starts_with("tool,backend,op,world,dtype,redop,bytes,count,time_us,algbw,busbw,wrong\n"),
+        "{c}"
+    );
+    let png = path("p.svg");
+    let out = bench(&["plot", "-o", &png, &path("a.json"), &path("n.json"), &path("m.json")]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let svg = std::fs::read_to_string(&png).unwrap();
+    for caption in ["all_reduce: latency", "rmsnorm: latency", "moe: latency"] {
+        assert!(svg.contains(caption), "{caption} missing");
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 #[test]
 fn threads_mode_writes_json_and_csv_rows() {
     let dir = std::env::temp_dir().join(format!("fc-bench-{}", std::process::id()));
@@ -216,6 +541,8 @@ fn help_is_clap_and_lists_every_op() {
         "device_all_reduce",
         "nccl_all_reduce",
         "queue_pickup",
+        "rmsnorm",
+        "moe",
         "plot",
     ] {
         assert!(text.contains(op), "{op} missing from --help:\n{text}");

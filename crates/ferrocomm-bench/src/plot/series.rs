@@ -71,20 +71,40 @@ pub fn panels(reports: &[Report]) -> Result<Vec<Panel>, String> {
         if drawable.is_empty() {
             return Err(format!("{} {} (world {}): no rows to plot", r.tool, r.op, r.world));
         }
-        let key = Key {
-            tool: r.tool.clone(),
-            backend: r.backend.clone(),
-            world: r.world,
-            dtype: r.dtype.clone(),
-        };
+        // rmsnorm's rows also time the unfused steps: a line of their own beside the fused
+        // call's, same bytes and bus factor.
+        let unfused: Vec<Point> = r
+            .rows
+            .iter()
+            .filter_map(|row| {
+                let t = row.unfused_us?;
+                (row.bytes > 0 && t > 0.0 && t.is_finite() && row.time_us > 0.0).then(|| Point {
+                    bytes: row.bytes as f64,
+                    time_us: t,
+                    busbw: (row.busbw * row.time_us / t).max(0.0),
+                })
+            })
+            .collect();
+        let mut tools = vec![(r.tool.clone(), drawable)];
+        if !unfused.is_empty() {
+            tools.push((format!("{} unfused", r.tool), unfused));
+        }
         let i = index_of(&mut ops, &r.op, |op| (op.clone(), Vec::new()));
-        let lines = &mut ops[i].1;
-        let j = index_of(lines, &key, |k| (k.clone(), BTreeMap::new()));
-        let line = &mut lines[j].1;
-        for p in drawable {
-            let faster = line.get(&(p.bytes as usize)).is_none_or(|q| p.time_us < q.time_us);
-            if faster {
-                line.insert(p.bytes as usize, p);
+        for (tool, points) in tools {
+            let key = Key {
+                tool,
+                backend: r.backend.clone(),
+                world: r.world,
+                dtype: r.dtype.clone(),
+            };
+            let lines = &mut ops[i].1;
+            let j = index_of(lines, &key, |k| (k.clone(), BTreeMap::new()));
+            let line = &mut lines[j].1;
+            for p in points {
+                let faster = line.get(&(p.bytes as usize)).is_none_or(|q| p.time_us < q.time_us);
+                if faster {
+                    line.insert(p.bytes as usize, p);
+                }
             }
         }
     }
@@ -169,8 +189,10 @@ mod tests {
                     algbw: 0.0,
                     busbw: bytes as f64 / time_us / 1e3,
                     wrong: 0,
+                    ..Row::default()
                 })
                 .collect(),
+            params: None,
         }
     }
 
@@ -201,6 +223,19 @@ mod tests {
         let labels = |i: usize| p[i].series.iter().map(|s| s.label.clone()).collect::<Vec<_>>();
         assert_eq!(labels(0), ["ferrocomm n=2", "mpich n=2"]);
         assert_eq!(labels(1), ["ferrocomm cpu n=2", "ferrocomm device n=2"]);
+    }
+
+    #[test]
+    fn rmsnorm_rows_draw_the_unfused_steps_as_a_second_line() {
+        let mut r = report("ferrocomm", "cpu", "rmsnorm", 2, &[(1024, 2.0), (2048, 3.0)]);
+        r.rows[1].unfused_us = Some(6.0);
+        let p = panels(&[r]).unwrap();
+        let labels: Vec<&str> = p[0].series.iter().map(|s| s.label.as_str()).collect();
+        assert_eq!(labels, ["ferrocomm n=2", "ferrocomm unfused n=2"]);
+        let u = &p[0].series[1].points;
+        assert_eq!(u.len(), 1);
+        assert_eq!((u[0].bytes, u[0].time_us), (2048.0, 6.0));
+        assert!((u[0].busbw - p[0].series[0].points[1].busbw / 2.0).abs() < 1e-12);
     }
 
     #[test]
