@@ -160,7 +160,7 @@ pub struct Args {
     pub plot: Option<PathBuf>,
     /// The flags of `rmsnorm` and `moe`, from their subcommands.
     #[arg(skip)]
-    pub inference: Option<Inference>,
+    pub inference: Option<Box<Inference>>,
 }
 
 /// `rmsnorm`'s flags: the common ones and its own.
@@ -387,11 +387,11 @@ pub fn parse() -> Invocation {
         | Command::DeviceAllReduce(a)
         | Command::NcclAllReduce(a) => a,
         Command::Rmsnorm(r) => Args {
-            inference: Some(Inference::RmsNorm(r.opts)),
+            inference: Some(Box::new(Inference::RmsNorm(r.opts))),
             ..r.common
         },
         Command::Moe(m) => Args {
-            inference: Some(Inference::Moe(m.opts)),
+            inference: Some(Box::new(Inference::Moe(m.opts))),
             ..m.common
         },
     };

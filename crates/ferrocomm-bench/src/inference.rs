@@ -71,7 +71,7 @@ const U32: f64 = 1.0 / (1u64 << 24) as f64;
 
 /// The shape written with `--json` / `--csv`, for the inference ops.
 pub fn params(a: &Args, world: usize) -> Option<Params> {
-    match &a.inference {
+    match a.inference.as_deref() {
         Some(Inference::RmsNorm(o)) => Some(Params {
             hidden: o.hidden,
             fp8: o.fp8,
@@ -104,7 +104,7 @@ pub fn run(comm: &Comm, a: &Args) -> Result<Vec<Row>> {
             a.dtype.name()
         )))
     };
-    match &a.inference {
+    match a.inference.as_deref() {
         Some(Inference::RmsNorm(o)) => match a.dtype {
             DType::F32 => rmsnorm::<f32>(comm, a, o),
             DType::F16 => rmsnorm::<f16>(comm, a, o),
@@ -641,7 +641,7 @@ impl<T: Act> MoeCase<T> {
 
 fn moe<T: Act>(comm: &Comm, a: &Args, o: &MoeOpts) -> Result<Vec<Row>> {
     let (n, me) = (comm.size(), comm.rank());
-    if o.topk > o.experts || o.experts % n != 0 {
+    if o.topk > o.experts || !o.experts.is_multiple_of(n) {
         return Err(Error::Config(format!(
             "moe: --topk {} of --experts {} over {n} ranks: need topk <= experts and experts a \
              multiple of the ranks",
