@@ -34,6 +34,7 @@ pub const HEADERS: &[(&str, &str)] = &[
     header!("team.cuh"),
     header!("dtype.cuh"),
     header!("reduce_copy.cuh"),
+    header!("norm.cuh"),
     header!("ferrocomm.cuh"),
     header!("impl/rma.cuh"),
     header!("impl/signal.cuh"),
