@@ -25,10 +25,9 @@ impl Norm<'_> {
     pub(crate) fn row(&self, acc: &mut [f32], residual: &mut [u8], out: &mut [u8]) -> f32 {
         rows::add_into(acc, residual, self.dtype);
         rows::store(residual, acc, self.dtype);
-        let mut square = 0f32;
-        for &v in acc.iter() {
-            square = v.mul_add(v, square);
-        }
+        // Plain multiply and add (no fused multiply-add): without the `fma` target feature
+        // `mul_add` is a library call per element.
+        let square = acc.iter().fold(0f32, |s, &v| s + v * v);
         let inv = 1.0 / (square / acc.len() as f32 + self.eps).sqrt();
         for (v, g) in acc.iter_mut().zip(self.gamma) {
             *v = *v * inv * g;

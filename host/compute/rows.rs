@@ -16,12 +16,21 @@ pub(crate) fn add_into(acc: &mut [f32], src: &[u8], dtype: DType) {
     }
 }
 
-/// `acc[j] += w * src[j]` (one multiply-add per element, in f32).
+/// `acc[j] = fma(w, src[j], acc[j])` in f32: one rounding per term, as the device kernels'
+/// `fmaf` (kernels/moe.cu), so both backends' combines give the same bits.
 pub(crate) fn add_scaled_into(acc: &mut [f32], src: &[u8], dtype: DType, w: f32) {
-    let mut row = vec![0f32; acc.len()];
-    add_into(&mut row, src, dtype);
-    for (a, r) in acc.iter_mut().zip(&row) {
-        *a = w.mul_add(*r, *a);
+    match dtype {
+        DType::F32 => zip(acc, src, 4, |a, b| {
+            *a = w.mul_add(f32::from_le_bytes([b[0], b[1], b[2], b[3]]), *a)
+        }),
+        DType::F16 => zip(acc, src, 2, |a, b| {
+            *a = w.mul_add(f16::from_le_bytes([b[0], b[1]]).to_f32(), *a)
+        }),
+        DType::BF16 => zip(acc, src, 2, |a, b| {
+            *a = w.mul_add(bf16::from_le_bytes([b[0], b[1]]).to_f32(), *a)
+        }),
+        DType::F8E4M3 => zip(acc, src, 1, |a, b| *a = w.mul_add(F8E4M3::from_bits(b[0]).to_f32(), *a)),
+        other => unreachable!("rows of {other} are refused by the operations' validation"),
     }
 }
 
