@@ -18,7 +18,7 @@ rm -rf .gpu-bundle && mkdir -p .gpu-bundle/lib
 cargo build --release --features host-kernels --bins --examples
 cargo build --release -p ferrocomm-bench --features host-kernels
 cargo test --release --features host-kernels --no-run --message-format=json \
-  --test gpu_windows --test gpu_nccl --test gpu_collectives --test gpu_inference --test nccl --test device_compile --test host_device 2>/dev/null |
+  --test gpu_windows --test gpu_nccl --test gpu_collectives --test gpu_inference --test nccl --test device_compile --test host_device --test host_device_moe 2>/dev/null |
   python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)
@@ -29,7 +29,7 @@ cp target/release/ferrocomm-bench target/release/examples/fused_put_signal .gpu-
 # The bundle travels with the working tree, 64 MiB in all: no symbols, everything compressed
 # (about 45 MB, NVRTC two thirds of it); run.sh unpacks it on the GPU machine.
 mkdir -p .gpu-bundle/bin
-for b in ferrocomm-bench fused_put_signal gpu_windows gpu_nccl gpu_collectives gpu_inference nccl device_compile host_device; do
+for b in ferrocomm-bench fused_put_signal gpu_windows gpu_nccl gpu_collectives gpu_inference nccl device_compile host_device host_device_moe; do
   strip ".gpu-bundle/$b"
   xz -T0 -6 -c ".gpu-bundle/$b" > ".gpu-bundle/bin/$b.xz" && rm ".gpu-bundle/$b"
 done
@@ -88,7 +88,7 @@ for step in "${steps[@]}"; do
   case $step in
     device_compile|nccl|gpu_windows|gpu_nccl|gpu_collectives|gpu_inference) FERROCOMM_REQUIRE_GPU=1 tests 480 "$step" ;;
     # The host device needs no GPU: this step also proves the bundle on a machine without one.
-    host_device) tests 480 host_device ;;
+    host_device) tests 480 host_device && tests 480 host_device_moe ;;
     example) { echo "## fused_put_signal"; timeout 60 "$bin/fused_put_signal" 2>&1; } | tee -a "$out/tests.log" ;;
     device_put) bench 240 device_put -b 64K -e 1G -f 4 -n 20 -w 5 ;;
     device_pingpong) bench 60 device_pingpong -n 10000 ;;
