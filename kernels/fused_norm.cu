@@ -35,9 +35,10 @@ struct NormArgs {
   u64 x, residual, gamma, out, scales;  // scales: 0 unless out is fp8
   u64 rows, hidden;
   float eps;
-  u32 vectors;  // every buffer 16-byte aligned and hidden a multiple of 16 bytes' elements
+  u32 vectors;     // every buffer 16-byte aligned and hidden a multiple of 16 bytes' elements
+  u64 mismatches;  // u64*: blocks that found a mismatched call (see `report`)
 };
-static_assert(sizeof(NormArgs) == 64, "NormArgs is mirrored by host/gpu/kernels.rs");
+static_assert(sizeof(NormArgs) == 72, "NormArgs is mirrored by host/gpu/kernels.rs");
 
 FERROCOMM_DEVICE_INLINE constexpr u64 pad16(u64 b) { return (b + 15) / 16 * 16; }
 
@@ -76,21 +77,34 @@ FERROCOMM_DEVICE_INLINE void copy_row(Raw* dst, const Raw* src, u64 n) {
 // The first row t >= lo that this block handles (t = blockIdx.x mod gridDim.x).
 FERROCOMM_DEVICE_INLINE u64 first_row(u64 lo) { return lo + (blockIdx.x + gridDim.x - lo % gridDim.x) % gridDim.x; }
 
-// Whether every peer's header for this block is ours; records the first difference.
-FERROCOMM_DEVICE_INLINE bool agree(const Window& w, const ferrocomm_window_handle& h, const u64 (&mine)[4]) {
-  bool ok = true;
+// A peer whose header for this block differs from ours: its rank (or -1) and its row bytes.
+struct Disagreement {
+  i32 peer;
+  u64 row_bytes;
+};
+
+FERROCOMM_DEVICE_INLINE Disagreement disagreeing(const Window& w, const u64 (&mine)[4]) {
   for (i32 p = 0; p < w.size(); ++p) {
-    if (p == w.rank()) continue;
     const u64* theirs = w.peer_ptr<const u64>(p, HEADER_BYTES * blockIdx.x);
-    const bool same = theirs[0] == mine[0] && theirs[1] == mine[1] && theirs[2] == mine[2] && theirs[3] == mine[3];
-    if (!same && ok && threadIdx.x == 0) {
-      // As alltoall.cu: our row bytes and theirs, or all ones where those agree but the call does not.
-      record_status(h.status, FERROCOMM_STATUS_MISMATCH, FERROCOMM_OP_COLLECTIVE, p, READY_ID + blockIdx.x, mine[0],
-                    theirs[0] != mine[0] ? theirs[0] : ~0ull);
+    if (theirs[0] != mine[0] || theirs[1] != mine[1] || theirs[2] != mine[2] || theirs[3] != mine[3]) {
+      return Disagreement{p, theirs[0]};
     }
-    ok &= same;
   }
-  return ok;
+  return Disagreement{-1, 0};
+}
+
+// Records a mismatched call once every block of the launch has ended its part of the protocol
+// (every block finds it: a launch's headers are the same in all its blocks). A status recorded
+// earlier would end the waits of blocks still exchanging (Window::failed), leaving their
+// epochs behind their peers'. As alltoall.cu: our row bytes and theirs, or all ones where
+// those agree but the call does not.
+FERROCOMM_DEVICE_INLINE void report(const Window& w, const NormArgs& a, Disagreement d, u64 mine) {
+  if (threadIdx.x != 0) return;
+  u64* blocks = reinterpret_cast<u64*>(a.mismatches);
+  if (atomicAdd(blocks, 1ull) + 1 < gridDim.x) return;
+  *blocks = 0;
+  record_status(w.handle().status, FERROCOMM_STATUS_MISMATCH, FERROCOMM_OP_COLLECTIVE, d.peer, READY_ID + blockIdx.x,
+                mine, d.row_bytes != mine ? d.row_bytes : ~0ull);
 }
 
 // Row t: s = the sum of every segment's x row in rank order + residual; residual = s rounded;
@@ -138,7 +152,9 @@ FERROCOMM_DEVICE_INLINE void all_reduce_rmsnorm(const ferrocomm_window_handle& h
   // syncs the block only where there are peers to signal).
   __syncthreads();
   if (!exchange(w, s, s.ready)) return;
-  if (agree(w, h, header)) {
+  // Read before `end`: after our DONE a peer may start its next call and rewrite its header.
+  const Disagreement other = disagreeing(w, header);
+  if (other.peer < 0) {
     const u64 lo = two_shot ? run(me) : 0, hi = two_shot ? run(me + 1) : a.rows;
     for (u64 t = first_row(lo); t < hi; t += gridDim.x) {
       sum_row<E>(w, l.x + t * row_in, residual + t * n, scratch, n, vec);
@@ -168,6 +184,7 @@ FERROCOMM_DEVICE_INLINE void all_reduce_rmsnorm(const ferrocomm_window_handle& h
     }
   }
   end(w, counters, s);
+  if (other.peer >= 0) report(w, a, other, header[0]);
 }
 
 }  // namespace fused_norm

@@ -209,9 +209,11 @@ pub(crate) struct NormArgs {
     pub(crate) hidden: u64,
     pub(crate) eps: f32,
     pub(crate) vectors: u32,
+    /// A u64 counter of the blocks that found a mismatched call (device memory).
+    pub(crate) mismatches: u64,
 }
 
-const _: () = assert!(std::mem::size_of::<NormArgs>() == 64);
+const _: () = assert!(std::mem::size_of::<NormArgs>() == 72);
 
 /// kernels/fused_norm.cu: (handle, args, counters); families by the suffix of (dtype, fp8
 /// out), e.g. `bf16` or `bf16_fp8`.

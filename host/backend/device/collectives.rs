@@ -45,9 +45,12 @@ const SIGNAL_IDS: usize = 5 * MAX_BLOCKS;
 const BYTES_PER_BLOCK: usize = 64 << 10;
 /// kernels/alltoall.cu's per-slot headers.
 const SLOT_HEADER_BYTES: usize = 16 * MAX_BLOCKS;
-/// u64 counters: one- and two-shot epochs, then all_to_all's calls, sent and received chunks.
+/// u64 counters: one- and two-shot epochs (the fused norm's too), then all_to_all's calls, sent
+/// and received chunks.
 const SHOT_COUNTERS: usize = MAX_BLOCKS;
 const ALL_TO_ALL_COUNTERS: usize = MAX_BLOCKS + 2 * MAX_BLOCKS * MAX_RANKS;
+/// Then the fused norm's count of blocks that found a mismatched call.
+const NORM_COUNTERS: usize = 1;
 
 /// The all_reduce algorithm (hint `algorithm` = `oneshot` / `twoshot` / `multimem`, else by
 /// size: multimem replaces two-shot where the window has a multicast object and the switch
@@ -355,7 +358,10 @@ impl OwnCollectives {
                 kernels::ALL_TO_ALL.launch(f, queue, MAX_BLOCKS as u32, (handle, *a, counters))
             }
             // The fused norm's counters are the one- and two-shot kernels': one protocol.
-            Args::Norm(call) => call.enqueue(f, queue, handle, counters),
+            Args::Norm(call) => {
+                let mismatches = counters + ((SHOT_COUNTERS + ALL_TO_ALL_COUNTERS) * 8) as u64;
+                call.enqueue(f, queue, handle, counters, mismatches)
+            }
             // Messages larger than the window's region run as consecutive launches, one per
             // chunk (the same cut on every rank: it depends on the counts and the region).
             Args::Shot {
@@ -584,7 +590,7 @@ enum Counters {
 
 impl Counters {
     fn new(gpu: Gpu, stream: &Stream) -> Result<Counters> {
-        let n = SHOT_COUNTERS + ALL_TO_ALL_COUNTERS;
+        let n = SHOT_COUNTERS + ALL_TO_ALL_COUNTERS + NORM_COUNTERS;
         match (gpu, stream) {
             (Gpu::Cuda(_), Stream::Cuda(s)) => {
                 let c = s.alloc_zeros::<u64>(n).map_err(|e| cuda::err("cuMemAlloc", e))?;

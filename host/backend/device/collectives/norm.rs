@@ -87,13 +87,22 @@ impl NormCall {
 
     /// Puts the call's launches on `queue`. Every rank has the same rows per launch, so the
     /// same grids (one block per row, up to MAX_BLOCKS).
-    pub(super) fn enqueue(&self, f: &Function, queue: Queue<'_>, handle: WindowHandle, counters: u64) -> Result<()> {
+    /// `mismatches`: the device address of the u64 the kernels count mismatched blocks in.
+    pub(super) fn enqueue(
+        &self,
+        f: &Function,
+        queue: Queue<'_>,
+        handle: WindowHandle,
+        counters: u64,
+        mismatches: u64,
+    ) -> Result<()> {
         let kernel = if self.two_shot {
             &kernels::RMSNORM_TWOSHOT
         } else {
             &kernels::RMSNORM_ONESHOT
         };
         for a in self.launches() {
+            let a = NormArgs { mismatches, ..a };
             let blocks = a.rows.clamp(1, MAX_BLOCKS as u64) as u32;
             kernel.launch(f, queue, blocks, (handle, a, counters))?;
         }
@@ -185,6 +194,8 @@ impl OwnCollectives {
             hidden: hidden as u64,
             eps: f.eps,
             vectors: vectors.into(),
+            // The counters' address is the launch's (`enqueue`).
+            mismatches: 0,
         };
         let call = NormCall {
             args,
