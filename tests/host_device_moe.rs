@@ -465,6 +465,23 @@ fn capacity_overflow_is_an_error_with_exact_counts_and_the_window_stays_usable()
     }
 }
 
+/// A source with more tokens for one rank than its staging holds (local experts x capacity):
+/// the counts stay exact (the sender counts them) and the rows within capacity are right.
+#[test]
+fn more_tokens_for_one_rank_than_its_staging_holds() {
+    for world in [1, 2, 4] {
+        let c = Case {
+            world,
+            shape: shape(world, 1, 128, 3),
+            tokens: vec![8; world],
+            routing: Routing::AllTo(world - 1),
+            idx64: true,
+        };
+        run_case::<bf16>(&c, false, false);
+        run_case::<bf16>(&c, true, false);
+    }
+}
+
 #[test]
 fn eight_ranks() {
     let c = Case {
