@@ -515,3 +515,45 @@ fn halves_out_of_order_are_refused() {
         assert!(b.to_string().contains("cannot overlap"), "{b}");
     }
 }
+
+/// An expert id out of range: the rank that sent it is told (InvalidArgument), the others get
+/// their rows, and the next call works (the kernels finish their protocol).
+#[test]
+fn a_bad_expert_id_is_reported_by_its_rank_and_the_window_stays_usable() {
+    let seed = fresh_seed();
+    let world = 2;
+    let res = run_group_on_device("device", Device::Host(0), world, "moe-bad-id", opts(), |comm| {
+        let s = shape(4, 2, 128, 16);
+        let tokens = vec![bf16::ONE; 3 * 128];
+        let idx: Vec<i32> = if comm.rank() == 1 {
+            vec![0, 9, 1, -1, 2, 3]
+        } else {
+            vec![0, 1, 1, -1, 2, 3]
+        };
+        let (mut rt, mut counts, mut src) = (vec![bf16::ZERO; 2 * 16 * 128], vec![0i32; 2], vec![0i32; 2 * 16 * 3]);
+        let bad = comm.moe_dispatch(s, Dispatch::send(&tokens, &idx).recv(&mut rt, &mut counts, &mut src));
+        let c = Case {
+            world,
+            shape: shape(4, 2, 128, 16),
+            tokens: vec![4, 6],
+            routing: Routing::Random,
+            idx64: false,
+        };
+        (
+            bad.map_err(|e| format!("{e:?}")),
+            run_rank::<bf16>(comm, seed, &c, false, true),
+            c,
+        )
+    });
+    for (rank, (bad, next, c)) in res.iter().enumerate() {
+        match rank {
+            1 => assert!(
+                bad.as_ref()
+                    .is_err_and(|e| e.contains("InvalidArgument") && e.contains("topk_idx[1] = 9")),
+                "{bad:?}"
+            ),
+            _ => assert!(bad.is_ok(), "{bad:?}"),
+        }
+        check::<bf16>(seed, c, rank, next);
+    }
+}

@@ -277,6 +277,19 @@ impl OwnMoe {
         result
     }
 
+    /// Reports a failure the kernels of the last call recorded (on a GPU they end after their
+    /// call returned): `finalize` asks.
+    pub(crate) fn check(&self, op: &'static str, timeout: Duration) -> Result<()> {
+        let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        match &st.live {
+            Some(live) => {
+                live.window.take_status(op, timeout)?;
+                self.take_errors(live, op)
+            }
+            None => Ok(()),
+        }
+    }
+
     /// Makes (or grows) the window for `layout`: collective, every rank calls with the same shape.
     fn ensure_window(&self, b: &DeviceRank, st: &mut State, layout: Layout, timeout: Duration) -> Result<()> {
         if st.live.as_ref().is_some_and(|l| l.layout.bytes >= layout.bytes) {
