@@ -557,3 +557,35 @@ fn a_bad_expert_id_is_reported_by_its_rank_and_the_window_stays_usable() {
         check::<bf16>(seed, c, rank, next);
     }
 }
+
+/// A combine whose `src` names a token its rank never sent: that rank is told (a stray row, or
+/// the row its token misses), as the CPU engine tells it.
+#[test]
+fn a_combine_row_for_a_token_never_sent_is_reported() {
+    let res = run_group_on_device("device", Device::Host(0), 2, "moe-stray", opts(), |comm| {
+        let s = shape(2, 1, 128, 8);
+        let tokens = vec![bf16::ONE; 2 * 128];
+        // Every token of both ranks to expert 1 (rank 1).
+        let idx = vec![1i32, 1];
+        let (mut rt, mut counts, mut src) = (vec![bf16::ZERO; 8 * 128], vec![0i32; 1], vec![0i32; 8 * 3]);
+        comm.moe_dispatch(s, Dispatch::send(&tokens, &idx).recv(&mut rt, &mut counts, &mut src))
+            .unwrap();
+        if comm.rank() == 1 {
+            // Row 0 came from rank 0, token 0: say token 57 instead.
+            assert_eq!(&src[..3], &[0, 0, 0]);
+            src[1] = 57;
+        }
+        let mut out = vec![bf16::ZERO; 2 * 128];
+        comm.moe_combine(
+            s,
+            Combine::send(&rt, &src, &counts).recv(&idx, &[1.0f32, 1.0], &mut out),
+        )
+        .map_err(|e| e.to_string())
+    });
+    let e = res[0].as_ref().unwrap_err();
+    assert!(
+        e.contains("which it was not sent") || e.contains("no row came back for token 0"),
+        "{e}"
+    );
+    assert!(res[1].is_ok(), "{:?}", res[1]);
+}
