@@ -55,6 +55,7 @@ constexpr u32 OP_EXPERT = 0x4d02;    // expected = index in topk_idx, observed =
 constexpr u32 OP_SRC = 0x4d03;       // peer = local expert, expected = row, observed = rank << 32 | k
 constexpr u32 OP_MISSING = 0x4d04;   // peer = owner rank, expected = token, observed = k
 constexpr u32 OP_STEP = 0x4d05;      // peer = source, expected = this epoch, observed = the slot's
+constexpr u32 OP_STRAY = 0x4d06;     // peer = source, expected = token, observed = k
 
 // What the host passes (one layout for the four kernels; unused fields are 0).
 struct Args {
@@ -95,8 +96,8 @@ FERROCOMM_DEVICE_INLINE i64 expert_id(const Args& a, u64 i) {
   return a.idx64 ? reinterpret_cast<const long long*>(a.idx)[i] : reinterpret_cast<const i32*>(a.idx)[i];
 }
 
-FERROCOMM_DEVICE_INLINE void invalid(const Args& a, u32 op, i32 peer, u64 expected, u64 observed) {
-  record_status(a.errors, FERROCOMM_STATUS_INVALID, op, peer, 0, expected, observed);
+FERROCOMM_DEVICE_INLINE void invalid(const Args& a, u32 op, i32 peer, u64 expected, u64 observed, u32 extra = 0) {
+  record_status(a.errors, FERROCOMM_STATUS_INVALID, op, peer, extra, expected, observed);
 }
 
 // Bytes [0, len) from src to dst by the threads of the block, as wide as alignment allows.
@@ -296,7 +297,7 @@ FERROCOMM_DEVICE_INLINE void dispatch_recv(const ferrocomm_window_handle& h, con
     }
     if (threadIdx.x == 0) {
       reinterpret_cast<i32*>(a.counts)[e] = static_cast<i32>(count < 0x7fffffffull ? count : 0x7fffffffull);
-      if (count > a.capacity) invalid(a, OP_CAPACITY, static_cast<i32>(e), a.capacity, count);
+      if (count > a.capacity) invalid(a, OP_CAPACITY, static_cast<i32>(e), a.capacity, count, static_cast<u32>(x));
     }
   }
   signal_consumed(w, D_DONE, epoch);
@@ -413,6 +414,24 @@ FERROCOMM_DEVICE_INLINE void combine_recv(const ferrocomm_window_handle& h, cons
   u64* got = counters + C_CRECV + blockIdx.x;
   const u64 epoch = load_relaxed(got) + 1;
   if (!wait_filled(w, a, C_READY, epoch)) return;
+  // Every record must answer a (token, k) of ours routed to its sender's expert (the CPU
+  // engine's check): the blocks share the records of each source.
+  for (i32 p = 0; p < w.size(); ++p) {
+    const Byte* slot = w.local_ptr<const Byte>(a.region + static_cast<u64>(p) * a.slot);
+    const Byte* recs = slot + a.header;
+    u64 lo = 0;
+    for (u64 e = 0; e < a.local; ++e) {
+      const u64 n = per_expert(slot)[e];
+      const i64 x = static_cast<i64>(p) * static_cast<i64>(a.local) + static_cast<i64>(e);
+      for (u64 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        const i32* rec = reinterpret_cast<const i32*>(recs + (lo + i) * a.record);
+        const bool ok = rec[0] >= 0 && static_cast<u64>(rec[0]) < a.n_tokens && rec[1] >= 0 &&
+                        static_cast<u64>(rec[1]) < a.topk && expert_id(a, rec[0] * a.topk + rec[1]) == x;
+        if (!ok) invalid(a, OP_STRAY, p, static_cast<u64>(static_cast<u32>(rec[0])), static_cast<u64>(static_cast<u32>(rec[1])));
+      }
+      lo += n;
+    }
+  }
   const float* weights = reinterpret_cast<const float*>(a.weights);
   Byte* out = reinterpret_cast<Byte*>(a.out);
   for (u64 t = blockIdx.x; t < a.n_tokens; t += gridDim.x) {

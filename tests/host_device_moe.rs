@@ -465,6 +465,23 @@ fn capacity_overflow_is_an_error_with_exact_counts_and_the_window_stays_usable()
     }
 }
 
+/// A source with more tokens for one rank than its staging holds (local experts x capacity):
+/// the counts stay exact (the sender counts them) and the rows within capacity are right.
+#[test]
+fn more_tokens_for_one_rank_than_its_staging_holds() {
+    for world in [1, 2, 4] {
+        let c = Case {
+            world,
+            shape: shape(world, 1, 128, 3),
+            tokens: vec![8; world],
+            routing: Routing::AllTo(world - 1),
+            idx64: true,
+        };
+        run_case::<bf16>(&c, false, false);
+        run_case::<bf16>(&c, true, false);
+    }
+}
+
 #[test]
 fn eight_ranks() {
     let c = Case {
@@ -497,4 +514,78 @@ fn halves_out_of_order_are_refused() {
         assert!(matches!(a, Error::InvalidArgument { .. }), "{a}");
         assert!(b.to_string().contains("cannot overlap"), "{b}");
     }
+}
+
+/// An expert id out of range: the rank that sent it is told (InvalidArgument), the others get
+/// their rows, and the next call works (the kernels finish their protocol).
+#[test]
+fn a_bad_expert_id_is_reported_by_its_rank_and_the_window_stays_usable() {
+    let seed = fresh_seed();
+    let world = 2;
+    let res = run_group_on_device("device", Device::Host(0), world, "moe-bad-id", opts(), |comm| {
+        let s = shape(4, 2, 128, 16);
+        let tokens = vec![bf16::ONE; 3 * 128];
+        let idx: Vec<i32> = if comm.rank() == 1 {
+            vec![0, 9, 1, -1, 2, 3]
+        } else {
+            vec![0, 1, 1, -1, 2, 3]
+        };
+        let (mut rt, mut counts, mut src) = (vec![bf16::ZERO; 2 * 16 * 128], vec![0i32; 2], vec![0i32; 2 * 16 * 3]);
+        let bad = comm.moe_dispatch(s, Dispatch::send(&tokens, &idx).recv(&mut rt, &mut counts, &mut src));
+        let c = Case {
+            world,
+            shape: shape(4, 2, 128, 16),
+            tokens: vec![4, 6],
+            routing: Routing::Random,
+            idx64: false,
+        };
+        (
+            bad.map_err(|e| format!("{e:?}")),
+            run_rank::<bf16>(comm, seed, &c, false, true),
+            c,
+        )
+    });
+    for (rank, (bad, next, c)) in res.iter().enumerate() {
+        match rank {
+            1 => assert!(
+                bad.as_ref()
+                    .is_err_and(|e| e.contains("InvalidArgument") && e.contains("topk_idx[1] = 9")),
+                "{bad:?}"
+            ),
+            _ => assert!(bad.is_ok(), "{bad:?}"),
+        }
+        check::<bf16>(seed, c, rank, next);
+    }
+}
+
+/// A combine whose `src` names a token its rank never sent: that rank is told (a stray row, or
+/// the row its token misses), as the CPU engine tells it.
+#[test]
+fn a_combine_row_for_a_token_never_sent_is_reported() {
+    let res = run_group_on_device("device", Device::Host(0), 2, "moe-stray", opts(), |comm| {
+        let s = shape(2, 1, 128, 8);
+        let tokens = vec![bf16::ONE; 2 * 128];
+        // Every token of both ranks to expert 1 (rank 1).
+        let idx = vec![1i32, 1];
+        let (mut rt, mut counts, mut src) = (vec![bf16::ZERO; 8 * 128], vec![0i32; 1], vec![0i32; 8 * 3]);
+        comm.moe_dispatch(s, Dispatch::send(&tokens, &idx).recv(&mut rt, &mut counts, &mut src))
+            .unwrap();
+        if comm.rank() == 1 {
+            // Row 0 came from rank 0, token 0: say token 57 instead.
+            assert_eq!(&src[..3], &[0, 0, 0]);
+            src[1] = 57;
+        }
+        let mut out = vec![bf16::ZERO; 2 * 128];
+        comm.moe_combine(
+            s,
+            Combine::send(&rt, &src, &counts).recv(&idx, &[1.0f32, 1.0], &mut out),
+        )
+        .map_err(|e| e.to_string())
+    });
+    let e = res[0].as_ref().unwrap_err();
+    assert!(
+        e.contains("which it was not sent") || e.contains("no row came back for token 0"),
+        "{e}"
+    );
+    assert!(res[1].is_ok(), "{:?}", res[1]);
 }

@@ -13,6 +13,7 @@
 #define FERROCOMM_HOST_DEVICE 1
 #include "../../kernels/alltoall.cu"
 #include "../../kernels/bench.cu"
+#include "../../kernels/moe.cu"
 #include "../../kernels/multimem.cu"
 #include "../../kernels/oneshot.cu"
 #include "../../kernels/rma.cu"
@@ -246,6 +247,105 @@ void check_all_to_all(Group& g, u64 region, u64 slot_payload, u64 max_len, int c
         if (recv[r][p] != send[p][r]) fail("all_to_all", r, p, call);
       }
     }
+  }
+}
+
+// MoE dispatch then combine (kernels/moe.cu) on `g.size` ranks, `calls` times in a row (the
+// epochs advance), laid out as host/backend/device/moe.rs does: bf16 rows of 128, two local
+// experts per rank, K = 2 distinct experts per token (some slots -1), 5 + rank tokens.
+void check_moe(int calls) {
+  namespace m = ferrocomm::moe;
+  auto up16 = [](u64 x) { return (x + 15) / 16 * 16; };
+  for (int size : {1, 2, 3, 4}) {
+    const u64 local = 2, experts = local * size, topk = 2, hidden = 128, capacity = 32;
+    const u64 rows = local * capacity, header = up16(16 + 4 * local), data = up16(hidden * 4);
+    const u64 dslot = header + rows * (up16(4 + 4 * topk) + data), cslot = header + rows * (16 + data);
+    Group g(size, size * (dslot + cslot), 2 + 2 * m::MOE_BLOCKS);
+    std::vector<std::vector<u64>> counters(size, std::vector<u64>(2 * m::MOE_MAX_RANKS + 2 * m::MOE_BLOCKS, 0));
+    std::vector<ferrocomm_status> errors(size);
+    memset(errors.data(), 0, sizeof(ferrocomm_status) * size);
+    for (int call = 0; call < calls; ++call) {
+      auto tokens_of = [](int r) { return u64(5 + r); };
+      std::vector<std::vector<u16>> tok(size), rt(size), eo(size), out(size);
+      std::vector<std::vector<i32>> idx(size), counts(size), src(size);
+      std::vector<std::vector<float>> wts(size);
+      for (int r = 0; r < size; ++r) {
+        const u64 t = tokens_of(r);
+        for (u64 i = 0; i < t * hidden; ++i) tok[r].push_back(Bf16::put(float((long long)(mix(r * 7919 + i + call * 31) % 64) - 32) / 8.0f));
+        for (u64 i = 0; i < t; ++i) {
+          const i32 a = i32(mix(r * 131 + i + call) % experts);
+          const i32 b = (i % 3 == 0 || experts == 1) ? -1 : i32((a + 1 + mix(i + r) % (experts - 1)) % experts);
+          idx[r].push_back(a);
+          idx[r].push_back(b);
+          wts[r].push_back(0.5f + float(i % 4));
+          wts[r].push_back(-0.25f * float(i % 3));
+        }
+        rt[r].assign(rows * hidden, 0xffff);
+        counts[r].assign(local, -1);
+        src[r].assign(rows * 3, -1);
+        out[r].assign(t * hidden, 0xffff);
+      }
+      g.ranks([&](int r) {
+        m::Args a{};
+        a.hidden = hidden, a.topk = topk, a.experts = experts, a.local = local, a.capacity = capacity;
+        a.row_bytes = hidden * 2, a.header = header, a.rows = rows;
+        a.errors = reinterpret_cast<u64>(&errors[r]);
+        ferrocomm_window_handle h = g.handle(r);
+        u64* c = counters[r].data();
+        m::Args d = a;
+        d.region = 0, d.slot = dslot, d.record = up16(4 + 4 * topk) + up16(a.row_bytes);
+        m::Args ds = d;
+        ds.tokens = reinterpret_cast<u64>(tok[r].data()), ds.idx = reinterpret_cast<u64>(idx[r].data());
+        ds.n_tokens = tokens_of(r);
+        launch(size, 32, [=] { ferrocomm_moe_dispatch_send(h, ds, c); });
+        m::Args dr = d;
+        dr.tokens = reinterpret_cast<u64>(rt[r].data()), dr.counts = reinterpret_cast<u64>(counts[r].data());
+        dr.src = reinterpret_cast<u64>(src[r].data());
+        launch(m::MOE_BLOCKS, 32, [=] { ferrocomm_moe_dispatch_recv(h, dr, c); });
+        // The experts' outputs: the rows themselves.
+        eo[r] = rt[r];
+        m::Args cm = a;
+        cm.region = size * dslot, cm.slot = cslot, cm.record = 16 + up16(a.row_bytes), cm.dtype = 2;
+        m::Args cs = cm;
+        cs.tokens = reinterpret_cast<u64>(eo[r].data()), cs.counts = reinterpret_cast<u64>(counts[r].data());
+        cs.src = reinterpret_cast<u64>(src[r].data());
+        launch(size, 32, [=] { ferrocomm_moe_combine_send(h, cs, c); });
+        m::Args cr = cm;
+        cr.idx = reinterpret_cast<u64>(idx[r].data()), cr.weights = reinterpret_cast<u64>(wts[r].data());
+        cr.out = reinterpret_cast<u64>(out[r].data()), cr.n_tokens = tokens_of(r);
+        launch(m::MOE_BLOCKS, 32, [=] { ferrocomm_moe_combine_recv(h, cr, c); });
+      });
+      g.check_status("moe");
+      for (int r = 0; r < size; ++r) {
+        if (errors[r].code != FERROCOMM_STATUS_OK) fail("moe data error", r, errors[r].op, errors[r].peer);
+        // Dispatch: per local expert, (source, token, k) in order.
+        for (u64 e = 0; e < local; ++e) {
+          u64 i = 0;
+          for (int p = 0; p < size; ++p) {
+            for (u64 q = 0; q < idx[p].size(); ++q) {
+              if (idx[p][q] != i32(r * local + e)) continue;
+              const u64 slot = e * capacity + i++;
+              if (src[r][slot * 3] != p || src[r][slot * 3 + 1] != i32(q / topk) || src[r][slot * 3 + 2] != i32(q % topk)) {
+                fail("moe dispatch src", r, e, slot);
+              }
+              if (memcmp(&rt[r][slot * hidden], &tok[p][q / topk * hidden], hidden * 2) != 0) fail("moe dispatch row", r, e, slot);
+            }
+          }
+          if (counts[r][e] != i32(i)) fail("moe dispatch count", r, e, counts[r][e]);
+        }
+        // Combine: every row came back as itself, so out = sum_k w_k * token, in k order.
+        for (u64 t = 0; t < tokens_of(r); ++t) {
+          for (u64 j = 0; j < hidden; ++j) {
+            float acc = 0.0f;
+            for (u64 k = 0; k < topk; ++k) {
+              if (idx[r][t * topk + k] >= 0) acc = fmaf(wts[r][t * topk + k], Bf16::get(tok[r][t * hidden + j]), acc);
+            }
+            if (out[r][t * hidden + j] != Bf16::put(acc)) fail("moe combine", r, t, j);
+          }
+        }
+      }
+    }
+    printf("ok: moe, %d rank%s\n", size, size == 1 ? "" : "s");
   }
 }
 
@@ -525,5 +625,6 @@ int main(int argc, char** argv) {
     printf("ok: %d rank%s\n", n, n == 1 ? "" : "s");
     fflush(stdout);
   }
+  check_moe(2);
   return 0;
 }

@@ -222,6 +222,11 @@ impl Backend for DeviceBackend {
                 .as_ref()
                 .map_or(Ok(()), |k| k.check("finalize", self.me.timeout)),
         );
+        let r = r.and(
+            self.moe
+                .as_ref()
+                .map_or(Ok(()), |m| m.check("finalize", self.me.timeout)),
+        );
         self.me.host.finalize()?;
         r
     }

@@ -49,6 +49,7 @@ const OP_EXPERT: u32 = 0x4d02;
 const OP_SRC: u32 = 0x4d03;
 const OP_MISSING: u32 = 0x4d04;
 const OP_STEP: u32 = 0x4d05;
+const OP_STRAY: u32 = 0x4d06;
 
 /// The most bytes of one rank's MoE window; larger shapes keep the backend's other path.
 pub(crate) const WINDOW_MAX: usize = 1 << 30;
@@ -277,6 +278,19 @@ impl OwnMoe {
         result
     }
 
+    /// Reports a failure the kernels of the last call recorded (on a GPU they end after their
+    /// call returned): `finalize` asks.
+    pub(crate) fn check(&self, op: &'static str, timeout: Duration) -> Result<()> {
+        let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        match &st.live {
+            Some(live) => {
+                live.window.take_status(op, timeout)?;
+                self.take_errors(live, op)
+            }
+            None => Ok(()),
+        }
+    }
+
     /// Makes (or grows) the window for `layout`: collective, every rank calls with the same shape.
     fn ensure_window(&self, b: &DeviceRank, st: &mut State, layout: Layout, timeout: Duration) -> Result<()> {
         if st.live.as_ref().is_some_and(|l| l.layout.bytes >= layout.bytes) {
@@ -337,7 +351,7 @@ impl OwnMoe {
                 let el = s.peer.max(0) as usize;
                 Error::CapacityExceeded {
                     op,
-                    what: format!("local expert {el} of rank {}", self.rank),
+                    what: format!("local expert {el} (expert {}) of rank {}", s.signal_id, self.rank),
                     count: s.observed as usize,
                     capacity: s.expected as usize,
                 }
@@ -361,6 +375,13 @@ impl OwnMoe {
                     s.expected,
                     (s.observed >> 32) as u32 as i32,
                     s.observed as u32 as i32
+                ),
+            ),
+            (_, OP_STRAY) => Error::invalid(
+                op,
+                format!(
+                    "rank {} returned a row for token {}, k = {}, which it was not sent",
+                    s.peer, s.expected as u32 as i32, s.observed as u32 as i32
                 ),
             ),
             (_, OP_MISSING) => Error::invalid(
