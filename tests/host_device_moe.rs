@@ -589,3 +589,60 @@ fn a_combine_row_for_a_token_never_sent_is_reported() {
     );
     assert!(res[1].is_ok(), "{:?}", res[1]);
 }
+
+/// Shapes change between calls (the window grows, and stays for smaller ones), and a dispatch
+/// of one shape waits, sent, across a combine of another.
+#[test]
+fn shapes_change_between_calls_and_halves_of_one_shape_span_another() {
+    let seed = fresh_seed();
+    let world = 2;
+    let case = |experts, topk, hidden, capacity| Case {
+        world,
+        shape: shape(experts, topk, hidden, capacity),
+        tokens: vec![5, 7],
+        routing: Routing::Random,
+        idx64: false,
+    };
+    let (a, b) = (case(4, 2, 128, 16), case(8, 8, 384, 24));
+    let res = run_group_on_device("device", Device::Host(0), world, "moe-shapes", opts(), |comm| {
+        let first = run_rank::<bf16>(comm, seed, &a, false, true);
+        let bigger = run_rank::<bf16>(comm, seed, &b, false, true);
+        let again = run_rank::<bf16>(comm, seed, &a, true, true);
+        // A dispatch of shape b sent; a combine of shape a (nothing routed) runs; then b's
+        // receive half.
+        let inp = inputs::<bf16>(seed, &b, comm.rank());
+        let idx32: Vec<i32> = inp.idx.iter().map(|&x| x as i32).collect();
+        comm.moe_dispatch(b.shape, Dispatch::send(&inp.tokens, &idx32)).unwrap();
+        let rows = 2 * 16;
+        let (eo, src, counts) = (vec![bf16::ONE; rows * 128], vec![0i32; rows * 3], vec![0i32; 2]);
+        let none = vec![-1i32; 3 * 2];
+        let mut out = vec![bf16::from_bits(0x7fcd); 3 * 128];
+        comm.moe_combine(
+            a.shape,
+            Combine::send(&eo, &src, &counts).recv(&none, &[0.5f32; 6], &mut out),
+        )
+        .unwrap();
+        assert!(out.iter().all(|x| *x == bf16::ZERO), "tokens with no expert sum to 0");
+        let local = 4;
+        let mut rt = vec![bf16::from_bits(0x7fcd); local * 24 * 384];
+        let (mut cnt, mut s) = (vec![-7i32; local], vec![-9i32; local * 24 * 3]);
+        comm.moe_dispatch(b.shape, Dispatch::recv_only().recv(&mut rt, &mut cnt, &mut s))
+            .unwrap();
+        let spanned = Out {
+            dispatch: Ok(()),
+            tokens: rt.iter().map(|t| t.to_bits() as u64).collect(),
+            scales: vec![0x7fc0_beef; 0],
+            counts: cnt,
+            src: s,
+            combine: None,
+            out: Vec::new(),
+        };
+        (first, bigger, again, spanned)
+    });
+    for (rank, (first, bigger, again, spanned)) in res.iter().enumerate() {
+        check::<bf16>(seed, &a, rank, first);
+        check::<bf16>(seed, &b, rank, bigger);
+        check::<bf16>(seed, &a, rank, again);
+        check::<bf16>(seed, &b, rank, spanned);
+    }
+}
