@@ -721,3 +721,33 @@ fn shapes_change_between_calls_and_halves_of_one_shape_span_another() {
         check::<bf16>(seed, &b, rank, spanned);
     }
 }
+
+/// Ranks on "hosts" of their own (the TCP transport): no own kernels there, the CPU engine runs
+/// both halves, with the same results.
+#[test]
+fn ranks_on_several_hosts_keep_the_engine_path() {
+    let seed = fresh_seed();
+    let c = Case {
+        world: 2,
+        shape: shape(4, 2, 128, 16),
+        tokens: vec![5, 6],
+        routing: Routing::Random,
+        idx64: false,
+    };
+    let res = run_group_on_device(
+        "device",
+        Device::Host(0),
+        2,
+        "moe-tcp",
+        tcp_options(Duration::from_secs(30)),
+        |comm| {
+            let a = run_rank::<bf16>(comm, seed, &c, true, true);
+            let b = run_rank::<bf16>(comm, seed, &c, false, true);
+            (a, b)
+        },
+    );
+    for (rank, (a, b)) in res.iter().enumerate() {
+        check::<bf16>(seed, &c, rank, a);
+        assert_eq!(a, b);
+    }
+}
