@@ -186,35 +186,12 @@ fn run_rank<T: Tok>(comm: &Comm, seed: u64, c: &Case, separate: bool, combine: b
         let d = if fp8 { d.recv_scales(&mut rsc) } else { d };
         comm.moe_dispatch(s, d).map_err(|e| format!("{e:?}"))
     };
-    let mut out = vec![bf16::from_bits(0x7fcd); c.tokens[rank] * s.hidden];
-    let combined = combine.then(|| {
-        let mut r = rng(seed, 1000 + rank as u64);
-        let expert_out: Vec<bf16> = (0..rows * s.hidden)
-            .map(|_| bf16::from_f32(r.gen_range(-2.0..2.0)))
-            .collect();
-        let recv = |out: &mut Vec<bf16>| {
-            if c.idx64 {
-                comm.moe_combine(s, Combine::recv_only().recv(&inp.idx, &inp.weights, out))
-            } else {
-                comm.moe_combine(s, Combine::recv_only().recv(&idx32, &inp.weights, out))
-            }
-        };
-        let r = if separate {
-            comm.moe_combine(s, Combine::send(&expert_out, &src, &counts))
-                .and_then(|()| recv(&mut out))
-        } else if c.idx64 {
-            comm.moe_combine(
-                s,
-                Combine::send(&expert_out, &src, &counts).recv(&inp.idx, &inp.weights, &mut out),
-            )
-        } else {
-            comm.moe_combine(
-                s,
-                Combine::send(&expert_out, &src, &counts).recv(&idx32, &inp.weights, &mut out),
-            )
-        };
-        r.map_err(|e| format!("{e:?}"))
-    });
+    // Combine in f32 after an f32 dispatch, else in bf16.
+    let (combined, out) = if T::DTYPE == DType::F32 {
+        combine_rank::<f32>(comm, seed, c, separate, combine, &inp, &idx32, &src, &counts)
+    } else {
+        combine_rank::<bf16>(comm, seed, c, separate, combine, &inp, &idx32, &src, &counts)
+    };
     Out {
         dispatch,
         tokens: rt.iter().map(|t| t.bits()).collect(),
@@ -222,14 +199,102 @@ fn run_rank<T: Tok>(comm: &Comm, seed: u64, c: &Case, separate: bool, combine: b
         counts,
         src,
         combine: combined,
-        out: out.iter().map(|x| x.to_bits() as u32).collect(),
+        out,
     }
+}
+
+/// The element type of a combine's rows.
+trait Act: Element + Copy + Send + Sync {
+    fn from(x: f32) -> Self;
+    fn poison() -> Self;
+    fn bits(self) -> u32;
+    fn from_bits32(b: u32) -> f64;
+    /// Relative tolerance against the f64 reference.
+    const TOL: f64;
+}
+
+impl Act for bf16 {
+    fn from(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+    fn poison() -> Self {
+        bf16::from_bits(0x7fcd)
+    }
+    fn bits(self) -> u32 {
+        self.to_bits() as u32
+    }
+    fn from_bits32(b: u32) -> f64 {
+        bf16::from_bits(b as u16).to_f64()
+    }
+    const TOL: f64 = 1e-2;
+}
+
+impl Act for f32 {
+    fn from(x: f32) -> Self {
+        x
+    }
+    fn poison() -> Self {
+        f32::from_bits(0x7fc0_dead)
+    }
+    fn bits(self) -> u32 {
+        self.to_bits()
+    }
+    fn from_bits32(b: u32) -> f64 {
+        f32::from_bits(b) as f64
+    }
+    const TOL: f64 = 1e-5;
+}
+
+/// Expert outputs of rank `rank` (random, from the seed), `C` rows.
+fn expert_out<C: Act>(seed: u64, c: &Case, rank: usize) -> Vec<C> {
+    let rows = c.shape.experts / c.world * c.shape.capacity;
+    let mut r = rng(seed, 1000 + rank as u64);
+    (0..rows * c.shape.hidden)
+        .map(|_| C::from(r.gen_range(-2.0..2.0)))
+        .collect()
+}
+
+/// A combine of `expert_out` back to the tokens (if `combine`), with `out` poisoned first.
+#[allow(clippy::too_many_arguments)]
+fn combine_rank<C: Act>(
+    comm: &Comm,
+    seed: u64,
+    c: &Case,
+    separate: bool,
+    combine: bool,
+    inp: &Inputs<impl Tok>,
+    idx32: &[i32],
+    src: &[i32],
+    counts: &[i32],
+) -> (Option<std::result::Result<(), String>>, Vec<u32>) {
+    let (rank, s) = (comm.rank(), c.shape);
+    let mut out = vec![C::poison(); c.tokens[rank] * s.hidden];
+    let combined = combine.then(|| {
+        let eo = expert_out::<C>(seed, c, rank);
+        let r = match (separate, c.idx64) {
+            (true, idx64) => comm.moe_combine(s, Combine::send(&eo, src, counts)).and_then(|()| {
+                let recv = Combine::recv_only();
+                let recv = if idx64 {
+                    recv.recv(&inp.idx, &inp.weights, &mut out)
+                } else {
+                    recv.recv(idx32, &inp.weights, &mut out)
+                };
+                comm.moe_combine(s, recv)
+            }),
+            (false, true) => comm.moe_combine(
+                s,
+                Combine::send(&eo, src, counts).recv(&inp.idx, &inp.weights, &mut out),
+            ),
+            (false, false) => comm.moe_combine(s, Combine::send(&eo, src, counts).recv(idx32, &inp.weights, &mut out)),
+        };
+        r.map_err(|e| format!("{e:?}"))
+    });
+    (combined, out.iter().map(|x| x.bits()).collect())
 }
 
 /// Checks one rank's dispatch against the reference, and its combine against f64.
 fn check<T: Tok>(seed: u64, c: &Case, rank: usize, got: &Out) {
     let s = c.shape;
-    let local = s.experts / c.world;
     let all: Vec<Inputs<T>> = (0..c.world).map(|r| inputs::<T>(seed, c, r)).collect();
     let all_idx: Vec<Vec<i64>> = all.iter().map(|i| i.idx.clone()).collect();
     let want = reference(&all_idx, c, rank);
@@ -286,40 +351,50 @@ fn check<T: Tok>(seed: u64, c: &Case, rank: usize, got: &Out) {
         return;
     }
     comb.as_ref().unwrap_or_else(|e| panic!("rank {rank}: combine {e}"));
-    let rows = local * s.capacity;
-    let expert_out: Vec<Vec<bf16>> = (0..c.world)
-        .map(|q| {
-            let mut r = rng(seed, 1000 + q as u64);
-            (0..rows * s.hidden)
-                .map(|_| bf16::from_f32(r.gen_range(-2.0..2.0)))
-                .collect()
-        })
-        .collect();
+    if T::DTYPE == DType::F32 {
+        check_combine::<f32>(seed, c, rank, got, &all_idx, &all[rank].idx, &all[rank].weights);
+    } else {
+        check_combine::<bf16>(seed, c, rank, got, &all_idx, &all[rank].idx, &all[rank].weights);
+    }
+}
+
+/// One rank's combine against the f64 reference.
+fn check_combine<C: Act>(
+    seed: u64,
+    c: &Case,
+    rank: usize,
+    got: &Out,
+    all_idx: &[Vec<i64>],
+    idx: &[i64],
+    weights: &[f32],
+) {
+    let s = c.shape;
+    let expert_out: Vec<Vec<C>> = (0..c.world).map(|q| expert_out::<C>(seed, c, q)).collect();
     // Where (rank, token, k) landed: (owner, expert, row).
     let mut at = std::collections::HashMap::new();
     for q in 0..c.world {
-        for (e, list) in reference(&all_idx, c, q).iter().enumerate() {
+        for (e, list) in reference(all_idx, c, q).iter().enumerate() {
             for (i, &(p, t, k)) in list.iter().enumerate() {
                 at.insert((p, t, k), (q, e, i));
             }
         }
     }
-    let me = &all[rank];
     for t in 0..c.tokens[rank] {
         for j in 0..s.hidden {
             let (mut sum, mut mag) = (0f64, 0f64);
             for k in 0..s.topk {
-                if me.idx[t * s.topk + k] < 0 {
+                if idx[t * s.topk + k] < 0 {
                     continue;
                 }
                 let (q, e, i) = at[&(rank, t, k)];
-                let v = expert_out[q][(e * s.capacity + i) * s.hidden + j].to_f64() * me.weights[t * s.topk + k] as f64;
+                let row = expert_out[q][(e * s.capacity + i) * s.hidden + j];
+                let v = C::from_bits32(row.bits()) * weights[t * s.topk + k] as f64;
                 sum += v;
                 mag += v.abs();
             }
-            let g = bf16::from_bits(got.out[t * s.hidden + j] as u16).to_f64();
+            let g = C::from_bits32(got.out[t * s.hidden + j]);
             assert!(
-                (g - sum).abs() <= 1e-2 * mag.max(sum.abs()) + 1e-6,
+                (g - sum).abs() <= C::TOL * mag.max(sum.abs()) + 1e-6,
                 "rank {rank} out[{t},{j}] = {g}, want {sum} (|terms| {mag})"
             );
         }
@@ -395,7 +470,7 @@ fn fp8_tokens_travel_with_their_scales() {
 
 #[test]
 fn f32_tokens_and_odd_rows() {
-    // 100 f32: rows of 400 bytes (16-byte copies); combine in bf16 with hidden 100.
+    // 100 f32: rows of 400 bytes (16-byte copies); the combine in f32 (tolerance 1e-5).
     for world in [2, 4] {
         let c = Case {
             world,
@@ -588,4 +663,91 @@ fn a_combine_row_for_a_token_never_sent_is_reported() {
         "{e}"
     );
     assert!(res[1].is_ok(), "{:?}", res[1]);
+}
+
+/// Shapes change between calls (the window grows, and stays for smaller ones), and a dispatch
+/// of one shape waits, sent, across a combine of another.
+#[test]
+fn shapes_change_between_calls_and_halves_of_one_shape_span_another() {
+    let seed = fresh_seed();
+    let world = 2;
+    let case = |experts, topk, hidden, capacity| Case {
+        world,
+        shape: shape(experts, topk, hidden, capacity),
+        tokens: vec![5, 7],
+        routing: Routing::Random,
+        idx64: false,
+    };
+    let (a, b) = (case(4, 2, 128, 16), case(8, 8, 384, 24));
+    let res = run_group_on_device("device", Device::Host(0), world, "moe-shapes", opts(), |comm| {
+        let first = run_rank::<bf16>(comm, seed, &a, false, true);
+        let bigger = run_rank::<bf16>(comm, seed, &b, false, true);
+        let again = run_rank::<bf16>(comm, seed, &a, true, true);
+        // A dispatch of shape b sent; a combine of shape a (nothing routed) runs; then b's
+        // receive half.
+        let inp = inputs::<bf16>(seed, &b, comm.rank());
+        let idx32: Vec<i32> = inp.idx.iter().map(|&x| x as i32).collect();
+        comm.moe_dispatch(b.shape, Dispatch::send(&inp.tokens, &idx32)).unwrap();
+        let rows = 2 * 16;
+        let (eo, src, counts) = (vec![bf16::ONE; rows * 128], vec![0i32; rows * 3], vec![0i32; 2]);
+        let none = vec![-1i32; 3 * 2];
+        let mut out = vec![bf16::from_bits(0x7fcd); 3 * 128];
+        comm.moe_combine(
+            a.shape,
+            Combine::send(&eo, &src, &counts).recv(&none, &[0.5f32; 6], &mut out),
+        )
+        .unwrap();
+        assert!(out.iter().all(|x| *x == bf16::ZERO), "tokens with no expert sum to 0");
+        let local = 4;
+        let mut rt = vec![bf16::from_bits(0x7fcd); local * 24 * 384];
+        let (mut cnt, mut s) = (vec![-7i32; local], vec![-9i32; local * 24 * 3]);
+        comm.moe_dispatch(b.shape, Dispatch::recv_only().recv(&mut rt, &mut cnt, &mut s))
+            .unwrap();
+        let spanned = Out {
+            dispatch: Ok(()),
+            tokens: rt.iter().map(|t| t.to_bits() as u64).collect(),
+            scales: vec![0x7fc0_beef; 0],
+            counts: cnt,
+            src: s,
+            combine: None,
+            out: Vec::new(),
+        };
+        (first, bigger, again, spanned)
+    });
+    for (rank, (first, bigger, again, spanned)) in res.iter().enumerate() {
+        check::<bf16>(seed, &a, rank, first);
+        check::<bf16>(seed, &b, rank, bigger);
+        check::<bf16>(seed, &a, rank, again);
+        check::<bf16>(seed, &b, rank, spanned);
+    }
+}
+
+/// Ranks on "hosts" of their own (the TCP transport): no own kernels there, the CPU engine runs
+/// both halves, with the same results.
+#[test]
+fn ranks_on_several_hosts_keep_the_engine_path() {
+    let seed = fresh_seed();
+    let c = Case {
+        world: 2,
+        shape: shape(4, 2, 128, 16),
+        tokens: vec![5, 6],
+        routing: Routing::Random,
+        idx64: false,
+    };
+    let res = run_group_on_device(
+        "device",
+        Device::Host(0),
+        2,
+        "moe-tcp",
+        tcp_options(Duration::from_secs(30)),
+        |comm| {
+            let a = run_rank::<bf16>(comm, seed, &c, true, true);
+            let b = run_rank::<bf16>(comm, seed, &c, false, true);
+            (a, b)
+        },
+    );
+    for (rank, (a, b)) in res.iter().enumerate() {
+        check::<bf16>(seed, &c, rank, a);
+        assert_eq!(a, b);
+    }
 }

@@ -66,8 +66,6 @@ struct Layout {
     header: usize,
     dispatch_slot: usize,
     combine_slot: usize,
-    /// Where combine's region starts (dispatch's is at 0).
-    combine_region: usize,
     bytes: usize,
 }
 
@@ -85,14 +83,12 @@ impl Layout {
         let combine_record = 16 + data;
         let dispatch_slot = rows.checked_mul(dispatch_record)?.checked_add(header)?;
         let combine_slot = rows.checked_mul(combine_record)?.checked_add(header)?;
-        let combine_region = world.checked_mul(dispatch_slot)?;
-        let bytes = combine_region.checked_add(world.checked_mul(combine_slot)?)?;
+        let bytes = world.checked_mul(dispatch_slot.checked_add(combine_slot)?)?;
         Some(Layout {
             rows,
             header,
             dispatch_slot,
             combine_slot,
-            combine_region,
             bytes,
         })
     }
@@ -125,7 +121,9 @@ struct Live {
     window: DeviceWindow,
     counters: Pinned<u64>,
     errors: Pinned<DeviceStatus>,
-    layout: Layout,
+    /// Bytes per source slot of each op: dispatch's region is at 0, combine's after it.
+    dispatch_slot: usize,
+    combine_slot: usize,
     order: Option<CallOrder>,
     timeout: Duration,
 }
@@ -222,8 +220,8 @@ impl OwnMoe {
             .map(|l| {
                 let mut a = l.args;
                 let (region, slot) = match l.step {
-                    Step::DispatchSend | Step::DispatchRecv => (0, layout.dispatch_slot),
-                    Step::CombineSend | Step::CombineRecv => (layout.combine_region, layout.combine_slot),
+                    Step::DispatchSend | Step::DispatchRecv => (0, live.dispatch_slot),
+                    Step::CombineSend | Step::CombineRecv => (self.size * live.dispatch_slot, live.combine_slot),
                 };
                 a.region = region as u64;
                 a.slot = slot as u64;
@@ -291,17 +289,21 @@ impl OwnMoe {
         }
     }
 
-    /// Makes (or grows) the window for `layout`: collective, every rank calls with the same shape.
-    fn ensure_window(&self, b: &DeviceRank, st: &mut State, layout: Layout, timeout: Duration) -> Result<()> {
-        if st.live.as_ref().is_some_and(|l| l.layout.bytes >= layout.bytes) {
-            if let Some(l) = st.live.as_mut() {
-                // The same bytes suffice; the offsets follow this shape.
-                l.layout = Layout {
-                    bytes: l.layout.bytes,
-                    ..layout
-                };
+    /// Makes (or grows) the window so that its slots hold `need`'s: collective, every rank
+    /// calls with the same shape. A window stays while its slots are large enough: each op's
+    /// region keeps its place across shapes, so a send half of one shape waiting for its
+    /// receive half is never overwritten by the other op of another shape.
+    fn ensure_window(&self, b: &DeviceRank, st: &mut State, need: Layout, timeout: Duration) -> Result<()> {
+        let (mut dispatch_slot, mut combine_slot) = (need.dispatch_slot, need.combine_slot);
+        if let Some(l) = &st.live {
+            if l.dispatch_slot >= need.dispatch_slot && l.combine_slot >= need.combine_slot {
+                return Ok(());
             }
-            return Ok(());
+            // Grown to hold every shape seen so far, where that fits.
+            let both = (dispatch_slot.max(l.dispatch_slot), combine_slot.max(l.combine_slot));
+            if (both.0 + both.1).saturating_mul(self.size) <= WINDOW_MAX {
+                (dispatch_slot, combine_slot) = both;
+            }
         }
         if st.dispatch.is_some() || st.combine.is_some() {
             return Err(Error::invalid(
@@ -312,7 +314,7 @@ impl OwnMoe {
         st.live = None;
         let spec = WindowSpec {
             id: WINDOW_ID - st.made,
-            bytes: layout.bytes,
+            bytes: (dispatch_slot + combine_slot) * self.size,
             signals: SIGNAL_IDS,
             registered: None,
             timeout,
@@ -323,7 +325,8 @@ impl OwnMoe {
             counters: b.gpu.records(COUNTERS)?,
             errors: b.gpu.records(1)?,
             window,
-            layout,
+            dispatch_slot,
+            combine_slot,
             order: (b.gpu != Gpu::Host).then(CallOrder::new).transpose()?,
             timeout,
         });
@@ -598,7 +601,6 @@ mod tests {
         assert_eq!(l.header, 32);
         assert_eq!(l.dispatch_slot, 32 + 16 * (16 + 512));
         assert_eq!(l.combine_slot, 32 + 16 * (16 + 512));
-        assert_eq!(l.combine_region, 2 * l.dispatch_slot);
         assert_eq!(l.bytes, 2 * (l.dispatch_slot + l.combine_slot));
         assert!(OwnMoe::takes(&s, 2));
         assert!(
