@@ -94,6 +94,8 @@ kernel_args!(A 0, B 1, C 2, D 3, E 4, F 5, G 6);
 
 /// kernels/collective.cuh's `Parts`: one device address per rank.
 pub(crate) const MAX_RANKS: usize = 16;
+/// kernels/collective.cuh's MAX_BLOCKS: the most blocks of a collective kernel's grid.
+pub(crate) const MAX_BLOCKS: usize = 16;
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Parts {

@@ -27,6 +27,7 @@ use super::window::DeviceWindow;
 use crate::contracts::backend::hint_ignored;
 use crate::contracts::dtype::{DType, ReduceOp};
 use crate::contracts::error::{Error, Result};
+use crate::contracts::inference::RmsNormFusion;
 use crate::contracts::ops::{Buf, BufMut, DeviceBytes, Op};
 use crate::contracts::options::CommOptions;
 use crate::contracts::window::WindowSpec;
@@ -39,7 +40,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 /// kernels/collective.cuh's MAX_BLOCKS, MAX_RANKS and signal id groups.
-const MAX_BLOCKS: usize = 16;
+use crate::gpu::kernels::MAX_BLOCKS;
 const SIGNAL_IDS: usize = 5 * MAX_BLOCKS;
 /// Bytes of one block's share before another block helps.
 const BYTES_PER_BLOCK: usize = 64 << 10;
@@ -645,6 +646,83 @@ fn pick_all_reduce(
 
 fn aligned(p: &Parts) -> bool {
     p.ptr.iter().all(|a| a % 16 == 0)
+}
+
+// The fused norm's plan (its kernels and shapes are in collectives/norm.rs).
+impl OwnCollectives {
+    /// The kernel and launches for the fused norm `f`, if a kernel here runs it (see the
+    /// module doc); `explain`: note a hint that cannot be honoured.
+    fn plan_norm(
+        &self,
+        f: &mut RmsNormFusion<'_>,
+        hints: &BTreeMap<String, String>,
+        explain: bool,
+    ) -> Option<(&Function, Launch)> {
+        let hd = self.host_device;
+        let (d, hidden, tokens) = (f.x.dtype(), f.hidden, f.tokens());
+        let s = norm::suffix(d, f.quantised())?;
+        let x = reach(&f.x, hd)?;
+        let gamma = reach(&f.gamma, hd)?;
+        let residual = reach_mut(&mut f.residual, hd)?;
+        let out = reach_mut(&mut f.out, hd)?;
+        let scales = match f.scales.as_mut() {
+            Some(sc) => reach_mut(sc, hd)?.ptr,
+            None => 0,
+        };
+        let hint = hints.get("algorithm").map(String::as_str);
+        let (two_shot, ignored) = norm::pick(hint, x.len, tokens, self.size, self.two_shot_min);
+        if let (Some(why), Some(value), true) = (ignored, hint, explain) {
+            hint_ignored("device", norm::OP, "algorithm", value, why);
+        }
+        let (in_size, out_size) = (d.size(), f.out.dtype().size());
+        let per_launch = norm::rows_per_launch(tokens, self.max_bytes, |rows| {
+            norm::segment_bytes(rows, hidden, in_size, out_size, self.size, two_shot)
+        });
+        if per_launch == 0 {
+            return None;
+        }
+        // 16-byte groups of a row: every row starts aligned where the buffers do.
+        let group = 16 / in_size;
+        let vectors = hidden % group == 0 && [x.ptr, residual.ptr, gamma.ptr, out.ptr].iter().all(|p| p % 16 == 0);
+        let args = kernels::NormArgs {
+            x: x.ptr,
+            residual: residual.ptr,
+            gamma: gamma.ptr,
+            out: out.ptr,
+            scales,
+            rows: tokens as u64,
+            hidden: hidden as u64,
+            eps: f.eps,
+            vectors: vectors.into(),
+            // The counters' address is the launch's (`enqueue`).
+            mismatches: 0,
+        };
+        let call = norm::NormCall {
+            args,
+            two_shot,
+            row_in: (hidden * in_size) as u64,
+            row_out: (hidden * out_size) as u64,
+            per_launch: per_launch as u64,
+        };
+        let kernels = if two_shot {
+            &self.norm.two_shot
+        } else {
+            &self.norm.one_shot
+        };
+        Some((&kernels[s], Launch::norm(x.len, call)))
+    }
+}
+
+impl Launch {
+    /// The fused norm chunks by rows itself.
+    fn norm(bytes: usize, call: norm::NormCall) -> Launch {
+        Launch {
+            bytes,
+            args: Args::Norm(Box::new(call)),
+            unit: 1,
+            chunk: usize::MAX,
+        }
+    }
 }
 
 #[cfg(test)]

@@ -9,24 +9,22 @@
 //! size and the region). A row that does not fit even alone has no kernel here: the backend
 //! then runs the operation on its other paths (the CPU engine, or the staged host copy).
 
-use super::{reach, reach_mut, Args, Launch, OwnCollectives, MAX_BLOCKS};
-use crate::contracts::backend::hint_ignored;
 use crate::contracts::dtype::DType;
 use crate::contracts::error::Result;
-use crate::contracts::inference::RmsNormFusion;
 use crate::contracts::window_handle::WindowHandle;
+use crate::gpu::kernels::MAX_BLOCKS;
 use crate::gpu::kernels::{self, Function, NormArgs, Queue};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 
-const OP: &str = "all_reduce_residual_rmsnorm";
+pub(super) const OP: &str = "all_reduce_residual_rmsnorm";
 
 /// kernels/fused_norm.cu's per-block header bytes.
 const HEADER_BYTES: usize = 32;
 
 /// The fused norm's kernels per name suffix (`f32`, `f16`, `bf16`, each also with `_fp8`).
 pub(super) struct NormKernels {
-    one_shot: HashMap<&'static str, Function>,
-    two_shot: HashMap<&'static str, Function>,
+    pub(super) one_shot: HashMap<&'static str, Function>,
+    pub(super) two_shot: HashMap<&'static str, Function>,
 }
 
 /// kernels/fused_norm.cu's `FERROCOMM_FOR_EACH_NORM`: (activation dtype, fp8 out, suffix).
@@ -39,7 +37,7 @@ const SUFFIXES: [(DType, bool, &str); 6] = [
     (DType::BF16, true, "bf16_fp8"),
 ];
 
-fn suffix(dtype: DType, fp8: bool) -> Option<&'static str> {
+pub(super) fn suffix(dtype: DType, fp8: bool) -> Option<&'static str> {
     SUFFIXES.iter().find(|s| s.0 == dtype && s.1 == fp8).map(|s| s.2)
 }
 
@@ -56,11 +54,11 @@ impl NormKernels {
 
 /// One call: its arguments over all rows, and how many rows each launch takes.
 pub(super) struct NormCall {
-    args: NormArgs,
-    two_shot: bool,
-    row_in: u64,
-    row_out: u64,
-    per_launch: u64,
+    pub(super) args: NormArgs,
+    pub(super) two_shot: bool,
+    pub(super) row_in: u64,
+    pub(super) row_out: u64,
+    pub(super) per_launch: u64,
 }
 
 impl NormCall {
@@ -111,7 +109,14 @@ impl NormCall {
 }
 
 /// kernels/fused_norm.cu's `Layout`: the segment bytes a launch of `rows` rows uses.
-fn segment_bytes(rows: usize, hidden: usize, in_size: usize, out_size: usize, size: usize, two_shot: bool) -> usize {
+pub(super) fn segment_bytes(
+    rows: usize,
+    hidden: usize,
+    in_size: usize,
+    out_size: usize,
+    size: usize,
+    two_shot: bool,
+) -> usize {
     let pad16 = |b: usize| b.next_multiple_of(16);
     let own = if two_shot { rows.div_ceil(size.max(1)) } else { 0 };
     let result_row = pad16(hidden * in_size) + pad16(hidden * out_size) + 16;
@@ -120,7 +125,7 @@ fn segment_bytes(rows: usize, hidden: usize, in_size: usize, out_size: usize, si
 
 /// The most rows (at most `tokens`) that one launch fits into `region` bytes; 0 when not even
 /// one row fits.
-fn rows_per_launch(tokens: usize, region: usize, bytes: impl Fn(usize) -> usize) -> usize {
+pub(super) fn rows_per_launch(tokens: usize, region: usize, bytes: impl Fn(usize) -> usize) -> usize {
     if bytes(1) > region {
         return 0;
     }
@@ -139,89 +144,19 @@ fn rows_per_launch(tokens: usize, region: usize, bytes: impl Fn(usize) -> usize)
 
 /// Two-shot or not: the hint's where it names one of the two, else two-shot from
 /// `two_shot_min` bytes of `x` when every rank gets a row; with why a hint was not honoured.
-fn pick(hint: Option<&str>, x_bytes: usize, tokens: usize, size: usize, two_shot_min: usize) -> (bool, Option<&str>) {
+pub(super) fn pick(
+    hint: Option<&str>,
+    x_bytes: usize,
+    tokens: usize,
+    size: usize,
+    two_shot_min: usize,
+) -> (bool, Option<&str>) {
     let by_size = x_bytes >= two_shot_min && tokens >= size;
     match hint {
         None => (by_size, None),
         Some("oneshot") => (false, None),
         Some("twoshot") => (true, None),
         Some(_) => (by_size, Some("the fused norm's kernels run oneshot or twoshot")),
-    }
-}
-
-impl OwnCollectives {
-    /// The kernel and launches for the fused norm `f`, if a kernel here runs it (see the
-    /// module doc); `explain`: note a hint that cannot be honoured.
-    pub(super) fn plan_norm(
-        &self,
-        f: &mut RmsNormFusion<'_>,
-        hints: &BTreeMap<String, String>,
-        explain: bool,
-    ) -> Option<(&Function, Launch)> {
-        let hd = self.host_device;
-        let (d, hidden, tokens) = (f.x.dtype(), f.hidden, f.tokens());
-        let s = suffix(d, f.quantised())?;
-        let x = reach(&f.x, hd)?;
-        let gamma = reach(&f.gamma, hd)?;
-        let residual = reach_mut(&mut f.residual, hd)?;
-        let out = reach_mut(&mut f.out, hd)?;
-        let scales = match f.scales.as_mut() {
-            Some(sc) => reach_mut(sc, hd)?.ptr,
-            None => 0,
-        };
-        let hint = hints.get("algorithm").map(String::as_str);
-        let (two_shot, ignored) = pick(hint, x.len, tokens, self.size, self.two_shot_min);
-        if let (Some(why), Some(value), true) = (ignored, hint, explain) {
-            hint_ignored("device", OP, "algorithm", value, why);
-        }
-        let (in_size, out_size) = (d.size(), f.out.dtype().size());
-        let per_launch = rows_per_launch(tokens, self.max_bytes, |rows| {
-            segment_bytes(rows, hidden, in_size, out_size, self.size, two_shot)
-        });
-        if per_launch == 0 {
-            return None;
-        }
-        // 16-byte groups of a row: every row starts aligned where the buffers do.
-        let group = 16 / in_size;
-        let vectors = hidden % group == 0 && [x.ptr, residual.ptr, gamma.ptr, out.ptr].iter().all(|p| p % 16 == 0);
-        let args = NormArgs {
-            x: x.ptr,
-            residual: residual.ptr,
-            gamma: gamma.ptr,
-            out: out.ptr,
-            scales,
-            rows: tokens as u64,
-            hidden: hidden as u64,
-            eps: f.eps,
-            vectors: vectors.into(),
-            // The counters' address is the launch's (`enqueue`).
-            mismatches: 0,
-        };
-        let call = NormCall {
-            args,
-            two_shot,
-            row_in: (hidden * in_size) as u64,
-            row_out: (hidden * out_size) as u64,
-            per_launch: per_launch as u64,
-        };
-        let kernels = if two_shot {
-            &self.norm.two_shot
-        } else {
-            &self.norm.one_shot
-        };
-        Some((&kernels[s], Launch::norm(x.len, call)))
-    }
-}
-
-impl Launch {
-    /// The fused norm chunks by rows itself.
-    fn norm(bytes: usize, call: NormCall) -> Launch {
-        Launch {
-            bytes,
-            args: Args::Norm(Box::new(call)),
-            unit: 1,
-            chunk: usize::MAX,
-        }
     }
 }
 
