@@ -498,3 +498,44 @@ impl<'scope, 'env> Collectives<'scope> for &'scope Scope<'scope, 'env> {
         self.start(op, opts)
     }
 }
+
+/// MoE's normal mode, beside the collectives it is made of.
+impl Comm {
+    /// MoE's normal mode: how many rows each expert receives in a dispatch of `topk_idx`
+    /// (`[T, topk]` expert ids, -1 for none) from every rank, summed over ranks (collective: an
+    /// all_reduce of one count per expert). Every rank gets the same counts, so every rank can
+    /// size its receive buffers with the same `MoeShape::capacity`, the largest count, before
+    /// the dispatch; the low-latency mode instead fixes the capacity up front and keeps the
+    /// counts on the device.
+    ///
+    /// ```
+    /// use ferrocomm::prelude::*;
+    /// let comms = Comm::new_group("cpu", &[Device::Cpu; 2], "moe-counts", CommOptions::from_env()?)?;
+    /// std::thread::scope(|s| {
+    ///     for c in &comms {
+    ///         s.spawn(move || {
+    ///             let counts = c.moe_expert_counts(4, &[0i32, 3, 3, -1]).unwrap();
+    ///             assert_eq!(counts, vec![2, 0, 0, 4]); // two ranks' rows per expert
+    ///         });
+    ///     }
+    /// });
+    /// # Ok::<(), ferrocomm::Error>(())
+    /// ```
+    pub fn moe_expert_counts<T: Copy + Into<i64>>(&self, experts: usize, topk_idx: &[T]) -> crate::Result<Vec<usize>> {
+        let mut counts = vec![0u64; experts];
+        for (i, &x) in topk_idx.iter().enumerate() {
+            match x.into() {
+                -1 => {}
+                x if (0..experts as i64).contains(&x) => counts[x as usize] += 1,
+                x => {
+                    return Err(crate::Error::InvalidArgument {
+                        op: "moe_expert_counts",
+                        reason: format!("topk_idx[{i}] = {x} is not an expert (0..{experts}) or -1"),
+                    })
+                }
+            }
+        }
+        self.all_reduce(&mut counts, ReduceOp::Sum)?;
+        Ok(counts.into_iter().map(|c| c as usize).collect())
+    }
+}

@@ -11,31 +11,12 @@
 
 mod common;
 
+use common::gpu::{bytes_of, from_bytes, view};
 use common::*;
-use ferrocomm::device::cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr};
-use ferrocomm::device::{self, DeviceSliceMut};
+use ferrocomm::device;
+use ferrocomm::device::cudarc::driver::{sys, CudaSlice, CudaStream};
 use ferrocomm::{bf16, f16, Error};
 use std::sync::{Arc, Barrier};
-
-fn bytes_of<T: Element>(v: &[T]) -> &[u8] {
-    // SAFETY: ferrocomm's element types are plain numbers.
-    unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), std::mem::size_of_val(v)) }
-}
-
-fn from_bytes<T: Element + Default + Clone>(b: &[u8]) -> Vec<T> {
-    let mut v = vec![T::default(); b.len() / std::mem::size_of::<T>()];
-    // SAFETY: `v` has exactly `b.len()` bytes.
-    unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), v.as_mut_ptr().cast(), b.len()) };
-    v
-}
-
-fn view<T: Element>(mem: &mut CudaSlice<u8>, s: &Arc<CudaStream>) -> DeviceSliceMut<'static, T> {
-    let n = mem.len() / std::mem::size_of::<T>();
-    let (ptr, _sync) = mem.device_ptr(s);
-    // SAFETY: `mem` holds n elements of T on GPU 0 and outlives every call that uses the view
-    // (each test keeps it until after the stream is synchronised).
-    unsafe { DeviceSliceMut::from_raw(0, ptr, n) }.unwrap()
-}
 
 /// All ranks run `sizes` all_reduces of `T` under every op (with hint `algorithm` when given);
 /// each result is checked against the host reduction of the inputs, and all ranks must agree

@@ -7,41 +7,15 @@
 
 mod common;
 
+use common::gpu::{bytes_of, from_bytes, input, view};
 use common::inference_suite::{
     check_moe_rank, check_norm, expert_factor, moe_inputs, norm_inputs, Act, MoeCase, MoeResult, NormResult, Routing,
 };
 use common::*;
-use ferrocomm::device::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
-use ferrocomm::device::{self, DeviceSlice, DeviceSliceMut};
+use ferrocomm::device;
+use ferrocomm::device::cudarc::driver::{CudaSlice, CudaStream};
 use ferrocomm::{bf16, Combine, Dispatch, MoeShape, F8E4M3};
 use std::sync::Arc;
-
-fn bytes_of<T: Element>(v: &[T]) -> &[u8] {
-    // SAFETY: ferrocomm's element types are plain numbers.
-    unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), std::mem::size_of_val(v)) }
-}
-
-fn from_bytes<T: Element + Default + Clone>(b: &[u8]) -> Vec<T> {
-    let mut v = vec![T::default(); b.len() / std::mem::size_of::<T>()];
-    // SAFETY: `v` has exactly `b.len()` bytes.
-    unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), v.as_mut_ptr().cast(), b.len()) };
-    v
-}
-
-fn view<T: Element>(mem: &mut CudaSlice<u8>, s: &Arc<CudaStream>) -> DeviceSliceMut<'static, T> {
-    let n = mem.len() / std::mem::size_of::<T>();
-    let (ptr, _sync) = mem.device_ptr(s);
-    // SAFETY: `mem` holds n elements of T on GPU 0 and outlives every call that uses the view
-    // (each rank keeps it until after the stream is synchronised).
-    unsafe { DeviceSliceMut::from_raw(0, ptr, n) }.unwrap()
-}
-
-fn input<T: Element>(mem: &CudaSlice<u8>, s: &Arc<CudaStream>) -> DeviceSlice<'static, T> {
-    let n = mem.len() / std::mem::size_of::<T>();
-    let (ptr, _sync) = mem.device_ptr(s);
-    // SAFETY: as in `view`.
-    unsafe { DeviceSlice::from_raw(0, ptr, n) }.unwrap()
-}
 
 fn on_ranks<R: Send>(n: usize, name: &str, f: impl Fn(&Comm, &Arc<CudaStream>) -> R + Sync) -> Vec<R> {
     let comms = Comm::new_group(

@@ -1,6 +1,7 @@
 //! Helpers shared by the integration tests: running N ranks, random data, host references.
 #![allow(dead_code)]
 
+pub mod gpu;
 pub mod inference_suite;
 pub mod suite;
 pub mod window_suite;

@@ -42,6 +42,47 @@ struct Arrived {
     from: Vec<Vec<u8>>,
 }
 
+impl Arrived {
+    /// A send half may not start while the previous one's rows wait for their receive half.
+    fn check_free(op: &'static str, slot: &Option<Arrived>) -> Result<()> {
+        match slot {
+            Some(_) => Err(Error::invalid(
+                op,
+                "the receive half of the previous call has not run: send halves cannot overlap",
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// The rows of the send half before this receive half, which must have its shape and dtype.
+    fn take(op: &'static str, slot: &mut Option<Arrived>, shape: MoeShape, dtype: DType) -> Result<Arrived> {
+        let arrived = slot
+            .take()
+            .ok_or_else(|| Error::invalid(op, "a receive half without a send half before it"))?;
+        if arrived.shape != shape || arrived.dtype != dtype {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "the receive half ({shape:?}, {dtype}) does not match its send half ({:?}, {})",
+                    arrived.shape, arrived.dtype
+                ),
+            ));
+        }
+        Ok(arrived)
+    }
+
+    /// Every source sent whole records of `record` bytes.
+    fn whole_records(&self, op: &'static str, record: usize) -> Result<()> {
+        match self.from.iter().position(|m| m.len() % record != 0) {
+            Some(r) => Err(Error::Protocol {
+                context: op,
+                reason: format!("rank {r} sent {} bytes, not whole rows of {record}", self.from[r].len()),
+            }),
+            None => Ok(()),
+        }
+    }
+}
+
 fn tag(code: u8, dtype: DType, sub: u8) -> Tag {
     Tag {
         op: code,
@@ -306,12 +347,7 @@ pub(super) fn moe_dispatch(e: &mut Engine, ctx: &OpCtx, pending: &mut Pending, m
     let (size, s) = (e.size, m.shape);
     let local = s.local_experts(size);
     if let Some(send) = &m.send {
-        if pending.dispatch.is_some() {
-            return Err(Error::invalid(
-                OP,
-                "the receive half of the previous dispatch has not run: send halves cannot overlap",
-            ));
-        }
+        Arrived::check_free(OP, &pending.dispatch)?;
         let d = send.tokens.dtype();
         let ids = expert_ids(send.topk_idx.host_bytes(), send.topk_idx.dtype());
         check_ids(OP, &ids, s.experts)?;
@@ -345,20 +381,8 @@ pub(super) fn moe_dispatch(e: &mut Engine, ctx: &OpCtx, pending: &mut Pending, m
         });
     }
     let Some(recv) = &mut m.recv else { return Ok(()) };
-    let arrived = pending
-        .dispatch
-        .take()
-        .ok_or_else(|| Error::invalid(OP, "a receive half without a send half before it"))?;
     let d = recv.tokens.dtype();
-    if arrived.shape != s || arrived.dtype != d {
-        return Err(Error::invalid(
-            OP,
-            format!(
-                "the receive half ({s:?}, {d}) does not match its send half ({:?}, {})",
-                arrived.shape, arrived.dtype
-            ),
-        ));
-    }
+    let arrived = Arrived::take(OP, &mut pending.dispatch, s, d)?;
     let (row, sc) = (s.hidden * d.size(), fp8_scale_bytes(&s, d));
     let record = dispatch_record(&s, d);
     let first = e.rank * local;
@@ -366,13 +390,8 @@ pub(super) fn moe_dispatch(e: &mut Engine, ctx: &OpCtx, pending: &mut Pending, m
     let out = recv.tokens.host_bytes_mut();
     let mut out_scales = recv.scales.as_mut().map(|b| b.host_bytes_mut());
     let src = recv.src.host_bytes_mut();
+    arrived.whole_records(OP, record)?;
     for (r, msg) in arrived.from.iter().enumerate() {
-        if msg.len() % record != 0 {
-            return Err(Error::Protocol {
-                context: OP,
-                reason: format!("rank {r} sent {} bytes, not whole rows of {record}", msg.len()),
-            });
-        }
         for rec in msg.chunks_exact(record) {
             let token = u32::from_le_bytes(rec[..4].try_into().unwrap_or_default());
             let ids = &rec[4..4 + 4 * s.topk];
@@ -424,12 +443,7 @@ pub(super) fn moe_combine(e: &mut Engine, ctx: &OpCtx, pending: &mut Pending, m:
     let (size, s) = (e.size, m.shape);
     let local = s.local_experts(size);
     if let Some(send) = &m.send {
-        if pending.combine.is_some() {
-            return Err(Error::invalid(
-                OP,
-                "the receive half of the previous combine has not run: send halves cannot overlap",
-            ));
-        }
+        Arrived::check_free(OP, &pending.combine)?;
         let d = send.expert_out.dtype();
         let row = s.hidden * d.size();
         let (out, src, counts) = (
@@ -470,20 +484,8 @@ pub(super) fn moe_combine(e: &mut Engine, ctx: &OpCtx, pending: &mut Pending, m:
         });
     }
     let Some(recv) = &mut m.recv else { return Ok(()) };
-    let arrived = pending
-        .combine
-        .take()
-        .ok_or_else(|| Error::invalid(OP, "a receive half without a send half before it"))?;
     let d = recv.out.dtype();
-    if arrived.shape != s || arrived.dtype != d {
-        return Err(Error::invalid(
-            OP,
-            format!(
-                "the receive half ({s:?}, {d}) does not match its send half ({:?}, {})",
-                arrived.shape, arrived.dtype
-            ),
-        ));
-    }
+    let arrived = Arrived::take(OP, &mut pending.combine, s, d)?;
     let ids = expert_ids(recv.topk_idx.host_bytes(), recv.topk_idx.dtype());
     check_ids(OP, &ids, s.experts)?;
     let tokens = ids.len() / s.topk;
@@ -491,14 +493,9 @@ pub(super) fn moe_combine(e: &mut Engine, ctx: &OpCtx, pending: &mut Pending, m:
     let row = s.hidden * d.size();
     // Where the row of (token, k) arrived.
     let mut at: Vec<Option<(usize, usize)>> = vec![None; tokens * s.topk];
+    let record = 8 + row;
+    arrived.whole_records(OP, record)?;
     for (r, msg) in arrived.from.iter().enumerate() {
-        let record = 8 + row;
-        if msg.len() % record != 0 {
-            return Err(Error::Protocol {
-                context: OP,
-                reason: format!("rank {r} sent {} bytes, not whole rows of {record}", msg.len()),
-            });
-        }
         for (i, rec) in msg.chunks_exact(record).enumerate() {
             let t = u32::from_le_bytes(rec[..4].try_into().unwrap_or_default()) as usize;
             let k = u32::from_le_bytes(rec[4..8].try_into().unwrap_or_default()) as usize;
