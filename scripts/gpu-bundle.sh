@@ -45,7 +45,7 @@ cat > .gpu-bundle/run.sh <<'RUN'
 # gpu-rows.md (the benchmark tables for docs/results/gpu.md), status.txt (one line a step).
 # With step names after OUTDIR only those run:
 #   tests:  device_compile nccl gpu_windows gpu_nccl gpu_collectives gpu_inference example host_device
-#   bench:  device_put device_pingpong nccl_all_reduce device_all_reduce device_all_reduce_bw
+#   bench:  device_put device_pingpong nccl_all_reduce device_all_reduce device_all_reduce_bw device_rmsnorm
 # Each step is bounded by `timeout` well inside 9 minutes.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -53,7 +53,7 @@ out=${1:-${OUT:-/tmp/ferrocomm-gpu}}
 shift || true
 steps=("$@")
 [[ ${#steps[@]} -gt 0 ]] || steps=(device_compile nccl gpu_windows gpu_nccl gpu_collectives gpu_inference example host_device
-  device_put device_pingpong nccl_all_reduce device_all_reduce device_all_reduce_bw)
+  device_put device_pingpong nccl_all_reduce device_all_reduce device_all_reduce_bw device_rmsnorm)
 mkdir -p "$out"
 export FERROCOMM_REQUIRE_NVRTC=1
 # The carried programs and NVRTC, unpacked once per machine and commit.
@@ -99,6 +99,10 @@ for step in "${steps[@]}"; do
     device_all_reduce_bw)
       bench 240 device_all_reduce -b 64M -e 1G -f 4 -n 10 -w 2 --world 8 &&
         FERROCOMM_DEVICE_ONESHOT_MAX=16M bench 240 device_all_reduce -b 64M -e 1G -f 4 -n 10 -w 2 --world 8 ;;
+    # Tensor-parallel decode and prefill shapes: fused kernels, the steps apart, NCCL + the norm.
+    device_rmsnorm)
+      bench 150 device_rmsnorm -d bf16 --hidden 4096 --tokens 1,8,32,128,512,2048 -n 500 -w 20 --world 8 --check &&
+        bench 150 device_rmsnorm -d bf16 --hidden 7168 --tokens 1,16,128 --fp8 -n 500 -w 20 --world 8 --check ;;
     *) echo "unknown step $step"; false ;;
   esac
   rc=$?

@@ -1,5 +1,6 @@
 //! The inference collectives on device buffers with every rank on GPU 0 in this process: the
-//! fused all_reduce + residual + RMSNorm (one- and two-shot, bf16 and fp8 out) and MoE
+//! fused all_reduce + residual + RMSNorm (one- and two-shot, bf16 and fp8 out, and its steps
+//! apart: the hint `unfused`) and MoE
 //! dispatch / combine (bf16, K = 1 and 8, skewed routing, separate halves), checked with the
 //! same references as the CPU backend (tests/common/inference_suite.rs), every rank's bits
 //! equal. NCCL cannot serve ranks that share a GPU, so these take the device backend's own path.
@@ -7,14 +8,12 @@
 
 mod common;
 
-use common::gpu::{bytes_of, from_bytes, input, view};
-use common::inference_suite::{
-    check_moe_rank, check_norm, expert_factor, moe_inputs, norm_inputs, Act, MoeCase, MoeResult, NormResult, Routing,
-};
+use common::gpu::{bytes_of, from_bytes, input, norm_on_gpu, view};
+use common::inference_suite::{check_moe_rank, check_norm, expert_factor, moe_inputs, MoeCase, MoeResult, Routing};
 use common::*;
 use ferrocomm::device;
 use ferrocomm::device::cudarc::driver::{CudaSlice, CudaStream};
-use ferrocomm::{bf16, Combine, Dispatch, MoeShape, F8E4M3};
+use ferrocomm::{bf16, Combine, Dispatch, MoeShape};
 use std::sync::Arc;
 
 fn on_ranks<R: Send>(n: usize, name: &str, f: impl Fn(&Comm, &Arc<CudaStream>) -> R + Sync) -> Vec<R> {
@@ -40,51 +39,6 @@ fn on_ranks<R: Send>(n: usize, name: &str, f: impl Fn(&Comm, &Arc<CudaStream>) -
     })
 }
 
-fn norm_on_gpu<T: Act>(
-    c: &Comm,
-    s: &Arc<CudaStream>,
-    seed: u64,
-    rows: (usize, usize),
-    hint: &str,
-    fp8: bool,
-) -> NormResult<T> {
-    let (tokens, hidden) = rows;
-    let (x, residual, gamma) = norm_inputs::<T>(seed, c.rank(), tokens, hidden);
-    let (dx, mut dres, dgamma) = (
-        s.clone_htod(bytes_of(&x)).unwrap(),
-        s.clone_htod(bytes_of(&residual)).unwrap(),
-        s.clone_htod(bytes_of(&gamma)).unwrap(),
-    );
-    let o = c.with_options(OpOptions::new().hint("algorithm", hint));
-    let got = if fp8 {
-        let mut out = s.clone_htod(&vec![0x7Fu8; tokens * hidden]).unwrap();
-        let mut scales = s.clone_htod(bytes_of(&vec![f32::NAN; tokens])).unwrap();
-        o.all_reduce_residual_rmsnorm_fp8(
-            input::<T>(&dx, s),
-            view::<T>(&mut dres, s),
-            input::<T>(&dgamma, s),
-            view::<F8E4M3>(&mut out, s),
-            view::<f32>(&mut scales, s),
-            1e-5,
-        )
-        .unwrap();
-        (s.clone_dtoh(&out).unwrap(), from_bytes(&s.clone_dtoh(&scales).unwrap()))
-    } else {
-        let mut out = s.clone_htod(&vec![0xEEu8; tokens * hidden * T::DTYPE.size()]).unwrap();
-        o.all_reduce_residual_rmsnorm(
-            input::<T>(&dx, s),
-            view::<T>(&mut dres, s),
-            input::<T>(&dgamma, s),
-            view::<T>(&mut out, s),
-            1e-5,
-        )
-        .unwrap();
-        (s.clone_dtoh(&out).unwrap(), Vec::new())
-    };
-    s.synchronize().unwrap();
-    (from_bytes(&s.clone_dtoh(&dres).unwrap()), got.0, got.1)
-}
-
 #[test]
 fn gpu_fused_norm_matches_the_reference_and_every_rank_agrees() {
     if !gpu_or_skip() {
@@ -99,12 +53,19 @@ fn gpu_fused_norm_matches_the_reference_and_every_rank_agrees() {
             ((5, 129), "twoshot", false),
         ] {
             let got = on_ranks(world, &format!("gpu-norm-{world}-{rows:?}-{hint}-{fp8}"), |c, s| {
-                norm_on_gpu::<bf16>(c, s, seed, rows, hint, fp8)
+                norm_on_gpu::<bf16>(c, s, seed, rows, &[("algorithm", hint)], fp8)
             });
             for g in &got {
                 assert_eq!(g, &got[0], "every rank's bits agree");
             }
             check_norm(world, seed, rows, fp8, &got[0]);
+            // The steps apart (widen, the own all_reduce, the norm kernel) give the same bits.
+            let apart = on_ranks(world, &format!("gpu-norm-apart-{world}-{rows:?}-{fp8}"), |c, s| {
+                norm_on_gpu::<bf16>(c, s, seed, rows, &[("algorithm", "unfused")], fp8)
+            });
+            for g in &apart {
+                assert_eq!(g, &got[0], "the unfused steps give the fused kernels' bits");
+            }
         }
     }
 }

@@ -1,6 +1,6 @@
 //! The `nccl` backend and the device backend's routes on a GPU: every operation on device
-//! buffers against the CPU backend, graph capture and replay, asynchronous work, split, and the
-//! device backend with and without NCCL. Each test skips with a reason where there is no GPU
+//! buffers against the CPU backend, graph capture and replay, asynchronous work, split, the
+//! device backend with and without NCCL, and the fused norm around NCCL's all_reduce. Each test skips with a reason where there is no GPU
 //! (or no NCCL); FERROCOMM_REQUIRE_GPU=1 turns a skip into a failure.
 //!
 //! NCCL refuses two ranks on one GPU, so its communicators here have one rank; the device
@@ -8,6 +8,8 @@
 
 mod common;
 
+use common::gpu::norm_on_gpu;
+use common::inference_suite::check_norm;
 use common::*;
 use ferrocomm::device::cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr};
 use ferrocomm::device::{self, DeviceSlice, DeviceSliceMut};
@@ -325,4 +327,30 @@ fn gpu_device_backend_without_nccl_runs_ranks_that_share_a_gpu() {
             });
         }
     });
+}
+
+/// The fused norm where NCCL carries the sum: the `nccl` backend (its only way), and the device
+/// backend with the hint `route` = `nccl`, each as widen + ncclAllReduce + the norm kernel.
+/// One rank (NCCL refuses two on one GPU): the reference, and the same bits as the device
+/// backend's fused kernel (a one-rank sum is exact either way).
+#[test]
+fn gpu_fused_norm_through_nccl_matches_the_fused_kernels() {
+    if !nccl_or_skip() {
+        return;
+    }
+    let seed = fresh_seed();
+    let s = stream();
+    let _current = device::use_stream(&s);
+    for (rows, fp8) in [((4, 4096), false), ((33, 7168), true), ((3, 129), false)] {
+        let fused = norm_on_gpu::<bf16>(&one_rank("device", "norm-fused"), &s, seed, rows, &[], fp8);
+        check_norm(1, seed, rows, fp8, &fused);
+        for (backend, hints) in [("nccl", &[][..]), ("device", &[("route", "nccl")][..])] {
+            let c = one_rank(backend, &format!("norm-{backend}"));
+            let got = norm_on_gpu::<bf16>(&c, &s, seed, rows, hints, fp8);
+            assert_eq!(
+                got, fused,
+                "{backend} {rows:?} fp8 {fp8}: NCCL's sum and the norm kernel"
+            );
+        }
+    }
 }

@@ -887,11 +887,12 @@ mod with_kernels {
         }
     }
 
-    /// Every case with both algorithms, twice each, on `world` host-device ranks: within the
-    /// definition's tolerance, the same bits on every rank, in both runs and by both algorithms
-    /// (each row is computed by the same code in the same order either way).
+    /// Every case with both fused algorithms and the steps apart (the norm pass around the
+    /// own all_reduce), twice each, on `world` host-device ranks: within the definition's
+    /// tolerance, the same bits on every rank, in both runs and by every algorithm (each row is
+    /// computed by the same code in the same order either way).
     fn norm_sweep(world: usize, seed: u64, cases: &[NormCase]) {
-        const ALGOS: [&str; 2] = ["oneshot", "twoshot"];
+        const ALGOS: [&str; 3] = ["oneshot", "twoshot", "unfused"];
         let results = on_ranks(world, &format!("hd-norm-{world}"), |c| {
             let mut got = Vec::new();
             for &case in cases {
@@ -904,10 +905,10 @@ mod with_kernels {
             got
         });
         for (k, &case) in cases.iter().enumerate() {
-            let first = &results[0][4 * k];
+            let first = &results[0][2 * ALGOS.len() * k];
             for (a, algo) in ALGOS.iter().enumerate() {
                 for run in 0..2 {
-                    let i = 4 * k + 2 * a + run;
+                    let i = 2 * ALGOS.len() * k + 2 * a + run;
                     for (r, rank) in results.iter().enumerate() {
                         assert!(
                             rank[i].bits() == first.bits(),
@@ -1024,6 +1025,46 @@ mod with_kernels {
                     tokens: 4096,
                 }],
             );
+        }
+    }
+
+    /// Every rank on a host of its own (the TCP transport), where the fused kernels cannot
+    /// run: the steps apart (hint `unfused`: widen and norm kernels around the CPU engine's
+    /// all_reduce, which sums in rank order, as the fused kernels do) give the fused kernels'
+    /// bits on ranks of one host, as they would around NCCL's all_reduce on GPUs of several
+    /// hosts (whose sum NCCL orders as it likes: there the same bits on every rank only).
+    #[test]
+    fn the_unfused_rmsnorm_on_ranks_of_several_hosts_gives_the_fused_kernels_bits() {
+        let seed = fresh_seed();
+        let cases: Vec<NormCase> = [
+            (DType::BF16, false, 33, 5),
+            (DType::F16, true, 64, 9),
+            (DType::F32, false, 7, 1),
+        ]
+        .into_iter()
+        .map(|(dtype, fp8, hidden, tokens)| NormCase {
+            dtype,
+            fp8,
+            hidden,
+            tokens,
+        })
+        .collect();
+        let run = |c: &Comm, algo: &str| -> Vec<NormGot> {
+            let each = |&case| run_norm_any(c, seed, case, algo).unwrap_or_else(|e| panic!("{case:?} {algo}: {e}"));
+            cases.iter().map(each).collect()
+        };
+        let apart = run_group_on_device("device", Device::Host(0), 3, "hd-norm-tcp", tcp_opts(), |c| {
+            run(c, "unfused")
+        });
+        let fused = on_ranks(3, "hd-norm-fused", |c| run(c, "oneshot"));
+        for (k, &case) in cases.iter().enumerate() {
+            for (r, rank) in apart.iter().enumerate() {
+                assert!(
+                    rank[k].bits() == fused[0][k].bits(),
+                    "{case:?}: rank {r}'s unfused result differs from the fused kernels'"
+                );
+            }
+            check_norm_any(seed, case, 3, &apart[0][k]).unwrap_or_else(|why| panic!("{case:?}: {why}"));
         }
     }
 

@@ -7,4 +7,5 @@
 pub(crate) mod cpu;
 mod device;
 mod nccl;
+mod norm_pass;
 pub(crate) mod registry;

@@ -3,6 +3,7 @@
 //! wrong argument or shape is wrong on both and the host device's tests catch it.
 
 use crate::contracts::error::{Error, Result};
+use crate::contracts::ops::{Buf, BufMut, DeviceBytes};
 use crate::contracts::window_handle::WindowHandle;
 use crate::gpu::host_device;
 use std::ffi::c_void;
@@ -225,6 +226,33 @@ pub(crate) const RMSNORM_ONESHOT: Kernel<NormKernelArgs> =
 pub(crate) const RMSNORM_TWOSHOT: Kernel<NormKernelArgs> =
     Kernel::new("ferrocomm_rmsnorm_twoshot_", Shape::Grid(COLLECTIVE_THREADS));
 
+/// kernels/norm_pass.cu: (input, f32 output, elements); families by the input's suffix
+/// (`f32`, `f16`, `bf16`).
+pub(crate) const WIDEN: Kernel<(u64, u64, u64)> = Kernel::new("ferrocomm_widen_", Shape::Grid(COLLECTIVE_THREADS));
+
+/// kernels/norm_pass.cu's `PassArgs`: device addresses (`sum` f32 rows, already all-reduced;
+/// `scales` 0 unless `out` is fp8), rows and elements per row, `vectors` where 16-byte
+/// accesses are allowed.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct PassArgs {
+    pub(crate) sum: u64,
+    pub(crate) residual: u64,
+    pub(crate) gamma: u64,
+    pub(crate) out: u64,
+    pub(crate) scales: u64,
+    pub(crate) rows: u64,
+    pub(crate) hidden: u64,
+    pub(crate) eps: f32,
+    pub(crate) vectors: u32,
+}
+
+const _: () = assert!(std::mem::size_of::<PassArgs>() == 64);
+
+/// kernels/norm_pass.cu: (args); families by the fused norm's suffixes (`bf16`, `bf16_fp8`, ..).
+pub(crate) const RESIDUAL_RMSNORM: Kernel<(PassArgs,)> =
+    Kernel::new("ferrocomm_residual_rmsnorm_", Shape::Grid(COLLECTIVE_THREADS));
+
 // kernels/moe.cu: (handle, args, counters). Sends run one block per destination rank,
 // receives a fixed grid (host/backend/device/moe.rs).
 pub(crate) const MOE_DISPATCH_SEND: Kernel<(WindowHandle, MoeArgs, u64)> =
@@ -310,6 +338,39 @@ pub(crate) fn run_on_host<A: KernelArgs>(f: host_device::Function, grid: u32, bl
             body::<A>,
             (&mut ctx as *mut (*const c_void, A)).cast(),
         )
+    }
+}
+
+/// Where the kernels find a buffer: its device memory, or on the host device its host memory
+/// (the host device's memory).
+pub(crate) fn reach(b: &Buf<'_>, host_device: bool) -> Option<DeviceBytes> {
+    match b.device_bytes() {
+        Some(d) => Some(d),
+        None if host_device => {
+            let bytes = b.host_bytes();
+            Some(DeviceBytes {
+                ordinal: 0,
+                ptr: bytes.as_ptr() as u64,
+                len: bytes.len(),
+            })
+        }
+        None => None,
+    }
+}
+
+/// As `reach`, for a buffer the kernels write (the address comes from a unique borrow).
+pub(crate) fn reach_mut(b: &mut BufMut<'_>, host_device: bool) -> Option<DeviceBytes> {
+    match b.device_bytes() {
+        Some(d) => Some(d),
+        None if host_device => {
+            let bytes = b.host_bytes_mut();
+            Some(DeviceBytes {
+                ordinal: 0,
+                ptr: bytes.as_mut_ptr() as u64,
+                len: bytes.len(),
+            })
+        }
+        None => None,
     }
 }
 

@@ -65,6 +65,10 @@ pub enum Command {
     /// GPU 0 (graph replay), against NCCL at world 1 and the copy roofline; `--device host`:
     /// on the host device, `--check` compares every result bit for bit.
     DeviceAllReduce(Args),
+    /// The fused all_reduce + residual + RMSNorm on device buffers, `--world` ranks on GPU 0
+    /// (graph replay): the fused kernels against the steps apart with the own kernels, and NCCL
+    /// at world 1 with the norm kernel (size: bytes of x per rank, or `--tokens`).
+    DeviceRmsnorm(RmsNormArgs),
     /// ferrocomm's nccl backend against direct NCCL calls (world 1, GPU 0).
     NcclAllReduce(Args),
     /// Draws latency and bus bandwidth against message size from JSON files of
@@ -386,7 +390,7 @@ pub fn parse() -> Invocation {
         | Command::DevicePingpong(a)
         | Command::DeviceAllReduce(a)
         | Command::NcclAllReduce(a) => a,
-        Command::Rmsnorm(r) => Args {
+        Command::Rmsnorm(r) | Command::DeviceRmsnorm(r) => Args {
             inference: Some(Box::new(Inference::RmsNorm(r.opts))),
             ..r.common
         },

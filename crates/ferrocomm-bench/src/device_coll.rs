@@ -21,7 +21,7 @@ use ferrocomm::{bf16, Error, Result};
 use std::sync::{Arc, Barrier};
 use std::time::Instant;
 
-fn cuda(call: &'static str) -> impl Fn(ferrocomm::device::cudarc::driver::DriverError) -> Error {
+pub(crate) fn cuda(call: &'static str) -> impl Fn(ferrocomm::device::cudarc::driver::DriverError) -> Error {
     move |e| Error::Backend {
         backend: "cuda".into(),
         call: call.into(),
@@ -30,7 +30,7 @@ fn cuda(call: &'static str) -> impl Fn(ferrocomm::device::cudarc::driver::Driver
 }
 
 /// Captures what `enqueue` puts on `s` into a graph.
-fn capture(s: &Arc<CudaStream>, enqueue: impl FnOnce() -> Result<()>) -> Result<CudaGraph> {
+pub(crate) fn capture(s: &Arc<CudaStream>, enqueue: impl FnOnce() -> Result<()>) -> Result<CudaGraph> {
     s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
         .map_err(cuda("cuStreamBeginCapture"))?;
     let r = enqueue();
@@ -42,7 +42,7 @@ fn capture(s: &Arc<CudaStream>, enqueue: impl FnOnce() -> Result<()>) -> Result<
 }
 
 /// Microseconds per replay of `g` over `iters` replays, after `warmup`.
-fn time_replays(g: &CudaGraph, s: &CudaStream, a: &Args, start: Option<&Barrier>) -> Result<f64> {
+pub(crate) fn time_replays(g: &CudaGraph, s: &CudaStream, a: &Args, start: Option<&Barrier>) -> Result<f64> {
     for _ in 0..a.warmup {
         g.launch().map_err(cuda("cuGraphLaunch"))?;
     }

@@ -319,21 +319,27 @@ impl<T: Act> NormCase<'_, T> {
 const NORM_HEADER: &str = "#   tokens       size     fused    unfused  unfused/   busbw  #wrong
 #             (B)/rank      (us)       (us)     fused  (GB/s)";
 
-fn rmsnorm<T: Act>(comm: &Comm, a: &Args, o: &RmsNormOpts) -> Result<Vec<Row>> {
-    let (n, me) = (comm.size(), comm.rank());
-    let hidden = o.hidden;
-    let esize = std::mem::size_of::<T>();
+/// The token counts of an `rmsnorm` sweep: `--tokens`, else the whole rows of `hidden`
+/// elements of `esize` bytes in each size of the -b/-e/-f sweep (a size below one row has none).
+pub fn token_rows(a: &Args, o: &RmsNormOpts, esize: usize) -> Vec<usize> {
     let mut tokens: Vec<usize> = if o.tokens.is_empty() {
-        // Whole token rows of each size (a size below one row has none).
         crate::size::sweep(a.min_bytes, a.max_bytes, a.factor)
             .into_iter()
-            .map(|b| b / (hidden * esize))
+            .map(|b| b / (o.hidden * esize))
             .filter(|&t| t > 0)
             .collect()
     } else {
         o.tokens.clone()
     };
     tokens.dedup();
+    tokens
+}
+
+fn rmsnorm<T: Act>(comm: &Comm, a: &Args, o: &RmsNormOpts) -> Result<Vec<Row>> {
+    let (n, me) = (comm.size(), comm.rank());
+    let hidden = o.hidden;
+    let esize = std::mem::size_of::<T>();
+    let tokens = token_rows(a, o, esize);
     let hints = match &a.algo {
         Some(name) => OpOptions::new().hint("algorithm", name),
         None => OpOptions::new(),

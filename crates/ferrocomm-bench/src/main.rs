@@ -4,6 +4,7 @@
 
 mod cli;
 mod device_coll;
+mod device_norm;
 mod gpu;
 mod host_device;
 mod inference;
@@ -39,6 +40,7 @@ fn sweep(a: &Args) -> Result<(), Failure> {
     match a.op.as_str() {
         _ if device_row && a.device == DeviceKind::Host => host_device::run(a)?,
         "device_all_reduce" => device_coll::run(a)?,
+        "device_rmsnorm" => device_norm::run(a)?,
         _ if device_row => gpu::run(a)?,
         "queue_pickup" => queue::run(a)?,
         "nccl_all_reduce" => nccl_direct::run(a)?,

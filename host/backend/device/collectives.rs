@@ -32,7 +32,7 @@ use crate::contracts::ops::{Buf, BufMut, DeviceBytes, Op};
 use crate::contracts::options::CommOptions;
 use crate::contracts::window::WindowSpec;
 use crate::gpu::cuda;
-use crate::gpu::kernels::{self, AllToAllArgs, Function, Parts, Queue, MAX_RANKS};
+use crate::gpu::kernels::{self, reach, reach_mut, AllToAllArgs, Function, Parts, Queue, MAX_RANKS};
 use crate::gpu::memory::Pinned;
 use crate::gpu::target::{Gpu, Stream};
 use cudarc::driver::{CudaSlice, DevicePtr};
@@ -540,39 +540,6 @@ fn table(parts: impl ExactSizeIterator<Item = Option<DeviceBytes>>) -> Option<Pa
         t.ptr[r] = p?.ptr;
     }
     Some(t)
-}
-
-/// Where the kernels find a buffer: its device memory, or on the host device its host memory
-/// (the host device's memory).
-fn reach(b: &Buf<'_>, host_device: bool) -> Option<DeviceBytes> {
-    match b.device_bytes() {
-        Some(d) => Some(d),
-        None if host_device => {
-            let bytes = b.host_bytes();
-            Some(DeviceBytes {
-                ordinal: 0,
-                ptr: bytes.as_ptr() as u64,
-                len: bytes.len(),
-            })
-        }
-        None => None,
-    }
-}
-
-/// As `reach`, for a buffer the kernels write (the address comes from a unique borrow).
-fn reach_mut(b: &mut BufMut<'_>, host_device: bool) -> Option<DeviceBytes> {
-    match b.device_bytes() {
-        Some(d) => Some(d),
-        None if host_device => {
-            let bytes = b.host_bytes_mut();
-            Some(DeviceBytes {
-                ordinal: 0,
-                ptr: bytes.as_mut_ptr() as u64,
-                len: bytes.len(),
-            })
-        }
-        None => None,
-    }
 }
 
 fn parts(bufs: &[Buf<'_>], host_device: bool) -> Option<Parts> {

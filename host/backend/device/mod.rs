@@ -19,6 +19,7 @@ mod window;
 
 use super::cpu;
 use super::nccl::NcclBackend;
+use super::norm_pass::NormPass;
 use crate::bootstrap::PrefixStore;
 use crate::contracts::backend::{hint_ignored, Backend, BackendInit, RunOptions};
 use crate::contracts::error::{Error, Result};
@@ -28,7 +29,7 @@ use crate::contracts::store::Store;
 use crate::contracts::window::{WindowBackend, WindowSpec};
 use crate::gpu::memory::Pinned;
 use rank::DeviceRank;
-use route::{Policy, Route};
+use route::{NormRoute, Policy, Route};
 use std::sync::Arc;
 
 pub(crate) struct DeviceBackend {
@@ -40,6 +41,8 @@ pub(crate) struct DeviceBackend {
     own: Option<collectives::OwnCollectives>,
     /// ferrocomm's own MoE dispatch / combine kernels, where every rank is on this host.
     moe: Option<moe::OwnMoe>,
+    /// The fused norm's steps apart (NCCL's fallback, the hint `algorithm` = `unfused`).
+    norm_pass: Option<NormPass>,
     policy: Policy,
     /// Another rank of this process runs on this GPU: own kernels need a stream per rank.
     gpu_shared_in_process: bool,
@@ -86,6 +89,7 @@ pub(crate) fn create(init: &BackendInit) -> Result<Box<dyn Backend>> {
         nccl,
         own: None,
         moe: None,
+        norm_pass: None,
         policy,
         gpu_shared_in_process: team.gpu_shared_in_process[init.rank],
     };
@@ -101,6 +105,14 @@ pub(crate) fn create(init: &BackendInit) -> Result<Box<dyn Backend>> {
         Ok(moe) => Some(moe),
         Err(Error::Unavailable { reason, .. }) => {
             tracing::debug!(%reason, "device backend without its own MoE kernels");
+            None
+        }
+        Err(e) => return Err(e),
+    };
+    backend.norm_pass = match NormPass::load(gpu) {
+        Ok(pass) => Some(pass),
+        Err(Error::Unavailable { reason, .. }) => {
+            tracing::debug!(%reason, "device backend without the norm pass's kernels");
             None
         }
         Err(e) => return Err(e),
@@ -137,6 +149,28 @@ impl DeviceBackend {
     }
 }
 
+impl DeviceBackend {
+    /// The fused norm `op` as its steps apart: the all_reduce of the f32 sums takes the usual
+    /// route (the hint `route` applies to it; `algorithm` was the norm's), synchronously on the
+    /// issuing stream, where the steps after it are enqueued too.
+    fn run_norm_pass(&self, pass: &NormPass, op: &mut Op<'_>, opts: &RunOptions) -> Result<()> {
+        let Op::AllReduceRmsNorm(f) = op else {
+            return Err(Error::invalid(op.name(), "the norm pass runs the fused norm only"));
+        };
+        if self.me.gpu != crate::gpu::target::Gpu::Host {
+            crate::gpu::cuda::context(self.me.ordinal)?;
+        }
+        let mut hints = opts.hints.clone();
+        hints.remove("algorithm");
+        let inner = RunOptions {
+            hints: &hints,
+            fence: None,
+            ..*opts
+        };
+        pass.run(f, opts.stream, opts.timeout, |sum| self.run(sum, &inner))
+    }
+}
+
 /// Runs `run` with `opts` narrowed to the hints the CPU engine knows (see `route::engine_hints`).
 fn on_engine(op: &'static str, opts: &RunOptions, run: impl FnOnce(&RunOptions) -> Result<()>) -> Result<()> {
     let hints = route::engine_hints(op, opts.hints);
@@ -164,6 +198,16 @@ impl Backend for DeviceBackend {
                 crate::gpu::cuda::context(self.me.ordinal)?;
                 self.check_own_stream(name, opts.stream)?;
                 return moe.run(&self.me, op, opts.stream, opts.timeout);
+            }
+        }
+        if matches!(op, Op::AllReduceRmsNorm(_)) {
+            if let Some(pass) = &self.norm_pass {
+                let host_device = self.me.gpu == crate::gpu::target::Gpu::Host;
+                let reach = host_device || matches!(op.location()?, Some(Location::Cuda(_)));
+                let fused = self.own.as_ref().is_some_and(|k| k.supports(op, opts.hints));
+                if route::norm_route(opts.hints, reach, fused, self.nccl.is_some()) == NormRoute::Unfused {
+                    return self.run_norm_pass(pass, op, opts);
+                }
             }
         }
         if self.me.gpu == crate::gpu::target::Gpu::Host {

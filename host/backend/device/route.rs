@@ -10,8 +10,9 @@
 //! the own path: the device backend never fails for want of NCCL.
 //!
 //! The device backend's hints (see `CommOptions::hints` for the rule): `route`, and
-//! `algorithm` = `oneshot` / `twoshot` / `multimem` for its all_reduce kernels or `oneshot` /
-//! `direct` / `ring` for the CPU engine that runs host buffers and the staged copy. A value
+//! `algorithm` = `oneshot` / `twoshot` / `multimem` for its all_reduce kernels, `unfused` for
+//! the fused norm's separate steps (see `norm_route`), or `oneshot` / `direct` / `ring` for the
+//! CPU engine that runs host buffers and the staged copy. A value
 //! outside these lists is refused; a value that cannot be honoured where the operation runs is
 //! ignored (debug event), and so is any other key.
 
@@ -22,7 +23,7 @@ use std::collections::BTreeMap;
 
 /// The values of the device backend's hints.
 const ROUTES: [&str; 2] = ["nccl", "device"];
-const ALGORITHMS: [&str; 5] = ["oneshot", "twoshot", "multimem", "direct", "ring"];
+const ALGORITHMS: [&str; 6] = ["oneshot", "twoshot", "multimem", "unfused", "direct", "ring"];
 /// The `algorithm` values of the CPU engine (host/backend/cpu).
 const ENGINE_ALGORITHMS: [&str; 3] = ["oneshot", "direct", "ring"];
 
@@ -65,6 +66,42 @@ pub(crate) fn engine_hints(op: &'static str, hints: &BTreeMap<String, String>) -
             BTreeMap::new()
         }
         None => BTreeMap::new(),
+    }
+}
+
+/// How the device backend runs the fused all_reduce + residual + RMSNorm.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum NormRoute {
+    /// The fused kernels (every rank on this host).
+    Fused,
+    /// Its steps apart (backend/norm_pass.rs): widen, an all_reduce by the usual route, then
+    /// residual + norm in one kernel.
+    Unfused,
+    /// Where the other collectives go: the CPU engine (host buffers), the staged copy.
+    Elsewhere,
+}
+
+/// The fused norm's route. `kernels_reach`: its buffers are device memory, or host memory on
+/// the host device; `fused`: the fused kernels take the call; `nccl`: NCCL is present. The hint
+/// `algorithm` = `unfused` asks for the steps apart; `route` = `nccl` for NCCL to carry the sum
+/// (the steps apart, then); without hints the fused kernels run where they can, else the steps
+/// apart with NCCL's all_reduce (the NCCL fallback), else the staged copy, which runs the whole
+/// operation on the CPU engine in one round trip.
+pub(crate) fn norm_route(hints: &BTreeMap<String, String>, kernels_reach: bool, fused: bool, nccl: bool) -> NormRoute {
+    const OP: &str = "all_reduce_residual_rmsnorm";
+    if !kernels_reach {
+        return NormRoute::Elsewhere;
+    }
+    let unfused = hints.get("algorithm").is_some_and(|a| a == "unfused");
+    let by_nccl = hints.get("route").is_some_and(|r| r == "nccl");
+    if by_nccl && !nccl {
+        hint_ignored("device", OP, "route", "nccl", "NCCL is not available to every rank");
+    }
+    match () {
+        _ if unfused || (by_nccl && nccl) => NormRoute::Unfused,
+        _ if fused => NormRoute::Fused,
+        _ if nccl => NormRoute::Unfused,
+        _ => NormRoute::Elsewhere,
     }
 }
 
@@ -153,6 +190,22 @@ mod tests {
     use super::*;
     use crate::contracts::dtype::ReduceOp;
     use crate::contracts::ops::BufMut;
+
+    #[test]
+    fn the_fused_norm_runs_fused_where_it_can_else_apart_with_nccl_else_elsewhere() {
+        let none = BTreeMap::new();
+        let unfused = hints(&[("algorithm", "unfused")]);
+        let by_nccl = hints(&[("route", "nccl"), ("algorithm", "oneshot")]);
+        assert_eq!(norm_route(&none, true, true, true), NormRoute::Fused);
+        assert_eq!(norm_route(&none, true, false, true), NormRoute::Unfused);
+        assert_eq!(norm_route(&none, true, false, false), NormRoute::Elsewhere);
+        assert_eq!(norm_route(&unfused, true, true, false), NormRoute::Unfused);
+        assert_eq!(norm_route(&by_nccl, true, true, true), NormRoute::Unfused);
+        // route=nccl without NCCL is ignored.
+        assert_eq!(norm_route(&by_nccl, true, true, false), NormRoute::Fused);
+        // Host buffers on a GPU: the CPU engine, whatever the hints.
+        assert_eq!(norm_route(&unfused, false, false, true), NormRoute::Elsewhere);
+    }
 
     /// The policy of a communicator whose environment sets only `FERROCOMM_NCCL_THRESHOLD`.
     fn policy(nccl: bool, threshold: Option<&str>) -> Policy {

@@ -249,7 +249,10 @@ pub(crate) fn issue(
                         P2p::Recv { buf, peer } => recv(buf, *peer),
                     }),
                     Op::Barrier => Err(Error::invalid(name, "a barrier has no buffers; the backend runs it")),
-                    Op::AllReduceRmsNorm(_) | Op::MoeDispatch(_) | Op::MoeCombine(_) => Err(Error::Unavailable {
+                    // The fused norm is its steps around an all_reduce (backend/norm_pass.rs),
+                    // issued one by one: never a call of its own here.
+                    Op::AllReduceRmsNorm(_) => Err(Error::invalid(name, "the backend runs it as its steps")),
+                    Op::MoeDispatch(_) | Op::MoeCombine(_) => Err(Error::Unavailable {
                         backend: "nccl".into(),
                         reason: format!(
                             "{name} on device buffers runs on the device backend (its own kernels, with NCCL \

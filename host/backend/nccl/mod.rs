@@ -16,6 +16,7 @@ mod comm;
 mod watchdog;
 
 use super::cpu::{self, CpuBackend};
+use super::norm_pass::NormPass;
 use crate::contracts::backend::{Backend, BackendInit, RunOptions};
 use crate::contracts::dtype::{DType, ReduceOp};
 use crate::contracts::error::{Error, Result};
@@ -27,7 +28,7 @@ use crate::gpu::nccl_library::{self as library, UniqueId, SPLIT_NOCOLOR};
 use comm::NcclComm;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 use std::ffi::c_int;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use watchdog::Watchdog;
 
@@ -44,6 +45,8 @@ pub(crate) struct NcclBackend {
     barrier_word: CudaSlice<f32>,
     /// The CPU engine for host buffers; `None` inside the device backend, which has its own.
     host: Option<CpuBackend>,
+    /// The fused norm's steps around NCCL's all_reduce, loaded at the first call.
+    norm_pass: Mutex<Option<Arc<NormPass>>>,
     timeout: Duration,
 }
 
@@ -112,6 +115,7 @@ impl NcclBackend {
             own_stream,
             barrier_word,
             host: with_host.then(|| cpu::create_host(init)).transpose()?,
+            norm_pass: Mutex::new(None),
             timeout: init.options.timeout,
         })
     }
@@ -172,6 +176,20 @@ impl NcclBackend {
             }));
         }
         self.watchdog.track(name, stream, opts.timeout)
+    }
+}
+
+impl NcclBackend {
+    /// The norm pass's kernels (backend/norm_pass.rs), loaded once.
+    fn norm_pass(&self) -> Result<Arc<NormPass>> {
+        self.ctx.bind_to_thread().map_err(|e| cuda::err("cuCtxSetCurrent", e))?;
+        let mut slot = self.norm_pass.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(p) = slot.as_ref() {
+            return Ok(p.clone());
+        }
+        let p = Arc::new(NormPass::load(crate::gpu::target::Gpu::Cuda(self.ordinal))?);
+        *slot = Some(p.clone());
+        Ok(p)
     }
 }
 
@@ -270,7 +288,14 @@ impl Backend for NcclBackend {
             _ => {
                 // NCCL picks its algorithms itself (NCCL_ALGO and the like are its knobs).
                 crate::contracts::backend::unknown_hints_ignored("nccl", op.name(), opts.hints, &[]);
-                self.run_device(op, opts)
+                match op {
+                    Op::AllReduceRmsNorm(f) => {
+                        let inner = RunOptions { fence: None, ..*opts };
+                        self.norm_pass()?
+                            .run(f, opts.stream, opts.timeout, |sum| self.run_device(sum, &inner))
+                    }
+                    op => self.run_device(op, opts),
+                }
             }
         }
     }
