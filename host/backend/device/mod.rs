@@ -38,7 +38,7 @@ pub(crate) struct DeviceBackend {
     nccl: Option<NcclBackend>,
     /// ferrocomm's own collective kernels, where every rank is on this host.
     own: Option<collectives::OwnCollectives>,
-    /// ferrocomm's own MoE dispatch / combine kernels, where every rank is on this host.
+    /// ferrocomm's own MoE dispatch / combine kernels (peers on other hosts through the proxy).
     moe: Option<moe::OwnMoe>,
     policy: Policy,
     /// Another rank of this process runs on this GPU: own kernels need a stream per rank.
