@@ -14,10 +14,14 @@
 //! The window is made at the first call that needs it (collectively: every rank makes the same
 //! call with the same shape), sized for that shape; a later call with a larger shape makes a
 //! larger one. So the first call of a shape must not be captured into a CUDA graph; later ones
-//! may be (the kernels advance their own epochs). A source's staging holds local experts x
-//! capacity rows, so a dispatch never needs more: a source that sends more tokens to one rank
-//! has necessarily overflowed one of its experts (`Error::CapacityExceeded`, with exact counts;
-//! in that case the rows of that rank's other experts are unspecified too).
+//! may be (the kernels advance their own epochs). With ranks on other hosts, a window is
+//! replaced only once every rank's proxy queue has delivered the last call's signals (then a
+//! barrier): see `Live::retire`.
+//!
+//! A source's staging holds local experts x capacity rows, so a dispatch never needs more: a
+//! source that sends more tokens to one rank has necessarily overflowed one of its experts
+//! (`Error::CapacityExceeded`, with exact counts; in that case the rows of that rank's other
+//! experts are unspecified too).
 //!
 //! Errors of the data (capacity exceeded, a bad expert id, a bad `src`, a missing row) are
 //! recorded by the kernels in a record of this module and reported as the CPU engine reports
