@@ -1,16 +1,23 @@
-// Mixture-of-experts dispatch and combine on a window of ranks that reach each other's segments
-// by loads and stores (one host), DeepEP low-latency style: no host synchronisation, so a CUDA
-// graph can capture them. The host side is host/backend/device/moe.rs; the semantics (and the
-// reference) are the CPU engine's, host/backend/cpu/inference.rs.
+// Mixture-of-experts dispatch and combine on a window, DeepEP low-latency style: no host
+// synchronisation, so a CUDA graph can capture them. Peers whose segments are mapped here (one
+// host: NVLink / PCIe) are written by stores; peers on other hosts through the window's proxy
+// queue (puts and signals a host thread carries over TCP or RDMA). The host side is
+// host/backend/device/moe.rs; the semantics (and the reference) are the CPU engine's,
+// host/backend/cpu/inference.rs.
 //
 // The MoE window's segment holds two staging regions, one for dispatch and one for combine,
 // each one slot per source rank: slot p of rank r's segment is written only by rank p. A slot
 // is a header (rows sent, the sender's epoch, per-local-expert row counts) and up to `rows`
-// records (rows = local experts * capacity).
+// records (rows = local experts * capacity). Where some rank is on another host, the segment
+// also holds one outbox per destination (after both regions, `slot` bytes apart, shared by
+// dispatch and combine), where a send builds the slot of a destination behind the proxy: the
+// proxy reads a put's source from the sender's own window.
 //
 // - dispatch send (one block per destination r): the tokens that have an expert on r, in token
-//   order, as records (token, its K expert ids, the row, its fp8 scales) into slot `me` of r's
-//   region; then the header; then READY (release) to r.
+//   order, as records (token, its K expert ids, the row, its fp8 scales), then the header,
+//   built in slot `me` of r's region when r is mapped, else in r's outbox and then carried
+//   there by one put (header and the records written; the put returns once the proxy copied
+//   it); then READY (release) to r, which through the queue lands after the put's bytes.
 // - dispatch receive (MOE_BLOCKS blocks, block b packs the local experts e = b mod MOE_BLOCKS):
 //   waits for every source's READY (acquire), then packs per expert the (record, k) pairs whose
 //   id is that expert, in (source, token, k) order, with block-wide prefix sums (no atomics, so
@@ -18,14 +25,16 @@
 //   are not written and the overflow is recorded; then DONE_b to every source.
 // - combine send (one block per destination r): the rows i < min(counts[e], capacity) of each
 //   local expert e whose source rank is r, as records (token, k, row), in (e, i) order, with the
-//   rows per expert in the header; READY to r.
+//   rows per expert in the header, in place or through r's outbox as for dispatch; READY to r.
 // - combine receive (MOE_BLOCKS blocks over the tokens): waits for every source's READY, finds
 //   the record of each (token, k) in the owner's slot (by bisection within the expert's run of
 //   records, which a dispatch's src leaves sorted by (token, k); else by a scan), and sums
 //   w[t, k] * row in f32 in k order (fmaf), rounded once; then DONE_b to every source.
 //
 // A sender first waits until every receive block of the destination has signalled DONE for
-// its previous epoch, so no slot is overwritten while it is read. Epochs are per-rank counters
+// its previous epoch, so no slot is overwritten while it is read (DONE and READY toward a rank
+// on another host are signals through the queue like any other: release, in order with the
+// origin's earlier puts). Epochs are per-rank counters
 // in device memory that the kernels advance themselves (per destination block for sends, per
 // receive block for receives): they only grow, and a graph replay takes the next one. Failures
 // (capacity exceeded, a bad expert id or source, a missing row, a timeout) are recorded in the
@@ -56,6 +65,7 @@ constexpr u32 OP_SRC = 0x4d03;       // peer = local expert, expected = row, obs
 constexpr u32 OP_MISSING = 0x4d04;   // peer = owner rank, expected = token, observed = k
 constexpr u32 OP_STEP = 0x4d05;      // peer = source, expected = this epoch, observed = the slot's
 constexpr u32 OP_STRAY = 0x4d06;     // peer = source, expected = token, observed = k
+constexpr u32 OP_OUTBOX = 0x4d07;    // peer = destination behind the proxy queue, and no outbox
 
 // What the host passes (one layout for the four kernels; unused fields are 0).
 struct Args {
@@ -79,6 +89,8 @@ struct Args {
   u64 rows;         // records per slot
   u64 errors;       // a ferrocomm_status of this op's data errors (not the handle's: a wait
                     // gives up at once while the handle's status holds an error)
+  u64 outbox;       // sends: this rank's outboxes in its own segment, one per destination, `slot`
+                    // bytes apart, where slots for ranks behind the proxy queue are built; 0: none
 };
 
 struct Header {
@@ -170,16 +182,44 @@ FERROCOMM_DEVICE_INLINE void signal_consumed(const Window& w, u32 done_id, u64 e
   for (i32 p = 0; p < w.size(); ++p) w.signal(coop_block(), p, done_id + blockIdx.x, SignalOp::Set, epoch);
 }
 
+// Where the send block for `r` builds its slot: in place (slot `me` of r's region) when r's
+// segment is mapped here, else r's outbox in this rank's own segment, which `publish` puts.
+FERROCOMM_DEVICE_INLINE Byte* slot_for(const Window& w, const Args& a, i32 r, bool direct) {
+  if (direct) return w.peer_ptr<Byte>(r, a.region + static_cast<u64>(w.rank()) * a.slot);
+  return w.local_ptr<Byte>(a.outbox + static_cast<u64>(r) * a.slot);
+}
+
+// Publishes the first `bytes` of the slot built for `r` with READY = epoch. Mapped: the
+// records are in place and the block's release signal publishes them (rule 1). Behind the
+// proxy: one put (block scope: the block syncs, its leader queues it) carries the outbox into
+// slot `me` of r's region, and the signal after it in the same queue reaches r after the data
+// (rule 1; docs/memory-model.md, "The proxy queue"). The put returns once the proxy has copied
+// the outbox, so the next call may build there again.
+FERROCOMM_DEVICE_INLINE void publish(const Window& w, const Args& a, i32 r, bool direct, const Byte* slot, u64 bytes,
+                                     u32 ready_id, u64 epoch) {
+  if (!direct) w.put(coop_block(), r, a.region + static_cast<u64>(w.rank()) * a.slot, slot, bytes);
+  w.signal(coop_block(), r, ready_id, SignalOp::Set, epoch);
+}
+
+// False (recorded) when `r` is behind the proxy queue and the host gave no outboxes.
+FERROCOMM_DEVICE_INLINE bool reachable(const Args& a, i32 r, bool direct) {
+  if (direct || a.outbox != 0) return true;
+  if (threadIdx.x == 0) invalid(a, OP_OUTBOX, r, 0, 0);
+  return false;
+}
+
 FERROCOMM_DEVICE_INLINE void dispatch_send(const ferrocomm_window_handle& h, const Args& a, u64* counters) {
   const Window w(h);
   if (!w.abi_ok()) return;
-  const i32 me = w.rank(), r = static_cast<i32>(blockIdx.x);
+  const i32 r = static_cast<i32>(blockIdx.x);
   if (r >= w.size()) return;
   FERROCOMM_SHARED(Scan, scan);
+  const bool direct = team_is_local(w, r);
+  if (!reachable(a, r, direct)) return;
   u64* sent = counters + C_DSENT + r;
   const u64 epoch = load_relaxed(sent) + 1;
   if (!wait_consumed(w, D_DONE, r, epoch)) return;
-  Byte* slot = w.peer_ptr<Byte>(r, a.region + static_cast<u64>(me) * a.slot);
+  Byte* slot = slot_for(w, a, r, direct);
   Byte* recs = slot + a.header;
   const i64 first = static_cast<i64>(r) * a.local, last = first + static_cast<i64>(a.local);
   const u64 ids_bytes = (4 + 4 * a.topk + 15) / 16 * 16;
@@ -237,7 +277,7 @@ FERROCOMM_DEVICE_INLINE void dispatch_send(const ferrocomm_window_handle& h, con
     hd->rows = n;
     hd->epoch = epoch;
   }
-  w.signal(coop_block(), r, D_READY, SignalOp::Set, epoch);
+  publish(w, a, r, direct, slot, a.header + min(n, a.rows) * a.record, D_READY, epoch);
   if (threadIdx.x == 0) store_release(sent, epoch);
 }
 
@@ -307,13 +347,15 @@ FERROCOMM_DEVICE_INLINE void dispatch_recv(const ferrocomm_window_handle& h, con
 FERROCOMM_DEVICE_INLINE void combine_send(const ferrocomm_window_handle& h, const Args& a, u64* counters) {
   const Window w(h);
   if (!w.abi_ok()) return;
-  const i32 me = w.rank(), r = static_cast<i32>(blockIdx.x);
+  const i32 r = static_cast<i32>(blockIdx.x);
   if (r >= w.size()) return;
   FERROCOMM_SHARED(Scan, scan);
+  const bool direct = team_is_local(w, r);
+  if (!reachable(a, r, direct)) return;
   u64* sent = counters + C_CSENT + r;
   const u64 epoch = load_relaxed(sent) + 1;
   if (!wait_consumed(w, C_DONE, r, epoch)) return;
-  Byte* slot = w.peer_ptr<Byte>(r, a.region + static_cast<u64>(me) * a.slot);
+  Byte* slot = slot_for(w, a, r, direct);
   Byte* recs = slot + a.header;
   const i32* counts = reinterpret_cast<const i32*>(a.counts);
   const i32* src = reinterpret_cast<const i32*>(a.src);
@@ -359,7 +401,7 @@ FERROCOMM_DEVICE_INLINE void combine_send(const ferrocomm_window_handle& h, cons
     hd->rows = n;
     hd->epoch = epoch;
   }
-  w.signal(coop_block(), r, C_READY, SignalOp::Set, epoch);
+  publish(w, a, r, direct, slot, a.header + n * a.record, C_READY, epoch);
   if (threadIdx.x == 0) store_release(sent, epoch);
 }
 

@@ -1,6 +1,9 @@
 //! The device backend's own MoE dispatch and combine kernels (kernels/moe.cu) on the host
 //! device: against a reference computed here (f64 for combine), against the CPU backend on the
-//! same inputs (bitwise), and bit-identical across runs. Needs the `host-kernels` feature.
+//! same inputs (bitwise), and bit-identical across runs. Every check runs with the ranks on one
+//! host (the kernels store into mapped segments) and, where there are several, with every rank
+//! on a host of its own (the TCP transport: the kernels put through the window's proxy queue).
+//! Needs the `host-kernels` feature.
 
 #![cfg(feature = "host-kernels")]
 
@@ -8,8 +11,42 @@ mod common;
 use common::*;
 use ferrocomm::{bf16, Combine, Dispatch, Error, MoeShape, F8E4M3};
 
+/// Where the ranks are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Hosts {
+    /// All on one host: the kernels store into each other's mapped segments.
+    One,
+    /// Each on a host of its own (the TCP transport): no peer is mapped, and the kernels build
+    /// each peer's slot in an outbox and put it, and signal, through the proxy queue.
+    Each,
+}
+
+impl Hosts {
+    /// Both layouts where there are peers; one rank alone is always on one host.
+    fn of(world: usize) -> &'static [Hosts] {
+        if world > 1 {
+            &[Hosts::One, Hosts::Each]
+        } else {
+            &[Hosts::One]
+        }
+    }
+
+    fn opts(self) -> CommOptions {
+        match self {
+            Hosts::One => options(Duration::from_secs(30)),
+            Hosts::Each => tcp_options(Duration::from_secs(30)),
+        }
+    }
+}
+
 fn opts() -> CommOptions {
-    options(Duration::from_secs(30))
+    Hosts::One.opts()
+}
+
+/// `f(comm)` on `world` host-device ranks placed as `hosts` says.
+fn on_device<R: Send>(hosts: Hosts, world: usize, name: &str, f: impl Fn(&Comm) -> R + Sync) -> Vec<R> {
+    let name = format!("{name}-{hosts:?}-{}", rand::random::<u32>());
+    run_group_on_device("device", Device::Host(0), world, &name, hosts.opts(), f)
 }
 
 /// A token element: random values, a poison, its bits and its value.
@@ -401,20 +438,33 @@ fn check_combine<C: Act>(
     }
 }
 
+/// The case on the device backend (at every placement of `Hosts::of`: two calls in a row on one
+/// communicator, halves apart and together) and on the CPU backend: each against the
+/// reference, and the device's bits equal to the CPU engine's.
 fn run_case<T: Tok>(c: &Case, separate: bool, combine: bool) {
     let seed = fresh_seed();
     let name = format!("moe-{}-{}-{}", c.world, T::DTYPE, rand::random::<u32>());
-    let dev = run_group_on_device("device", Device::Host(0), c.world, &name, opts(), |comm| {
-        let a = run_rank::<T>(comm, seed, c, separate, combine);
-        let b = run_rank::<T>(comm, seed, c, !separate, combine);
-        (a, b)
-    });
     let cpu = run_group_on_device("cpu", Device::Cpu, c.world, &format!("{name}-cpu"), opts(), |comm| {
         run_rank::<T>(comm, seed, c, separate, combine)
     });
-    for (rank, ((a, b), cpu)) in dev.iter().zip(&cpu).enumerate() {
+    for &hosts in Hosts::of(c.world) {
+        let dev = on_device(hosts, c.world, &name, |comm| {
+            let a = run_rank::<T>(comm, seed, c, separate, combine);
+            let b = run_rank::<T>(comm, seed, c, !separate, combine);
+            (a, b)
+        });
+        compare::<T>(seed, c, hosts, &dev, &cpu);
+    }
+}
+
+/// Device results (two runs per rank) against the reference and the CPU engine's.
+fn compare<T: Tok>(seed: u64, c: &Case, hosts: Hosts, dev: &[(Out, Out)], cpu: &[Out]) {
+    for (rank, ((a, b), cpu)) in dev.iter().zip(cpu).enumerate() {
         check::<T>(seed, c, rank, a);
-        assert_eq!(a, b, "rank {rank}: two runs (halves apart and together) differ");
+        assert_eq!(
+            a, b,
+            "rank {rank} ({hosts:?}): two runs (halves apart and together) differ"
+        );
         // The CPU engine's messages differ in wording; the data must not.
         let strip = |o: &Out| Out {
             dispatch: kind(&o.dispatch),
@@ -424,7 +474,7 @@ fn run_case<T: Tok>(c: &Case, separate: bool, combine: bool) {
         assert_eq!(
             strip(a),
             strip(cpu),
-            "rank {rank}: the device kernels and the CPU engine differ"
+            "rank {rank} ({hosts:?}): the device kernels and the CPU engine differ"
         );
     }
 }
@@ -511,13 +561,8 @@ fn capacity_overflow_is_an_error_with_exact_counts_and_the_window_stays_usable()
         run_case::<bf16>(&c, false, false);
         // Combine after an overflow: the owner of the tokens with a missing row says so.
         let seed = fresh_seed();
-        let res = run_group_on_device(
-            "device",
-            Device::Host(0),
-            world,
-            &format!("moe-over-{world}"),
-            opts(),
-            |comm| {
+        for &hosts in Hosts::of(world) {
+            let res = on_device(hosts, world, &format!("moe-over-{world}"), |comm| {
                 let first = run_rank::<bf16>(comm, seed, &c, false, true);
                 // The next call on the same communicator works.
                 let ok = Case {
@@ -527,15 +572,15 @@ fn capacity_overflow_is_an_error_with_exact_counts_and_the_window_stays_usable()
                 };
                 let second = run_rank::<bf16>(comm, seed, &ok, false, true);
                 (first, second, ok)
-            },
-        );
-        for (rank, (first, second, ok)) in res.iter().enumerate() {
-            let comb = first.combine.as_ref().unwrap();
-            assert!(
-                comb.as_ref().is_err_and(|e| e.contains("no row came back")),
-                "rank {rank}: combine after an overflow: {comb:?}"
-            );
-            check::<bf16>(seed, ok, rank, second);
+            });
+            for (rank, (first, second, ok)) in res.iter().enumerate() {
+                let comb = first.combine.as_ref().unwrap();
+                assert!(
+                    comb.as_ref().is_err_and(|e| e.contains("no row came back")),
+                    "rank {rank} ({hosts:?}): combine after an overflow: {comb:?}"
+                );
+                check::<bf16>(seed, ok, rank, second);
+            }
         }
     }
 }
@@ -571,7 +616,13 @@ fn eight_ranks() {
 
 #[test]
 fn halves_out_of_order_are_refused() {
-    let res = run_group_on_device("device", Device::Host(0), 2, "moe-order", opts(), |comm| {
+    for &hosts in Hosts::of(2) {
+        halves_out_of_order_are_refused_on(hosts);
+    }
+}
+
+fn halves_out_of_order_are_refused_on(hosts: Hosts) {
+    let res = on_device(hosts, 2, "moe-order", |comm| {
         let s = shape(4, 1, 128, 8);
         let (mut rt, mut counts, mut src) = (vec![bf16::ZERO; 2 * 8 * 128], vec![0i32; 2], vec![0i32; 2 * 8 * 3]);
         let recv_first = comm
@@ -595,9 +646,15 @@ fn halves_out_of_order_are_refused() {
 /// their rows, and the next call works (the kernels finish their protocol).
 #[test]
 fn a_bad_expert_id_is_reported_by_its_rank_and_the_window_stays_usable() {
+    for &hosts in Hosts::of(2) {
+        a_bad_expert_id_on(hosts);
+    }
+}
+
+fn a_bad_expert_id_on(hosts: Hosts) {
     let seed = fresh_seed();
     let world = 2;
-    let res = run_group_on_device("device", Device::Host(0), world, "moe-bad-id", opts(), |comm| {
+    let res = on_device(hosts, world, "moe-bad-id", |comm| {
         let s = shape(4, 2, 128, 16);
         let tokens = vec![bf16::ONE; 3 * 128];
         let idx: Vec<i32> = if comm.rank() == 1 {
@@ -637,7 +694,13 @@ fn a_bad_expert_id_is_reported_by_its_rank_and_the_window_stays_usable() {
 /// the row its token misses), as the CPU engine tells it.
 #[test]
 fn a_combine_row_for_a_token_never_sent_is_reported() {
-    let res = run_group_on_device("device", Device::Host(0), 2, "moe-stray", opts(), |comm| {
+    for &hosts in Hosts::of(2) {
+        a_stray_row_on(hosts);
+    }
+}
+
+fn a_stray_row_on(hosts: Hosts) {
+    let res = on_device(hosts, 2, "moe-stray", |comm| {
         let s = shape(2, 1, 128, 8);
         let tokens = vec![bf16::ONE; 2 * 128];
         // Every token of both ranks to expert 1 (rank 1).
@@ -669,6 +732,12 @@ fn a_combine_row_for_a_token_never_sent_is_reported() {
 /// of one shape waits, sent, across a combine of another.
 #[test]
 fn shapes_change_between_calls_and_halves_of_one_shape_span_another() {
+    for &hosts in Hosts::of(2) {
+        shapes_change_on(hosts);
+    }
+}
+
+fn shapes_change_on(hosts: Hosts) {
     let seed = fresh_seed();
     let world = 2;
     let case = |experts, topk, hidden, capacity| Case {
@@ -679,7 +748,7 @@ fn shapes_change_between_calls_and_halves_of_one_shape_span_another() {
         idx64: false,
     };
     let (a, b) = (case(4, 2, 128, 16), case(8, 8, 384, 24));
-    let res = run_group_on_device("device", Device::Host(0), world, "moe-shapes", opts(), |comm| {
+    let res = on_device(hosts, world, "moe-shapes", |comm| {
         let first = run_rank::<bf16>(comm, seed, &a, false, true);
         let bigger = run_rank::<bf16>(comm, seed, &b, false, true);
         let again = run_rank::<bf16>(comm, seed, &a, true, true);
@@ -722,32 +791,64 @@ fn shapes_change_between_calls_and_halves_of_one_shape_span_another() {
     }
 }
 
-/// Ranks on "hosts" of their own (the TCP transport): no own kernels there, the CPU engine runs
-/// both halves, with the same results.
+/// Ranks on hosts of their own run the own kernels too, not the CPU engine: only the kernels'
+/// window, sized at the first call of a shape, refuses to grow while a send half waits for its
+/// receive half (the engine keeps pending rows of any shape). After that refusal, the pending
+/// half completes and the larger shape runs.
 #[test]
-fn ranks_on_several_hosts_keep_the_engine_path() {
+fn ranks_on_several_hosts_run_the_own_kernels_through_the_proxy() {
     let seed = fresh_seed();
-    let c = Case {
+    let small = Case {
         world: 2,
         shape: shape(4, 2, 128, 16),
         tokens: vec![5, 6],
         routing: Routing::Random,
         idx64: false,
     };
-    let res = run_group_on_device(
-        "device",
-        Device::Host(0),
-        2,
-        "moe-tcp",
-        tcp_options(Duration::from_secs(30)),
-        |comm| {
-            let a = run_rank::<bf16>(comm, seed, &c, true, true);
-            let b = run_rank::<bf16>(comm, seed, &c, false, true);
-            (a, b)
-        },
-    );
-    for (rank, (a, b)) in res.iter().enumerate() {
-        check::<bf16>(seed, &c, rank, a);
-        assert_eq!(a, b);
+    let large = Case {
+        shape: shape(4, 2, 256, 16),
+        ..small.clone()
+    };
+    let res = on_device(Hosts::Each, 2, "moe-tcp", |comm| {
+        let inp = inputs::<bf16>(seed, &small, comm.rank());
+        let idx32: Vec<i32> = inp.idx.iter().map(|&x| x as i32).collect();
+        comm.moe_dispatch(small.shape, Dispatch::send(&inp.tokens, &idx32))
+            .unwrap();
+        let rows = 2 * 16;
+        let (eo, src, counts) = (vec![bf16::ONE; rows * 256], vec![0i32; rows * 3], vec![0i32; 2]);
+        let none = vec![-1i32; 5 * 2];
+        let mut out = vec![bf16::ZERO; 5 * 256];
+        let grow = comm
+            .moe_combine(
+                large.shape,
+                Combine::send(&eo, &src, &counts).recv(&none, &[0.5f32; 10], &mut out),
+            )
+            .map_err(|e| e.to_string());
+        let (mut rt, mut cnt, mut s) = (
+            vec![bf16::from_bits(0x7fcd); rows * 128],
+            vec![-7i32; 2],
+            vec![-9i32; rows * 3],
+        );
+        comm.moe_dispatch(small.shape, Dispatch::recv_only().recv(&mut rt, &mut cnt, &mut s))
+            .unwrap();
+        let pending = Out {
+            dispatch: Ok(()),
+            tokens: rt.iter().map(|t| t.to_bits() as u64).collect(),
+            scales: Vec::new(),
+            counts: cnt,
+            src: s,
+            combine: None,
+            out: Vec::new(),
+        };
+        (grow, pending, run_rank::<bf16>(comm, seed, &large, true, true))
+    });
+    for (rank, (grow, pending, after)) in res.iter().enumerate() {
+        assert!(
+            grow.as_ref()
+                .is_err_and(|e| e.contains("a larger MoE shape while a send half waits")),
+            "rank {rank}: {grow:?}"
+        );
+        check::<bf16>(seed, &small, rank, pending);
+        check::<bf16>(seed, &large, rank, after);
     }
 }

@@ -145,9 +145,10 @@ pub(crate) struct MoeArgs {
     pub(crate) record: u64,
     pub(crate) rows: u64,
     pub(crate) errors: u64,
+    pub(crate) outbox: u64,
 }
 
-const _: () = assert!(std::mem::size_of::<MoeArgs>() == 8 * 23);
+const _: () = assert!(std::mem::size_of::<MoeArgs>() == 8 * 24);
 
 /// Threads per block of the collective kernels (their `__launch_bounds__`).
 pub(crate) const COLLECTIVE_THREADS: u32 = 256;

@@ -23,6 +23,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include <algorithm>
 #include <functional>
 #include <random>
 #include <thread>
@@ -250,17 +251,107 @@ void check_all_to_all(Group& g, u64 region, u64 slot_payload, u64 max_len, int c
   }
 }
 
+// A proxy queue per rank (abi.h, ferrocomm_proxy_queue) and one proxy thread each, which runs
+// the descriptors as a window's proxy and the peers' window servers do together: a put is a
+// memcpy from the origin's segment into the target's, a signal a release store (or release add)
+// on the target's pad; `tail` and `done` are released after each descriptor. Ranks r with
+// remote(r, p) reach p only through it. In-process, so the sanitizers see the whole path:
+// producer release of word 0, proxy acquire, copy, release of the signal, waiter's acquire.
+struct Proxies {
+  static constexpr u64 CAP = 64;
+  struct Rank {
+    std::vector<u64> slots = std::vector<u64>(2 * CAP, 0);
+    u64 head = 0, tail = 0, done = 0;
+    std::vector<unsigned char> remote;
+    ferrocomm_proxy_queue q{};
+  };
+  Group& g;
+  std::vector<Rank> ranks;
+  std::vector<std::thread> threads;
+  bool stop = false;
+
+  Proxies(Group& group, const std::function<bool(int, int)>& remote) : g(group), ranks(group.size) {
+    for (int r = 0; r < g.size; ++r) {
+      Rank& k = ranks[r];
+      for (int p = 0; p < g.size; ++p) k.remote.push_back(remote(r, p) ? 1 : 0);
+      k.q.slots = reinterpret_cast<u64>(k.slots.data());
+      k.q.head = reinterpret_cast<u64>(&k.head);
+      k.q.tail = reinterpret_cast<u64>(&k.tail);
+      k.q.done = reinterpret_cast<u64>(&k.done);
+      k.q.remote = reinterpret_cast<u64>(k.remote.data());
+      k.q.capacity = CAP;
+    }
+    for (int r = 0; r < g.size; ++r) threads.emplace_back([this, r] { serve(r); });
+  }
+  Proxies(const Proxies&) = delete;
+  ~Proxies() {
+    __atomic_store_n(&stop, true, __ATOMIC_RELEASE);
+    for (auto& t : threads) t.join();
+  }
+
+  ferrocomm_window_handle handle(int r) {
+    ferrocomm_window_handle h = g.handle(r);
+    h.fifo = reinterpret_cast<u64>(&ranks[r].q);
+    return h;
+  }
+
+  unsigned char* segment(int r) { return reinterpret_cast<unsigned char*>(g.handle(r).base + u64(r) * g.stride); }
+
+  void serve(int me) {
+    Rank& k = ranks[me];
+    for (u64 t = 0;; ++t) {
+      u64* slot = &k.slots[2 * (t % CAP)];
+      const u64 parity = (~(t / CAP)) & 1;
+      u64 w0;
+      for (;;) {
+        w0 = __atomic_load_n(&slot[0], __ATOMIC_ACQUIRE);
+        if ((w0 >> FERROCOMM_PROXY_PARITY_BIT) == parity) break;
+        if (__atomic_load_n(&stop, __ATOMIC_ACQUIRE)) return;
+        std::this_thread::yield();
+      }
+      const u64 w1 = slot[1];
+      const u32 op = (w0 >> FERROCOMM_PROXY_OP_SHIFT) & 0x7f;
+      const int peer = int((w0 >> FERROCOMM_PROXY_PEER_SHIFT) & FERROCOMM_PROXY_MAX_PEER);
+      if (peer >= g.size || !k.remote[peer]) fail("proxy descriptor toward a mapped or bad rank", me, peer, op);
+      if (op == FERROCOMM_PROXY_PUT) {
+        const u64 dst = w0 & FERROCOMM_PROXY_OFFSET_MASK, src = w1 & FERROCOMM_PROXY_OFFSET_MASK;
+        const u64 bytes = w1 >> FERROCOMM_PROXY_BYTES_SHIFT;
+        if (dst + bytes > g.data_bytes || src + bytes > g.data_bytes) fail("proxy put out of bounds", me, dst, src);
+        memcpy(segment(peer) + dst, segment(me) + src, bytes);
+      } else if (op == FERROCOMM_PROXY_SIGNAL) {
+        const u32 id = u32(w0);
+        u64* pad = reinterpret_cast<u64*>(segment(peer) + g.signal_offset + (u64(id) * g.size + me) * 8);
+        if ((w0 >> 32) & 1) {
+          __atomic_fetch_add(pad, w1, __ATOMIC_RELEASE);
+        } else {
+          __atomic_store_n(pad, w1, __ATOMIC_RELEASE);
+        }
+      } else {
+        fail("proxy descriptor op", me, op, t);
+      }
+      __atomic_store_n(&k.tail, t + 1, __ATOMIC_RELEASE);
+      __atomic_store_n(&k.done, t + 1, __ATOMIC_RELEASE);
+    }
+  }
+};
+
 // MoE dispatch then combine (kernels/moe.cu) on `g.size` ranks, `calls` times in a row (the
 // epochs advance), laid out as host/backend/device/moe.rs does: bf16 rows of 128, two local
-// experts per rank, K = 2 distinct experts per token (some slots -1), 5 + rank tokens.
-void check_moe(int calls) {
+// experts per rank, K = 2 distinct experts per token (some slots -1), 5 + rank tokens. With
+// `hosts`, odd and even ranks are on two "hosts": toward the other host the kernels build
+// slots in their outboxes and put them through the proxy queue (Proxies above), with DONE and
+// READY signals through it too; within a host they store directly.
+void check_moe_on(int calls, bool hosts) {
   namespace m = ferrocomm::moe;
   auto up16 = [](u64 x) { return (x + 15) / 16 * 16; };
   for (int size : {1, 2, 3, 4}) {
+    if (hosts && size == 1) continue;
     const u64 local = 2, experts = local * size, topk = 2, hidden = 128, capacity = 32;
     const u64 rows = local * capacity, header = up16(16 + 4 * local), data = up16(hidden * 4);
     const u64 dslot = header + rows * (up16(4 + 4 * topk) + data), cslot = header + rows * (16 + data);
-    Group g(size, size * (dslot + cslot), 2 + 2 * m::MOE_BLOCKS);
+    const u64 outbox = hosts ? size * (dslot + cslot) : 0;
+    Group g(size, size * (dslot + cslot) + (hosts ? size * std::max(dslot, cslot) : 0), 2 + 2 * m::MOE_BLOCKS);
+    Proxies proxies(g, [&](int r, int p) { return hosts && (r & 1) != (p & 1); });
     std::vector<std::vector<u64>> counters(size, std::vector<u64>(2 * m::MOE_MAX_RANKS + 2 * m::MOE_BLOCKS, 0));
     std::vector<ferrocomm_status> errors(size);
     memset(errors.data(), 0, sizeof(ferrocomm_status) * size);
@@ -288,9 +379,9 @@ void check_moe(int calls) {
       g.ranks([&](int r) {
         m::Args a{};
         a.hidden = hidden, a.topk = topk, a.experts = experts, a.local = local, a.capacity = capacity;
-        a.row_bytes = hidden * 2, a.header = header, a.rows = rows;
+        a.row_bytes = hidden * 2, a.header = header, a.rows = rows, a.outbox = outbox;
         a.errors = reinterpret_cast<u64>(&errors[r]);
-        ferrocomm_window_handle h = g.handle(r);
+        ferrocomm_window_handle h = proxies.handle(r);
         u64* c = counters[r].data();
         m::Args d = a;
         d.region = 0, d.slot = dslot, d.record = up16(4 + 4 * topk) + up16(a.row_bytes);
@@ -345,11 +436,23 @@ void check_moe(int calls) {
         }
       }
     }
-    printf("ok: moe, %d rank%s\n", size, size == 1 ? "" : "s");
+    // The last DONE signals may still be in the queues (a signal's producer does not wait).
+    for (int r = 0; r < size; ++r) {
+      Proxies::Rank& k = proxies.ranks[r];
+      while (__atomic_load_n(&k.done, __ATOMIC_ACQUIRE) != __atomic_load_n(&k.head, __ATOMIC_ACQUIRE)) {
+        std::this_thread::yield();
+      }
+      if (hosts && k.head == 0) fail("moe: nothing went through the proxy", r, size, 0);
+    }
+    printf("ok: moe, %d rank%s%s\n", size, size == 1 ? "" : "s", hosts ? " on two hosts (proxy queue)" : "");
   }
 }
 
-// The host verbs' kernels (kernels/rma.cu) and the test kernels (tests/gpu/kernels.cu).
+void check_moe(int calls) {
+  check_moe_on(calls, false);
+  check_moe_on(calls, true);
+}
+
 void check_rma(Group& g) {
   std::vector<u64> results(g.size * 3);
   // signal / wait_signal: every rank adds 1 to slot [1][me] of every peer, then waits for the

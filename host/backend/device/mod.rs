@@ -39,7 +39,7 @@ pub(crate) struct DeviceBackend {
     nccl: Option<NcclBackend>,
     /// ferrocomm's own collective kernels, where every rank is on this host.
     own: Option<collectives::OwnCollectives>,
-    /// ferrocomm's own MoE dispatch / combine kernels, where every rank is on this host.
+    /// ferrocomm's own MoE dispatch / combine kernels (peers on other hosts through the proxy).
     moe: Option<moe::OwnMoe>,
     /// The fused norm's steps apart (NCCL's fallback, the hint `algorithm` = `unfused`).
     norm_pass: Option<NormPass>,

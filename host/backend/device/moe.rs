@@ -1,20 +1,27 @@
-//! The device backend's own MoE dispatch and combine (kernels/moe.cu) for ranks that reach
-//! each other's segments by loads and stores (every rank on one host), on device buffers and
-//! on the host device. The protocol is described at the top of kernels/moe.cu.
+//! The device backend's own MoE dispatch and combine (kernels/moe.cu), on device buffers and
+//! on the host device: peers on this host by loads and stores into their mapped segments, peers
+//! on other hosts through the window's proxy queue (a send builds their slot in an outbox of
+//! its own segment, puts it and signals). The protocol is described at the top of
+//! kernels/moe.cu.
 //!
-//! Whether the kernels run an operation depends only on its shape and the world size, which
+//! Whether the kernels run an operation depends only on its shape, the world size and whether
+//! some rank is on another host (the team agreed on that when the communicator was made), which
 //! every rank shares, so the send and receive halves of one dispatch or combine always take the
 //! same path (the kernels' staging or the CPU engine's pending rows): see [`OwnMoe::supports`].
-//! Elsewhere (ranks on several hosts, more ranks or a larger `topk` than the kernels take, a
-//! shape whose staging would not fit [`WINDOW_MAX`]) the backend keeps its other path.
+//! Elsewhere (more ranks or a larger `topk` than the kernels take, a shape whose staging would
+//! not fit [`WINDOW_MAX`], outboxes included) the backend keeps its other path.
 //!
 //! The window is made at the first call that needs it (collectively: every rank makes the same
 //! call with the same shape), sized for that shape; a later call with a larger shape makes a
 //! larger one. So the first call of a shape must not be captured into a CUDA graph; later ones
-//! may be (the kernels advance their own epochs). A source's staging holds local experts x
-//! capacity rows, so a dispatch never needs more: a source that sends more tokens to one rank
-//! has necessarily overflowed one of its experts (`Error::CapacityExceeded`, with exact counts;
-//! in that case the rows of that rank's other experts are unspecified too).
+//! may be (the kernels advance their own epochs). With ranks on other hosts, a window is
+//! replaced only once every rank's proxy queue has delivered the last call's signals (then a
+//! barrier): see `Live::retire`.
+//!
+//! A source's staging holds local experts x capacity rows, so a dispatch never needs more: a
+//! source that sends more tokens to one rank has necessarily overflowed one of its experts
+//! (`Error::CapacityExceeded`, with exact counts; in that case the rows of that rank's other
+//! experts are unspecified too).
 //!
 //! Errors of the data (capacity exceeded, a bad expert id, a bad `src`, a missing row) are
 //! recorded by the kernels in a record of this module and reported as the CPU engine reports
@@ -25,6 +32,7 @@
 use super::call_order::CallOrder;
 use super::rank::DeviceRank;
 use super::window::DeviceWindow;
+use crate::contracts::backend::RunOptions;
 use crate::contracts::dtype::DType;
 use crate::contracts::error::{Error, Result};
 use crate::contracts::inference::{MoeCombine, MoeDispatch, MoeShape, FP8_BLOCK};
@@ -35,6 +43,7 @@ use crate::gpu::cuda;
 use crate::gpu::kernels::{self, Function, MoeArgs, Queue};
 use crate::gpu::memory::Pinned;
 use crate::gpu::target::{Gpu, Stream};
+use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -50,6 +59,7 @@ const OP_SRC: u32 = 0x4d03;
 const OP_MISSING: u32 = 0x4d04;
 const OP_STEP: u32 = 0x4d05;
 const OP_STRAY: u32 = 0x4d06;
+const OP_OUTBOX: u32 = 0x4d07;
 
 /// The most bytes of one rank's MoE window; larger shapes keep the backend's other path.
 pub(crate) const WINDOW_MAX: usize = 1 << 30;
@@ -58,7 +68,8 @@ pub(crate) const WINDOW_MAX: usize = 1 << 30;
 const WINDOW_ID: u64 = u64::MAX - (1 << 32);
 
 /// Where each op's staging lies in a segment: both sized for the largest record of the shape
-/// (4-byte elements), so the layout depends only on the shape and the world.
+/// (4-byte elements), so the layout depends only on the shape, the world and whether some rank
+/// is on another host (which every rank knows alike).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Layout {
     /// Records per source slot: local experts x capacity.
@@ -69,12 +80,22 @@ struct Layout {
     bytes: usize,
 }
 
+/// A segment's bytes for slots of these sizes: the dispatch region, the combine region, and
+/// with `outboxes` one outbox per destination, as large as the larger slot (dispatch and
+/// combine share them: a rank's MoE kernels run one after another, and a put toward the proxy
+/// returns only once its source was copied out).
+fn segment_bytes(world: usize, dispatch_slot: usize, combine_slot: usize, outboxes: bool) -> Option<usize> {
+    let regions = dispatch_slot.checked_add(combine_slot)?;
+    let outbox = if outboxes { dispatch_slot.max(combine_slot) } else { 0 };
+    world.checked_mul(regions.checked_add(outbox)?)
+}
+
 fn align16(n: usize) -> Option<usize> {
     n.checked_next_multiple_of(16)
 }
 
 impl Layout {
-    fn of(s: &MoeShape, world: usize) -> Option<Layout> {
+    fn of(s: &MoeShape, world: usize, outboxes: bool) -> Option<Layout> {
         let local = s.local_experts(world);
         let rows = local.checked_mul(s.capacity)?;
         let header = align16(16 + 4 * local)?;
@@ -83,7 +104,7 @@ impl Layout {
         let combine_record = 16 + data;
         let dispatch_slot = rows.checked_mul(dispatch_record)?.checked_add(header)?;
         let combine_slot = rows.checked_mul(combine_record)?.checked_add(header)?;
-        let bytes = world.checked_mul(dispatch_slot.checked_add(combine_slot)?)?;
+        let bytes = segment_bytes(world, dispatch_slot, combine_slot, outboxes)?;
         Some(Layout {
             rows,
             header,
@@ -103,6 +124,8 @@ pub(crate) struct OwnMoe {
     host_device: bool,
     rank: usize,
     size: usize,
+    /// Some rank is on another host: sends toward it build their slots in outboxes.
+    outboxes: bool,
     state: Mutex<State>,
 }
 
@@ -121,11 +144,36 @@ struct Live {
     window: DeviceWindow,
     counters: Pinned<u64>,
     errors: Pinned<DeviceStatus>,
-    /// Bytes per source slot of each op: dispatch's region is at 0, combine's after it.
+    /// Bytes per source slot of each op: dispatch's region is at 0, combine's after it, the
+    /// outboxes (if any) after both.
     dispatch_slot: usize,
     combine_slot: usize,
     order: Option<CallOrder>,
     timeout: Duration,
+}
+
+impl Live {
+    /// Ends this window for a larger one: collective, every rank calls in the same MoE call.
+    /// Toward other hosts the last call's DONE signals may still be queued when its kernels
+    /// end: every rank's proxy completes them, and only then (a barrier) does any rank stop the
+    /// window's servers, which would otherwise refuse them and break the peers' proxy links.
+    fn retire(self, b: &DeviceRank, net: bool) -> Result<()> {
+        if !net {
+            return Ok(());
+        }
+        let limit = self.timeout + Duration::from_secs(1);
+        // Failures of the old window's last signals concern a window nobody will wait on
+        // again: they are logged, and every rank still reaches the barrier.
+        let ended = match &self.order {
+            Some(order) => self.window.enter_gpu().and_then(|()| order.wait_last(limit)),
+            None => Ok(()),
+        };
+        if let Err(e) = ended.and_then(|()| self.window.drain_proxy(limit)) {
+            tracing::warn!("MoE window replaced before its queued signals completed: {e}");
+        }
+        let hints = BTreeMap::new();
+        b.host.run_barrier(&RunOptions::new(self.timeout, &hints))
+    }
 }
 
 impl Drop for Live {
@@ -152,14 +200,9 @@ fn act_code(d: DType) -> Option<u64> {
 }
 
 impl OwnMoe {
-    /// Where every rank is on this host; `Unavailable` elsewhere.
+    /// On every device communicator: peers on this host are reached by loads and stores,
+    /// peers on other hosts through the window's proxy queue.
     pub(crate) fn create(b: &DeviceRank) -> Result<OwnMoe> {
-        if let Err(why) = &b.one_host {
-            return Err(Error::Unavailable {
-                backend: "device".into(),
-                reason: format!("own MoE kernels need every rank on one host: {why}"),
-            });
-        }
         let f = |name: &str| b.gpu.function(name);
         Ok(OwnMoe {
             dispatch_send: f(kernels::MOE_DISPATCH_SEND.name)?,
@@ -169,6 +212,7 @@ impl OwnMoe {
             host_device: b.gpu == Gpu::Host,
             rank: b.rank,
             size: b.size,
+            outboxes: b.one_host.is_err(),
             state: Mutex::new(State::default()),
         })
     }
@@ -182,14 +226,14 @@ impl OwnMoe {
             Op::MoeCombine(m) => m.shape,
             _ => return false,
         };
-        Self::takes(&shape, self.size)
+        Self::takes(&shape, self.size, self.outboxes)
     }
 
-    fn takes(s: &MoeShape, world: usize) -> bool {
+    fn takes(s: &MoeShape, world: usize, outboxes: bool) -> bool {
         world <= MAX_RANKS
             && s.topk <= MAX_TOPK
             && s.capacity <= i32::MAX as usize
-            && Layout::of(s, world).is_some_and(|l| l.bytes <= WINDOW_MAX)
+            && Layout::of(s, world, outboxes).is_some_and(|l| l.bytes <= WINDOW_MAX)
     }
 
     /// Runs `op` (`supports(op)` holds) on `stream`: to completion on the host device,
@@ -200,6 +244,7 @@ impl OwnMoe {
         // Failures of an earlier call's kernels (on a GPU, they end after their call returned).
         if let Some(live) = &st.live {
             live.window.take_status(name, timeout)?;
+            live.window.take_proxy_error()?;
             self.take_errors(live, name)?;
         }
         let hd = self.host_device;
@@ -208,7 +253,7 @@ impl OwnMoe {
             Op::MoeCombine(m) => (m.shape, self.plan_combine(&mut st, m, hd)?),
             _ => return Err(Error::invalid(name, "not a MoE operation")),
         };
-        let layout = Layout::of(&shape, self.size)
+        let layout = Layout::of(&shape, self.size, self.outboxes)
             .filter(|l| l.bytes <= WINDOW_MAX)
             .ok_or_else(|| Error::invalid(name, "the shape's staging does not fit the MoE window"))?;
         self.ensure_window(b, &mut st, layout, timeout)?;
@@ -228,6 +273,11 @@ impl OwnMoe {
                 a.header = layout.header as u64;
                 a.rows = layout.rows as u64;
                 a.errors = live.errors.device_addr();
+                a.outbox = if self.outboxes {
+                    (self.size * (live.dispatch_slot + live.combine_slot)) as u64
+                } else {
+                    0
+                };
                 let (f, k, blocks) = match l.step {
                     Step::DispatchSend => (&self.dispatch_send, &kernels::MOE_DISPATCH_SEND, self.size as u32),
                     Step::DispatchRecv => (&self.dispatch_recv, &kernels::MOE_DISPATCH_RECV, MOE_BLOCKS),
@@ -283,6 +333,7 @@ impl OwnMoe {
         match &st.live {
             Some(live) => {
                 live.window.take_status(op, timeout)?;
+                live.window.take_proxy_error()?;
                 self.take_errors(live, op)
             }
             None => Ok(()),
@@ -301,7 +352,7 @@ impl OwnMoe {
             }
             // Grown to hold every shape seen so far, where that fits.
             let both = (dispatch_slot.max(l.dispatch_slot), combine_slot.max(l.combine_slot));
-            if (both.0 + both.1).saturating_mul(self.size) <= WINDOW_MAX {
+            if segment_bytes(self.size, both.0, both.1, self.outboxes).is_some_and(|n| n <= WINDOW_MAX) {
                 (dispatch_slot, combine_slot) = both;
             }
         }
@@ -311,10 +362,14 @@ impl OwnMoe {
                 "a larger MoE shape while a send half waits for its receive half",
             ));
         }
-        st.live = None;
+        if let Some(old) = st.live.take() {
+            old.retire(b, self.outboxes)?;
+        }
+        let bytes = segment_bytes(self.size, dispatch_slot, combine_slot, self.outboxes)
+            .ok_or_else(|| Error::invalid("moe", "the MoE window's size overflows"))?;
         let spec = WindowSpec {
             id: WINDOW_ID - st.made,
-            bytes: (dispatch_slot + combine_slot) * self.size,
+            bytes,
             signals: SIGNAL_IDS,
             registered: None,
             timeout,
@@ -385,6 +440,13 @@ impl OwnMoe {
                 format!(
                     "rank {} returned a row for token {}, k = {}, which it was not sent",
                     s.peer, s.expected as u32 as i32, s.observed as u32 as i32
+                ),
+            ),
+            (_, OP_OUTBOX) => Error::invalid(
+                op,
+                format!(
+                    "rank {} is behind the proxy queue and the MoE window has no outboxes",
+                    s.peer
                 ),
             ),
             (_, OP_MISSING) => Error::invalid(
@@ -596,13 +658,19 @@ mod tests {
             hidden: 128,
             capacity: 4,
         };
-        let l = Layout::of(&s, 2).unwrap();
+        let l = Layout::of(&s, 2, false).unwrap();
         assert_eq!(l.rows, 16);
         assert_eq!(l.header, 32);
         assert_eq!(l.dispatch_slot, 32 + 16 * (16 + 512));
         assert_eq!(l.combine_slot, 32 + 16 * (16 + 512));
         assert_eq!(l.bytes, 2 * (l.dispatch_slot + l.combine_slot));
-        assert!(OwnMoe::takes(&s, 2));
+        // With ranks on other hosts: one outbox per destination, as large as the larger slot.
+        let k8 = MoeShape { topk: 8, ..s };
+        let o = Layout::of(&k8, 4, true).unwrap();
+        assert!(o.dispatch_slot > o.combine_slot);
+        assert_eq!(o.bytes, 4 * (2 * o.dispatch_slot + o.combine_slot));
+        assert_eq!(o.bytes - Layout::of(&k8, 4, false).unwrap().bytes, 4 * o.dispatch_slot);
+        assert!(OwnMoe::takes(&s, 2, false) && OwnMoe::takes(&s, 2, true));
         assert!(
             !OwnMoe::takes(
                 &MoeShape {
@@ -610,24 +678,34 @@ mod tests {
                     experts: 64,
                     ..s
                 },
-                2
+                2,
+                false
             ),
             "topk beyond the kernels'"
         );
-        assert!(!OwnMoe::takes(&s, 17), "more ranks than the kernels take");
+        assert!(!OwnMoe::takes(&s, 17, false), "more ranks than the kernels take");
         let huge = MoeShape {
             experts: 1024,
             topk: 8,
             hidden: 1 << 16,
             capacity: 1 << 16,
         };
-        assert!(!OwnMoe::takes(&huge, 8), "staging beyond WINDOW_MAX");
+        assert!(!OwnMoe::takes(&huge, 8, false), "staging beyond WINDOW_MAX");
+        // Outboxes count against WINDOW_MAX: a shape that fits without them may not with them.
+        let near = MoeShape {
+            experts: 8,
+            topk: 1,
+            hidden: 1 << 14,
+            capacity: 768,
+        };
+        assert!(OwnMoe::takes(&near, 8, false) && !OwnMoe::takes(&near, 8, true));
         assert!(Layout::of(
             &MoeShape {
                 capacity: usize::MAX,
                 ..s
             },
-            2
+            2,
+            false
         )
         .is_none());
     }

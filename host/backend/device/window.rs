@@ -295,7 +295,24 @@ impl DeviceWindow {
             r => r?,
         }
         self.take_status(op, limit)?;
-        // A kernel's queued put or signal that the proxy could not carry (a lost link).
+        self.take_proxy_error()
+    }
+
+    /// Waits until every put and signal this rank's kernels queued toward other hosts is
+    /// complete at its target (those kernels must have ended). Nothing to wait for on one host.
+    pub(crate) fn drain_proxy(&self, limit: Duration) -> Result<()> {
+        match &self.net {
+            Some(n) => {
+                self.gpu.enter()?;
+                n.queue.drain(&self.stream, limit)
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// Reports and clears a kernel's queued put or signal that the proxy could not carry (a
+    /// lost link, a bad descriptor).
+    pub(crate) fn take_proxy_error(&self) -> Result<()> {
         match self.net.as_ref().and_then(|n| n.queue.take_error()) {
             Some(e) => Err(e),
             None => Ok(()),

@@ -4,18 +4,19 @@
 //! queue record itself are host-pinned and mapped into the GPU; only `head`, which producers
 //! take tickets from with device atomics, lives in device memory.
 
-use crate::contracts::error::Result;
+use crate::contracts::error::{Error, Result};
 use crate::contracts::window_handle::ProxyQueue;
 use crate::gpu::cuda;
 use crate::gpu::memory::Pinned;
-use crate::gpu::target::{Gpu, Stream};
+use crate::gpu::target::{Gpu, Place, Stream};
 use crate::net::windows::descriptor::Limits;
 use crate::net::windows::fifo::Ring;
 use crate::net::windows::link::SharedLink;
 use crate::net::windows::proxy::{LocalData, Plan, Proxy};
 use cudarc::driver::{CudaSlice, DevicePtr};
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 /// Slots of a device queue: as many as a host window's.
 const SLOTS: usize = 1024;
@@ -26,16 +27,16 @@ pub(crate) struct DeviceQueue {
     // Field order: the proxy (which reads the ring) stops before the memory is freed.
     proxy: Proxy,
     /// tail (line 0), done (line 1), then `2 * SLOTS` slot words.
-    _words: Pinned<u64>,
+    words: Pinned<u64>,
     _remote: Pinned<u8>,
     record: Pinned<ProxyQueue>,
-    _head: Head,
+    head: Head,
 }
 
 /// The ticket counter producers take from with device atomics: device memory on a GPU, host
-/// memory on the host device. Held, never read here: kernels use it by address.
-#[allow(dead_code)]
+/// memory on the host device. Kernels use it by address; the host reads it only to drain.
 enum Head {
+    #[allow(dead_code)]
     Cuda(CudaSlice<u64>),
     Host(Pinned<u64>),
 }
@@ -106,10 +107,10 @@ impl DeviceQueue {
         })?;
         Ok(DeviceQueue {
             proxy,
-            _words: words,
+            words,
             _remote: remote,
             record,
-            _head: head,
+            head,
         })
     }
 
@@ -119,7 +120,48 @@ impl DeviceQueue {
     }
 
     /// The first error the proxy met since the last call (a lost link, a bad descriptor).
-    pub(crate) fn take_error(&self) -> Option<crate::contracts::error::Error> {
+    pub(crate) fn take_error(&self) -> Option<Error> {
         self.proxy.take_error()
+    }
+
+    /// Waits until every descriptor producers have taken a ticket for is complete at its
+    /// target (`done` reached `head`). The kernels that push must have ended; `stream` reads a
+    /// device `head`. For tearing a window down: what is still queued reaches the peers'
+    /// servers while they run.
+    pub(crate) fn drain(&self, stream: &Stream, timeout: Duration) -> Result<()> {
+        const OP: &str = "proxy queue drain";
+        let head = match &self.head {
+            Head::Host(h) => h.read(0),
+            Head::Cuda(_) => {
+                let mut v = 0u64;
+                // SAFETY: `v` outlives the wait below; the record holds the counter's address.
+                unsafe {
+                    stream.copy(
+                        Place::Host(&mut v as *mut u64 as usize),
+                        Place::Device(self.record.read(0).head),
+                        8,
+                    )
+                }?;
+                stream.wait_idle(OP, timeout)?;
+                v
+            }
+        };
+        // SAFETY: line 1 of `words` is the done counter, which the proxy stores atomically.
+        let done = unsafe { &*(self.words.host_ptr().add(LINE) as *const AtomicU64) };
+        let deadline = Instant::now() + timeout;
+        while done.load(Ordering::Acquire) < head {
+            if let Some(e) = self.proxy.take_error() {
+                return Err(e);
+            }
+            if Instant::now() > deadline {
+                return Err(Error::Timeout {
+                    op: OP,
+                    peer: None,
+                    after: timeout,
+                });
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        Ok(())
     }
 }
