@@ -23,6 +23,24 @@ fn add_into_body(acc: &mut [f32], src: &[u8], dtype: DType) {
 }
 
 wide_where_possible! {
+    /// `acc[j] = src[j]` for a row of `dtype` elements, each exactly as f32 (an f32 row keeps
+    /// its bits; unlike `load`, which adds to zeros, -0.0 stays -0.0).
+    fn load_into(acc: &mut [f32], src: &[u8], dtype: DType) = load_into_body
+}
+
+#[inline(always)]
+fn load_into_body(acc: &mut [f32], src: &[u8], dtype: DType) {
+    debug_assert_eq!(src.len(), acc.len() * dtype.size());
+    match dtype {
+        DType::F32 => zip(acc, src, 4, |a, b| *a = f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+        DType::F16 => zip(acc, src, 2, |a, b| *a = f16::from_le_bytes([b[0], b[1]]).to_f32()),
+        DType::BF16 => zip(acc, src, 2, |a, b| *a = bf16_to_f32([b[0], b[1]])),
+        DType::F8E4M3 => zip(acc, src, 1, |a, b| *a = F8E4M3::from_bits(b[0]).to_f32()),
+        other => unreachable!("rows of {other} are refused by the operations' validation"),
+    }
+}
+
+wide_where_possible! {
     /// `acc[j] = fma(w, src[j], acc[j])` in f32: one rounding per term, as the device kernels'
     /// `fmaf` (kernels/moe.cu), so both backends' combines give the same bits.
     fn add_scaled_into(acc: &mut [f32], src: &[u8], dtype: DType, w: f32) = add_scaled_body
@@ -173,6 +191,9 @@ mod tests {
                 add_scaled_into(&mut a, &src, dtype, w);
                 add_scaled_body(&mut b, &src, dtype, w);
                 assert_eq!(bits(&a), bits(&b), "add_scaled_into {dtype} {n}");
+                load_into(&mut a, &src, dtype);
+                load_into_body(&mut b, &src, dtype);
+                assert_eq!(bits(&a), bits(&b), "load_into {dtype} {n}");
                 let (mut da, mut db) = (vec![0u8; n * dtype.size()], vec![1u8; n * dtype.size()]);
                 store(&mut da, &vals, dtype);
                 store_body(&mut db, &vals, dtype);

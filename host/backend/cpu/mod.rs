@@ -269,7 +269,9 @@ impl Backend for CpuBackend {
             broken,
         } = &mut *st;
         let r = match op {
-            Op::AllReduceRmsNorm(f) => inference::all_reduce_rmsnorm(engine, &ctx, f, opts, self.tuning.direct_max),
+            Op::AllReduceRmsNorm(f) => {
+                inference::all_reduce_rmsnorm(engine, scratch, &ctx, f, opts, self.tuning.direct_max)
+            }
             Op::MoeDispatch(m) => inference::moe_dispatch(engine, &ctx, pending, m),
             Op::MoeCombine(m) => inference::moe_combine(engine, &ctx, pending, m),
             _ => self.dispatch(engine, scratch, &ctx, op, opts),
