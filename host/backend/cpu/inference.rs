@@ -22,18 +22,58 @@ use crate::compute::rows;
 use crate::contracts::backend::{hint_ignored, unknown_hints_ignored, RunOptions};
 use crate::contracts::dtype::DType;
 use crate::contracts::error::{Error, Result};
-use crate::contracts::inference::{MoeCombine, MoeDispatch, MoeShape, RmsNormFusion, FP8_BLOCK};
+use crate::contracts::inference::{
+    CombineSend, DispatchSend, MoeCombine, MoeDispatch, MoeShape, RmsNormFusion, FP8_BLOCK,
+};
 
 /// Operation codes of the calls' tags (header.rs names them).
 pub(super) const FUSED_NORM: u8 = 11;
 pub(super) const MOE_DISPATCH: u8 = 12;
 pub(super) const MOE_COMBINE: u8 = 13;
 
-/// Rows a dispatch or combine has sent and this rank has received, until its receive half.
+/// Rows a dispatch or combine has sent and this rank has received, until its receive half;
+/// and the message buffers of earlier calls, kept for the next ones (allocating, and faulting
+/// in, megabytes per call cost more than the copies into them).
 #[derive(Default)]
 pub(super) struct Pending {
     dispatch: Option<Arrived>,
     combine: Option<Arrived>,
+    spare: Vec<Vec<u8>>,
+}
+
+impl Pending {
+    /// The spare buffer for `len` bytes: the smallest that holds them, else the largest.
+    fn pick(&mut self, len: usize) -> Vec<u8> {
+        let fits = (0..self.spare.len())
+            .filter(|&i| self.spare[i].capacity() >= len)
+            .min_by_key(|&i| self.spare[i].capacity());
+        let largest = (0..self.spare.len()).max_by_key(|&i| self.spare[i].capacity());
+        fits.or(largest).map_or_else(Vec::new, |i| self.spare.swap_remove(i))
+    }
+
+    /// A buffer of `len` bytes, contents unspecified (an exchange overwrites them all): only
+    /// bytes past the spare buffer's old length are written here.
+    fn buffer(&mut self, len: usize) -> Vec<u8> {
+        let mut v = self.pick(len);
+        if v.len() > len {
+            v.truncate(len);
+        } else {
+            v.resize(len, 0);
+        }
+        v
+    }
+
+    /// An empty buffer with room for `len` bytes.
+    fn empty(&mut self, len: usize) -> Vec<u8> {
+        let mut v = self.pick(len);
+        v.clear();
+        v.reserve(len);
+        v
+    }
+
+    fn give_back(&mut self, bufs: impl IntoIterator<Item = Vec<u8>>) {
+        self.spare.extend(bufs);
+    }
 }
 
 /// What came from each source rank, with the shape and dtype it was sent with.
@@ -350,9 +390,16 @@ fn check_ids(op: &'static str, ids: &[i64], experts: usize) -> Result<()> {
 }
 
 /// Sends `msgs[p]` to every rank p and returns what each rank sent here: a count exchange,
-/// then the messages (two calls).
-fn exchange(e: &mut Engine, ctx: &OpCtx, code: u8, d: DType, hidden: usize, msgs: &[Vec<u8>]) -> Result<Vec<Vec<u8>>> {
-    let size = e.size;
+/// then the messages (two calls). Our own message is kept as it is, not copied; the others'
+/// land in spare buffers.
+fn exchange(
+    e: &mut Engine,
+    ctx: &OpCtx,
+    pending: &mut Pending,
+    (code, d, hidden): (u8, DType, usize),
+    mut msgs: Vec<Vec<u8>>,
+) -> Result<Vec<Vec<u8>>> {
+    let (size, me) = (e.size, e.rank);
     let lens: Vec<[u8; 8]> = msgs.iter().map(|m| (m.len() as u64).to_le_bytes()).collect();
     let mut got = vec![[0u8; 8]; size];
     {
@@ -362,22 +409,36 @@ fn exchange(e: &mut Engine, ctx: &OpCtx, code: u8, d: DType, hidden: usize, msgs
         begin(e, t, size as u64, hidden, Algo::Direct);
         algorithms::all_to_all(e, ctx, t, &ins, &mut outs)?;
     }
-    let mut from: Vec<Vec<u8>> = got.iter().map(|g| vec![0u8; u64::from_le_bytes(*g) as usize]).collect();
-    let t = tag(code, d, 1);
-    let ins: Vec<&[u8]> = msgs.iter().map(|m| &m[..]).collect();
-    let mut outs: Vec<&mut [u8]> = from.iter_mut().map(|f| &mut f[..]).collect();
-    e.begin_call(
-        t,
-        Call {
-            count: ANY_COUNT,
-            root: hidden as u32,
-            algo: Algo::Direct.code(),
-            seq: 0,
-        },
-        true,
-        true,
-    );
-    algorithms::all_to_all(e, ctx, t, &ins, &mut outs)?;
+    let mut from: Vec<Vec<u8>> = (0..size)
+        .map(|p| {
+            pending.buffer(if p == me {
+                0
+            } else {
+                u64::from_le_bytes(got[p]) as usize
+            })
+        })
+        .collect();
+    {
+        let t = tag(code, d, 1);
+        let ins: Vec<&[u8]> = (0..size)
+            .map(|p| if p == me { &[][..] } else { &msgs[p][..] })
+            .collect();
+        let mut outs: Vec<&mut [u8]> = from.iter_mut().map(|f| &mut f[..]).collect();
+        e.begin_call(
+            t,
+            Call {
+                count: ANY_COUNT,
+                root: hidden as u32,
+                algo: Algo::Direct.code(),
+                seq: 0,
+            },
+            true,
+            true,
+        );
+        algorithms::all_to_all(e, ctx, t, &ins, &mut outs)?;
+    }
+    std::mem::swap(&mut from[me], &mut msgs[me]);
+    pending.give_back(msgs);
     Ok(from)
 }
 
@@ -394,38 +455,62 @@ fn fp8_scale_bytes(s: &MoeShape, d: DType) -> usize {
     }
 }
 
+/// The dispatch's messages: each token once to every rank that owns one of its experts, as
+/// records of `dispatch_record` bytes, each message allocated once at its final size.
+fn dispatch_messages(
+    pending: &mut Pending,
+    s: &MoeShape,
+    size: usize,
+    send: &DispatchSend,
+    ids: &[i64],
+) -> Vec<Vec<u8>> {
+    let d = send.tokens.dtype();
+    let local = s.local_experts(size);
+    let (row, sc) = (s.hidden * d.size(), fp8_scale_bytes(s, d));
+    let tokens = send.tokens.host_bytes();
+    let scales = send.scales.as_ref().map(|b| b.host_bytes());
+    // The ranks token t goes to: `last[dst] == t + 1` once it has gone there.
+    let mut last = vec![0usize; size];
+    let mut each_token = |f: &mut dyn FnMut(usize, usize, &[i64])| {
+        last.fill(0);
+        for (t, k_ids) in ids.chunks_exact(s.topk).enumerate() {
+            for &x in k_ids.iter().filter(|&&x| x >= 0) {
+                let dst = x as usize / local;
+                if std::mem::replace(&mut last[dst], t + 1) != t + 1 {
+                    f(t, dst, k_ids);
+                }
+            }
+        }
+    };
+    let mut records = vec![0usize; size];
+    each_token(&mut |_, dst, _| records[dst] += 1);
+    let record = dispatch_record(s, d);
+    let mut msgs: Vec<Vec<u8>> = records.iter().map(|&n| pending.empty(n * record)).collect();
+    each_token(&mut |t, dst, k_ids| {
+        let msg = &mut msgs[dst];
+        msg.extend_from_slice(&(t as u32).to_le_bytes());
+        k_ids
+            .iter()
+            .for_each(|&k| msg.extend_from_slice(&(k as i32).to_le_bytes()));
+        msg.extend_from_slice(&tokens[t * row..(t + 1) * row]);
+        if let Some(scales) = scales {
+            msg.extend_from_slice(&scales[t * sc..(t + 1) * sc]);
+        }
+    });
+    msgs
+}
+
 pub(super) fn moe_dispatch(e: &mut Engine, ctx: &OpCtx, pending: &mut Pending, m: &mut MoeDispatch<'_>) -> Result<()> {
     const OP: &str = "moe_dispatch";
     let (size, s) = (e.size, m.shape);
     let local = s.local_experts(size);
     if let Some(send) = &m.send {
-        Arrived::check_free(OP, &pending.dispatch)?;
         let d = send.tokens.dtype();
         let ids = expert_ids(send.topk_idx.host_bytes(), send.topk_idx.dtype());
+        Arrived::check_free(OP, &pending.dispatch)?;
         check_ids(OP, &ids, s.experts)?;
-        let (row, sc) = (s.hidden * d.size(), fp8_scale_bytes(&s, d));
-        let tokens = send.tokens.host_bytes();
-        let scales = send.scales.as_ref().map(|b| b.host_bytes());
-        let mut msgs = vec![Vec::new(); size];
-        for (t, k_ids) in ids.chunks_exact(s.topk).enumerate() {
-            let mut sent_to = vec![false; size];
-            for &x in k_ids.iter().filter(|&&x| x >= 0) {
-                let dst = x as usize / local;
-                if std::mem::replace(&mut sent_to[dst], true) {
-                    continue;
-                }
-                let msg = &mut msgs[dst];
-                msg.extend_from_slice(&(t as u32).to_le_bytes());
-                k_ids
-                    .iter()
-                    .for_each(|&k| msg.extend_from_slice(&(k as i32).to_le_bytes()));
-                msg.extend_from_slice(&tokens[t * row..(t + 1) * row]);
-                if let Some(scales) = scales {
-                    msg.extend_from_slice(&scales[t * sc..(t + 1) * sc]);
-                }
-            }
-        }
-        let from = exchange(e, ctx, MOE_DISPATCH, d, s.hidden, &msgs)?;
+        let msgs = dispatch_messages(pending, &s, size, send, &ids);
+        let from = exchange(e, ctx, pending, (MOE_DISPATCH, d, s.hidden), msgs)?;
         pending.dispatch = Some(Arrived {
             shape: s,
             dtype: d,
@@ -471,6 +556,7 @@ pub(super) fn moe_dispatch(e: &mut Engine, ctx: &OpCtx, pending: &mut Pending, m
             }
         }
     }
+    pending.give_back(arrived.from);
     let counts_out = recv.counts.host_bytes_mut();
     for (el, &c) in counts.iter().enumerate() {
         counts_out[el * 4..el * 4 + 4].copy_from_slice(&(c.min(i32::MAX as usize) as i32).to_le_bytes());
@@ -490,45 +576,73 @@ fn read_i32(b: &[u8], i: usize) -> i32 {
     i32::from_le_bytes(b[i * 4..i * 4 + 4].try_into().unwrap_or_default())
 }
 
+/// The rows of a combine's send half that go to each rank, once `counts` and `src` are
+/// checked.
+fn combine_records(s: &MoeShape, size: usize, send: &CombineSend) -> Result<Vec<usize>> {
+    const OP: &str = "moe_combine";
+    let (src, counts) = (send.src.host_bytes(), send.counts.host_bytes());
+    let mut records = vec![0usize; size];
+    for el in 0..s.local_experts(size) {
+        let c = read_i32(counts, el);
+        if c < 0 {
+            return Err(Error::invalid(OP, format!("counts[{el}] = {c} is negative")));
+        }
+        for i in 0..(c as usize).min(s.capacity) {
+            let slot = el * s.capacity + i;
+            let (r, t, k) = (
+                read_i32(src, slot * 3),
+                read_i32(src, slot * 3 + 1),
+                read_i32(src, slot * 3 + 2),
+            );
+            if r < 0 || r as usize >= size || t < 0 || k < 0 || k as usize >= s.topk {
+                return Err(Error::invalid(
+                    OP,
+                    format!("src[{el}, {i}] = ({r}, {t}, {k}) is not a dispatched row's source"),
+                ));
+            }
+            records[r as usize] += 1;
+        }
+    }
+    Ok(records)
+}
+
+/// Each expert row back to its token's rank: (token u32, k u32, the row), each message
+/// allocated once at its final size.
+fn combine_messages(pending: &mut Pending, s: &MoeShape, send: &CombineSend, records: &[usize]) -> Vec<Vec<u8>> {
+    let row = s.hidden * send.expert_out.dtype().size();
+    let (out, src, counts) = (
+        send.expert_out.host_bytes(),
+        send.src.host_bytes(),
+        send.counts.host_bytes(),
+    );
+    let mut msgs: Vec<Vec<u8>> = records.iter().map(|&n| pending.empty(n * (8 + row))).collect();
+    for el in 0..s.local_experts(records.len()) {
+        for i in 0..(read_i32(counts, el) as usize).min(s.capacity) {
+            let slot = el * s.capacity + i;
+            let (r, t, k) = (
+                read_i32(src, slot * 3),
+                read_i32(src, slot * 3 + 1),
+                read_i32(src, slot * 3 + 2),
+            );
+            let msg = &mut msgs[r as usize];
+            msg.extend_from_slice(&(t as u32).to_le_bytes());
+            msg.extend_from_slice(&(k as u32).to_le_bytes());
+            msg.extend_from_slice(&out[slot * row..(slot + 1) * row]);
+        }
+    }
+    msgs
+}
+
 pub(super) fn moe_combine(e: &mut Engine, ctx: &OpCtx, pending: &mut Pending, m: &mut MoeCombine<'_>) -> Result<()> {
     const OP: &str = "moe_combine";
     let (size, s) = (e.size, m.shape);
     let local = s.local_experts(size);
     if let Some(send) = &m.send {
-        Arrived::check_free(OP, &pending.combine)?;
         let d = send.expert_out.dtype();
-        let row = s.hidden * d.size();
-        let (out, src, counts) = (
-            send.expert_out.host_bytes(),
-            send.src.host_bytes(),
-            send.counts.host_bytes(),
-        );
-        let mut msgs = vec![Vec::new(); size];
-        for el in 0..local {
-            let c = read_i32(counts, el);
-            if c < 0 {
-                return Err(Error::invalid(OP, format!("counts[{el}] = {c} is negative")));
-            }
-            for i in 0..(c as usize).min(s.capacity) {
-                let slot = el * s.capacity + i;
-                let (r, t, k) = (
-                    read_i32(src, slot * 3),
-                    read_i32(src, slot * 3 + 1),
-                    read_i32(src, slot * 3 + 2),
-                );
-                if r < 0 || r as usize >= size || t < 0 || k < 0 || k as usize >= s.topk {
-                    return Err(Error::invalid(
-                        OP,
-                        format!("src[{el}, {i}] = ({r}, {t}, {k}) is not a dispatched row's source"),
-                    ));
-                }
-                let msg = &mut msgs[r as usize];
-                msg.extend_from_slice(&(t as u32).to_le_bytes());
-                msg.extend_from_slice(&(k as u32).to_le_bytes());
-                msg.extend_from_slice(&out[slot * row..(slot + 1) * row]);
-            }
-        }
-        let from = exchange(e, ctx, MOE_COMBINE, d, s.hidden, &msgs)?;
+        Arrived::check_free(OP, &pending.combine)?;
+        let records = combine_records(&s, size, send)?;
+        let msgs = combine_messages(pending, &s, send, &records);
+        let from = exchange(e, ctx, pending, (MOE_COMBINE, d, s.hidden), msgs)?;
         pending.combine = Some(Arrived {
             shape: s,
             dtype: d,
@@ -584,5 +698,6 @@ pub(super) fn moe_combine(e: &mut Engine, ctx: &OpCtx, pending: &mut Pending, m:
         }
         rows::store(&mut out[t * row..(t + 1) * row], &acc, d);
     }
+    pending.give_back(arrived.from);
     Ok(())
 }
