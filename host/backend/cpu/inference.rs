@@ -220,7 +220,10 @@ pub(super) fn all_reduce_rmsnorm(
     tuning_direct_max: usize,
 ) -> Result<()> {
     let (size, me) = (e.size, e.rank);
-    let twoshot = two_shot(f, opts, tuning_direct_max, size)?;
+    let twoshot = match two_shot(f, opts, tuning_direct_max, size) {
+        Ok(t) => t,
+        Err(why) => return refuse(e, ctx, FUSED_NORM, f.x.dtype(), why),
+    };
     let (d, hidden, tokens) = (f.x.dtype(), f.hidden, f.tokens());
     let out_dtype = f.out.dtype();
     let gamma = rows::load(f.gamma.host_bytes(), d);
@@ -442,6 +445,21 @@ fn exchange(
     Ok(from)
 }
 
+/// Fails the call with `why`, an argument error of this rank's own, after telling the peers
+/// (`Engine::refuse`): they fail at once too, with an error naming this rank, instead of
+/// waiting for it until their timeout. If the peers cannot be told, that failure is the error.
+fn refuse(e: &mut Engine, ctx: &OpCtx, code: u8, d: DType, why: Error) -> Result<()> {
+    let reason = match &why {
+        Error::InvalidArgument { reason, .. } => reason.clone(),
+        other => other.to_string(),
+    };
+    if let Err(lost) = e.refuse(ctx, tag(code, d, 0), reason.as_bytes()) {
+        tracing::debug!(op = ctx.op, error = %why, "the peers could not be told of this rank's refusal");
+        return Err(lost);
+    }
+    Err(why)
+}
+
 /// Bytes of a dispatched row: the token (u32), its K expert ids (i32), the row, its scales.
 fn dispatch_record(s: &MoeShape, d: DType) -> usize {
     4 + 4 * s.topk + s.hidden * d.size() + fp8_scale_bytes(s, d)
@@ -507,8 +525,9 @@ pub(super) fn moe_dispatch(e: &mut Engine, ctx: &OpCtx, pending: &mut Pending, m
     if let Some(send) = &m.send {
         let d = send.tokens.dtype();
         let ids = expert_ids(send.topk_idx.host_bytes(), send.topk_idx.dtype());
-        Arrived::check_free(OP, &pending.dispatch)?;
-        check_ids(OP, &ids, s.experts)?;
+        if let Err(why) = Arrived::check_free(OP, &pending.dispatch).and_then(|_| check_ids(OP, &ids, s.experts)) {
+            return refuse(e, ctx, MOE_DISPATCH, d, why);
+        }
         let msgs = dispatch_messages(pending, &s, size, send, &ids);
         let from = exchange(e, ctx, pending, (MOE_DISPATCH, d, s.hidden), msgs)?;
         pending.dispatch = Some(Arrived {
@@ -639,8 +658,10 @@ pub(super) fn moe_combine(e: &mut Engine, ctx: &OpCtx, pending: &mut Pending, m:
     let local = s.local_experts(size);
     if let Some(send) = &m.send {
         let d = send.expert_out.dtype();
-        Arrived::check_free(OP, &pending.combine)?;
-        let records = combine_records(&s, size, send)?;
+        let records = match Arrived::check_free(OP, &pending.combine).and_then(|_| combine_records(&s, size, send)) {
+            Ok(records) => records,
+            Err(why) => return refuse(e, ctx, MOE_COMBINE, d, why),
+        };
         let msgs = combine_messages(pending, &s, send, &records);
         let from = exchange(e, ctx, pending, (MOE_COMBINE, d, s.hidden), msgs)?;
         pending.combine = Some(Arrived {
