@@ -283,7 +283,10 @@ pub trait Collectives<'a>: Sized {
     /// `[tokens, hidden]`, `gamma` is `[hidden]`, all of one type (f32, f16 or bf16). Sums run
     /// in f32, over ranks in rank order, so every rank gets the same bits; the norm reads the
     /// f32 sum (see [`RmsNormFusion`](crate::RmsNormFusion)). The hint `algorithm` =
-    /// `oneshot` / `twoshot` overrides the choice by size.
+    /// `oneshot` / `twoshot` overrides the choice by size. On the CPU backend a rank whose
+    /// arguments fail its checks still tells the others: they fail at once with
+    /// `Error::InvalidArgument` naming it and its reason, and the communicator stays usable
+    /// (so do MoE dispatch and combine).
     ///
     /// ```
     /// use ferrocomm::prelude::*;
@@ -365,7 +368,10 @@ pub trait Collectives<'a>: Sized {
     /// may run alone: a [`Dispatch::send`] without `recv` returns once the rows are on their
     /// way (on the CPU backend: there), a later [`Dispatch::recv_only`] receives them, and the
     /// rank computes in between. More rows for an expert than `shape.capacity` is
-    /// `Error::CapacityExceeded` on the receiving rank (the counts say how many came).
+    /// `Error::CapacityExceeded` on the receiving rank (the counts say how many came). A rank
+    /// that refuses its send half (an expert id out of range, a buffer of the wrong size) fails
+    /// every rank at once on the CPU backend (the others with `Error::InvalidArgument` naming
+    /// it); nothing moves and the communicator stays usable.
     fn moe_dispatch(&self, shape: MoeShape, buffers: Dispatch<'a>) -> Result<Self::Output> {
         self.call(Op::MoeDispatch(buffers.into_op(shape)))
     }

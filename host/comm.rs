@@ -9,7 +9,7 @@ use crate::contracts::options::{merge_hints, AbortOnError, CommOptions, OpOption
 use crate::contracts::placement::Device;
 use crate::contracts::store::Store;
 use crate::contracts::window::{WindowBackend, WindowOptions, WindowSpec};
-use crate::executor::{op_task, Executor, Task};
+use crate::executor::{op_task, refusal_task, Executor, Task};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -379,10 +379,22 @@ impl Comm {
     /// Checks `op` and makes its task; shared by the synchronous and asynchronous paths, so
     /// every operation's result passes through the one place that applies `abort_on_error`.
     pub(crate) fn prepare<'a>(&self, op: Op<'a>, opts: &OpOptions) -> Result<Task<'a>> {
-        self.validate(&op)?;
         let options = &self.inner.options;
         let timeout = opts.timeout.unwrap_or(options.timeout);
         let hints = merge_hints(&options.hints, &opts.hints);
+        if let Err(e) = self.validate(&op) {
+            // The peers of a collective that every rank exchanges with every rank would wait
+            // for this rank until their timeout: the backend may tell them, in issue order.
+            if op.refused_in_band() && self.inner.size > 1 && !matches!(e, Error::Closed { .. }) {
+                let reason = match &e {
+                    Error::InvalidArgument { reason, .. } => reason.clone(),
+                    other => other.to_string(),
+                };
+                // Its own failure is the backend's to record; the caller gets `e`.
+                let _ = self.inner.exec.run(refusal_task(op, reason, timeout, hints));
+            }
+            return Err(e);
+        }
         let check = options.check_calls.then_some((self.inner.rank, self.inner.size));
         let task = op_task(op, timeout, hints, check);
         let mode = options.abort_on_error;

@@ -88,6 +88,26 @@ pub(crate) fn op_task<'a>(
     })
 }
 
+/// The task that runs `Backend::refuse` for `op`, which failed this rank's checks (`reason`).
+pub(crate) fn refusal_task<'a>(
+    op: Op<'a>,
+    reason: String,
+    timeout: Duration,
+    hints: BTreeMap<String, String>,
+) -> Task<'a> {
+    let stream = crate::gpu::cuda::stream::current();
+    Box::new(move |b: &dyn Backend, fence: Option<&FenceSlot>| {
+        let opts = RunOptions {
+            timeout,
+            hints: &hints,
+            stream,
+            fence,
+        };
+        b.refuse(&op, &reason, &opts);
+        Ok(())
+    })
+}
+
 #[derive(Default)]
 struct Queue {
     jobs: VecDeque<Job>,

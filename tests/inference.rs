@@ -342,3 +342,115 @@ fn moe_normal_mode_sizes_the_buffers_from_exchanged_counts() {
         );
     }
 }
+
+/// Runs `call` on `world` ranks, rank `culprit` with a bad argument (`call(c, true)`), then
+/// once more with good ones everywhere, then an all_reduce. The culprit gets its own argument
+/// error (whose text contains `why`); every other rank gets an argument error naming the
+/// culprit and saying `why`, well before the timeout (it does not wait for the culprit); and
+/// the communicator works afterwards.
+fn one_rank_refuses(
+    world: usize,
+    culprit: usize,
+    name: &str,
+    why: &str,
+    call: impl Fn(&Comm, bool) -> ferrocomm::Result<()> + Sync,
+) {
+    let timeout = Duration::from_secs(10);
+    let got = run_group(world, name, options(timeout), |c| {
+        let t0 = std::time::Instant::now();
+        let bad = call(c, c.rank() == culprit);
+        let took = t0.elapsed();
+        let good = call(c, false);
+        let mut y = [1u32];
+        let after = c.all_reduce(&mut y[..], ReduceOp::Sum).map(|()| y[0]);
+        (bad, took, good, after)
+    });
+    for (r, (bad, took, good, after)) in got.iter().enumerate() {
+        match bad {
+            Err(e) if r == culprit => assert!(e.to_string().contains(why), "rank {r} (the culprit): {e}"),
+            Err(Error::InvalidArgument { reason, .. }) => assert!(
+                reason.contains(&format!("rank {culprit} refused its call")) && reason.contains(why),
+                "rank {r}: {reason}"
+            ),
+            other => panic!("rank {r}: {other:?}"),
+        }
+        assert!(*took < timeout / 2, "rank {r} waited {took:?} for the culprit");
+        assert!(good.is_ok(), "rank {r}, the call again with good arguments: {good:?}");
+        assert_eq!(after.as_ref().ok(), Some(&(world as u32)), "rank {r}: {after:?}");
+    }
+}
+
+#[test]
+fn a_bad_expert_id_on_one_rank_fails_every_rank_at_once_naming_it() {
+    let s = shape(6, 2, 4, 3 * 3);
+    one_rank_refuses(3, 1, "moe-one-bad-id", "topk_idx[3] = 99", |c, bad| {
+        let x = vec![1f32; 3 * 4];
+        let ids = [0i32, 1, 2, if bad { 99 } else { 3 }, 4, 5];
+        let (mut recv, mut counts, mut src) = (vec![0f32; 2 * 9 * 4], vec![0i32; 2], vec![0i32; 2 * 9 * 3]);
+        c.moe_dispatch(s, Dispatch::send(&x, &ids).recv(&mut recv, &mut counts, &mut src))
+    });
+}
+
+#[test]
+fn a_bad_combine_source_on_one_rank_fails_every_rank_at_once_naming_it() {
+    let s = shape(4, 1, 4, 2 * 2);
+    one_rank_refuses(2, 0, "moe-one-bad-src", "src[0, 0] = (7, ", |c, bad| {
+        let x = vec![1f32; 2 * 4];
+        let ids = [0i32, 3];
+        let (mut recv, mut counts, mut src) = (vec![0f32; 2 * 4 * 4], vec![0i32; 2], vec![0i32; 2 * 4 * 3]);
+        c.moe_dispatch(s, Dispatch::send(&x, &ids).recv(&mut recv, &mut counts, &mut src))?;
+        if bad {
+            src[0] = 7; // row 0 of expert 0 "came from" rank 7
+        }
+        let mut out = vec![0f32; 2 * 4];
+        c.moe_combine(
+            s,
+            Combine::send(&recv, &src, &counts).recv(&ids, &[1.0f32, 1.0], &mut out),
+        )
+    });
+}
+
+#[test]
+fn a_wrong_buffer_size_on_one_rank_fails_every_rank_at_once_naming_it() {
+    let s = shape(4, 1, 4, 2 * 4);
+    one_rank_refuses(
+        4,
+        3,
+        "moe-one-short",
+        "topk_idx has 1 elements, expected 2",
+        |c, bad| {
+            let x = vec![1f32; 2 * 4];
+            let ids: &[i32] = if bad { &[0] } else { &[0, 3] };
+            let (mut recv, mut counts, mut src) = (vec![0f32; 8 * 4], vec![0i32; 1], vec![0i32; 8 * 3]);
+            c.moe_dispatch(s, Dispatch::send(&x, ids).recv(&mut recv, &mut counts, &mut src))
+        },
+    );
+}
+
+#[test]
+fn a_bad_norm_argument_on_one_rank_fails_every_rank_at_once_naming_it() {
+    // gamma of 5 elements on the culprit: x's 16 elements are not whole rows of 5 (found by the
+    // communicator's checks, before the backend runs it).
+    one_rank_refuses(3, 2, "norm-one-bad-gamma", "not whole rows of hidden = 5", |c, bad| {
+        let (x, mut res, mut out) = (vec![1f32; 16], vec![0f32; 16], vec![0f32; 16]);
+        let gamma = vec![1f32; if bad { 5 } else { 4 }];
+        c.all_reduce_residual_rmsnorm(&x, &mut res, &gamma, &mut out, 1e-6)
+    });
+    // An algorithm hint that the backend refuses (found by the CPU engine), one- and two-shot.
+    for tokens in [2, 64] {
+        one_rank_refuses(2, 0, "norm-one-bad-hint", "hint algorithm=\"threeshot\"", |c, bad| {
+            let (x, mut res, mut out) = (
+                vec![1f32; tokens * 512],
+                vec![0f32; tokens * 512],
+                vec![0f32; tokens * 512],
+            );
+            let o = match (bad, tokens) {
+                (true, _) => OpOptions::new().hint("algorithm", "threeshot"),
+                (false, 2) => OpOptions::new().hint("algorithm", "oneshot"),
+                (false, _) => OpOptions::new().hint("algorithm", "twoshot"),
+            };
+            c.with_options(o)
+                .all_reduce_residual_rmsnorm(&x, &mut res, &vec![1f32; 512], &mut out, 1e-6)
+        });
+    }
+}

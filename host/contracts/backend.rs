@@ -126,6 +126,15 @@ pub trait Backend: Send + Sync {
     fn name(&self) -> &'static str;
     /// Executes `op` to completion (or fails within `opts.timeout`).
     fn run(&self, op: &mut Op<'_>, opts: &RunOptions) -> Result<()>;
+    /// Called in `run`'s place, in issue order, for an operation that failed this rank's own
+    /// checks (`reason`) before it could run, where the peers would otherwise wait for this
+    /// rank until their timeout (the inference collectives: see `Op::refused_in_band`). A
+    /// backend may take part in the operation far enough to tell every peer, which then fails
+    /// at once with an error naming this rank. The caller gets its argument error either way.
+    /// The default does nothing.
+    fn refuse(&self, op: &Op<'_>, reason: &str, opts: &RunOptions) {
+        let _ = (op, reason, opts);
+    }
     /// Makes a running `run` return promptly with an error, from any thread; the communicator
     /// refuses later operations itself. The built-in backends also tell peers, which get
     /// `Error::PeerLost` naming this rank.

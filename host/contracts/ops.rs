@@ -111,6 +111,19 @@ pub enum Op<'a> {
 }
 
 impl Op<'_> {
+    /// Whether a rank that refuses this operation for its arguments still tells its peers,
+    /// where its backend can (`Backend::refuse`): the fused norm and the send halves of MoE
+    /// dispatch and combine, which every rank exchanges with every rank. (The other
+    /// collectives fail on the rank alone, as NCCL's do.)
+    pub(crate) fn refused_in_band(&self) -> bool {
+        match self {
+            Op::AllReduceRmsNorm(_) => true,
+            Op::MoeDispatch(m) => m.send.is_some(),
+            Op::MoeCombine(m) => m.send.is_some(),
+            _ => false,
+        }
+    }
+
     /// The name used in errors and logs.
     pub fn name(&self) -> &'static str {
         match self {

@@ -181,7 +181,7 @@ fn total(comm: &Comm, bad: u64) -> Result<u64> {
 
 /// The residual add and RMSNorm pass of the unfused steps, with the library's arithmetic
 /// (host/compute/rmsnorm.rs): `acc = sum + residual` in f32, residual overwritten with it
-/// rounded, sum of squares by fused multiply-adds in order, `v * inv * gamma`; each finished
+/// rounded, sum of squares by plain multiplies and adds in order, `v * inv * gamma`; each finished
 /// row goes to `store(token, row)`.
 fn residual_norm<T: Act>(
     sum: &[T],
@@ -203,7 +203,7 @@ fn residual_norm<T: Act>(
         }
         let mut square = 0f32;
         for &v in acc.iter() {
-            square = v.mul_add(v, square);
+            square += v * v;
         }
         let inv = 1.0 / (square / hidden as f32 + eps).sqrt();
         for (v, g) in acc.iter_mut().zip(gamma) {

@@ -495,9 +495,21 @@ impl Engine {
         // Calls deferred by earlier collectives come first: they are first on their streams.
         let mut pre: Vec<Xfer<'b>> = std::mem::take(&mut self.deferred).into_iter().chain(preamble).collect();
         let r = self.run(ctx, &mut pre, xfers);
-        if let Err(e @ Error::Mismatch { .. }) = r {
-            self.drain_calls(ctx, &mut pre, xfers);
-            return Err(e);
+        match r {
+            Err(e @ Error::Mismatch { .. }) => {
+                self.drain_calls(ctx, &mut pre, xfers);
+                return Err(e);
+            }
+            // A peer refused its call (header.rs): take in every call, and name the first rank
+            // that refused, with its reason (every rank names the same one).
+            Err(e @ Error::InvalidArgument { .. }) => {
+                let refusals = self.drain_calls(ctx, &mut pre, xfers);
+                return Err(match refusals.into_iter().next() {
+                    Some((peer, code, why)) => header::refusal(ctx.op, peer, code, &why),
+                    None => e,
+                });
+            }
+            _ => {}
         }
         self.deferred = pre.into_iter().filter(|x| !x.done()).filter_map(Xfer::detach).collect();
         r
@@ -537,29 +549,50 @@ impl Engine {
     /// mismatch itself and blocks on no send to us. The algorithm's other messages are dropped:
     /// a communicator is closed after a mismatch. Ends at the operation's deadline, on a broken
     /// link or on our abort: the mismatch is the error either way.
-    fn drain_calls<'b>(&mut self, ctx: &OpCtx<'_>, pre: &mut [Xfer<'b>], xfers: &mut [Xfer<'b>]) {
+    ///
+    /// Also after a peer refused its call, and when this rank refuses its own (`refuse`): then
+    /// the first exchange has one call message each way on every pair, so draining them leaves
+    /// every stream in step. Returns the peers that refused, in rank order, with the operation
+    /// code and the reason they sent.
+    fn drain_calls<'b>(
+        &mut self,
+        ctx: &OpCtx<'_>,
+        pre: &mut [Xfer<'b>],
+        xfers: &mut [Xfer<'b>],
+    ) -> Vec<(usize, u8, Vec<u8>)> {
         let mut sink = [0u8; 4096];
         let mut pace = Pacer::new();
+        let mut refusals: Vec<Option<(u8, Vec<u8>)>> = vec![None; self.size];
         // Peers that sent no call to wait for: gone, or in a shared-memory round instead.
         let mut moved_on = vec![false; self.size];
         loop {
             let mut pending = false;
             let mut moved = false;
             for x in pre.iter_mut().chain(xfers.iter_mut()).filter(|x| x.is_call()) {
-                if moved_on[x.peer()] {
+                let peer = x.peer();
+                if moved_on[peer] {
                     continue;
                 }
-                let link = &mut self.transport.links[x.peer()];
+                let link = &mut self.transport.links[peer];
                 let r = match x {
                     Xfer::Send { .. } => Self::step(link, x, ctx.op, &mut 0).map_err(drop),
-                    Xfer::Recv { hdr, hpos, pos, .. } => drain_one(link, hdr, hpos, pos, &mut sink).map_err(drop),
+                    Xfer::Recv { hdr, hpos, pos, .. } => {
+                        let before = (*hpos == HEADER_BYTES).then_some(*pos);
+                        let r = drain_one(link, hdr, hpos, pos, &mut sink).map_err(drop);
+                        if *hpos == HEADER_BYTES && header::is_refusal(hdr) {
+                            let why = &mut refusals[peer].get_or_insert_with(|| (hdr[4], Vec::new())).1;
+                            // The payload bytes this call read are at the start of the sink.
+                            why.extend_from_slice(&sink[..*pos - before.unwrap_or(0)]);
+                        }
+                        r
+                    }
                 };
                 match r {
                     Ok(m) => moved |= m,
                     // That peer has gone (or shut its links after finding the mismatch itself):
                     // the others still need our call.
                     Err(()) => {
-                        moved_on[x.peer()] = true;
+                        moved_on[peer] = true;
                         continue;
                     }
                 }
@@ -571,13 +604,13 @@ impl Engine {
                 };
             }
             if !pending {
-                return;
+                break;
             }
             if moved {
                 pace.progressed();
             } else if let Some(now) = pace.stalled() {
                 if ctx.check(now, || None).is_err() {
-                    return;
+                    break;
                 }
                 for (p, m) in moved_on.iter_mut().enumerate().filter(|(p, _)| *p != self.rank) {
                     let ahead = (self.transport.board.as_ref()).is_some_and(|b| b.peer_latest(p) >= b.next_round());
@@ -585,6 +618,89 @@ impl Engine {
                 }
             }
         }
+        (refusals.into_iter().enumerate())
+            .filter_map(|(p, r)| r.map(|(code, why)| (p, code, why)))
+            .collect()
+    }
+
+    /// Takes part in a collective that this rank refuses, `reason` saying why (an argument
+    /// that failed its own checks), so that its peers do not wait for it: the collective's
+    /// first message to every peer, flagged refused and carrying the reason, and every peer's
+    /// first message taken in and dropped. Each peer then fails with an error naming this rank
+    /// (header.rs) and takes in every call in turn. Nothing else of the collective moves, so
+    /// the streams stay in step and the communicator usable. For collectives whose first
+    /// exchange carries one call message each way on every pair (every collective of framed
+    /// messages whose `begin_call` is symmetric). Fails if a peer's message is not this
+    /// collective's call (the ranks are out of step), or at the deadline.
+    pub(crate) fn refuse(&mut self, ctx: &OpCtx<'_>, tag: Tag, reason: &[u8]) -> Result<()> {
+        // Calls owed by earlier collectives are first on their streams.
+        self.settle_deferred(ctx)?;
+        self.calls += 1;
+        let call = Call {
+            count: 0,
+            root: 0,
+            algo: 0,
+            seq: self.calls,
+        };
+        let mut xfers: Vec<Xfer<'_>> = Vec::with_capacity(2 * self.size);
+        let me = self.rank;
+        for p in (0..self.size).filter(|&p| p != me) {
+            let mut h = next_header(&mut self.send_seq, p, tag, reason.len(), Some(call));
+            h.refused = true;
+            xfers.push(Xfer::Send {
+                peer: p,
+                hdr: header::encode(&h),
+                hpos: 0,
+                data: reason,
+                pos: 0,
+                call: true,
+            });
+            xfers.push(self.xfer_recv(p, tag, Default::default(), Some(call), true));
+        }
+        self.drain_calls(ctx, &mut [], &mut xfers);
+        for x in &xfers {
+            let peer = x.peer();
+            let complete = match x {
+                Xfer::Send { .. } => x.done(),
+                Xfer::Recv { hdr, hpos, pos, .. } => {
+                    *hpos == HEADER_BYTES && header::announced_len(hdr) == Some(*pos as u64)
+                }
+            };
+            if !complete {
+                ctx.check(Instant::now(), || Some(peer))?;
+                if let Err(g) = self.transport.links[peer].check_peer(peer) {
+                    return Err(Error::PeerLost {
+                        op: ctx.op,
+                        peer: g.rank,
+                        reason: g.reason,
+                    });
+                }
+                return Err(Error::Mismatch {
+                    op: ctx.op,
+                    peer,
+                    detail: "it ran another operation while this rank refused its call".into(),
+                });
+            }
+            if let Xfer::Recv { hdr, .. } = x {
+                let theirs = header::decode(hdr).and_then(|h| h.call.map(|c| (h.tag.op, c.seq)));
+                if theirs != Some((tag.op, self.calls)) {
+                    return Err(Error::Mismatch {
+                        op: ctx.op,
+                        peer,
+                        detail: format!(
+                            "this rank refused its call of {} (collective {}); rank {peer} sent {}",
+                            header::op_name(tag.op),
+                            self.calls,
+                            theirs.map_or("no call".into(), |(op, seq)| format!(
+                                "the start of {} (collective {seq})",
+                                header::op_name(op)
+                            ))
+                        ),
+                    });
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Sweeps until nothing moves: a message already in its stream may take more than one
@@ -664,6 +780,7 @@ fn next_header(seqs: &mut [u64], peer: usize, tag: Tag, len: usize, call: Option
         },
         seq,
         call,
+        refused: false,
     }
 }
 

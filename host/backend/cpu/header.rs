@@ -7,6 +7,10 @@
 //! number on the communicator (8). The receiver knows what it expects; any difference means
 //! the ranks called different operations, or the same one with different arguments, and
 //! becomes `Error::Mismatch` naming the field, both values and the peer.
+//!
+//! A rank that refuses its call (an argument that fails its own checks) still sends each peer
+//! the first message of the collective, flagged `REFUSED` and carrying the reason: the peer
+//! stops there, with an error that names the rank (see `Engine::refuse`).
 
 use crate::contracts::error::Error;
 
@@ -14,6 +18,8 @@ const MAGIC: u32 = 0xFE44_0C02;
 pub(crate) const HEADER_BYTES: usize = 48;
 /// Flag: the message carries its collective's call.
 const CALL: u8 = 1;
+/// Flag, with `CALL`: the sender refuses the call; the payload says why.
+const REFUSED: u8 = 2;
 /// A call's element count where ranks legitimately differ (all_to_all_v).
 pub(crate) const ANY_COUNT: u64 = u64::MAX;
 
@@ -119,6 +125,8 @@ pub(crate) struct Header {
     /// The message's number on its ordered rank pair.
     pub seq: u64,
     pub call: Option<Call>,
+    /// The sender refuses its call (a call message only).
+    pub refused: bool,
 }
 
 pub(crate) fn encode(h: &Header) -> [u8; HEADER_BYTES] {
@@ -130,7 +138,7 @@ pub(crate) fn encode(h: &Header) -> [u8; HEADER_BYTES] {
     b[8..16].copy_from_slice(&h.seq.to_le_bytes());
     b[16..24].copy_from_slice(&h.tag.nbytes.to_le_bytes());
     if let Some(c) = h.call {
-        b[7] = CALL;
+        b[7] = CALL | if h.refused { REFUSED } else { 0 };
         b[24..32].copy_from_slice(&c.count.to_le_bytes());
         b[32..36].copy_from_slice(&c.root.to_le_bytes());
         b[36] = c.algo;
@@ -159,6 +167,7 @@ pub(crate) fn decode(b: &[u8; HEADER_BYTES]) -> Option<Header> {
         },
         seq: word(8..16),
         call,
+        refused: b[7] & (CALL | REFUSED) == CALL | REFUSED,
     })
 }
 
@@ -174,6 +183,9 @@ pub(crate) fn check(op: &'static str, peer: usize, raw: &[u8; HEADER_BYTES], wan
             "received bytes that are not a ferrocomm message header".into(),
         ));
     };
+    if got.refused {
+        return Err(refused(op, peer, &got));
+    }
     let (g, w) = (got.tag, want.tag);
     if g.op != w.op {
         return Err(differ("operation", op_name(w.op).into(), op_name(g.op).into()));
@@ -239,6 +251,29 @@ pub(crate) fn check(op: &'static str, peer: usize, raw: &[u8; HEADER_BYTES], wan
     Ok(())
 }
 
+/// What `check` says of a refused call; the engine then reads the reason that follows (see
+/// `refusal`).
+fn refused(op: &'static str, peer: usize, got: &Header) -> Error {
+    refusal(op, peer, got.tag.op, b"the reason follows")
+}
+
+/// The error of a rank whose peer `peer` refused its call of operation `code` because `why`.
+pub(crate) fn refusal(op: &'static str, peer: usize, code: u8, why: &[u8]) -> Error {
+    Error::InvalidArgument {
+        op,
+        reason: format!(
+            "rank {peer} refused its call of {} ({}); nothing moved",
+            op_name(code),
+            String::from_utf8_lossy(why)
+        ),
+    }
+}
+
+/// Whether a received header is a refused call.
+pub(crate) fn is_refusal(raw: &[u8; HEADER_BYTES]) -> bool {
+    decode(raw).is_some_and(|h| h.refused)
+}
+
 /// The payload length a received header announces, if it is a header at all.
 pub(crate) fn announced_len(raw: &[u8; HEADER_BYTES]) -> Option<u64> {
     decode(raw).map(|h| h.tag.nbytes)
@@ -263,6 +298,7 @@ mod tests {
                 algo: 0,
                 seq: 2,
             }),
+            refused: false,
         }
     }
 
@@ -295,5 +331,27 @@ mod tests {
         );
         let e = check("broadcast", 2, &[0u8; HEADER_BYTES], &header(0, 8)).unwrap_err();
         assert!(e.to_string().contains("not a ferrocomm message header"), "{e}");
+    }
+
+    #[test]
+    fn a_refused_call_is_an_argument_error_naming_the_rank_whatever_its_fields() {
+        let mut other = header(9, 1);
+        other.refused = true;
+        assert_eq!(decode(&encode(&other)), Some(other));
+        let e = check("broadcast", 3, &encode(&other), &header(0, 8)).unwrap_err();
+        assert!(
+            matches!(&e, Error::InvalidArgument { reason, .. } if reason.starts_with("rank 3 refused")),
+            "{e}"
+        );
+        assert!(is_refusal(&encode(&other)) && !is_refusal(&encode(&header(9, 1))));
+        let e = refusal("all_gather", 3, 3, b"root 9 is not a rank");
+        assert_eq!(
+            e.to_string(),
+            Error::invalid(
+                "all_gather",
+                "rank 3 refused its call of broadcast (root 9 is not a rank); nothing moved"
+            )
+            .to_string()
+        );
     }
 }

@@ -5,15 +5,16 @@
 //!
 //! The fused norm is one-shot (every rank gathers every rank's `x` and computes every row) or
 //! two-shot (rank r receives row block r of every rank's `x`, computes those rows, and the
-//! results are gathered). Both sum the ranks in rank order in f32 and compute each row with
-//! the same code, so every rank gets the same bits either way.
+//! results are gathered: the residual and output rows, or for f32 the residual rows alone,
+//! from which each rank computes the output rows). Both sum the ranks in rank order in f32 and
+//! compute each row with the same code, so every rank gets the same bits either way.
 //!
 //! A dispatch's send half moves each token once to every rank that owns one of its experts
 //! (a count exchange, then the rows); the rows wait in `Pending` until the receive half packs
 //! them per local expert in (source rank, token, k) order. Combine sends each expert row back
 //! to its token's rank; the receive half sums `weight * row` over k in order.
 
-use super::algorithms::{self, Algo};
+use super::algorithms::{self, Algo, Scratch};
 use super::engine::{Engine, OpCtx};
 use super::header::{Call, Tag, ANY_COUNT};
 use crate::compute::rmsnorm::Norm;
@@ -21,18 +22,58 @@ use crate::compute::rows;
 use crate::contracts::backend::{hint_ignored, unknown_hints_ignored, RunOptions};
 use crate::contracts::dtype::DType;
 use crate::contracts::error::{Error, Result};
-use crate::contracts::inference::{MoeCombine, MoeDispatch, MoeShape, RmsNormFusion, FP8_BLOCK};
+use crate::contracts::inference::{
+    CombineSend, DispatchSend, MoeCombine, MoeDispatch, MoeShape, RmsNormFusion, FP8_BLOCK,
+};
 
 /// Operation codes of the calls' tags (header.rs names them).
 pub(super) const FUSED_NORM: u8 = 11;
 pub(super) const MOE_DISPATCH: u8 = 12;
 pub(super) const MOE_COMBINE: u8 = 13;
 
-/// Rows a dispatch or combine has sent and this rank has received, until its receive half.
+/// Rows a dispatch or combine has sent and this rank has received, until its receive half;
+/// and the message buffers of earlier calls, kept for the next ones (allocating, and faulting
+/// in, megabytes per call cost more than the copies into them).
 #[derive(Default)]
 pub(super) struct Pending {
     dispatch: Option<Arrived>,
     combine: Option<Arrived>,
+    spare: Vec<Vec<u8>>,
+}
+
+impl Pending {
+    /// The spare buffer for `len` bytes: the smallest that holds them, else the largest.
+    fn pick(&mut self, len: usize) -> Vec<u8> {
+        let fits = (0..self.spare.len())
+            .filter(|&i| self.spare[i].capacity() >= len)
+            .min_by_key(|&i| self.spare[i].capacity());
+        let largest = (0..self.spare.len()).max_by_key(|&i| self.spare[i].capacity());
+        fits.or(largest).map_or_else(Vec::new, |i| self.spare.swap_remove(i))
+    }
+
+    /// A buffer of `len` bytes, contents unspecified (an exchange overwrites them all): only
+    /// bytes past the spare buffer's old length are written here.
+    fn buffer(&mut self, len: usize) -> Vec<u8> {
+        let mut v = self.pick(len);
+        if v.len() > len {
+            v.truncate(len);
+        } else {
+            v.resize(len, 0);
+        }
+        v
+    }
+
+    /// An empty buffer with room for `len` bytes.
+    fn empty(&mut self, len: usize) -> Vec<u8> {
+        let mut v = self.pick(len);
+        v.clear();
+        v.reserve(len);
+        v
+    }
+
+    fn give_back(&mut self, bufs: impl IntoIterator<Item = Vec<u8>>) {
+        self.spare.extend(bufs);
+    }
 }
 
 /// What came from each source rank, with the shape and dtype it was sent with.
@@ -104,12 +145,17 @@ fn begin(e: &mut Engine, t: Tag, count: u64, hidden: usize, algo: Algo) {
     e.begin_call(t, call, true, true);
 }
 
-/// The fused norm's algorithm: the hint's (`oneshot`, `twoshot`), else one-shot up to
-/// `direct_max` bytes of `x` per rank.
+/// The fused norm's algorithm: the hint's (`oneshot`, `twoshot`), else by size and bytes moved.
+/// One-shot up to `direct_max` bytes of `x` per rank (one exchange), and wherever it moves no
+/// more bytes than two-shot: one-shot receives `(n - 1) x`, two-shot `(n - 1) / n` of `x` and of
+/// the rows it gathers back (see `gathered_row`), so one-shot wins while those rows are at least
+/// `n - 1` times `x`'s (f32 up to 2 ranks, f16 / bf16 up to 3, with fp8 out up to 2).
 fn two_shot(f: &RmsNormFusion, opts: &RunOptions, direct_max: usize, size: usize) -> Result<bool> {
     const OP: &str = "all_reduce_residual_rmsnorm";
     unknown_hints_ignored("cpu", OP, opts.hints, &["algorithm"]);
-    let by_size = f.x.byte_len() > direct_max && f.tokens() >= size;
+    let row_in = f.hidden * f.x.dtype().size();
+    let fewer_bytes = gathered_row(f) < (size - 1) * row_in;
+    let by_size = f.x.byte_len() > direct_max && f.tokens() >= size && fewer_bytes;
     Ok(match opts.hints.get("algorithm").map(String::as_str) {
         None => by_size,
         Some("oneshot") => false,
@@ -127,15 +173,57 @@ fn two_shot(f: &RmsNormFusion, opts: &RunOptions, direct_max: usize, size: usize
     })
 }
 
+/// Bytes per token row that two-shot gathers from the rank that computed it: the new residual
+/// row, and the output row and its fp8 scale. An f32 residual row is the row's f32 sum itself
+/// (its rounding is exact), from which every rank computes the output row in the same order,
+/// to the same bits: f32 gathers the residual only.
+fn gathered_row(f: &RmsNormFusion) -> usize {
+    let d = f.x.dtype();
+    let row_in = f.hidden * d.size();
+    if d == DType::F32 {
+        row_in
+    } else {
+        row_in + f.hidden * f.out.dtype().size() + if f.scales.is_some() { 4 } else { 0 }
+    }
+}
+
+/// Splits `buf` into consecutive parts of the given byte lengths.
+fn split_parts(buf: &mut [u8], lens: impl IntoIterator<Item = usize>) -> Vec<&mut [u8]> {
+    let mut rest = buf;
+    lens.into_iter()
+        .map(|n| {
+            let (a, b) = std::mem::take(&mut rest).split_at_mut(n);
+            rest = b;
+            a
+        })
+        .collect()
+}
+
+/// Peer p's slot among the `size - 1` peers of rank `me` (our own data is read in place).
+fn peer_slot(p: usize, me: usize) -> usize {
+    if p < me {
+        p
+    } else {
+        p - 1
+    }
+}
+
+/// The fused norm. Nothing is staged that can be read in place: our own `x` rows are summed
+/// from `x`, peers' rows land in the engine's scratch (kept between calls), and results are
+/// written to, and gathered into, the caller's buffers directly.
 pub(super) fn all_reduce_rmsnorm(
     e: &mut Engine,
+    scratch: &mut Scratch,
     ctx: &OpCtx,
     f: &mut RmsNormFusion<'_>,
     opts: &RunOptions,
     tuning_direct_max: usize,
 ) -> Result<()> {
     let (size, me) = (e.size, e.rank);
-    let twoshot = two_shot(f, opts, tuning_direct_max, size)?;
+    let twoshot = match two_shot(f, opts, tuning_direct_max, size) {
+        Ok(t) => t,
+        Err(why) => return refuse(e, ctx, FUSED_NORM, f.x.dtype(), why),
+    };
     let (d, hidden, tokens) = (f.x.dtype(), f.hidden, f.tokens());
     let out_dtype = f.out.dtype();
     let gamma = rows::load(f.gamma.host_bytes(), d);
@@ -146,36 +234,35 @@ pub(super) fn all_reduce_rmsnorm(
         out_dtype,
     };
     let (row_in, row_out) = (hidden * d.size(), hidden * out_dtype.size());
-    let fp8 = f.scales.is_some();
     // The sub-code says which exchange of the algorithm a message belongs to, and the out
     // dtype: ranks must agree on both.
     let sub = |step: u8| step | (out_dtype as u8) << 2;
-    let algo = |bytes: usize| {
-        if bytes <= tuning_direct_max {
-            Algo::Direct
-        } else {
-            Algo::Ring
-        }
-    };
+    let count = (tokens * hidden) as u64;
+    let x = f.x.host_bytes();
+    let mut acc = vec![0f32; hidden];
     if !twoshot {
-        let x = f.x.host_bytes();
-        let mut all = vec![0u8; x.len() * size];
-        {
-            let mut parts: Vec<&mut [u8]> = all.chunks_mut(x.len().max(1)).take(size).collect();
-            parts.resize_with(size, Default::default);
-            let a = algo(x.len() * size);
-            begin(e, tag(FUSED_NORM, d, sub(0)), (tokens * hidden) as u64, hidden, a);
-            algorithms::all_gather(e, ctx, tag(FUSED_NORM, d, sub(0)), x, &mut parts, a)?;
+        // Every rank's x to every rank; each computes every row.
+        let (peers, _) = scratch.two(x.len() * (size - 1), 0);
+        let mut slots = split_parts(peers, std::iter::repeat(x.len()).take(size - 1));
+        let t = tag(FUSED_NORM, d, sub(0));
+        begin(e, t, count, hidden, Algo::Direct);
+        if size > 1 {
+            let mut xf = Vec::with_capacity(2 * (size - 1));
+            for (i, slot) in slots.iter_mut().enumerate() {
+                let p = if i < me { i } else { i + 1 };
+                xf.push(e.send(p, t, x));
+                xf.push(e.recv(p, t, slot));
+            }
+            e.exchange(ctx, &mut xf)?;
         }
         let residual = f.residual.host_bytes_mut();
         let out = f.out.host_bytes_mut();
         let mut scales = f.scales.as_mut().map(|s| s.host_bytes_mut());
-        let mut acc = vec![0f32; hidden];
         for t in 0..tokens {
             acc.fill(0.0);
             for r in 0..size {
-                let at = r * x.len() + t * row_in;
-                rows::add_into(&mut acc, &all[at..at + row_in], d);
+                let from = if r == me { x } else { &*slots[peer_slot(r, me)] };
+                rows::add_into(&mut acc, &from[t * row_in..(t + 1) * row_in], d);
             }
             let s = norm.row(
                 &mut acc,
@@ -188,86 +275,94 @@ pub(super) fn all_reduce_rmsnorm(
         }
         return Ok(());
     }
-    // Two-shot: rank b owns token rows blocks[b]..blocks[b + 1].
+    // Two-shot: rank b owns token rows blocks[b]..blocks[b + 1]. First each rank receives its
+    // block of every peer's x.
     let blocks: Vec<usize> = (0..=size).map(|b| b * tokens / size).collect();
     let rows_of = |b: usize| blocks[b + 1] - blocks[b];
-    let x = f.x.host_bytes();
-    let mine = rows_of(me);
-    let mut recv = vec![0u8; mine * row_in * size];
+    let (lo, hi) = (blocks[me], blocks[me + 1]);
+    let mine = hi - lo;
+    let (peers, _) = scratch.two(mine * row_in * (size - 1), 0);
     {
-        let ins: Vec<&[u8]> = (0..size)
-            .map(|b| &x[blocks[b] * row_in..blocks[b + 1] * row_in])
-            .collect();
-        let mut outs: Vec<&mut [u8]> = if mine == 0 {
-            (0..size).map(|_| Default::default()).collect()
-        } else {
-            recv.chunks_mut(mine * row_in).collect()
-        };
+        let mut slots = split_parts(peers, std::iter::repeat(mine * row_in).take(size - 1));
         let t = tag(FUSED_NORM, d, sub(1));
-        e.begin_call(
-            t,
-            Call {
-                count: ANY_COUNT,
-                root: hidden as u32,
-                algo: Algo::Direct.code(),
-                seq: 0,
-            },
-            true,
-            true,
-        );
-        algorithms::all_to_all(e, ctx, t, &ins, &mut outs)?;
-    }
-    // Our rows, packed as residual rows, then out rows, then (fp8) scales.
-    let record = |rows: usize| rows * (row_in + row_out + if fp8 { 4 } else { 0 });
-    let mut block = vec![0u8; record(mine)];
-    {
-        let (res, rest) = block.split_at_mut(mine * row_in);
-        let (out, sc) = rest.split_at_mut(mine * row_out);
-        res.copy_from_slice(&f.residual.host_bytes()[blocks[me] * row_in..blocks[me + 1] * row_in]);
-        let mut acc = vec![0f32; hidden];
-        for i in 0..mine {
-            acc.fill(0.0);
-            for r in 0..size {
-                let at = r * mine * row_in + i * row_in;
-                rows::add_into(&mut acc, &recv[at..at + row_in], d);
-            }
-            let s = norm.row(
-                &mut acc,
-                &mut res[i * row_in..(i + 1) * row_in],
-                &mut out[i * row_out..(i + 1) * row_out],
-            );
-            if fp8 {
-                sc[4 * i..4 * i + 4].copy_from_slice(&s.to_le_bytes());
-            }
+        begin(e, t, count, hidden, Algo::Direct);
+        let mut xf = Vec::with_capacity(2 * (size - 1));
+        for (i, slot) in slots.iter_mut().enumerate() {
+            let p = if i < me { i } else { i + 1 };
+            xf.push(e.send(p, t, &x[blocks[p] * row_in..blocks[p + 1] * row_in]));
+            xf.push(e.recv(p, t, slot));
         }
+        e.exchange(ctx, &mut xf)?;
     }
-    let mut gathered = vec![0u8; record(tokens)];
-    let a = algo(gathered.len());
-    {
-        let mut parts: Vec<&mut [u8]> = Vec::with_capacity(size);
-        let mut rest = &mut gathered[..];
-        for b in 0..size {
-            let (head, tail) = std::mem::take(&mut rest).split_at_mut(record(rows_of(b)));
-            parts.push(head);
-            rest = tail;
-        }
-        let t = tag(FUSED_NORM, d, sub(2));
-        begin(e, t, (tokens * hidden) as u64, hidden, a);
-        algorithms::all_gather(e, ctx, t, &block, &mut parts, a)?;
-    }
+    // Our rows, written in place.
     let residual = f.residual.host_bytes_mut();
     let out = f.out.host_bytes_mut();
     let mut scales = f.scales.as_mut().map(|s| s.host_bytes_mut());
-    let mut at = 0;
-    for b in 0..size {
-        let (lo, hi, n) = (blocks[b], blocks[b + 1], rows_of(b));
-        residual[lo * row_in..hi * row_in].copy_from_slice(&gathered[at..at + n * row_in]);
-        at += n * row_in;
-        out[lo * row_out..hi * row_out].copy_from_slice(&gathered[at..at + n * row_out]);
-        at += n * row_out;
+    for t in lo..hi {
+        acc.fill(0.0);
+        for r in 0..size {
+            let row = if r == me {
+                &x[t * row_in..(t + 1) * row_in]
+            } else {
+                let at = (peer_slot(r, me) * mine + t - lo) * row_in;
+                &peers[at..at + row_in]
+            };
+            rows::add_into(&mut acc, row, d);
+        }
+        let s = norm.row(
+            &mut acc,
+            &mut residual[t * row_in..(t + 1) * row_in],
+            &mut out[t * row_out..(t + 1) * row_out],
+        );
         if let Some(sc) = scales.as_deref_mut() {
-            sc[lo * 4..hi * 4].copy_from_slice(&gathered[at..at + n * 4]);
-            at += n * 4;
+            sc[4 * t..4 * t + 4].copy_from_slice(&s.to_le_bytes());
+        }
+    }
+    // Then every rank's rows to every rank, straight into the caller's buffers: the residual
+    // rows, and (but for f32, see `gathered_row`) the output rows and their scales. The same
+    // call as the first exchange, whose calls have been checked: several messages may go to
+    // one peer (in a call's first exchange, a peer's second message would wait behind the
+    // first one's payload, which waits for every call).
+    let local_out = d == DType::F32;
+    {
+        let t = tag(FUSED_NORM, d, sub(2));
+        let lens = |row: usize| (0..size).map(move |b| rows_of(b) * row);
+        let mut res = split_parts(&mut *residual, lens(row_in));
+        let own_res: &[u8] = std::mem::take::<&mut [u8]>(&mut res[me]);
+        let (mut outs, mut scs) = (Vec::new(), Vec::new());
+        let (mut own_out, mut own_sc): (&[u8], &[u8]) = (&[], &[]);
+        if !local_out {
+            outs = split_parts(&mut *out, lens(row_out));
+            own_out = std::mem::take::<&mut [u8]>(&mut outs[me]);
+            if let Some(sc) = scales.as_deref_mut() {
+                scs = split_parts(sc, lens(4));
+                own_sc = std::mem::take::<&mut [u8]>(&mut scs[me]);
+            }
+        }
+        let mut xf = Vec::with_capacity(6 * (size - 1));
+        for p in (0..size).filter(|&p| p != me) {
+            xf.push(e.send(p, t, own_res));
+            xf.push(e.recv(p, t, std::mem::take(&mut res[p])));
+            if !local_out {
+                xf.push(e.send(p, t, own_out));
+                xf.push(e.recv(p, t, std::mem::take(&mut outs[p])));
+                if !scs.is_empty() {
+                    xf.push(e.send(p, t, own_sc));
+                    xf.push(e.recv(p, t, std::mem::take(&mut scs[p])));
+                }
+            }
+        }
+        e.exchange(ctx, &mut xf)?;
+    }
+    if local_out {
+        // The other ranks' rows: their f32 sums are their residual rows, bit for bit.
+        let residual = f.residual.host_bytes();
+        for t in (0..tokens).filter(|t| !(lo..hi).contains(t)) {
+            rows::load_into(&mut acc, &residual[t * row_in..(t + 1) * row_in], d);
+            let s = norm.normalise(&mut acc, &mut out[t * row_out..(t + 1) * row_out]);
+            if let Some(sc) = scales.as_deref_mut() {
+                sc[4 * t..4 * t + 4].copy_from_slice(&s.to_le_bytes());
+            }
         }
     }
     Ok(())
@@ -298,9 +393,16 @@ fn check_ids(op: &'static str, ids: &[i64], experts: usize) -> Result<()> {
 }
 
 /// Sends `msgs[p]` to every rank p and returns what each rank sent here: a count exchange,
-/// then the messages (two calls).
-fn exchange(e: &mut Engine, ctx: &OpCtx, code: u8, d: DType, hidden: usize, msgs: &[Vec<u8>]) -> Result<Vec<Vec<u8>>> {
-    let size = e.size;
+/// then the messages (two calls). Our own message is kept as it is, not copied; the others'
+/// land in spare buffers.
+fn exchange(
+    e: &mut Engine,
+    ctx: &OpCtx,
+    pending: &mut Pending,
+    (code, d, hidden): (u8, DType, usize),
+    mut msgs: Vec<Vec<u8>>,
+) -> Result<Vec<Vec<u8>>> {
+    let (size, me) = (e.size, e.rank);
     let lens: Vec<[u8; 8]> = msgs.iter().map(|m| (m.len() as u64).to_le_bytes()).collect();
     let mut got = vec![[0u8; 8]; size];
     {
@@ -310,23 +412,52 @@ fn exchange(e: &mut Engine, ctx: &OpCtx, code: u8, d: DType, hidden: usize, msgs
         begin(e, t, size as u64, hidden, Algo::Direct);
         algorithms::all_to_all(e, ctx, t, &ins, &mut outs)?;
     }
-    let mut from: Vec<Vec<u8>> = got.iter().map(|g| vec![0u8; u64::from_le_bytes(*g) as usize]).collect();
-    let t = tag(code, d, 1);
-    let ins: Vec<&[u8]> = msgs.iter().map(|m| &m[..]).collect();
-    let mut outs: Vec<&mut [u8]> = from.iter_mut().map(|f| &mut f[..]).collect();
-    e.begin_call(
-        t,
-        Call {
-            count: ANY_COUNT,
-            root: hidden as u32,
-            algo: Algo::Direct.code(),
-            seq: 0,
-        },
-        true,
-        true,
-    );
-    algorithms::all_to_all(e, ctx, t, &ins, &mut outs)?;
+    let mut from: Vec<Vec<u8>> = (0..size)
+        .map(|p| {
+            pending.buffer(if p == me {
+                0
+            } else {
+                u64::from_le_bytes(got[p]) as usize
+            })
+        })
+        .collect();
+    {
+        let t = tag(code, d, 1);
+        let ins: Vec<&[u8]> = (0..size)
+            .map(|p| if p == me { &[][..] } else { &msgs[p][..] })
+            .collect();
+        let mut outs: Vec<&mut [u8]> = from.iter_mut().map(|f| &mut f[..]).collect();
+        e.begin_call(
+            t,
+            Call {
+                count: ANY_COUNT,
+                root: hidden as u32,
+                algo: Algo::Direct.code(),
+                seq: 0,
+            },
+            true,
+            true,
+        );
+        algorithms::all_to_all(e, ctx, t, &ins, &mut outs)?;
+    }
+    std::mem::swap(&mut from[me], &mut msgs[me]);
+    pending.give_back(msgs);
     Ok(from)
+}
+
+/// Fails the call with `why`, an argument error of this rank's own, after telling the peers
+/// (`Engine::refuse`): they fail at once too, with an error naming this rank, instead of
+/// waiting for it until their timeout. If the peers cannot be told, that failure is the error.
+fn refuse(e: &mut Engine, ctx: &OpCtx, code: u8, d: DType, why: Error) -> Result<()> {
+    let reason = match &why {
+        Error::InvalidArgument { reason, .. } => reason.clone(),
+        other => other.to_string(),
+    };
+    if let Err(lost) = e.refuse(ctx, tag(code, d, 0), reason.as_bytes()) {
+        tracing::debug!(op = ctx.op, error = %why, "the peers could not be told of this rank's refusal");
+        return Err(lost);
+    }
+    Err(why)
 }
 
 /// Bytes of a dispatched row: the token (u32), its K expert ids (i32), the row, its scales.
@@ -342,38 +473,63 @@ fn fp8_scale_bytes(s: &MoeShape, d: DType) -> usize {
     }
 }
 
+/// The dispatch's messages: each token once to every rank that owns one of its experts, as
+/// records of `dispatch_record` bytes, each message allocated once at its final size.
+fn dispatch_messages(
+    pending: &mut Pending,
+    s: &MoeShape,
+    size: usize,
+    send: &DispatchSend,
+    ids: &[i64],
+) -> Vec<Vec<u8>> {
+    let d = send.tokens.dtype();
+    let local = s.local_experts(size);
+    let (row, sc) = (s.hidden * d.size(), fp8_scale_bytes(s, d));
+    let tokens = send.tokens.host_bytes();
+    let scales = send.scales.as_ref().map(|b| b.host_bytes());
+    // The ranks token t goes to: `last[dst] == t + 1` once it has gone there.
+    let mut last = vec![0usize; size];
+    let mut each_token = |f: &mut dyn FnMut(usize, usize, &[i64])| {
+        last.fill(0);
+        for (t, k_ids) in ids.chunks_exact(s.topk).enumerate() {
+            for &x in k_ids.iter().filter(|&&x| x >= 0) {
+                let dst = x as usize / local;
+                if std::mem::replace(&mut last[dst], t + 1) != t + 1 {
+                    f(t, dst, k_ids);
+                }
+            }
+        }
+    };
+    let mut records = vec![0usize; size];
+    each_token(&mut |_, dst, _| records[dst] += 1);
+    let record = dispatch_record(s, d);
+    let mut msgs: Vec<Vec<u8>> = records.iter().map(|&n| pending.empty(n * record)).collect();
+    each_token(&mut |t, dst, k_ids| {
+        let msg = &mut msgs[dst];
+        msg.extend_from_slice(&(t as u32).to_le_bytes());
+        k_ids
+            .iter()
+            .for_each(|&k| msg.extend_from_slice(&(k as i32).to_le_bytes()));
+        msg.extend_from_slice(&tokens[t * row..(t + 1) * row]);
+        if let Some(scales) = scales {
+            msg.extend_from_slice(&scales[t * sc..(t + 1) * sc]);
+        }
+    });
+    msgs
+}
+
 pub(super) fn moe_dispatch(e: &mut Engine, ctx: &OpCtx, pending: &mut Pending, m: &mut MoeDispatch<'_>) -> Result<()> {
     const OP: &str = "moe_dispatch";
     let (size, s) = (e.size, m.shape);
     let local = s.local_experts(size);
     if let Some(send) = &m.send {
-        Arrived::check_free(OP, &pending.dispatch)?;
         let d = send.tokens.dtype();
         let ids = expert_ids(send.topk_idx.host_bytes(), send.topk_idx.dtype());
-        check_ids(OP, &ids, s.experts)?;
-        let (row, sc) = (s.hidden * d.size(), fp8_scale_bytes(&s, d));
-        let tokens = send.tokens.host_bytes();
-        let scales = send.scales.as_ref().map(|b| b.host_bytes());
-        let mut msgs = vec![Vec::new(); size];
-        for (t, k_ids) in ids.chunks_exact(s.topk).enumerate() {
-            let mut sent_to = vec![false; size];
-            for &x in k_ids.iter().filter(|&&x| x >= 0) {
-                let dst = x as usize / local;
-                if std::mem::replace(&mut sent_to[dst], true) {
-                    continue;
-                }
-                let msg = &mut msgs[dst];
-                msg.extend_from_slice(&(t as u32).to_le_bytes());
-                k_ids
-                    .iter()
-                    .for_each(|&k| msg.extend_from_slice(&(k as i32).to_le_bytes()));
-                msg.extend_from_slice(&tokens[t * row..(t + 1) * row]);
-                if let Some(scales) = scales {
-                    msg.extend_from_slice(&scales[t * sc..(t + 1) * sc]);
-                }
-            }
+        if let Err(why) = Arrived::check_free(OP, &pending.dispatch).and_then(|_| check_ids(OP, &ids, s.experts)) {
+            return refuse(e, ctx, MOE_DISPATCH, d, why);
         }
-        let from = exchange(e, ctx, MOE_DISPATCH, d, s.hidden, &msgs)?;
+        let msgs = dispatch_messages(pending, &s, size, send, &ids);
+        let from = exchange(e, ctx, pending, (MOE_DISPATCH, d, s.hidden), msgs)?;
         pending.dispatch = Some(Arrived {
             shape: s,
             dtype: d,
@@ -419,6 +575,7 @@ pub(super) fn moe_dispatch(e: &mut Engine, ctx: &OpCtx, pending: &mut Pending, m
             }
         }
     }
+    pending.give_back(arrived.from);
     let counts_out = recv.counts.host_bytes_mut();
     for (el, &c) in counts.iter().enumerate() {
         counts_out[el * 4..el * 4 + 4].copy_from_slice(&(c.min(i32::MAX as usize) as i32).to_le_bytes());
@@ -438,45 +595,75 @@ fn read_i32(b: &[u8], i: usize) -> i32 {
     i32::from_le_bytes(b[i * 4..i * 4 + 4].try_into().unwrap_or_default())
 }
 
+/// The rows of a combine's send half that go to each rank, once `counts` and `src` are
+/// checked.
+fn combine_records(s: &MoeShape, size: usize, send: &CombineSend) -> Result<Vec<usize>> {
+    const OP: &str = "moe_combine";
+    let (src, counts) = (send.src.host_bytes(), send.counts.host_bytes());
+    let mut records = vec![0usize; size];
+    for el in 0..s.local_experts(size) {
+        let c = read_i32(counts, el);
+        if c < 0 {
+            return Err(Error::invalid(OP, format!("counts[{el}] = {c} is negative")));
+        }
+        for i in 0..(c as usize).min(s.capacity) {
+            let slot = el * s.capacity + i;
+            let (r, t, k) = (
+                read_i32(src, slot * 3),
+                read_i32(src, slot * 3 + 1),
+                read_i32(src, slot * 3 + 2),
+            );
+            if r < 0 || r as usize >= size || t < 0 || k < 0 || k as usize >= s.topk {
+                return Err(Error::invalid(
+                    OP,
+                    format!("src[{el}, {i}] = ({r}, {t}, {k}) is not a dispatched row's source"),
+                ));
+            }
+            records[r as usize] += 1;
+        }
+    }
+    Ok(records)
+}
+
+/// Each expert row back to its token's rank: (token u32, k u32, the row), each message
+/// allocated once at its final size.
+fn combine_messages(pending: &mut Pending, s: &MoeShape, send: &CombineSend, records: &[usize]) -> Vec<Vec<u8>> {
+    let row = s.hidden * send.expert_out.dtype().size();
+    let (out, src, counts) = (
+        send.expert_out.host_bytes(),
+        send.src.host_bytes(),
+        send.counts.host_bytes(),
+    );
+    let mut msgs: Vec<Vec<u8>> = records.iter().map(|&n| pending.empty(n * (8 + row))).collect();
+    for el in 0..s.local_experts(records.len()) {
+        for i in 0..(read_i32(counts, el) as usize).min(s.capacity) {
+            let slot = el * s.capacity + i;
+            let (r, t, k) = (
+                read_i32(src, slot * 3),
+                read_i32(src, slot * 3 + 1),
+                read_i32(src, slot * 3 + 2),
+            );
+            let msg = &mut msgs[r as usize];
+            msg.extend_from_slice(&(t as u32).to_le_bytes());
+            msg.extend_from_slice(&(k as u32).to_le_bytes());
+            msg.extend_from_slice(&out[slot * row..(slot + 1) * row]);
+        }
+    }
+    msgs
+}
+
 pub(super) fn moe_combine(e: &mut Engine, ctx: &OpCtx, pending: &mut Pending, m: &mut MoeCombine<'_>) -> Result<()> {
     const OP: &str = "moe_combine";
     let (size, s) = (e.size, m.shape);
     let local = s.local_experts(size);
     if let Some(send) = &m.send {
-        Arrived::check_free(OP, &pending.combine)?;
         let d = send.expert_out.dtype();
-        let row = s.hidden * d.size();
-        let (out, src, counts) = (
-            send.expert_out.host_bytes(),
-            send.src.host_bytes(),
-            send.counts.host_bytes(),
-        );
-        let mut msgs = vec![Vec::new(); size];
-        for el in 0..local {
-            let c = read_i32(counts, el);
-            if c < 0 {
-                return Err(Error::invalid(OP, format!("counts[{el}] = {c} is negative")));
-            }
-            for i in 0..(c as usize).min(s.capacity) {
-                let slot = el * s.capacity + i;
-                let (r, t, k) = (
-                    read_i32(src, slot * 3),
-                    read_i32(src, slot * 3 + 1),
-                    read_i32(src, slot * 3 + 2),
-                );
-                if r < 0 || r as usize >= size || t < 0 || k < 0 || k as usize >= s.topk {
-                    return Err(Error::invalid(
-                        OP,
-                        format!("src[{el}, {i}] = ({r}, {t}, {k}) is not a dispatched row's source"),
-                    ));
-                }
-                let msg = &mut msgs[r as usize];
-                msg.extend_from_slice(&(t as u32).to_le_bytes());
-                msg.extend_from_slice(&(k as u32).to_le_bytes());
-                msg.extend_from_slice(&out[slot * row..(slot + 1) * row]);
-            }
-        }
-        let from = exchange(e, ctx, MOE_COMBINE, d, s.hidden, &msgs)?;
+        let records = match Arrived::check_free(OP, &pending.combine).and_then(|_| combine_records(&s, size, send)) {
+            Ok(records) => records,
+            Err(why) => return refuse(e, ctx, MOE_COMBINE, d, why),
+        };
+        let msgs = combine_messages(pending, &s, send, &records);
+        let from = exchange(e, ctx, pending, (MOE_COMBINE, d, s.hidden), msgs)?;
         pending.combine = Some(Arrived {
             shape: s,
             dtype: d,
@@ -532,5 +719,6 @@ pub(super) fn moe_combine(e: &mut Engine, ctx: &OpCtx, pending: &mut Pending, m:
         }
         rows::store(&mut out[t * row..(t + 1) * row], &acc, d);
     }
+    pending.give_back(arrived.from);
     Ok(())
 }

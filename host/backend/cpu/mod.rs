@@ -269,7 +269,9 @@ impl Backend for CpuBackend {
             broken,
         } = &mut *st;
         let r = match op {
-            Op::AllReduceRmsNorm(f) => inference::all_reduce_rmsnorm(engine, &ctx, f, opts, self.tuning.direct_max),
+            Op::AllReduceRmsNorm(f) => {
+                inference::all_reduce_rmsnorm(engine, scratch, &ctx, f, opts, self.tuning.direct_max)
+            }
             Op::MoeDispatch(m) => inference::moe_dispatch(engine, &ctx, pending, m),
             Op::MoeCombine(m) => inference::moe_combine(engine, &ctx, pending, m),
             _ => self.dispatch(engine, scratch, &ctx, op, opts),
@@ -280,25 +282,41 @@ impl Backend for CpuBackend {
         // message half sent.
         // A MoE receive half that overflowed a capacity (or was misused) has taken in
         // everything that was sent: the streams are in step.
+        // A refused call (engine.rs, `refuse`) moved nothing else either.
         if matches!(e, Error::InvalidArgument { .. } | Error::CapacityExceeded { .. }) {
             return Err(e);
         }
-        *broken = true;
-        if self.abort.load(Ordering::Acquire) {
-            // Our own abort shut our links: what the transfer saw is its echo, not a lost peer.
-            return Err(Error::Closed {
-                op: name,
-                state: "aborted",
-            });
+        Err(self.failed(broken, name, e))
+    }
+
+    fn refuse(&self, op: &Op<'_>, reason: &str, opts: &RunOptions) {
+        let code = match op {
+            Op::AllReduceRmsNorm(_) => inference::FUSED_NORM,
+            Op::MoeDispatch(_) => inference::MOE_DISPATCH,
+            Op::MoeCombine(_) => inference::MOE_COMBINE,
+            _ => return,
+        };
+        let name = op.name();
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if st.broken || self.abort.load(Ordering::Acquire) {
+            return;
         }
-        // Record the cause before peers learn we failed, so that every survivor reports the
-        // rank at the root rather than this one, which failed next to it.
-        let e = self.faults.resolve(e);
-        self.announce.announce(match &e {
-            Error::PeerLost { peer, .. } | Error::Timeout { peer: Some(peer), .. } => OwnerState::Lost(*peer),
-            _ => OwnerState::Aborted,
-        });
-        Err(e)
+        let ctx = OpCtx {
+            op: name,
+            deadline: Instant::now() + opts.timeout,
+            timeout: opts.timeout,
+            abort: &self.abort,
+        };
+        let t = Tag {
+            op: code,
+            dtype: 0,
+            redop: 0,
+            nbytes: 0,
+        };
+        if let Err(e) = st.engine.refuse(&ctx, t, reason.as_bytes()) {
+            tracing::debug!(rank = self.rank, error = %e, "the peers could not be told of a refused {name}");
+            self.failed(&mut st.broken, name, e);
+        }
     }
 
     fn abort(&self) {
@@ -337,6 +355,26 @@ impl Drop for CpuBackend {
 }
 
 impl CpuBackend {
+    /// After a failed transfer: the communicator is broken, and the peers are told.
+    fn failed(&self, broken: &mut bool, name: &'static str, e: Error) -> Error {
+        *broken = true;
+        if self.abort.load(Ordering::Acquire) {
+            // Our own abort shut our links: what the transfer saw is its echo, not a lost peer.
+            return Error::Closed {
+                op: name,
+                state: "aborted",
+            };
+        }
+        // Record the cause before peers learn we failed, so that every survivor reports the
+        // rank at the root rather than this one, which failed next to it.
+        let e = self.faults.resolve(e);
+        self.announce.announce(match &e {
+            Error::PeerLost { peer, .. } | Error::Timeout { peer: Some(peer), .. } => OwnerState::Lost(*peer),
+            _ => OwnerState::Aborted,
+        });
+        e
+    }
+
     /// Before this rank's links close: takes in the calls that peers still owe it (see
     /// `Engine::settle_deferred`). A late peer's call must not meet a closed TCP socket, which
     /// answers with a reset that loses what this rank sent it. Bounded by the timeout; skipped
