@@ -15,6 +15,7 @@
 #include "../../kernels/bench.cu"
 #include "../../kernels/moe.cu"
 #include "../../kernels/multimem.cu"
+#include "../../kernels/norm_pass.cu"
 #include "../../kernels/oneshot.cu"
 #include "../../kernels/rma.cu"
 #include "../../kernels/twoshot.cu"
@@ -24,6 +25,7 @@
 #include <stdlib.h>
 
 #include <algorithm>
+#include <cmath>
 #include <functional>
 #include <random>
 #include <thread>
@@ -688,6 +690,86 @@ void check_timeout(Group& g) {
 
 }  // namespace
 
+// The fused norm's steps apart (kernels/norm_pass.cu) for `world` ranks' x: each x widened by
+// ferrocomm_widen_* (exact), summed here in rank order as an all_reduce would, then
+// ferrocomm_residual_rmsnorm_* over `blocks` x `threads`: the residual must be the rounded
+// f32 sum exactly, the sum row the f32 sum, out the norm within the types' rounding (fp8: with
+// the row's scale, which must be max |y| / 448).
+template <class E, class O>
+void check_norm_pass(const char* name, void (*widen)(u64, u64, u64), void (*norm)(norm_pass::PassArgs), int world,
+                     u64 rows, u64 hidden, unsigned blocks, unsigned threads) {
+  using Raw = typename E::Raw;
+  using Out = typename O::Raw;
+  const u64 n = rows * hidden, seed = mix(rows * 977 + hidden);
+  std::vector<float> sum(n, 0.0f), widened(n + 4, -1.0f);
+  for (int r = 0; r < world; ++r) {
+    std::vector<Raw> x(n);
+    for (u64 i = 0; i < n; ++i) x[i] = value<E>(r, i, seed);
+    launch(blocks, threads, [&] { widen(reinterpret_cast<u64>(x.data()), reinterpret_cast<u64>(widened.data()), n); });
+    for (u64 i = 0; i < n; ++i) {
+      if (widened[i] != E::get(x[i])) fail(name, r, static_cast<long long>(i), -1);
+      sum[i] += widened[i];
+    }
+    if (widened[n] != -1.0f) fail("widen wrote past its end", r, static_cast<long long>(n), -1);
+  }
+  std::vector<Raw> residual(n), gamma(hidden), before(n);
+  for (u64 i = 0; i < n; ++i) before[i] = residual[i] = value<E>(world, i, seed);
+  for (u64 j = 0; j < hidden; ++j) gamma[j] = value<E>(world + 1, j, seed);
+  std::vector<Out> out(n + 16, Out(0x77));
+  std::vector<float> scales(rows + 1, -5.0f);
+  std::vector<float> s = sum;
+  const bool fp8 = sizeof(Out) == 1;
+  norm_pass::PassArgs a{};
+  a.sum = reinterpret_cast<u64>(s.data());
+  a.residual = reinterpret_cast<u64>(residual.data());
+  a.gamma = reinterpret_cast<u64>(gamma.data());
+  a.out = reinterpret_cast<u64>(out.data());
+  a.scales = fp8 ? reinterpret_cast<u64>(scales.data()) : 0;
+  a.rows = rows;
+  a.hidden = hidden;
+  a.eps = 1e-5f;
+  a.vectors = hidden % (16 / sizeof(Raw)) == 0 &&
+              ((a.sum | a.residual | a.gamma | a.out) & 15) == 0;
+  launch(blocks, threads, [&] { norm(a); });
+  for (u64 t = 0; t < rows; ++t) {
+    double square = 0, ymax = 0;
+    std::vector<double> y(hidden);
+    for (u64 j = 0; j < hidden; ++j) {
+      const u64 i = t * hidden + j;
+      const float acc = sum[i] + E::get(before[i]);
+      if (residual[i] != E::put(acc) || s[i] != acc) fail(name, static_cast<long long>(t), static_cast<long long>(j), 1);
+      square += static_cast<double>(acc) * acc;
+    }
+    const double inv = 1.0 / std::sqrt(square / static_cast<double>(hidden) + 1e-5);
+    for (u64 j = 0; j < hidden; ++j) {
+      y[j] = s[t * hidden + j] * inv * E::get(gamma[j]);
+      ymax = std::max(ymax, std::fabs(y[j]));
+    }
+    const double scale = fp8 ? scales[t] : 1.0;
+    if (fp8 && std::fabs(scale - (ymax > 0 ? ymax / 448.0 : 1.0)) > 1e-5 * scale) fail(name, static_cast<long long>(t), -1, 2);
+    const double rel = fp8 ? 1.0 / 16 : sizeof(Raw) == 4 ? 1e-5 : sizeof(Raw) == 2 && E::get(E::put(1.0f + 1.0f / 512)) != 1.0f ? 1e-3 : 1e-2;
+    for (u64 j = 0; j < hidden; ++j) {
+      const double got = static_cast<double>(O::get(out[t * hidden + j])) * scale;
+      if (!(std::fabs(got - y[j]) <= rel * std::fabs(y[j]) + 1e-4 * ymax)) fail(name, static_cast<long long>(t), static_cast<long long>(j), 3);
+    }
+  }
+  if (out[n] != Out(0x77)) fail("the norm pass wrote past its end", static_cast<long long>(n), -1, 4);
+  if (fp8 && scales[rows] != -5.0f) fail("the norm pass wrote a scale past its end", static_cast<long long>(rows), -1, 4);
+}
+
+// Odd and vectorised rows, fewer and more rows than blocks, every family.
+void check_norm_passes() {
+  for (auto [rows, hidden] : {std::pair<u64, u64>{1, 7}, {5, 33}, {9, 64}, {3, 129}}) {
+    check_norm_pass<F32, F32>("norm pass f32", ferrocomm_widen_f32, ferrocomm_residual_rmsnorm_f32, 2, rows, hidden, 3, 64);
+    check_norm_pass<F16, F16>("norm pass f16", ferrocomm_widen_f16, ferrocomm_residual_rmsnorm_f16, 3, rows, hidden, 2, 32);
+    check_norm_pass<Bf16, Bf16>("norm pass bf16", ferrocomm_widen_bf16, ferrocomm_residual_rmsnorm_bf16, 4, rows, hidden, 4, 64);
+    check_norm_pass<Bf16, E4M3>("norm pass bf16 fp8", ferrocomm_widen_bf16, ferrocomm_residual_rmsnorm_bf16_fp8, 2, rows, hidden, 2, 64);
+    check_norm_pass<F32, E4M3>("norm pass f32 fp8", ferrocomm_widen_f32, ferrocomm_residual_rmsnorm_f32_fp8, 3, rows, hidden, 3, 32);
+  }
+  printf("ok: norm pass\n");
+  fflush(stdout);
+}
+
 int main(int argc, char** argv) {
   const int max_ranks = argc > 1 ? atoi(argv[1]) : 4;
   for (int n = 1; n <= max_ranks; n = n < 4 ? n + 1 : n * 2) {
@@ -729,5 +811,6 @@ int main(int argc, char** argv) {
     fflush(stdout);
   }
   check_moe(2);
+  check_norm_passes();
   return 0;
 }
