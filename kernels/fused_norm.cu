@@ -102,7 +102,9 @@ FERROCOMM_DEVICE_INLINE void report(const Window& w, const NormArgs& a, Disagree
   if (threadIdx.x != 0) return;
   u64* blocks = reinterpret_cast<u64*>(a.mismatches);
   if (atomicAdd(blocks, 1ull) + 1 < gridDim.x) return;
-  *blocks = 0;
+  // Atomic too: a plain store would race with the other blocks' atomicAdds, which happen
+  // before it only in the word's modification order (relaxed), not in program order.
+  store_relaxed(blocks, 0);
   record_status(w.handle().status, FERROCOMM_STATUS_MISMATCH, FERROCOMM_OP_COLLECTIVE, d.peer, READY_ID + blockIdx.x,
                 mine, d.row_bytes != mine ? d.row_bytes : ~0ull);
 }
