@@ -690,8 +690,8 @@ void check_timeout(Group& g) {
 // ---- The fused all_reduce + residual + RMSNorm (kernels/fused_norm.cu) ----
 //
 // Calls are cut into launches as host/backend/device/collectives/norm.rs cuts them (rows per
-// launch from `segment_bytes` and the window's first region, one block per row up to
-// MAX_BLOCKS), on the epochs of the shot counters, several calls in a row on one window.
+// launch from `segment_bytes` and the window's first region, MAX_BLOCKS blocks each), on the
+// epochs of the shot counters, several calls in a row on one window.
 // Checks: every rank's residual is, bit for bit, the f32 sum of the ranks' x in rank order
 // plus the residual, rounded; out is within a tolerance of the f64 RMSNorm of that f32 sum
 // (relative 1e-5 for f32, 2e-3 for f16, 1.6e-2 for bf16, plus 1e-5 of the row's largest
@@ -750,12 +750,14 @@ struct Rows {
   }
 };
 
-// A collective window for the fused norm, with each rank's count of mismatched blocks.
+// A collective window for the fused norm, with each rank's two words for mismatched calls
+// (the count of blocks that found one, whether the call's first launch did).
 struct NormWindow {
   Group g;
   u64 region;
-  std::vector<u64> mismatches;
-  NormWindow(int n, u64 bytes) : g(n, bytes, 5 * MAX_BLOCKS), region(bytes), mismatches(n, 0) {}
+  std::vector<u64> words;
+  NormWindow(int n, u64 bytes) : g(n, bytes, 5 * MAX_BLOCKS), region(bytes), words(2 * n, 0) {}
+  u64* mismatches(int r) { return &words[2 * r]; }
 };
 
 struct NormShape {
@@ -780,10 +782,17 @@ constexpr double norm_rel() {
   exit(1);
 }
 
+// The rows per launch of a call of `tokens` rows of `hidden` as the host plans it.
+template <class In, class Out>
+u64 norm_per_launch(const NormWindow& w, u64 hidden, u64 tokens, bool two_shot) {
+  auto bytes = [&](u64 rows) { return norm_segment_bytes(rows, hidden, sizeof(In), sizeof(Out), w.g.size, two_shot); };
+  return norm_rows_per_launch(tokens, w.region, bytes);
+}
+
 // One call of kernel `k` (E activations, O out) on every rank of `w`, cut into launches as the
-// host cuts it: rank r's rows are `hidden_of[r]` long, its buffers x[r], residual[r], ....
+// host cuts it: rank r's call is `shape_of[r]`, its buffers x[r], residual[r], ....
 template <class E, class O>
-void run_norm(NormWindow& w, NormKernel k, const NormShape& s, const std::vector<u64>& hidden_of,
+void run_norm(NormWindow& w, NormKernel k, const std::vector<NormShape>& shape_of,
               std::vector<Rows<typename E::Raw>>& x, std::vector<Rows<typename E::Raw>>& residual,
               std::vector<Rows<typename E::Raw>>& gamma, std::vector<Rows<typename O::Raw>>& out,
               std::vector<Rows<float>>& scales, bool fp8) {
@@ -791,9 +800,9 @@ void run_norm(NormWindow& w, NormKernel k, const NormShape& s, const std::vector
   using Out = typename O::Raw;
   Group& g = w.g;
   g.ranks([&](int r) {
-    const u64 hidden = hidden_of[r], tokens = s.tokens;
-    auto bytes = [&](u64 rows) { return norm_segment_bytes(rows, hidden, sizeof(In), sizeof(Out), g.size, s.two_shot); };
-    const u64 per = norm_rows_per_launch(tokens, w.region, bytes);
+    const NormShape& s = shape_of[r];
+    const u64 hidden = s.hidden, tokens = s.tokens;
+    const u64 per = norm_per_launch<In, Out>(w, hidden, tokens, s.two_shot);
     if (per == 0) fail("no norm launch fits the region", r, static_cast<long long>(hidden), static_cast<long long>(w.region));
     // What the kernel lays out must fit what the host planned.
     const u64 own = s.two_shot ? (per + g.size - 1) / g.size : 0;
@@ -805,7 +814,7 @@ void run_norm(NormWindow& w, NormKernel k, const NormShape& s, const std::vector
     const u32 vectors = hidden % group == 0 && (ptrs & 15) == 0;
     const ferrocomm_window_handle h = g.handle(r);
     u64* counters = g.counters[r].data();
-    for (u64 first = 0; first < tokens; first += per) {
+    for (u64 first = 0, launch_index = 0; first < tokens; first += per, ++launch_index) {
       fused_norm::NormArgs a{};
       a.x = reinterpret_cast<u64>(x[r].p + first * hidden);
       a.residual = reinterpret_cast<u64>(residual[r].p + first * hidden);
@@ -816,9 +825,10 @@ void run_norm(NormWindow& w, NormKernel k, const NormShape& s, const std::vector
       a.hidden = hidden;
       a.eps = 1e-5f;
       a.vectors = vectors;
-      a.mismatches = reinterpret_cast<u64>(&w.mismatches[r]);
-      const unsigned blocks = static_cast<unsigned>(a.rows < MAX_BLOCKS ? a.rows : MAX_BLOCKS);
-      launch(blocks, s.threads, [=] { k(h, a, counters); });
+      a.mismatches = reinterpret_cast<u64>(w.mismatches(r));
+      a.call_rows = tokens;
+      a.launch = launch_index;
+      launch(MAX_BLOCKS, s.threads, [=] { k(h, a, counters); });
     }
   });
 }
@@ -855,8 +865,7 @@ void check_norm(NormWindow& w, NormKernel one, NormKernel two, const char* name,
       for (u64 j = 0; j < n; ++j) gamma[r].p[j] = E::put(1.5f * norm_value(seed ^ (u64(77) << 48) ^ j));
     }
     const std::vector<In> residual_in(residual[0].p, residual[0].p + elems);
-    std::vector<u64> hidden_of(g.size, n);
-    run_norm<E, O>(w, s.two_shot ? two : one, s, hidden_of, x, residual, gamma, out, scales, fp8);
+    run_norm<E, O>(w, s.two_shot ? two : one, std::vector<NormShape>(g.size, s), x, residual, gamma, out, scales, fp8);
     g.check_status(name);
     for (u64 t = 0; t < tokens; ++t) {
       // The f32 sums in rank order, then the residual, as the kernel adds them.
@@ -899,46 +908,95 @@ void check_norm(NormWindow& w, NormKernel one, NormKernel two, const char* name,
       if (!residual[r].guard_intact() || !out[r].guard_intact() || !scales[r].guard_intact()) {
         fail("the norm wrote past an end", r, n, tokens);
       }
-      if (w.mismatches[r] != 0) fail("a matched norm counted mismatched blocks", r, w.mismatches[r], 0);
+      if (w.mismatches(r)[0] != 0 || w.mismatches(r)[1] != 0) fail("a matched norm noted a mismatch", r, w.mismatches(r)[0], w.mismatches(r)[1]);
     }
   }
 }
 
-// Ranks that disagree on the row length: every rank records MISMATCH and computes nothing
-// (out and residual untouched); then the window is used again.
-void check_norm_mismatch(NormWindow& w, bool two_shot) {
+// Every rank's shot epochs in step, and no peer's READY, DONE or REDUCED signal ahead of them
+// (a launch that signalled READY and then gave up would leave one, and the next call would
+// read that peer's segment before the peer wrote it).
+void check_epochs_in_step(Group& g, const char* name) {
+  for (u32 b = 0; b < MAX_BLOCKS; ++b) {
+    const u64 epoch = g.counters[0][b];
+    for (int r = 0; r < g.size; ++r) {
+      if (g.counters[r][b] != epoch) {
+        fprintf(stderr, "%s\n", name);
+        fail("the ranks' epochs differ", r, b, static_cast<long long>(g.counters[r][b]));
+      }
+      const Window w(g.handle(r));
+      for (int p = 0; p < g.size; ++p) {
+        for (u32 id : {READY_ID + b, DONE_ID + b, REDUCED_ID + b}) {
+          if (p != r && w.read_signal(id, p) > epoch) {
+            fprintf(stderr, "%s\n", name);
+            fail("a signal is ahead of the epochs", r, p, id);
+          }
+        }
+      }
+    }
+  }
+}
+
+// Calls of f32 rows that differ between even and odd ranks (`shape(r)`): every rank records
+// MISMATCH naming a peer of the other parity and both calls' bytes of x, in the first launch
+// (the later ones of the longer calls end at once, or the wait would run into the timeout),
+// and writes nothing; then the window is used again.
+void check_norm_mismatch(NormWindow& w, const char* name, const std::function<NormShape(int)>& shape) {
   Group& g = w.g;
-  const NormShape s{two_shot, 8, 5, 32, 0};
-  std::vector<u64> hidden_of(g.size);
+  std::vector<NormShape> shape_of;
   std::vector<Rows<u32>> x, residual, gamma, out;
   std::vector<Rows<float>> scales;
   for (auto* v : {&x, &residual, &gamma, &out}) v->reserve(g.size);
   scales.reserve(g.size);
   for (int r = 0; r < g.size; ++r) {
-    hidden_of[r] = r % 2 == 0 ? 8 : 4;
-    x.emplace_back(8 * 5, 0, F32::put(1.0f));
-    residual.emplace_back(8 * 5, 0, F32::put(2.0f));
-    gamma.emplace_back(8, 0, F32::put(1.0f));
-    out.emplace_back(8 * 5, 0, 0x7f7f7f7fu);
-    scales.emplace_back(5, 0, -1.0f);
+    const NormShape s = shape(r);
+    shape_of.push_back(s);
+    x.emplace_back(s.hidden * s.tokens, 0, F32::put(1.0f));
+    residual.emplace_back(s.hidden * s.tokens, 0, F32::put(2.0f));
+    gamma.emplace_back(s.hidden, 0, F32::put(1.0f));
+    out.emplace_back(s.hidden * s.tokens, 0, 0x7f7f7f7fu);
+    scales.emplace_back(s.tokens, 0, -1.0f);
   }
-  run_norm<F32, F32>(w, two_shot ? ferrocomm_rmsnorm_twoshot_f32 : ferrocomm_rmsnorm_oneshot_f32, s, hidden_of, x,
-                     residual, gamma, out, scales, false);
+  const bool two_shot = shape_of[0].two_shot;
+  const u64 t0 = ferrocomm_host::now_ns();
+  run_norm<F32, F32>(w, two_shot ? ferrocomm_rmsnorm_twoshot_f32 : ferrocomm_rmsnorm_oneshot_f32, shape_of, x, residual,
+                     gamma, out, scales, false);
+  // Far below the handle's 20 s timeout, even under a sanitizer on a busy machine.
+  const u64 took_ms = (ferrocomm_host::now_ns() - t0) / 1000000;
+  if (took_ms > 10000) fail("a mismatched norm waited", static_cast<long long>(took_ms), g.size, 0);
   for (int r = 0; r < g.size; ++r) {
     const ferrocomm_status st = g.status[r];
     if (st.code != FERROCOMM_STATUS_MISMATCH || st.op != FERROCOMM_OP_COLLECTIVE || st.peer < 0 || st.peer >= g.size ||
-        hidden_of[st.peer] == hidden_of[r]) {
+        st.peer % 2 == r % 2) {
+      fprintf(stderr, "%s\n", name);
       fail("a mismatched norm should record MISMATCH naming a disagreeing peer", r, st.code, st.peer);
     }
-    if (st.expected != hidden_of[r] * 4 || st.observed != hidden_of[st.peer] * 4) {
-      fail("the norm's mismatch should name both row lengths", r, st.expected, st.observed);
+    const NormShape &mine = shape_of[r], &theirs = shape_of[st.peer];
+    const u64 bytes = mine.hidden * 4 * mine.tokens, peer_bytes = theirs.hidden * 4 * theirs.tokens;
+    if (st.expected != bytes || st.observed != (peer_bytes != bytes ? peer_bytes : ~0ull)) {
+      fprintf(stderr, "%s\n", name);
+      fail("the norm's mismatch should name both calls' bytes", r, st.expected, st.observed);
     }
     g.status[r] = ferrocomm_status{};
-    for (u64 i = 0; i < hidden_of[r] * 5; ++i) {
+    for (u64 i = 0; i < mine.hidden * mine.tokens; ++i) {
       if (out[r].p[i] != 0x7f7f7f7fu || residual[r].p[i] != F32::put(2.0f)) fail("a mismatched norm wrote", r, i, 0);
     }
-    if (w.mismatches[r] != 0) fail("the norm's mismatch count was not reset", r, w.mismatches[r], 0);
+    if (w.mismatches(r)[0] != 0) fail("the norm's mismatch count was not reset", r, w.mismatches(r)[0], 0);
+    if (w.mismatches(r)[1] != 1) fail("the first launch did not note the mismatch", r, w.mismatches(r)[1], 0);
   }
+  check_epochs_in_step(g, name);
+}
+
+// Every kind of mismatched call, one- or two-shot.
+void check_norm_mismatches(NormWindow& w, bool two_shot) {
+  auto odd = [](int r) { return r % 2 == 1; };
+  // Another row length, the same rows.
+  check_norm_mismatch(w, "row length", [&](int r) { return NormShape{two_shot, odd(r) ? 4u : 8u, 5, 32, 0}; });
+  // Other rows: one launch each, of 3 and 5 rows.
+  check_norm_mismatch(w, "rows", [&](int r) { return NormShape{two_shot, 8, odd(r) ? 5u : 3u, 32, 0}; });
+  // The same first launch, and a second one on the even ranks only.
+  const u64 per = norm_per_launch<u32, u32>(w, 129, 1000, two_shot);
+  check_norm_mismatch(w, "launches", [&](int r) { return NormShape{two_shot, 129, odd(r) ? per : 2 * per, 32, 0}; });
 }
 
 // Every family of the fused norm, one- and two-shot, on `n` ranks: odd and vector-sized
@@ -963,11 +1021,11 @@ void check_fused_norm(int n) {
   check_norm<Bf16, Bf16>(w, ferrocomm_rmsnorm_oneshot_bf16, ferrocomm_rmsnorm_twoshot_bf16, "rmsnorm twoshot bf16 64x70", {true, 64, 70, 32, 0}, 1);
   check_norm<Bf16, Bf16>(w, ferrocomm_rmsnorm_oneshot_bf16, ferrocomm_rmsnorm_twoshot_bf16, "rmsnorm twoshot bf16 64x6 skewed", {true, 64, 6, 32, 1}, 1);
   check_norm<Bf16, Bf16>(w, ferrocomm_rmsnorm_oneshot_bf16, ferrocomm_rmsnorm_twoshot_bf16, "rmsnorm twoshot bf16 1x5", {true, 1, 5, 32, 0}, 1);
-  if (n > 1) check_norm_mismatch(w, false);
+  if (n > 1) check_norm_mismatches(w, false);
   // 28 rows a launch: 28, 4.
   check_norm<F16, F16>(w, ferrocomm_rmsnorm_oneshot_f16, ferrocomm_rmsnorm_twoshot_f16, "rmsnorm oneshot f16 129x32", {false, 129, 32, 32, 0}, 1);
   check_norm<F16, F16>(w, ferrocomm_rmsnorm_oneshot_f16, ferrocomm_rmsnorm_twoshot_f16, "rmsnorm twoshot f16 8x9", {true, 8, 9, 32, 0}, 1);
-  if (n > 1) check_norm_mismatch(w, true);
+  if (n > 1) check_norm_mismatches(w, true);
   check_norm<F32, E4M3>(w, ferrocomm_rmsnorm_oneshot_f32_fp8, ferrocomm_rmsnorm_twoshot_f32_fp8, "rmsnorm twoshot f32_fp8 33x11", {true, 33, 11, 32, 0}, 1);
   check_norm<F32, E4M3>(w, ferrocomm_rmsnorm_oneshot_f32_fp8, ferrocomm_rmsnorm_twoshot_f32_fp8, "rmsnorm oneshot f32_fp8 64x12", {false, 64, 12, 32, 0}, 1);
   check_norm<Bf16, E4M3>(w, ferrocomm_rmsnorm_oneshot_bf16_fp8, ferrocomm_rmsnorm_twoshot_bf16_fp8, "rmsnorm oneshot bf16_fp8 7x2", {false, 7, 2, 32, 0}, 2);
