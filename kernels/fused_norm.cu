@@ -14,12 +14,29 @@
 // tensor-parallel residual stream is: rank r's residual makes run r.
 //
 // Block b handles the rows t = b (mod grid) in every phase, so READY / REDUCED of block b cover
-// exactly the rows block b of each peer reads. Each block writes a header (row bytes, rows,
-// kernel, eps) with its rows: a peer whose header differs made another call, and every rank
-// then records MISMATCH (the relation is symmetric, so all of them do) and computes nothing.
-// The f32 sums of a row wait in a private scratch row of the block in our own segment, which
-// no peer reads. The protocol (epochs, ids, segment reuse) is in collective.cuh; the host cuts
-// larger calls into launches of whole rows (host/backend/device/collectives/norm.rs).
+// exactly the rows block b of each peer reads. Each block writes a header (row bytes, the
+// launch's rows, the call's rows, kernel and eps) with its rows: a peer whose header differs
+// made another call, and every rank then records MISMATCH (the relation is symmetric, so all
+// of them do) and computes nothing. The f32 sums of a row wait in a private scratch row of the
+// block in our own segment, which no peer reads. The protocol (epochs, ids, segment reuse) is
+// in collective.cuh; the host cuts larger calls into launches of whole rows
+// (host/backend/device/collectives/norm.rs).
+//
+// Mismatched calls end in the same launch on every rank, with every rank's epochs in step. A
+// block that waits for a peer's block that never comes ends only by the timeout, and leaves
+// its READY signal ahead of that peer's epochs, so the next call would read a segment before
+// its peer wrote it. Hence:
+// - the grid is always MAX_BLOCKS, however few the rows (blocks past them only take part in
+//   the protocol): with grids that follow the rows, a block of the larger grid would wait for
+//   a block its peer never launched;
+// - the header carries the call's rows: calls cut into other launches (other row counts or
+//   lengths) differ in their first launch already, and calls whose first launches agree agree
+//   in every launch (the cut depends only on the header, the world size and the region);
+// - the first launch of a call notes in device memory (the word after the mismatch count)
+//   whether it found a mismatch, and the call's later launches, which the peers may not have,
+//   then end at once, before they take an epoch or signal anything. Not the window's status:
+//   the host may take and clear that between two launches of a call (on a GPU it reads it
+//   when the next call is issued, while the launches may still wait on their stream).
 
 #include "collective.cuh"
 
@@ -36,13 +53,17 @@ struct NormArgs {
   u64 rows, hidden;
   float eps;
   u32 vectors;     // every buffer 16-byte aligned and hidden a multiple of 16 bytes' elements
-  u64 mismatches;  // u64*: blocks that found a mismatched call (see `report`)
+  u64 mismatches;  // u64[2]: blocks that found a mismatched call (see `report`), then whether
+                   // the call's first launch found one (see the top of the file)
+  u64 call_rows;   // rows of the whole call
+  u64 launch;      // this launch's index in its call
 };
-static_assert(sizeof(NormArgs) == 72, "NormArgs is mirrored by host/gpu/kernels.rs");
+static_assert(sizeof(NormArgs) == 88, "NormArgs is mirrored by host/gpu/kernels.rs");
 
 FERROCOMM_DEVICE_INLINE constexpr u64 pad16(u64 b) { return (b + 15) / 16 * 16; }
 
-// Per block: row bytes, rows, kernel, eps bits.
+// Per block: row bytes, the launch's rows, the call's rows, then the kernel code (two-shot
+// 0x100) and the eps bits (the high half) in one word.
 constexpr u64 HEADER_BYTES = 32;
 
 // Where one launch keeps what in a segment (byte offsets; host/backend/device/collectives/norm.rs
@@ -77,17 +98,18 @@ FERROCOMM_DEVICE_INLINE void copy_row(Raw* dst, const Raw* src, u64 n) {
 // The first row t >= lo that this block handles (t = blockIdx.x mod gridDim.x).
 FERROCOMM_DEVICE_INLINE u64 first_row(u64 lo) { return lo + (blockIdx.x + gridDim.x - lo % gridDim.x) % gridDim.x; }
 
-// A peer whose header for this block differs from ours: its rank (or -1) and its row bytes.
+// A peer whose header for this block differs from ours: its rank (or -1) and the bytes of x
+// of its call (row bytes times the call's rows).
 struct Disagreement {
   i32 peer;
-  u64 row_bytes;
+  u64 bytes;
 };
 
 FERROCOMM_DEVICE_INLINE Disagreement disagreeing(const Window& w, const u64 (&mine)[4]) {
   for (i32 p = 0; p < w.size(); ++p) {
     const u64* theirs = w.peer_ptr<const u64>(p, HEADER_BYTES * blockIdx.x);
     if (theirs[0] != mine[0] || theirs[1] != mine[1] || theirs[2] != mine[2] || theirs[3] != mine[3]) {
-      return Disagreement{p, theirs[0]};
+      return Disagreement{p, theirs[0] * theirs[2]};
     }
   }
   return Disagreement{-1, 0};
@@ -96,15 +118,17 @@ FERROCOMM_DEVICE_INLINE Disagreement disagreeing(const Window& w, const u64 (&mi
 // Records a mismatched call once every block of the launch has ended its part of the protocol
 // (every block finds it: a launch's headers are the same in all its blocks). A status recorded
 // earlier would end the waits of blocks still exchanging (Window::failed), leaving their
-// epochs behind their peers'. As alltoall.cu: our row bytes and theirs, or all ones where
-// those agree but the call does not.
+// epochs behind their peers'. As alltoall.cu: the bytes of x of our call and of theirs, or all
+// ones where those agree but the call does not.
 FERROCOMM_DEVICE_INLINE void report(const Window& w, const NormArgs& a, Disagreement d, u64 mine) {
   if (threadIdx.x != 0) return;
   u64* blocks = reinterpret_cast<u64*>(a.mismatches);
   if (atomicAdd(blocks, 1ull) + 1 < gridDim.x) return;
-  *blocks = 0;
+  // Atomic too: a plain store would race with the other blocks' atomicAdds, which happen
+  // before it only in the word's modification order (relaxed), not in program order.
+  store_relaxed(blocks, 0);
   record_status(w.handle().status, FERROCOMM_STATUS_MISMATCH, FERROCOMM_OP_COLLECTIVE, d.peer, READY_ID + blockIdx.x,
-                mine, d.row_bytes != mine ? d.row_bytes : ~0ull);
+                mine, d.bytes != mine ? d.bytes : ~0ull);
 }
 
 // Row t: s = the sum of every segment's x row in rank order + residual; residual = s rounded;
@@ -142,10 +166,14 @@ FERROCOMM_DEVICE_INLINE void all_reduce_rmsnorm(const ferrocomm_window_handle& h
   const In* gamma = reinterpret_cast<const In*>(a.gamma);
   Out* out = reinterpret_cast<Out*>(a.out);
   float* scales = reinterpret_cast<float*>(a.scales);
+  // Whether this call's first launch found a mismatch: then the peers may not have this launch.
+  u64* mismatched = reinterpret_cast<u64*>(a.mismatches) + 1;
+  if (a.launch > 0 && load_relaxed(mismatched) != 0) return;
   Step s;
   if (!begin(w, counters, s)) return;
   float* scratch = w.local_ptr<float>(l.scratch + blockIdx.x * l.scratch_row);
-  const u64 header[4] = {row_in, a.rows, KIND | (two_shot ? 0x100u : 0u), __float_as_uint(a.eps)};
+  const u64 header[4] = {row_in, a.rows, a.call_rows,
+                         KIND | (two_shot ? 0x100u : 0u) | static_cast<u64>(__float_as_uint(a.eps)) << 32};
   if (threadIdx.x < 4) w.local_ptr<u64>(HEADER_BYTES * blockIdx.x)[threadIdx.x] = header[threadIdx.x];
   for (u64 t = blockIdx.x; t < a.rows; t += gridDim.x) copy_row(w.local_ptr<In>(l.x + t * row_in), x + t * n, n);
   // Our own rows are read group by group, by other threads than copied them (the exchange
@@ -154,6 +182,9 @@ FERROCOMM_DEVICE_INLINE void all_reduce_rmsnorm(const ferrocomm_window_handle& h
   if (!exchange(w, s, s.ready)) return;
   // Read before `end`: after our DONE a peer may start its next call and rewrite its header.
   const Disagreement other = disagreeing(w, header);
+  // Every block of the launch finds the same, so they all store the same value (atomically),
+  // and the kernel boundary orders the stores before the next launch's loads.
+  if (a.launch == 0 && threadIdx.x == 0) store_relaxed(mismatched, other.peer >= 0 ? 1 : 0);
   if (other.peer < 0) {
     const u64 lo = two_shot ? run(me) : 0, hi = two_shot ? run(me + 1) : a.rows;
     for (u64 t = first_row(lo); t < hi; t += gridDim.x) {
@@ -169,7 +200,8 @@ FERROCOMM_DEVICE_INLINE void all_reduce_rmsnorm(const ferrocomm_window_handle& h
         if (threadIdx.x == 0) *reinterpret_cast<float*>(r + l.result_scale) = scale;
       }
     }
-    if (two_shot) {
+    // Blocks past the rows have no results (on every rank alike: the headers agree).
+    if (two_shot && blockIdx.x < a.rows) {
       if (!exchange(w, s, s.reduced)) return;
       for (i32 p = 0; p < w.size(); ++p) {
         if (p == w.rank()) continue;
@@ -184,7 +216,7 @@ FERROCOMM_DEVICE_INLINE void all_reduce_rmsnorm(const ferrocomm_window_handle& h
     }
   }
   end(w, counters, s);
-  if (other.peer >= 0) report(w, a, other, header[0]);
+  if (other.peer >= 0) report(w, a, other, row_in * a.call_rows);
 }
 
 }  // namespace fused_norm

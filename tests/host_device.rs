@@ -1092,6 +1092,68 @@ mod with_kernels {
         });
     }
 
+    /// Ranks whose calls are cut into other launches (another row count or row length, so
+    /// other launch counts or grids) get `Error::Mismatch` on every rank, long before the
+    /// timeout, and the next matched call works. In the window's default 1 MiB region a launch
+    /// of 64 f32 per row takes 4078 rows one-shot and 2007 two-shot between 2 ranks
+    /// (collectives/norm.rs `segment_bytes`), so the first case's first launches are alike.
+    #[test]
+    fn a_fused_rmsnorm_cut_into_other_launches_is_a_prompt_mismatch_on_every_rank() {
+        let seed = fresh_seed();
+        let timeout = Duration::from_secs(10);
+        let opts = options(timeout);
+        run_group_on_device("device", Device::Host(0), 2, "hd-norm-launches", opts, |c| {
+            let (me, peer) = (c.rank(), 1 - c.rank());
+            for (algo, per_launch) in [("oneshot", 4078), ("twoshot", 2007)] {
+                // (hidden, tokens) of rank 0 and of rank 1.
+                let shapes = [
+                    // The same first launch, then one more on rank 0 only.
+                    [(64, 2 * per_launch), (64, per_launch)],
+                    // Another row length: two launches on rank 0, one on rank 1.
+                    [(64, per_launch + 5), (32, per_launch + 5)],
+                    // One launch each, of 3 and 5 rows.
+                    [(8, 3), (8, 5)],
+                ];
+                for shape in shapes {
+                    let (hidden, tokens) = shape[me];
+                    let case = NormCase {
+                        dtype: DType::F32,
+                        fp8: false,
+                        hidden,
+                        tokens,
+                    };
+                    let t0 = std::time::Instant::now();
+                    match run_norm_any(c, seed, case, algo) {
+                        Err(Error::Mismatch { peer: p, detail, .. }) => {
+                            assert_eq!(p, peer);
+                            // Both calls' bytes of x.
+                            let bytes = |(hidden, tokens): (usize, usize)| 4 * hidden * tokens;
+                            let (theirs, mine) = (bytes(shape[peer]), bytes(shape[me]));
+                            let want = format!("it sent {theirs} bytes where this rank expected {mine}");
+                            assert!(detail.contains(&want), "rank {me} {algo} {shape:?}: {detail}");
+                        }
+                        Err(e) => panic!("rank {me} {algo} {shape:?}: expected a mismatch, got {e}"),
+                        Ok(_) => panic!("rank {me} {algo} {shape:?}: expected a mismatch, the call computed"),
+                    }
+                    assert!(
+                        t0.elapsed() < timeout / 3,
+                        "rank {me} {algo} {shape:?}: the mismatch took {:?} (timeout {timeout:?})",
+                        t0.elapsed()
+                    );
+                    // The window's protocol is in step again: a matched call computes.
+                    let case = NormCase {
+                        hidden: 64,
+                        tokens: 9,
+                        ..case
+                    };
+                    let got = run_norm_any(c, seed, case, algo)
+                        .unwrap_or_else(|e| panic!("rank {me} {algo} after {shape:?}: {e}"));
+                    check_norm_any(seed, case, 2, &got).unwrap_or_else(|e| panic!("rank {me} {algo}: {e}"));
+                }
+            }
+        });
+    }
+
     #[test]
     fn collectives_on_the_host_device_match_the_reference() {
         let seed = fresh_seed();

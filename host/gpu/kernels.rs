@@ -200,7 +200,8 @@ pub(crate) const ALL_TO_ALL: Kernel<(WindowHandle, AllToAllArgs, u64)> =
     Kernel::new("ferrocomm_alltoall", Shape::Grid(COLLECTIVE_THREADS));
 
 /// kernels/fused_norm.cu's `NormArgs`: device addresses (`scales` 0 unless `out` is fp8), the
-/// rows of one launch and elements per row, `vectors` where 16-byte accesses are allowed.
+/// rows of one launch and elements per row, `vectors` where 16-byte accesses are allowed, the
+/// rows of the whole call and the launch's index in it.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct NormArgs {
@@ -213,11 +214,14 @@ pub(crate) struct NormArgs {
     pub(crate) hidden: u64,
     pub(crate) eps: f32,
     pub(crate) vectors: u32,
-    /// A u64 counter of the blocks that found a mismatched call (device memory).
+    /// Two u64 of device memory: the count of the blocks that found a mismatched call, then
+    /// whether the call's first launch found one.
     pub(crate) mismatches: u64,
+    pub(crate) call_rows: u64,
+    pub(crate) launch: u64,
 }
 
-const _: () = assert!(std::mem::size_of::<NormArgs>() == 72);
+const _: () = assert!(std::mem::size_of::<NormArgs>() == 88);
 
 /// kernels/fused_norm.cu: (handle, args, counters); families by the suffix of (dtype, fp8
 /// out), e.g. `bf16` or `bf16_fp8`.

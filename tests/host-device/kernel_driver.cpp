@@ -13,6 +13,7 @@
 #define FERROCOMM_HOST_DEVICE 1
 #include "../../kernels/alltoall.cu"
 #include "../../kernels/bench.cu"
+#include "../../kernels/fused_norm.cu"
 #include "../../kernels/moe.cu"
 #include "../../kernels/multimem.cu"
 #include "../../kernels/norm_pass.cu"
@@ -688,6 +689,352 @@ void check_timeout(Group& g) {
   g.status[0] = ferrocomm_status{};
 }
 
+// ---- The fused all_reduce + residual + RMSNorm (kernels/fused_norm.cu) ----
+//
+// Calls are cut into launches as host/backend/device/collectives/norm.rs cuts them (rows per
+// launch from `segment_bytes` and the window's first region, MAX_BLOCKS blocks each), on the
+// epochs of the shot counters, several calls in a row on one window.
+// Checks: every rank's residual is, bit for bit, the f32 sum of the ranks' x in rank order
+// plus the residual, rounded; out is within a tolerance of the f64 RMSNorm of that f32 sum
+// (relative 1e-5 for f32, 2e-3 for f16, 1.6e-2 for bf16, plus 1e-5 of the row's largest
+// value; fp8: out * scale within 1/16 of the value plus 1e-3 of the row's largest, the
+// scale within 1e-5 of max |y| / 448); every rank's residual, out and scales the same bits;
+// nothing written past the ends.
+
+using NormKernel = void (*)(ferrocomm_window_handle, const fused_norm::NormArgs, u64*);
+
+// norm.rs `segment_bytes`: the segment bytes of a launch of `rows` rows.
+u64 norm_segment_bytes(u64 rows, u64 hidden, u64 in_size, u64 out_size, u64 size, bool two_shot) {
+  auto pad16 = [](u64 b) { return (b + 15) / 16 * 16; };
+  const u64 own = two_shot ? (rows + size - 1) / size : 0;
+  const u64 result_row = pad16(hidden * in_size) + pad16(hidden * out_size) + 16;
+  return fused_norm::HEADER_BYTES * MAX_BLOCKS + pad16(rows * hidden * in_size) + own * result_row +
+         MAX_BLOCKS * pad16(hidden * 4);
+}
+
+// norm.rs `rows_per_launch`: the most rows (at most `tokens`) that fit `region`; 0 if none.
+u64 norm_rows_per_launch(u64 tokens, u64 region, const std::function<u64(u64)>& bytes) {
+  if (bytes(1) > region) return 0;
+  u64 lo = 1, hi = tokens > 1 ? tokens : 1;
+  while (lo < hi) {
+    const u64 mid = lo + (hi - lo + 1) / 2;
+    if (bytes(mid) <= region) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+// `n` elements of Raw starting 16-byte aligned (or `skew` elements past that), filled with
+// `fill`, with GUARD more elements of `fill` after them.
+template <class Raw>
+struct Rows {
+  static constexpr u64 GUARD = 16;
+  std::vector<Raw> all;
+  Raw* p;
+  u64 n;
+  Raw fill;
+  // `p` points into `all`: moved, never copied.
+  Rows(const Rows&) = delete;
+  Rows(Rows&&) = default;
+  Rows(u64 count, u64 skew, Raw f) : all(count + skew + GUARD + 16 / sizeof(Raw), f), n(count), fill(f) {
+    u64 first = 0;
+    while ((reinterpret_cast<u64>(all.data() + first) & 15) != 0) ++first;
+    p = all.data() + first + skew;
+  }
+  bool guard_intact() const {
+    for (u64 i = n; i < n + GUARD; ++i) {
+      if (p[i] != fill) return false;
+    }
+    return true;
+  }
+};
+
+// A collective window for the fused norm, with each rank's two words for mismatched calls
+// (the count of blocks that found one, whether the call's first launch did).
+struct NormWindow {
+  Group g;
+  u64 region;
+  std::vector<u64> words;
+  NormWindow(int n, u64 bytes) : g(n, bytes, 5 * MAX_BLOCKS), region(bytes), words(2 * n, 0) {}
+  u64* mismatches(int r) { return &words[2 * r]; }
+};
+
+struct NormShape {
+  bool two_shot;
+  u64 hidden, tokens;
+  unsigned threads;
+  u64 skew;  // elements by which x is off 16-byte alignment (0: vectors where hidden allows)
+};
+
+// A value in [-1, 1) with 24 random bits: sums of several of them round in f32.
+float norm_value(u64 key) { return static_cast<float>(mix(key) >> 40) / 8388608.0f - 1.0f; }
+
+// The tolerance of a rounded norm output relative to its value: E's rounding plus the f32 sums'.
+template <class E>
+constexpr double norm_rel() {
+  return std::is_same_v<E, F32> ? 1e-5 : std::is_same_v<E, F16> ? 2e-3 : 1.6e-2;
+}
+
+[[noreturn]] void norm_fail(const char* name, int rank, u64 t, u64 j, double got, double want, double tol) {
+  fprintf(stderr, "FAILED: %s: rank %d token %llu element %llu: %.9g, want %.9g +- %.3g\n", name, rank,
+          static_cast<unsigned long long>(t), static_cast<unsigned long long>(j), got, want, tol);
+  exit(1);
+}
+
+// The rows per launch of a call of `tokens` rows of `hidden` as the host plans it.
+template <class In, class Out>
+u64 norm_per_launch(const NormWindow& w, u64 hidden, u64 tokens, bool two_shot) {
+  auto bytes = [&](u64 rows) { return norm_segment_bytes(rows, hidden, sizeof(In), sizeof(Out), w.g.size, two_shot); };
+  return norm_rows_per_launch(tokens, w.region, bytes);
+}
+
+// One call of kernel `k` (E activations, O out) on every rank of `w`, cut into launches as the
+// host cuts it: rank r's call is `shape_of[r]`, its buffers x[r], residual[r], ....
+template <class E, class O>
+void run_norm(NormWindow& w, NormKernel k, const std::vector<NormShape>& shape_of,
+              std::vector<Rows<typename E::Raw>>& x, std::vector<Rows<typename E::Raw>>& residual,
+              std::vector<Rows<typename E::Raw>>& gamma, std::vector<Rows<typename O::Raw>>& out,
+              std::vector<Rows<float>>& scales, bool fp8) {
+  using In = typename E::Raw;
+  using Out = typename O::Raw;
+  Group& g = w.g;
+  g.ranks([&](int r) {
+    const NormShape& s = shape_of[r];
+    const u64 hidden = s.hidden, tokens = s.tokens;
+    const u64 per = norm_per_launch<In, Out>(w, hidden, tokens, s.two_shot);
+    if (per == 0) fail("no norm launch fits the region", r, static_cast<long long>(hidden), static_cast<long long>(w.region));
+    // What the kernel lays out must fit what the host planned.
+    const u64 own = s.two_shot ? (per + g.size - 1) / g.size : 0;
+    const fused_norm::Layout l(per, hidden, sizeof(In), sizeof(Out), own);
+    if (l.scratch + MAX_BLOCKS * l.scratch_row > w.region) fail("the norm's layout overflows the host's plan", r, per, hidden);
+    const u64 group = 16 / sizeof(In);
+    const u64 ptrs = reinterpret_cast<u64>(x[r].p) | reinterpret_cast<u64>(residual[r].p) |
+                     reinterpret_cast<u64>(gamma[r].p) | reinterpret_cast<u64>(out[r].p);
+    const u32 vectors = hidden % group == 0 && (ptrs & 15) == 0;
+    const ferrocomm_window_handle h = g.handle(r);
+    u64* counters = g.counters[r].data();
+    for (u64 first = 0, launch_index = 0; first < tokens; first += per, ++launch_index) {
+      fused_norm::NormArgs a{};
+      a.x = reinterpret_cast<u64>(x[r].p + first * hidden);
+      a.residual = reinterpret_cast<u64>(residual[r].p + first * hidden);
+      a.gamma = reinterpret_cast<u64>(gamma[r].p);
+      a.out = reinterpret_cast<u64>(out[r].p + first * hidden);
+      a.scales = fp8 ? reinterpret_cast<u64>(scales[r].p + first) : 0;
+      a.rows = per < tokens - first ? per : tokens - first;
+      a.hidden = hidden;
+      a.eps = 1e-5f;
+      a.vectors = vectors;
+      a.mismatches = reinterpret_cast<u64>(w.mismatches(r));
+      a.call_rows = tokens;
+      a.launch = launch_index;
+      launch(MAX_BLOCKS, s.threads, [=] { k(h, a, counters); });
+    }
+  });
+}
+
+// `calls` calls of the fused norm of shape `s` (kernel `one` or `two` by s.two_shot), each
+// checked against the reference.
+template <class E, class O>
+void check_norm(NormWindow& w, NormKernel one, NormKernel two, const char* name, const NormShape& s, int calls) {
+  using In = typename E::Raw;
+  using Out = typename O::Raw;
+  constexpr bool fp8 = sizeof(Out) == 1;
+  Group& g = w.g;
+  const u64 n = s.hidden, tokens = s.tokens, elems = n * tokens;
+  for (int call = 0; call < calls; ++call) {
+    const u64 seed = mix(n * 7919 + tokens * 104729 + call * 31 + s.two_shot);
+    std::vector<Rows<In>> x, residual, gamma;
+    std::vector<Rows<Out>> out;
+    std::vector<Rows<float>> scales;
+    for (auto* v : {&x, &residual, &gamma}) v->reserve(g.size);
+    out.reserve(g.size);
+    scales.reserve(g.size);
+    for (int r = 0; r < g.size; ++r) {
+      x.emplace_back(elems, s.skew, In(0x5a5a));
+      residual.emplace_back(elems, 0, In(0x5a5a));
+      gamma.emplace_back(n, 0, In(0x5a5a));
+      out.emplace_back(elems, 0, Out(0x5a));
+      scales.emplace_back(tokens, 0, -12345.0f);
+      for (u64 i = 0; i < elems; ++i) {
+        // Token 1 is all zeros (an fp8 scale of 1); the residual is every rank's.
+        const bool zero = i / n == 1;
+        x[r].p[i] = E::put(zero ? 0.0f : norm_value(seed ^ (u64(r + 1) << 48) ^ i));
+        residual[r].p[i] = E::put(zero ? 0.0f : norm_value(seed ^ (u64(99) << 48) ^ i));
+      }
+      for (u64 j = 0; j < n; ++j) gamma[r].p[j] = E::put(1.5f * norm_value(seed ^ (u64(77) << 48) ^ j));
+    }
+    const std::vector<In> residual_in(residual[0].p, residual[0].p + elems);
+    run_norm<E, O>(w, s.two_shot ? two : one, std::vector<NormShape>(g.size, s), x, residual, gamma, out, scales, fp8);
+    g.check_status(name);
+    for (u64 t = 0; t < tokens; ++t) {
+      // The f32 sums in rank order, then the residual, as the kernel adds them.
+      std::vector<float> sum(n);
+      double squares = 0;
+      for (u64 j = 0; j < n; ++j) {
+        const u64 i = t * n + j;
+        float acc = 0.0f;
+        for (int r = 0; r < g.size; ++r) acc += E::get(x[r].p[i]);
+        acc += E::get(residual_in[i]);
+        sum[j] = acc;
+        squares += static_cast<double>(acc) * acc;
+      }
+      const double inv = 1.0 / sqrt(squares / static_cast<double>(n) + 1e-5);
+      std::vector<double> y(n);
+      double y_max = 0;
+      for (u64 j = 0; j < n; ++j) {
+        y[j] = sum[j] * inv * E::get(gamma[0].p[j]);
+        y_max = fabs(y[j]) > y_max ? fabs(y[j]) : y_max;
+      }
+      const double scale = fp8 ? static_cast<double>(scales[0].p[t]) : 1.0;
+      if (fp8) {
+        const double want = y_max > 0 ? y_max / 448.0 : 1.0;
+        if (!(fabs(scale - want) <= 1e-5 * want)) norm_fail(name, 0, t, 0, scale, want, 1e-5 * want);
+      }
+      for (u64 j = 0; j < n; ++j) {
+        const u64 i = t * n + j;
+        if (residual[0].p[i] != E::put(sum[j])) norm_fail(name, 0, t, j, E::get(residual[0].p[i]), sum[j], 0);
+        const double got = O::get(out[0].p[i]) * scale;
+        const double tol = fp8 ? fabs(y[j]) / 16.0 + 1e-3 * y_max : norm_rel<E>() * fabs(y[j]) + 1e-5 * y_max;
+        if (!(fabs(got - y[j]) <= tol)) norm_fail(name, 0, t, j, got, y[j], tol);
+      }
+    }
+    for (int r = 0; r < g.size; ++r) {
+      // The same bits on every rank (the residual's were checked above through rank 0's).
+      if (memcmp(residual[r].p, residual[0].p, elems * sizeof(In)) != 0) fail("norm residuals differ between ranks", r, n, tokens);
+      if (memcmp(out[r].p, out[0].p, elems * sizeof(Out)) != 0) fail("norm outputs differ between ranks", r, n, tokens);
+      if (fp8 && memcmp(scales[r].p, scales[0].p, tokens * sizeof(float)) != 0) fail("norm scales differ between ranks", r, n, tokens);
+      if (!fp8 && scales[r].p[0] != -12345.0f) fail("a norm without fp8 wrote scales", r, n, tokens);
+      if (!residual[r].guard_intact() || !out[r].guard_intact() || !scales[r].guard_intact()) {
+        fail("the norm wrote past an end", r, n, tokens);
+      }
+      if (w.mismatches(r)[0] != 0 || w.mismatches(r)[1] != 0) fail("a matched norm noted a mismatch", r, w.mismatches(r)[0], w.mismatches(r)[1]);
+    }
+  }
+}
+
+// Every rank's shot epochs in step, and no peer's READY, DONE or REDUCED signal ahead of them
+// (a launch that signalled READY and then gave up would leave one, and the next call would
+// read that peer's segment before the peer wrote it).
+void check_epochs_in_step(Group& g, const char* name) {
+  for (u32 b = 0; b < MAX_BLOCKS; ++b) {
+    const u64 epoch = g.counters[0][b];
+    for (int r = 0; r < g.size; ++r) {
+      if (g.counters[r][b] != epoch) {
+        fprintf(stderr, "%s\n", name);
+        fail("the ranks' epochs differ", r, b, static_cast<long long>(g.counters[r][b]));
+      }
+      const Window w(g.handle(r));
+      for (int p = 0; p < g.size; ++p) {
+        for (u32 id : {READY_ID + b, DONE_ID + b, REDUCED_ID + b}) {
+          if (p != r && w.read_signal(id, p) > epoch) {
+            fprintf(stderr, "%s\n", name);
+            fail("a signal is ahead of the epochs", r, p, id);
+          }
+        }
+      }
+    }
+  }
+}
+
+// Calls of f32 rows that differ between even and odd ranks (`shape(r)`): every rank records
+// MISMATCH naming a peer of the other parity and both calls' bytes of x, in the first launch
+// (the later ones of the longer calls end at once, or the wait would run into the timeout),
+// and writes nothing; then the window is used again.
+void check_norm_mismatch(NormWindow& w, const char* name, const std::function<NormShape(int)>& shape) {
+  Group& g = w.g;
+  std::vector<NormShape> shape_of;
+  std::vector<Rows<u32>> x, residual, gamma, out;
+  std::vector<Rows<float>> scales;
+  for (auto* v : {&x, &residual, &gamma, &out}) v->reserve(g.size);
+  scales.reserve(g.size);
+  for (int r = 0; r < g.size; ++r) {
+    const NormShape s = shape(r);
+    shape_of.push_back(s);
+    x.emplace_back(s.hidden * s.tokens, 0, F32::put(1.0f));
+    residual.emplace_back(s.hidden * s.tokens, 0, F32::put(2.0f));
+    gamma.emplace_back(s.hidden, 0, F32::put(1.0f));
+    out.emplace_back(s.hidden * s.tokens, 0, 0x7f7f7f7fu);
+    scales.emplace_back(s.tokens, 0, -1.0f);
+  }
+  const bool two_shot = shape_of[0].two_shot;
+  const u64 t0 = ferrocomm_host::now_ns();
+  run_norm<F32, F32>(w, two_shot ? ferrocomm_rmsnorm_twoshot_f32 : ferrocomm_rmsnorm_oneshot_f32, shape_of, x, residual,
+                     gamma, out, scales, false);
+  // Far below the handle's 20 s timeout, even under a sanitizer on a busy machine.
+  const u64 took_ms = (ferrocomm_host::now_ns() - t0) / 1000000;
+  if (took_ms > 10000) fail("a mismatched norm waited", static_cast<long long>(took_ms), g.size, 0);
+  for (int r = 0; r < g.size; ++r) {
+    const ferrocomm_status st = g.status[r];
+    if (st.code != FERROCOMM_STATUS_MISMATCH || st.op != FERROCOMM_OP_COLLECTIVE || st.peer < 0 || st.peer >= g.size ||
+        st.peer % 2 == r % 2) {
+      fprintf(stderr, "%s\n", name);
+      fail("a mismatched norm should record MISMATCH naming a disagreeing peer", r, st.code, st.peer);
+    }
+    const NormShape &mine = shape_of[r], &theirs = shape_of[st.peer];
+    const u64 bytes = mine.hidden * 4 * mine.tokens, peer_bytes = theirs.hidden * 4 * theirs.tokens;
+    if (st.expected != bytes || st.observed != (peer_bytes != bytes ? peer_bytes : ~0ull)) {
+      fprintf(stderr, "%s\n", name);
+      fail("the norm's mismatch should name both calls' bytes", r, st.expected, st.observed);
+    }
+    g.status[r] = ferrocomm_status{};
+    for (u64 i = 0; i < mine.hidden * mine.tokens; ++i) {
+      if (out[r].p[i] != 0x7f7f7f7fu || residual[r].p[i] != F32::put(2.0f)) fail("a mismatched norm wrote", r, i, 0);
+    }
+    if (w.mismatches(r)[0] != 0) fail("the norm's mismatch count was not reset", r, w.mismatches(r)[0], 0);
+    if (w.mismatches(r)[1] != 1) fail("the first launch did not note the mismatch", r, w.mismatches(r)[1], 0);
+  }
+  check_epochs_in_step(g, name);
+}
+
+// Every kind of mismatched call, one- or two-shot.
+void check_norm_mismatches(NormWindow& w, bool two_shot) {
+  auto odd = [](int r) { return r % 2 == 1; };
+  // Another row length, the same rows.
+  check_norm_mismatch(w, "row length", [&](int r) { return NormShape{two_shot, odd(r) ? 4u : 8u, 5, 32, 0}; });
+  // Other rows: one launch each, of 3 and 5 rows.
+  check_norm_mismatch(w, "rows", [&](int r) { return NormShape{two_shot, 8, odd(r) ? 5u : 3u, 32, 0}; });
+  // The same first launch, and a second one on the even ranks only.
+  const u64 per = norm_per_launch<u32, u32>(w, 129, 1000, two_shot);
+  check_norm_mismatch(w, "launches", [&](int r) { return NormShape{two_shot, 129, odd(r) ? per : 2 * per, 32, 0}; });
+}
+
+// Every family of the fused norm, one- and two-shot, on `n` ranks: odd and vector-sized
+// rows, fewer rows than ranks and rows not divisible by the ranks, calls of several launches,
+// two calls of each shape in a row, and mismatched calls between them; one all_reduce on the
+// same window too (the kernels share its epochs).
+void check_fused_norm(int n) {
+  // 16 KiB: a row of 129 f32 fits, and larger calls take several launches.
+  NormWindow w(n, 16 << 10);
+  // {two-shot, hidden, tokens, threads, skew}; 16-bit rows of 64 and f32 rows of 64 take
+  // 16-byte accesses, a skew of one element the scalar path.
+  check_norm<F32, F32>(w, ferrocomm_rmsnorm_oneshot_f32, ferrocomm_rmsnorm_twoshot_f32, "rmsnorm oneshot f32 1x1", {false, 1, 1, 32, 0}, 2);
+  check_norm<F32, F32>(w, ferrocomm_rmsnorm_oneshot_f32, ferrocomm_rmsnorm_twoshot_f32, "rmsnorm twoshot f32 7x3", {true, 7, 3, 32, 0}, 2);
+  check_norm<F32, F32>(w, ferrocomm_rmsnorm_oneshot_f32, ferrocomm_rmsnorm_twoshot_f32, "rmsnorm oneshot f32 33x5", {false, 33, 5, 64, 0}, 1);
+  // 2 to 5 launches a call (4 rows a launch at 1 rank, 10 at 8).
+  check_norm<F32, F32>(w, ferrocomm_rmsnorm_oneshot_f32, ferrocomm_rmsnorm_twoshot_f32, "rmsnorm twoshot f32 129x20", {true, 129, 20, 32, 0}, 2);
+  // 14 rows a launch: 14, 14, 2.
+  check_norm<F32, F32>(w, ferrocomm_rmsnorm_oneshot_f32, ferrocomm_rmsnorm_twoshot_f32, "rmsnorm oneshot f32 129x30", {false, 129, 30, 32, 0}, 1);
+  check_all_reduce<F32, REDUCE_SUM>(w.g, ferrocomm_allreduce_oneshot_f32_sum, "oneshot f32 sum between norms", 600, 3, 32, 1);
+  check_norm<Bf16, Bf16>(w, ferrocomm_rmsnorm_oneshot_bf16, ferrocomm_rmsnorm_twoshot_bf16, "rmsnorm oneshot bf16 64x7", {false, 64, 7, 32, 0}, 2);
+  // 3 launches at 1 rank, 2 at 2 to 4, 1 at 8.
+  check_norm<Bf16, Bf16>(w, ferrocomm_rmsnorm_oneshot_bf16, ferrocomm_rmsnorm_twoshot_bf16, "rmsnorm twoshot bf16 64x70", {true, 64, 70, 32, 0}, 1);
+  check_norm<Bf16, Bf16>(w, ferrocomm_rmsnorm_oneshot_bf16, ferrocomm_rmsnorm_twoshot_bf16, "rmsnorm twoshot bf16 64x6 skewed", {true, 64, 6, 32, 1}, 1);
+  check_norm<Bf16, Bf16>(w, ferrocomm_rmsnorm_oneshot_bf16, ferrocomm_rmsnorm_twoshot_bf16, "rmsnorm twoshot bf16 1x5", {true, 1, 5, 32, 0}, 1);
+  if (n > 1) check_norm_mismatches(w, false);
+  // 28 rows a launch: 28, 4.
+  check_norm<F16, F16>(w, ferrocomm_rmsnorm_oneshot_f16, ferrocomm_rmsnorm_twoshot_f16, "rmsnorm oneshot f16 129x32", {false, 129, 32, 32, 0}, 1);
+  check_norm<F16, F16>(w, ferrocomm_rmsnorm_oneshot_f16, ferrocomm_rmsnorm_twoshot_f16, "rmsnorm twoshot f16 8x9", {true, 8, 9, 32, 0}, 1);
+  if (n > 1) check_norm_mismatches(w, true);
+  check_norm<F32, E4M3>(w, ferrocomm_rmsnorm_oneshot_f32_fp8, ferrocomm_rmsnorm_twoshot_f32_fp8, "rmsnorm twoshot f32_fp8 33x11", {true, 33, 11, 32, 0}, 1);
+  check_norm<F32, E4M3>(w, ferrocomm_rmsnorm_oneshot_f32_fp8, ferrocomm_rmsnorm_twoshot_f32_fp8, "rmsnorm oneshot f32_fp8 64x12", {false, 64, 12, 32, 0}, 1);
+  check_norm<Bf16, E4M3>(w, ferrocomm_rmsnorm_oneshot_bf16_fp8, ferrocomm_rmsnorm_twoshot_bf16_fp8, "rmsnorm oneshot bf16_fp8 7x2", {false, 7, 2, 32, 0}, 2);
+  check_norm<F16, E4M3>(w, ferrocomm_rmsnorm_oneshot_f16_fp8, ferrocomm_rmsnorm_twoshot_f16_fp8, "rmsnorm twoshot f16_fp8 64x17", {true, 64, 17, 32, 0}, 1);
+  printf("ok: fused norm, %d rank%s\n", n, n == 1 ? "" : "s");
+}
+
 }  // namespace
 
 // The fused norm's steps apart (kernels/norm_pass.cu) for `world` ranks' x: each x widened by
@@ -807,6 +1154,7 @@ int main(int argc, char** argv) {
     check_reduce_scatter(g, 150, 2, 32);
     check_reduce_scatter(g, 64, 2, 32);
     check_all_to_all(g, region, slot_payload, 5000, 2);
+    check_fused_norm(n);
     printf("ok: %d rank%s\n", n, n == 1 ? "" : "s");
     fflush(stdout);
   }

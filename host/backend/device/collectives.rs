@@ -50,8 +50,9 @@ const SLOT_HEADER_BYTES: usize = 16 * MAX_BLOCKS;
 /// and received chunks.
 const SHOT_COUNTERS: usize = MAX_BLOCKS;
 const ALL_TO_ALL_COUNTERS: usize = MAX_BLOCKS + 2 * MAX_BLOCKS * MAX_RANKS;
-/// Then the fused norm's count of blocks that found a mismatched call.
-const NORM_COUNTERS: usize = 1;
+/// Then the fused norm's count of blocks that found a mismatched call, and whether the current
+/// call's first launch found one.
+const NORM_COUNTERS: usize = 2;
 
 /// The all_reduce algorithm (hint `algorithm` = `oneshot` / `twoshot` / `multimem`, else by
 /// size: multimem replaces two-shot where the window has a multicast object and the switch
@@ -663,6 +664,9 @@ impl OwnCollectives {
             vectors: vectors.into(),
             // The counters' address is the launch's (`enqueue`).
             mismatches: 0,
+            // Each launch's own (`NormCall::launches`).
+            call_rows: tokens as u64,
+            launch: 0,
         };
         let call = norm::NormCall {
             args,

@@ -8,6 +8,11 @@
 //! whole rows, the same cut on every rank (it depends only on the shape, the dtypes, the world
 //! size and the region). A row that does not fit even alone has no kernel here: the backend
 //! then runs the operation on its other paths (the CPU engine, or the staged host copy).
+//!
+//! Ranks whose calls differ must all find out in the same launch (kernels/fused_norm.cu): every
+//! launch has the same grid, MAX_BLOCKS, whatever its rows, and carries the call's rows and its
+//! own index, so the first launch of calls cut differently already differs and the later
+//! launches of a mismatched call end at once on every rank.
 
 use crate::contracts::dtype::DType;
 use crate::contracts::error::Result;
@@ -62,7 +67,8 @@ pub(super) struct NormCall {
 }
 
 impl NormCall {
-    /// The arguments of each launch: consecutive runs of at most `per_launch` rows.
+    /// The arguments of each launch: consecutive runs of at most `per_launch` rows, each with
+    /// the call's rows and its index.
     fn launches(&self) -> impl Iterator<Item = NormArgs> + '_ {
         let a = self.args;
         (0..a.rows.div_ceil(self.per_launch)).map(move |k| {
@@ -73,6 +79,8 @@ impl NormCall {
                 out: a.out + first * self.row_out,
                 scales: if a.scales == 0 { 0 } else { a.scales + 4 * first },
                 rows: self.per_launch.min(a.rows - first),
+                call_rows: a.rows,
+                launch: k,
                 ..a
             }
         })
@@ -83,9 +91,10 @@ impl NormCall {
         self.args.rows.div_ceil(self.per_launch).max(1) as u32
     }
 
-    /// Puts the call's launches on `queue`. Every rank has the same rows per launch, so the
-    /// same grids (one block per row, up to MAX_BLOCKS).
-    /// `mismatches`: the device address of the u64 the kernels count mismatched blocks in.
+    /// Puts the call's launches on `queue`, each of MAX_BLOCKS blocks: a grid that followed the
+    /// rows would differ between mismatched calls, and a block of the larger one would wait
+    /// for a peer's block that never runs (see the module doc).
+    /// `mismatches`: the device address of the kernels' two u64 for mismatched calls.
     pub(super) fn enqueue(
         &self,
         f: &Function,
@@ -101,8 +110,7 @@ impl NormCall {
         };
         for a in self.launches() {
             let a = NormArgs { mismatches, ..a };
-            let blocks = a.rows.clamp(1, MAX_BLOCKS as u64) as u32;
-            kernel.launch(f, queue, blocks, (handle, a, counters))?;
+            kernel.launch(f, queue, MAX_BLOCKS as u32, (handle, a, counters))?;
         }
         Ok(())
     }
@@ -209,6 +217,11 @@ mod tests {
         };
         let l: Vec<NormArgs> = call.launches().collect();
         assert_eq!(l.iter().map(|a| a.rows).collect::<Vec<_>>(), vec![4, 4, 2]);
+        assert!(
+            l.iter().all(|a| a.call_rows == 10),
+            "every launch carries the call's rows"
+        );
+        assert_eq!(l.iter().map(|a| a.launch).collect::<Vec<_>>(), vec![0, 1, 2]);
         assert_eq!(call.count(), 3);
         assert_eq!((l[2].x, l[2].residual), ((1 << 20) + 128, (2 << 20) + 128));
         assert_eq!((l[2].out, l[2].scales), ((3 << 20) + 64, (4 << 20) + 32));
