@@ -6,8 +6,9 @@
 //! The fused norm is one-shot (every rank gathers every rank's `x` and computes every row) or
 //! two-shot (rank r receives row block r of every rank's `x`, computes those rows, and the
 //! results are gathered: the residual and output rows, or for f32 the residual rows alone,
-//! from which each rank computes the output rows). Both sum the ranks in rank order in f32 and
-//! compute each row with the same code, so every rank gets the same bits either way.
+//! from which each rank computes the output rows). Where every rank shares this host and `x`
+//! fits, one-shot is a shared-memory round (oneshot.rs). Both sum the ranks in rank order in
+//! f32 and compute each row with the same code, so every rank gets the same bits either way.
 //!
 //! A dispatch's send half moves each token once to every rank that owns one of its experts
 //! (a count exchange, then the rows); the rows wait in `Pending` until the receive half packs
@@ -17,6 +18,7 @@
 use super::algorithms::{self, Algo, Scratch};
 use super::engine::{Engine, OpCtx};
 use super::header::{Call, Tag, ANY_COUNT};
+use super::oneshot;
 use crate::compute::rmsnorm::Norm;
 use crate::compute::rows;
 use crate::contracts::backend::{hint_ignored, unknown_hints_ignored, RunOptions};
@@ -25,6 +27,7 @@ use crate::contracts::error::{Error, Result};
 use crate::contracts::inference::{
     CombineSend, DispatchSend, MoeCombine, MoeDispatch, MoeShape, RmsNormFusion, FP8_BLOCK,
 };
+use crate::contracts::ops::Op;
 
 /// Operation codes of the calls' tags (header.rs names them).
 pub(super) const FUSED_NORM: u8 = 11;
@@ -145,17 +148,11 @@ fn begin(e: &mut Engine, t: Tag, count: u64, hidden: usize, algo: Algo) {
     e.begin_call(t, call, true, true);
 }
 
-/// The fused norm's algorithm: the hint's (`oneshot`, `twoshot`), else by size and bytes moved.
-/// One-shot up to `direct_max` bytes of `x` per rank (one exchange), and wherever it moves no
-/// more bytes than two-shot: one-shot receives `(n - 1) x`, two-shot `(n - 1) / n` of `x` and of
-/// the rows it gathers back (see `gathered_row`), so one-shot wins while those rows are at least
-/// `n - 1` times `x`'s (f32 up to 2 ranks, f16 / bf16 up to 3, with fp8 out up to 2).
+/// The fused norm's algorithm: the hint's (`oneshot`, `twoshot`), else `by_size`.
 fn two_shot(f: &RmsNormFusion, opts: &RunOptions, direct_max: usize, size: usize) -> Result<bool> {
     const OP: &str = "all_reduce_residual_rmsnorm";
     unknown_hints_ignored("cpu", OP, opts.hints, &["algorithm"]);
-    let row_in = f.hidden * f.x.dtype().size();
-    let fewer_bytes = gathered_row(f) < (size - 1) * row_in;
-    let by_size = f.x.byte_len() > direct_max && f.tokens() >= size && fewer_bytes;
+    let by_size = by_size(f, direct_max, size);
     Ok(match opts.hints.get("algorithm").map(String::as_str) {
         None => by_size,
         Some("oneshot") => false,
@@ -171,6 +168,24 @@ fn two_shot(f: &RmsNormFusion, opts: &RunOptions, direct_max: usize, size: usize
             ))
         }
     })
+}
+
+/// Two-shot unless one-shot is better: up to `direct_max` bytes of `x` per rank (one
+/// exchange), and wherever it moves no more bytes. One-shot receives `(n - 1) x`, two-shot
+/// `(n - 1) / n` of `x` and of the rows it gathers back (see `gathered_row`), so one-shot wins
+/// while those rows are at least `n - 1` times `x`'s (f32 up to 2 ranks, f16 / bf16 up to 3,
+/// with fp8 out up to 2).
+fn by_size(f: &RmsNormFusion, direct_max: usize, size: usize) -> bool {
+    let row_in = f.hidden * f.x.dtype().size();
+    let fewer_bytes = gathered_row(f) < (size - 1) * row_in;
+    f.x.byte_len() > direct_max && f.tokens() >= size && fewer_bytes
+}
+
+/// Whether one-shot runs as a shared-memory round (oneshot.rs): every rank on this host, and
+/// `x` within a round's slot. The round reads peers' rows in place, one copy instead of the
+/// rings' two.
+fn on_board(e: &Engine, f: &RmsNormFusion, twoshot: bool) -> bool {
+    !twoshot && e.size > 1 && oneshot::fits(e, f.x.byte_len()) && f.hidden as u64 <= oneshot::ARG_MAX
 }
 
 /// Bytes per token row that two-shot gathers from the rank that computed it: the new residual
@@ -222,7 +237,7 @@ pub(super) fn all_reduce_rmsnorm(
     let (size, me) = (e.size, e.rank);
     let twoshot = match two_shot(f, opts, tuning_direct_max, size) {
         Ok(t) => t,
-        Err(why) => return refuse(e, ctx, FUSED_NORM, f.x.dtype(), why),
+        Err(why) => return refuse_norm(e, ctx, f, opts, tuning_direct_max, why),
     };
     let (d, hidden, tokens) = (f.x.dtype(), f.hidden, f.tokens());
     let out_dtype = f.out.dtype();
@@ -240,6 +255,35 @@ pub(super) fn all_reduce_rmsnorm(
     let count = (tokens * hidden) as u64;
     let x = f.x.host_bytes();
     let mut acc = vec![0f32; hidden];
+    if on_board(e, f, twoshot) {
+        // Every rank's x in one shared-memory round, read in place; each computes every row.
+        e.settle_deferred(ctx)?;
+        e.count_call();
+        let round = oneshot::gather_in_place(e, ctx, tag(FUSED_NORM, d, sub(0)), hidden as u64, x)?;
+        let residual = f.residual.host_bytes_mut();
+        let out = f.out.host_bytes_mut();
+        let mut scales = f.scales.as_mut().map(|s| s.host_bytes_mut());
+        for t in 0..tokens {
+            acc.fill(0.0);
+            for r in 0..size {
+                let from = if r == me {
+                    x
+                } else {
+                    oneshot::data(e, r, round, x.len())
+                };
+                rows::add_into(&mut acc, &from[t * row_in..(t + 1) * row_in], d);
+            }
+            let s = norm.row(
+                &mut acc,
+                &mut residual[t * row_in..(t + 1) * row_in],
+                &mut out[t * row_out..(t + 1) * row_out],
+            );
+            if let Some(sc) = scales.as_deref_mut() {
+                sc[4 * t..4 * t + 4].copy_from_slice(&s.to_le_bytes());
+            }
+        }
+        return Ok(());
+    }
     if !twoshot {
         // Every rank's x to every rank; each computes every row.
         let (peers, _) = scratch.two(x.len() * (size - 1), 0);
@@ -449,15 +493,73 @@ fn exchange(
 /// (`Engine::refuse`): they fail at once too, with an error naming this rank, instead of
 /// waiting for it until their timeout. If the peers cannot be told, that failure is the error.
 fn refuse(e: &mut Engine, ctx: &OpCtx, code: u8, d: DType, why: Error) -> Result<()> {
-    let reason = match &why {
+    refused(e.refuse(ctx, tag(code, d, 0), reason(&why).as_bytes()), ctx, why)
+}
+
+/// `refuse` for the fused norm, whose one-shot may run as a shared-memory round: the refusal
+/// takes the way the peers' call takes (judged by this rank's `x`, with its hint if valid).
+fn refuse_norm(
+    e: &mut Engine,
+    ctx: &OpCtx,
+    f: &RmsNormFusion,
+    opts: &RunOptions,
+    direct_max: usize,
+    why: Error,
+) -> Result<()> {
+    let twoshot = match opts.hints.get("algorithm").map(String::as_str) {
+        Some("oneshot") => false,
+        Some("twoshot") => true,
+        _ => by_size(f, direct_max, e.size),
+    };
+    let t = tag(FUSED_NORM, f.x.dtype(), 0);
+    let told = if on_board(e, f, twoshot) {
+        e.settle_deferred(ctx).and_then(|()| {
+            e.count_call();
+            oneshot::refuse(e, ctx, t, reason(&why).as_bytes())
+        })
+    } else {
+        e.refuse(ctx, t, reason(&why).as_bytes())
+    };
+    refused(told, ctx, why)
+}
+
+/// The text a refusing rank sends its peers.
+fn reason(why: &Error) -> String {
+    match why {
         Error::InvalidArgument { reason, .. } => reason.clone(),
         other => other.to_string(),
-    };
-    if let Err(lost) = e.refuse(ctx, tag(code, d, 0), reason.as_bytes()) {
+    }
+}
+
+fn refused(told: Result<()>, ctx: &OpCtx, why: Error) -> Result<()> {
+    if let Err(lost) = told {
         tracing::debug!(op = ctx.op, error = %why, "the peers could not be told of this rank's refusal");
         return Err(lost);
     }
     Err(why)
+}
+
+/// Tells the peers that this rank refuses `op` (`Backend::refuse`): the error of its own
+/// checks (`reason`) goes to its caller; this is only the peers' part.
+pub(super) fn refuse_op(
+    e: &mut Engine,
+    ctx: &OpCtx,
+    op: &Op<'_>,
+    opts: &RunOptions,
+    direct_max: usize,
+    reason: &str,
+) -> Result<()> {
+    let why = Error::invalid(ctx.op, reason);
+    let r = match op {
+        Op::AllReduceRmsNorm(f) => refuse_norm(e, ctx, f, opts, direct_max, why),
+        Op::MoeDispatch(_) => refuse(e, ctx, MOE_DISPATCH, DType::U8, why),
+        Op::MoeCombine(_) => refuse(e, ctx, MOE_COMBINE, DType::U8, why),
+        _ => return Ok(()),
+    };
+    match r {
+        Err(Error::InvalidArgument { .. }) => Ok(()),
+        other => other,
+    }
 }
 
 /// Bytes of a dispatched row: the token (u32), its K expert ids (i32), the row, its scales.

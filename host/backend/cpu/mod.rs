@@ -290,12 +290,9 @@ impl Backend for CpuBackend {
     }
 
     fn refuse(&self, op: &Op<'_>, reason: &str, opts: &RunOptions) {
-        let code = match op {
-            Op::AllReduceRmsNorm(_) => inference::FUSED_NORM,
-            Op::MoeDispatch(_) => inference::MOE_DISPATCH,
-            Op::MoeCombine(_) => inference::MOE_COMBINE,
-            _ => return,
-        };
+        if !op.refused_in_band() {
+            return;
+        }
         let name = op.name();
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         if st.broken || self.abort.load(Ordering::Acquire) {
@@ -307,13 +304,9 @@ impl Backend for CpuBackend {
             timeout: opts.timeout,
             abort: &self.abort,
         };
-        let t = Tag {
-            op: code,
-            dtype: 0,
-            redop: 0,
-            nbytes: 0,
-        };
-        if let Err(e) = st.engine.refuse(&ctx, t, reason.as_bytes()) {
+        let r = inference::refuse_op(&mut st.engine, &ctx, op, opts, self.tuning.direct_max, reason);
+        st.engine.end_call();
+        if let Err(e) = r {
             tracing::debug!(rank = self.rank, error = %e, "the peers could not be told of a refused {name}");
             self.failed(&mut st.broken, name, e);
         }

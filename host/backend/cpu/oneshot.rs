@@ -13,6 +13,12 @@ use crate::net::links::shm_board::{Board, SLOT_BYTES};
 
 /// Set in a round's label by a rank whose all_to_all blocks do not fit its slot.
 const DECLINED: u64 = 1 << 32;
+/// Set in a round's label by a rank that refuses its call (see `refuse`): its data says why.
+const REFUSED: u64 = 1 << 33;
+/// Where a label carries a call argument that the tag does not (the fused norm's row length).
+const ARG_SHIFT: u32 = 34;
+/// Arguments that fit a label.
+pub(crate) const ARG_MAX: u64 = (1 << (64 - ARG_SHIFT)) - 1;
 
 /// Can a contribution of `bytes` per rank go through the board?
 pub(crate) fn fits(e: &Engine, bytes: usize) -> bool {
@@ -59,20 +65,7 @@ fn wait_for(e: &Engine, ctx: &OpCtx, peer: usize, ready: impl Fn(&Board) -> bool
 /// Waits for `peer`'s contribution to `round` and checks that it is the same call as ours
 /// (and, given `len`, of that many bytes); returns its label.
 fn await_peer(e: &Engine, ctx: &OpCtx, peer: usize, round: u64, tag: Tag, len: Option<usize>) -> Result<u64> {
-    wait_for(e, ctx, peer, |b| b.peer_round(peer, round).is_some())?;
-    let b = board(e);
-    let (label, nbytes) = b.peer_round(peer, round).expect("seen above");
-    let (sent, received) = (b.peer_sent_to_us(peer, round), e.received_from(peer));
-    if sent != received {
-        return Err(Error::Mismatch {
-            op: ctx.op,
-            peer,
-            detail: format!(
-                "it had sent {sent} messages to this rank before this collective, this rank had \
-                 received {received}: the ranks called different operations before it"
-            ),
-        });
-    }
+    let (label, nbytes) = await_round(e, ctx, peer, round)?;
     let got = Tag::from_label(label, nbytes);
     let want = Tag {
         nbytes: len.map_or(nbytes, |l| l as u64),
@@ -204,4 +197,85 @@ pub(crate) fn all_to_all(
         out.copy_from_slice(block);
     }
     Ok(true)
+}
+
+/// A round in which every rank publishes `input` and reads every peer's in place: each peer's
+/// call is checked (the same tag, `arg` and length). Returns the round, whose contributions
+/// `data` reads until this rank's next round. A peer that refused its call (`refuse`) fails
+/// the round on every rank, with an error that names the first such peer and its reason.
+pub(crate) fn gather_in_place(e: &mut Engine, ctx: &OpCtx, tag: Tag, arg: u64, input: &[u8]) -> Result<u64> {
+    let label = tag.label() | arg << ARG_SHIFT;
+    let round = e.publish_round(label, &[input]);
+    let mut refused = None;
+    for p in (0..e.size).filter(|&p| p != e.rank) {
+        let (got, nbytes) = await_round(e, ctx, p, round)?;
+        if got & REFUSED != 0 {
+            refused = refused.or(Some((p, nbytes)));
+        } else if got != label || nbytes != input.len() as u64 {
+            return Err(Error::Mismatch {
+                op: ctx.op,
+                peer: p,
+                detail: format!(
+                    "it called {} (argument {}), this rank {} (argument {arg})",
+                    Tag::from_label(got, nbytes).describe(),
+                    got >> ARG_SHIFT,
+                    Tag::from_label(label, input.len() as u64).describe()
+                ),
+            });
+        }
+    }
+    match refused {
+        Some((p, nbytes)) => {
+            let why = board(e).data(p, round, (nbytes as usize).min(SLOT_BYTES));
+            Err(super::header::refusal(ctx.op, p, tag.op, why))
+        }
+        None => Ok(round),
+    }
+}
+
+/// The first `len` bytes that `rank` published for `round` (see `gather_in_place`).
+pub(crate) fn data(e: &Engine, rank: usize, round: u64, len: usize) -> &[u8] {
+    board(e).data(rank, round, len)
+}
+
+/// Takes part in a round of a collective that this rank refuses, `reason` saying why, so that
+/// its peers fail at once (see `gather_in_place`) instead of waiting for it; reads every peer's
+/// round, as every round does.
+pub(crate) fn refuse(e: &mut Engine, ctx: &OpCtx, tag: Tag, reason: &[u8]) -> Result<()> {
+    let why = &reason[..reason.len().min(SLOT_BYTES)];
+    let round = e.publish_round(tag.label() | REFUSED, &[why]);
+    for p in (0..e.size).filter(|&p| p != e.rank) {
+        let (got, nbytes) = await_round(e, ctx, p, round)?;
+        if got as u8 != tag.op {
+            return Err(Error::Mismatch {
+                op: ctx.op,
+                peer: p,
+                detail: format!(
+                    "this rank refused its call of {}; rank {p} called {}",
+                    super::header::op_name(tag.op),
+                    Tag::from_label(got, nbytes).describe()
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Waits for `peer`'s contribution to `round`, checks that both ranks had exchanged the same
+/// messages before it, and returns its label and length.
+fn await_round(e: &Engine, ctx: &OpCtx, peer: usize, round: u64) -> Result<(u64, u64)> {
+    wait_for(e, ctx, peer, |b| b.peer_round(peer, round).is_some())?;
+    let b = board(e);
+    let (sent, received) = (b.peer_sent_to_us(peer, round), e.received_from(peer));
+    if sent != received {
+        return Err(Error::Mismatch {
+            op: ctx.op,
+            peer,
+            detail: format!(
+                "it had sent {sent} messages to this rank before this collective, this rank had \
+                 received {received}: the ranks called different operations before it"
+            ),
+        });
+    }
+    Ok(b.peer_round(peer, round).expect("seen above"))
 }
