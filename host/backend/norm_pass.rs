@@ -35,21 +35,16 @@ pub(crate) struct NormPass {
     host_stream: Option<Stream>,
 }
 
-/// kernels/norm_pass.cu's families: (activation dtype, widen suffix).
-const DTYPES: [(DType, &str); 3] = [(DType::F32, "f32"), (DType::F16, "f16"), (DType::BF16, "bf16")];
-
 impl NormPass {
     pub(crate) fn load(gpu: Gpu) -> Result<NormPass> {
         let (mut widen, mut norm) = (HashMap::new(), HashMap::new());
-        for (d, s) in DTYPES {
-            widen.insert(d, gpu.function(&format!("{}{s}", kernels::WIDEN.name))?);
+        for (d, fp8, s) in kernels::NORM_SUFFIXES {
+            if !fp8 {
+                widen.insert(d, gpu.function(&format!("{}{s}", kernels::WIDEN.name))?);
+            }
             norm.insert(
-                (d, false),
+                (d, fp8),
                 gpu.function(&format!("{}{s}", kernels::RESIDUAL_RMSNORM.name))?,
-            );
-            norm.insert(
-                (d, true),
-                gpu.function(&format!("{}{s}_fp8", kernels::RESIDUAL_RMSNORM.name))?,
             );
         }
         let host_stream = (gpu == Gpu::Host).then(|| gpu.stream()).transpose()?;

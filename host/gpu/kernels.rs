@@ -2,6 +2,7 @@
 //! launch shape. The CUDA launcher and the host-device launcher both launch from these, so a
 //! wrong argument or shape is wrong on both and the host device's tests catch it.
 
+use crate::contracts::dtype::DType;
 use crate::contracts::error::{Error, Result};
 use crate::contracts::ops::{Buf, BufMut, DeviceBytes};
 use crate::contracts::window_handle::WindowHandle;
@@ -230,6 +231,21 @@ pub(crate) const RMSNORM_ONESHOT: Kernel<NormKernelArgs> =
     Kernel::new("ferrocomm_rmsnorm_oneshot_", Shape::Grid(COLLECTIVE_THREADS));
 pub(crate) const RMSNORM_TWOSHOT: Kernel<NormKernelArgs> =
     Kernel::new("ferrocomm_rmsnorm_twoshot_", Shape::Grid(COLLECTIVE_THREADS));
+
+/// The fused norm's kernel families (kernels/fused_norm.cu's `FERROCOMM_FOR_EACH_NORM`, and
+/// kernels/norm_pass.cu's residual + norm kernels): (activation dtype, fp8 out, suffix).
+pub(crate) const NORM_SUFFIXES: [(DType, bool, &str); 6] = [
+    (DType::F32, false, "f32"),
+    (DType::F16, false, "f16"),
+    (DType::BF16, false, "bf16"),
+    (DType::F32, true, "f32_fp8"),
+    (DType::F16, true, "f16_fp8"),
+    (DType::BF16, true, "bf16_fp8"),
+];
+
+pub(crate) fn norm_suffix(dtype: DType, fp8: bool) -> Option<&'static str> {
+    NORM_SUFFIXES.iter().find(|s| s.0 == dtype && s.1 == fp8).map(|s| s.2)
+}
 
 /// kernels/norm_pass.cu: (input, f32 output, elements); families by the input's suffix
 /// (`f32`, `f16`, `bf16`).

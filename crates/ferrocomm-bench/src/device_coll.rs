@@ -62,27 +62,39 @@ pub(crate) fn time_replays(g: &CudaGraph, s: &CudaStream, a: &Args, start: Optio
 fn ours(comms: &[Comm], bytes: usize, algorithm: &str, a: &Args) -> Result<f64> {
     let opts = OpOptions::new().hint("algorithm", algorithm);
     let start = Barrier::new(comms.len());
-    let times: Vec<Result<f64>> = std::thread::scope(|sc| {
+    let times = on_ranks(comms, |c, s| {
+        let count = bytes / 2;
+        let buf = s.alloc_zeros::<u16>(count).map_err(cuda("cuMemAlloc"))?;
+        let (ptr, _sync) = buf.device_ptr(s);
+        let g = capture(s, || {
+            // SAFETY: `buf` holds `count` 16-bit elements (bf16 bits) on GPU 0 and outlives the graph.
+            let view = unsafe { DeviceSliceMut::<bf16>::from_raw(0, ptr, count) }?;
+            c.with_options(opts.clone()).all_reduce(view, ReduceOp::Sum).map(drop)
+        })?;
+        let t = time_replays(&g, s, a, Some(&start));
+        drop(g);
+        t
+    });
+    times.into_iter().try_fold(0f64, |worst, t| Ok(worst.max(t?)))
+}
+
+/// `f` on every rank of `comms` at once, each on a thread with a stream of its own (current
+/// on that thread).
+pub(crate) fn on_ranks<R: Send>(
+    comms: &[Comm],
+    f: impl Fn(&Comm, &Arc<CudaStream>) -> Result<R> + Sync,
+) -> Vec<Result<R>> {
+    std::thread::scope(|sc| {
         let hs: Vec<_> = comms
             .iter()
             .map(|c| {
-                let (opts, start) = (opts.clone(), &start);
-                sc.spawn(move || -> Result<f64> {
+                let f = &f;
+                sc.spawn(move || {
                     // Not CudaContext::new(0)?.new_stream(): its first stream synchronizes the
                     // GPU, which would wait for ranks already in their kernels.
                     let s = device::new_stream(0)?;
                     let _current = device::use_stream(&s);
-                    let count = bytes / 2;
-                    let buf = s.alloc_zeros::<u16>(count).map_err(cuda("cuMemAlloc"))?;
-                    let (ptr, _sync) = buf.device_ptr(&s);
-                    let g = capture(&s, || {
-                        // SAFETY: `buf` holds `count` 16-bit elements (bf16 bits) on GPU 0 and outlives the graph.
-                        let view = unsafe { DeviceSliceMut::<bf16>::from_raw(0, ptr, count) }?;
-                        c.with_options(opts).all_reduce(view, ReduceOp::Sum).map(drop)
-                    })?;
-                    let t = time_replays(&g, &s, a, Some(start));
-                    drop(g);
-                    t
+                    f(c, &s)
                 })
             })
             .collect();
@@ -92,12 +104,7 @@ fn ours(comms: &[Comm], bytes: usize, algorithm: &str, a: &Args) -> Result<f64> 
                     .unwrap_or_else(|_| Err(Error::Config("a bench rank panicked".into())))
             })
             .collect()
-    });
-    let mut worst = 0f64;
-    for t in times {
-        worst = worst.max(t?);
-    }
-    Ok(worst)
+    })
 }
 
 /// NCCL at world size 1 on GPU 0, bf16 sum in place, replayed from a graph.

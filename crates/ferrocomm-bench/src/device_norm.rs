@@ -15,7 +15,7 @@
 //! order as the fused kernels, so none should).
 
 use crate::cli::{Args, DType, Inference, RmsNormOpts};
-use crate::device_coll::{capture, cuda, time_replays};
+use crate::device_coll::{capture, cuda, on_ranks, time_replays};
 use crate::inference::Act;
 use crate::progress::Progress;
 use ferrocomm::device::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
@@ -215,29 +215,4 @@ impl<T: Act> Call<T> {
         });
         got.swap_remove(0)
     }
-}
-
-/// `f` on every rank of `comms` at once, each on a thread with a stream of its own.
-fn on_ranks<R: Send>(comms: &[Comm], f: impl Fn(&Comm, &Arc<CudaStream>) -> Result<R> + Sync) -> Vec<Result<R>> {
-    std::thread::scope(|sc| {
-        let hs: Vec<_> = comms
-            .iter()
-            .map(|c| {
-                let f = &f;
-                sc.spawn(move || {
-                    // Not CudaContext::new(0)?.new_stream(): its first stream synchronizes the
-                    // GPU, which would wait for ranks already in their kernels.
-                    let s = device::new_stream(0)?;
-                    let _current = device::use_stream(&s);
-                    f(c, &s)
-                })
-            })
-            .collect();
-        hs.into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(Error::Config("a bench rank panicked".into())))
-            })
-            .collect()
-    })
 }

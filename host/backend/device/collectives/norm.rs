@@ -14,7 +14,6 @@
 //! own index, so the first launch of calls cut differently already differs and the later
 //! launches of a mismatched call end at once on every rank.
 
-use crate::contracts::dtype::DType;
 use crate::contracts::error::Result;
 use crate::contracts::window_handle::WindowHandle;
 use crate::gpu::kernels::MAX_BLOCKS;
@@ -32,24 +31,12 @@ pub(super) struct NormKernels {
     pub(super) two_shot: HashMap<&'static str, Function>,
 }
 
-/// kernels/fused_norm.cu's `FERROCOMM_FOR_EACH_NORM`: (activation dtype, fp8 out, suffix).
-const SUFFIXES: [(DType, bool, &str); 6] = [
-    (DType::F32, false, "f32"),
-    (DType::F16, false, "f16"),
-    (DType::BF16, false, "bf16"),
-    (DType::F32, true, "f32_fp8"),
-    (DType::F16, true, "f16_fp8"),
-    (DType::BF16, true, "bf16_fp8"),
-];
-
-pub(super) fn suffix(dtype: DType, fp8: bool) -> Option<&'static str> {
-    SUFFIXES.iter().find(|s| s.0 == dtype && s.1 == fp8).map(|s| s.2)
-}
+pub(super) use crate::gpu::kernels::norm_suffix as suffix;
 
 impl NormKernels {
     pub(super) fn load(load: impl Fn(String) -> Result<Function>) -> Result<NormKernels> {
         let (mut one_shot, mut two_shot) = (HashMap::new(), HashMap::new());
-        for (_, _, s) in SUFFIXES {
+        for (_, _, s) in kernels::NORM_SUFFIXES {
             one_shot.insert(s, load(format!("{}{s}", kernels::RMSNORM_ONESHOT.name))?);
             two_shot.insert(s, load(format!("{}{s}", kernels::RMSNORM_TWOSHOT.name))?);
         }
