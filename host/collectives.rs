@@ -1,6 +1,6 @@
 //! The collective vocabulary, written once: [`Collectives`] is implemented by [`Comm`]
 //! (synchronous: each call returns when done) and by `&Scope` (asynchronous: each call returns a
-//! [`Work`]). Both check the same arguments and build the same [`Op`].
+//! [`ScopedWork`]). Both check the same arguments and build the same [`Op`].
 
 use crate::buffer::{InputBuffer, OutputBuffer};
 use crate::comm::Comm;
@@ -10,7 +10,7 @@ use crate::contracts::inference::{MoeShape, RmsNormFusion};
 use crate::contracts::ops::{equal_counts, Op, P2p};
 use crate::contracts::options::OpOptions;
 use crate::inference::{Combine, Dispatch};
-use crate::work::{Scope, Work};
+use crate::work::{Scope, ScopedWork};
 
 /// Every collective and point-to-point call, for [`Comm`] (synchronous), `&Scope`
 /// (asynchronous, see [`Comm::scope`]) and [`WithOptions`] (a per-operation timeout or hints).
@@ -57,7 +57,7 @@ use crate::work::{Scope, Work};
 /// # Ok::<(), ferrocomm::Error>(())
 /// ```
 pub trait Collectives<'a>: Sized {
-    /// `()` for synchronous calls, [`Work`] for asynchronous ones.
+    /// `()` for synchronous calls, [`ScopedWork`] for scoped asynchronous ones.
     type Output;
 
     /// The communicator the calls go to.
@@ -460,7 +460,7 @@ impl<'a, C: Collectives<'a>> Batch<'a, '_, C> {
         self
     }
     /// Runs every transfer of the batch together: `()` once all are done on a `Comm`, one
-    /// [`Work`] for the whole batch in a scope.
+    /// [`ScopedWork`] for the whole batch in a scope.
     pub fn issue(self) -> Result<C::Output> {
         self.to.call(Op::Batch(self.list))
     }
@@ -496,11 +496,11 @@ impl<'a> Collectives<'a> for Comm {
 }
 
 impl<'scope, 'env> Collectives<'scope> for &'scope Scope<'scope, 'env> {
-    type Output = Work<'scope>;
+    type Output = ScopedWork<'scope>;
     fn comm(&self) -> &Comm {
         self.comm
     }
-    fn issue(&self, op: Op<'scope>, opts: &OpOptions) -> Result<Work<'scope>> {
+    fn issue(&self, op: Op<'scope>, opts: &OpOptions) -> Result<ScopedWork<'scope>> {
         self.start(op, opts)
     }
 }

@@ -29,6 +29,16 @@ impl Completion {
         self.result.lock().unwrap_or_else(|p| p.into_inner()).is_some()
     }
 
+    /// Waits up to `limit` for the outcome without taking it; whether it is there.
+    pub(crate) fn wait_done(&self, limit: Duration) -> bool {
+        let g = self.result.lock().unwrap_or_else(|p| p.into_inner());
+        let (g, _) = self
+            .done
+            .wait_timeout_while(g, limit, |r| r.is_none())
+            .unwrap_or_else(|p| p.into_inner());
+        g.is_some()
+    }
+
     /// Waits up to `limit` (forever if `None`); takes the result the first time it is seen.
     pub(crate) fn wait(&self, limit: Option<Duration>) -> Option<Result<()>> {
         let mut g = self.result.lock().unwrap_or_else(|p| p.into_inner());

@@ -67,8 +67,12 @@
 //!
 //! ## Asynchronous operations
 //!
-//! [`Comm::scope`] hands out a scope whose calls return a [`Work`]; the scope waits for every
-//! operation before it returns, so the compiler proves the buffers outlive the work.
+//! [`Comm::owned`] has every call in a form that takes its buffers by value ([`OwnedBuffer`]:
+//! `Vec<T>`, `Box<[T]>`, cudarc device memory) and returns a [`Work`]: store it, move it to
+//! another thread, poll it, and get the buffers back from [`Work::wait`]; [`Comm::start`] runs
+//! any calls on owned buffers as one `Work`. [`Comm::scope`] hands out a scope whose calls
+//! borrow their buffers and return a [`ScopedWork`]; the scope waits for every operation
+//! before it returns, so the compiler proves the buffers outlive the work.
 //!
 //! ## Environment variables
 //!
@@ -143,6 +147,8 @@ mod inference;
 #[cfg(feature = "log-subscriber")]
 mod logging;
 mod objects;
+mod owned;
+mod owned_work;
 mod window;
 mod work;
 
@@ -160,7 +166,7 @@ pub use contracts::store::Store;
 pub mod fuzzing {
     pub use crate::bootstrap::fuzz_one_request as store_request;
 }
-pub use buffer::{InputBuffer, OutputBuffer};
+pub use buffer::{InputBuffer, OutputBuffer, OwnedBuffer};
 pub use comm::{new_comm, Comm};
 pub use contracts::config::parse_bytes;
 pub use contracts::dtype::{DType, Element, ReduceOp};
@@ -176,8 +182,10 @@ pub use contracts::window::{Cmp, Observed, SignalOp, SignalSource, WindowBackend
 pub use inference::{Combine, Dispatch};
 #[cfg(feature = "log-subscriber")]
 pub use logging::init_logging;
+pub use owned::{Owned, OwnedBatch};
+pub use owned_work::{Starter, Work};
 pub use window::Window;
-pub use work::{Scope, Work};
+pub use work::{Scope, ScopedWork};
 
 pub use contracts::fp8::F8E4M3;
 pub use half::{bf16, f16};
@@ -185,7 +193,7 @@ pub use half::{bf16, f16};
 /// The names most programs need.
 pub mod prelude {
     pub use crate::{
-        new_comm, Cmp, Collectives, Comm, CommOptions, DType, Device, Element, OpOptions, ReduceOp, SignalOp,
-        SignalSource, Window, WindowOptions,
+        new_comm, Cmp, Collectives, Comm, CommOptions, DType, Device, Element, OpOptions, OwnedBuffer, ReduceOp,
+        SignalOp, SignalSource, Window, WindowOptions, Work,
     };
 }

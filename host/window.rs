@@ -10,7 +10,7 @@ use crate::contracts::error::{Error, Result};
 use crate::contracts::window::{Cmp, Observed, SignalOp, SignalSource, WindowBackend, WindowOptions, WindowSpec};
 use crate::contracts::window_handle::WindowHandle;
 use crate::net::windows::{HostQueue, QueueProducer};
-use crate::work::{Scope, Work};
+use crate::work::{Scope, ScopedWork};
 use cudarc::driver::CudaStream;
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -366,31 +366,31 @@ impl<'buf> Window<'buf> {
         self.backend.synchronize(self.timeout)
     }
 
-    /// `put` as a [`Work`] of `scope`, run in issue order with the communicator's other work.
+    /// `put` as a [`ScopedWork`] of `scope`, run in issue order with the communicator's other work.
     pub fn put_async<'s, T: Element>(
         &'s self,
         scope: &'s Scope<'s, '_>,
         dst: usize,
         offset: usize,
         src: &'s [T],
-    ) -> Result<Work<'s>> {
+    ) -> Result<ScopedWork<'s>> {
         self.check_range("put", dst, offset, std::mem::size_of_val(src))?;
         scope.spawn(Box::new(move |_, _| self.put(dst, offset, src)), "put")
     }
 
-    /// `get` as a [`Work`] of `scope`.
+    /// `get` as a [`ScopedWork`] of `scope`.
     pub fn get_async<'s, T: Element>(
         &'s self,
         scope: &'s Scope<'s, '_>,
         src: usize,
         offset: usize,
         dst: &'s mut [T],
-    ) -> Result<Work<'s>> {
+    ) -> Result<ScopedWork<'s>> {
         self.check_range("get", src, offset, std::mem::size_of_val(dst))?;
         scope.spawn(Box::new(move |_, _| self.get(src, offset, dst)), "get")
     }
 
-    /// `signal` as a [`Work`] of `scope` (after the scope's earlier puts).
+    /// `signal` as a [`ScopedWork`] of `scope` (after the scope's earlier puts).
     pub fn signal_async<'s>(
         &'s self,
         scope: &'s Scope<'s, '_>,
@@ -398,7 +398,7 @@ impl<'buf> Window<'buf> {
         id: usize,
         op: SignalOp,
         value: u64,
-    ) -> Result<Work<'s>> {
+    ) -> Result<ScopedWork<'s>> {
         self.check_rank("signal", dst)?;
         self.check_signal("signal", id)?;
         scope.spawn(Box::new(move |_, _| self.signal(dst, id, op, value)), "signal")

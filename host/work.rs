@@ -1,6 +1,8 @@
-//! Asynchronous operations: [`Scope`] issues them (like `std::thread::scope`, it waits for all
-//! of them before it returns, so the borrowed buffers provably outlive the work) and [`Work`]
-//! is one of them in flight. They run in issue order on the communicator's executor.
+//! Scoped asynchronous operations: [`Scope`] issues them (like `std::thread::scope`, it waits
+//! for all of them before it returns, so the borrowed buffers provably outlive the work) and
+//! [`ScopedWork`] is one of them in flight. They run in issue order on the communicator's
+//! executor. Operations that own their buffers, and so can outlive any scope, are
+//! `owned_work.rs`'s.
 
 use crate::comm::Comm;
 use crate::contracts::error::{Error, Result};
@@ -12,16 +14,17 @@ use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-/// An operation in flight. The scope it belongs to waits for it anyway; only `wait` (or
-/// `wait_timeout`) reports its result.
-#[must_use = "the scope waits for an unwaited Work, but its error is then lost"]
-pub struct Work<'scope> {
+/// An operation of a [`Scope`] in flight. The scope waits for it anyway; only `wait` (or
+/// `wait_timeout`) reports its result. (An operation that owns its buffers returns a
+/// [`Work`](crate::Work), which can be kept beyond any scope.)
+#[must_use = "the scope waits for an unwaited ScopedWork, but its error is then lost"]
+pub struct ScopedWork<'scope> {
     done: Arc<Completion>,
     op: &'static str,
     _scope: PhantomData<&'scope ()>,
 }
 
-impl Work<'_> {
+impl ScopedWork<'_> {
     /// Blocks until the operation ends (it ends by itself within its timeout).
     /// An operation a GPU backend left running on its own stream is then ordered before later
     /// work on the calling thread's current stream (the host does not wait for the GPU).
@@ -67,14 +70,14 @@ impl<'scope, 'env> Scope<'scope, 'env> {
         }
     }
 
-    /// Validates `op` and queues it; returns its [`Work`].
-    pub fn start(&'scope self, op: Op<'scope>, opts: &OpOptions) -> Result<Work<'scope>> {
+    /// Validates `op` and queues it; returns its [`ScopedWork`].
+    pub fn start(&'scope self, op: Op<'scope>, opts: &OpOptions) -> Result<ScopedWork<'scope>> {
         let name = op.name();
         self.spawn(self.comm.prepare(op, opts)?, name)
     }
 
     /// Queues a task that borrows data for 'scope.
-    pub(crate) fn spawn(&'scope self, task: Task<'scope>, name: &'static str) -> Result<Work<'scope>> {
+    pub(crate) fn spawn(&'scope self, task: Task<'scope>, name: &'static str) -> Result<ScopedWork<'scope>> {
         // SAFETY: the task borrows for 'scope, and `Comm::scope` waits for every pending
         // completion (also when the scope body panics) before 'scope ends.
         let done = unsafe { self.comm.executor().submit(task, name) }?;
@@ -82,7 +85,7 @@ impl<'scope, 'env> Scope<'scope, 'env> {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .push(done.clone());
-        Ok(Work {
+        Ok(ScopedWork {
             done,
             op: name,
             _scope: PhantomData,
@@ -103,7 +106,7 @@ impl<'scope, 'env> Scope<'scope, 'env> {
 impl Comm {
     /// Runs `f` with a [`Scope`] for asynchronous operations on buffers that outlive the scope;
     /// returns after every operation started in it has ended. Results reach the caller through
-    /// [`Work::wait`](Work::wait); the error of a `Work` that is never waited for is dropped.
+    /// [`ScopedWork::wait`]; the error of a `ScopedWork` that is never waited for is dropped.
     pub fn scope<'env, F, T>(&self, f: F) -> T
     where
         F: for<'scope> FnOnce(&'scope Scope<'scope, 'env>) -> T,

@@ -3,6 +3,7 @@
 
 pub mod gpu;
 pub mod inference_suite;
+pub mod owned_suite;
 pub mod suite;
 pub mod window_suite;
 

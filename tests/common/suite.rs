@@ -236,5 +236,5 @@ pub fn run_all(comm: &Comm, seed: u64) -> usize {
     one_dtype::<i64>(&mut cx, &algos);
     one_dtype::<u32>(&mut cx, &algos);
     one_dtype::<u64>(&mut cx, &algos);
-    cx.checks + super::inference_suite::on_comm(comm, seed)
+    cx.checks + super::inference_suite::on_comm(comm, seed) + super::owned_suite::on_comm(comm, seed)
 }
