@@ -49,7 +49,9 @@
 //!
 //! [`Comm::new_window`] creates symmetric memory with one-sided [`Window::put`],
 //! [`Window::get`], [`Window::signal`] / [`Window::wait_signal`] and atomics; the ordering
-//! contract is `docs/memory-model.md`.
+//! contract is `docs/memory-model.md`. [`Comm::new_typed_window`] (or [`Window::typed`]) gives a
+//! [`TypedWindow`] of elements, with element offsets, atomics on `u64`/`i64` elements and
+//! [`TypedWindow::map_remote`], a peer's segment borrowed in place where it is mapped here.
 //!
 //! ## GPU windows
 //!
@@ -142,7 +144,9 @@ mod executor;
 mod inference;
 #[cfg(feature = "log-subscriber")]
 mod logging;
+mod mapped_segment;
 mod objects;
+mod typed_window;
 mod window;
 mod work;
 
@@ -176,6 +180,8 @@ pub use contracts::window::{Cmp, Observed, SignalOp, SignalSource, WindowBackend
 pub use inference::{Combine, Dispatch};
 #[cfg(feature = "log-subscriber")]
 pub use logging::init_logging;
+pub use mapped_segment::MappedSegment;
+pub use typed_window::{AtomicElement, TypedWindow};
 pub use window::Window;
 pub use work::{Scope, Work};
 
@@ -186,6 +192,6 @@ pub use half::{bf16, f16};
 pub mod prelude {
     pub use crate::{
         new_comm, Cmp, Collectives, Comm, CommOptions, DType, Device, Element, OpOptions, ReduceOp, SignalOp,
-        SignalSource, Window, WindowOptions,
+        SignalSource, TypedWindow, Window, WindowOptions,
     };
 }
