@@ -478,6 +478,18 @@ impl<T: AtomicElement> TypedWindow<'_, T> {
     }
 }
 
+impl<T: Element> std::fmt::Debug for TypedWindow<'_, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TypedWindow")
+            .field("rank", &self.rank())
+            .field("size", &self.size())
+            .field("dtype", &T::DTYPE)
+            .field("len", &self.len)
+            .field("byte_offset", &self.base)
+            .finish()
+    }
+}
+
 /// `rank`'s segment base in this process, where it has one.
 fn segment(win: &Window, rank: usize) -> Option<*mut u8> {
     if rank == win.rank() {
