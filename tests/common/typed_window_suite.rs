@@ -263,6 +263,20 @@ fn typed_atomics_under_contention(c: &Comm, k: u64) {
     i.barrier().unwrap();
 }
 
+/// Copies a device view to the host through the driver, on this rank's GPU.
+fn device_to_host(w: &TypedWindow<'_, f32>, d: ferrocomm::device::DeviceSlice<'_, f32>) -> Vec<f32> {
+    use ferrocomm::device::cudarc::driver::sys;
+    let stream = w.window().stream().unwrap();
+    stream.context().bind_to_thread().unwrap();
+    let mut host = vec![0f32; d.len()];
+    // SAFETY: `d` is `d.len()` f32 of device memory readable from this context (the window is
+    // alive), and `host` has room for them.
+    unsafe { sys::cuMemcpyDtoH_v2(host.as_mut_ptr().cast(), d.device_ptr(), d.len() * 4) }
+        .result()
+        .unwrap();
+    host
+}
+
 /// After a barrier every rank reads every mapped segment in place and finds its owner's
 /// values; a rank that is not mapped here is an `InvalidArgument` naming it. Returns how many
 /// ranks were mapped.
@@ -288,6 +302,7 @@ fn map_remote_after_a_barrier(c: &Comm, seed: u64) -> usize {
                         "rank {p} is not mapped but map_remote_device gave a view"
                     );
                     assert_eq!(d.len(), len);
+                    assert_eq!(device_to_host(&w, d), data(p), "map_remote_device({p})");
                     mapped += 1;
                 }
                 Err(e) => assert!(!expect_mapped, "map_remote_device({p}): {e}"),
