@@ -125,6 +125,13 @@ fn typed_view_of_registered_memory_maps_only_its_own_segment() {
 }
 
 #[test]
+fn typed_windows_and_mapped_segments_are_send_and_sync() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<ferrocomm::TypedWindow<'static, ferrocomm::bf16>>();
+    send_sync::<ferrocomm::MappedSegment<'static, u64>>();
+}
+
+#[test]
 fn windows_of_different_sizes_are_a_mismatch() {
     let r = run_group(2, "win-mm", options(Duration::from_secs(5)), |c| {
         c.new_window(1024 * (c.rank() + 1)).map(|_| ())
