@@ -176,6 +176,9 @@ impl<'buf> Window<'buf> {
     }
 
     /// [`typed`](Self::typed), keeping the window: the typed window owns it (and drops it).
+    /// On an error the window is dropped; peers still using it then see this rank as lost, so
+    /// call it where every rank makes the same view (the size check gives every rank the same
+    /// answer; the alignment check can differ only for registered buffers).
     pub fn into_typed<T: Element>(self) -> Result<TypedWindow<'buf, T>> {
         let len = self.checked_whole::<T>("into_typed")?;
         TypedWindow::view(Held::Owned(self), 0, len, "into_typed")
