@@ -49,7 +49,9 @@
 //!
 //! [`Comm::new_window`] creates symmetric memory with one-sided [`Window::put`],
 //! [`Window::get`], [`Window::signal`] / [`Window::wait_signal`] and atomics; the ordering
-//! contract is `docs/memory-model.md`.
+//! contract is `docs/memory-model.md`. [`Comm::new_typed_window`] (or [`Window::typed`]) gives a
+//! [`TypedWindow`] of elements, with element offsets, atomics on `u64`/`i64` elements and
+//! [`TypedWindow::map_remote`], a peer's segment borrowed in place where it is mapped here.
 //!
 //! ## GPU windows
 //!
@@ -146,9 +148,11 @@ mod executor;
 mod inference;
 #[cfg(feature = "log-subscriber")]
 mod logging;
+mod mapped_segment;
 mod objects;
 mod owned;
 mod owned_work;
+mod typed_window;
 mod window;
 mod work;
 
@@ -182,8 +186,10 @@ pub use contracts::window::{Cmp, Observed, SignalOp, SignalSource, WindowBackend
 pub use inference::{Combine, Dispatch};
 #[cfg(feature = "log-subscriber")]
 pub use logging::init_logging;
+pub use mapped_segment::MappedSegment;
 pub use owned::{Owned, OwnedBatch};
 pub use owned_work::{Starter, Work};
+pub use typed_window::{AtomicElement, TypedWindow};
 pub use window::Window;
 pub use work::{Scope, ScopedWork};
 
@@ -194,6 +200,6 @@ pub use half::{bf16, f16};
 pub mod prelude {
     pub use crate::{
         new_comm, Cmp, Collectives, Comm, CommOptions, DType, Device, Element, OpOptions, OwnedBuffer, ReduceOp,
-        SignalOp, SignalSource, Window, WindowOptions, Work,
+        SignalOp, SignalSource, TypedWindow, Window, WindowOptions, Work,
     };
 }

@@ -53,7 +53,8 @@ impl Comm {
 /// rank puts to, gets from, signals and atomically updates any other's without the owner
 /// taking part. The ordering contract (put then signal is release, `wait_signal` is acquire)
 /// is docs/memory-model.md. Offsets are bytes; every rank, range and signal id is checked
-/// (`Error::InvalidRank`, `Error::OutOfBounds`, `Error::InvalidArgument`).
+/// (`Error::InvalidRank`, `Error::OutOfBounds`, `Error::InvalidArgument`). For elements
+/// instead of bytes, see [`TypedWindow`](crate::TypedWindow) ([`Window::typed`]).
 ///
 /// ```
 /// use ferrocomm::prelude::*;
@@ -325,7 +326,8 @@ impl<'buf> Window<'buf> {
 
     /// `rank`'s segment mapped into this process (same-host ranks of allocated windows), like
     /// torchcomms' `map_remote_tensor`; `None` where it is reachable only through a proxy.
-    /// Same access rules as `local_ptr`.
+    /// Same access rules as `local_ptr`. Typed and borrowed:
+    /// [`TypedWindow::map_remote`](crate::TypedWindow::map_remote).
     pub fn remote_ptr(&self, rank: usize) -> Option<*mut u8> {
         if rank >= self.size() {
             return None;

@@ -106,6 +106,25 @@ fn gpu_host_verbs_follow_the_window_contract() {
     }
 }
 
+/// Typed windows in GPU memory: the typed suite, with map_remote_device reading every rank's
+/// segment (all ranks of this process are mapped) and map_remote refused.
+#[test]
+fn gpu_typed_windows_follow_the_window_contract() {
+    if !gpu_or_skip() {
+        return;
+    }
+    let seed = fresh_seed();
+    for n in [1, 3] {
+        let mapped = on_gpu_group(n, &format!("gpu-typed{n}"), Duration::from_secs(30), |c| {
+            common::typed_window_suite::run_all(c, seed)
+        });
+        assert!(
+            mapped.iter().all(|&m| m == n),
+            "ranks of one process map each other: {mapped:?}"
+        );
+    }
+}
+
 /// Where a kernel ring keeps the tile it puts: scratch memory of its own, or the window's upper
 /// half (required toward ranks behind the proxy queue, which reads put sources from the window).
 #[derive(Clone, Copy, PartialEq)]

@@ -88,6 +88,49 @@ fn window_contract_on_registered_user_memory() {
     }
 }
 
+/// A typed view of registered memory: element puts land in the owners' buffers, peers reach
+/// them only through their proxies (map_remote refuses them, naming the rank), and a rank's
+/// own buffer maps in place.
+#[test]
+fn typed_view_of_registered_memory_maps_only_its_own_segment() {
+    let n = 3;
+    let r = run_group(n, "win-reg-typed", opts(), |c| {
+        let (me, right) = (c.rank(), (c.rank() + 1) % n);
+        let mut mine = vec![-1.0f32; 16];
+        {
+            let w = c.register(&mut mine, WindowOptions::default()).unwrap();
+            let t = w.typed::<f32>().unwrap();
+            assert_eq!(t.len(), 16);
+            t.put(right, 3, &[me as f32; 2]).unwrap();
+            t.barrier().unwrap();
+            match t.map_remote(right) {
+                Err(Error::InvalidArgument {
+                    op: "map_remote",
+                    reason,
+                }) => {
+                    assert!(reason.contains(&format!("rank {right}")), "{reason}")
+                }
+                other => panic!("map_remote of a registered peer: {other:?}"),
+            }
+            let own = t.map_remote(me).unwrap().to_vec();
+            let left = ((me + n - 1) % n) as f32;
+            assert_eq!(own[2..6], [-1.0, left, left, -1.0]);
+            t.barrier().unwrap();
+        }
+        (mine, (c.rank() + n - 1) % n)
+    });
+    for (buf, left) in r {
+        assert_eq!(buf[3..5], [left as f32; 2]);
+    }
+}
+
+#[test]
+fn typed_windows_and_mapped_segments_are_send_and_sync() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<ferrocomm::TypedWindow<'static, ferrocomm::bf16>>();
+    send_sync::<ferrocomm::MappedSegment<'static, u64>>();
+}
+
 #[test]
 fn windows_of_different_sizes_are_a_mismatch() {
     let r = run_group(2, "win-mm", options(Duration::from_secs(5)), |c| {

@@ -10,10 +10,10 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 ///
 /// The message (`Display`) names the failing call and, where known, the operation and the
 /// peer rank, so one log line says where to look. Argument errors (`SizeMismatch`,
-/// `UnsupportedReduce`, `DTypeMismatch`, `InvalidRank`, `OutOfBounds`, `InvalidArgument`,
-/// `InvalidSplit`) are found before any byte moves and leave the communicator usable; after a
-/// failed transfer (`Timeout`, `PeerLost`, `Mismatch`) a CPU-engine communicator is broken and
-/// later calls return [`Error::Closed`]. New variants may be added: match with a `_` arm.
+/// `UnsupportedReduce`, `DTypeMismatch`, `InvalidRank`, `OutOfBounds`, `ElementsOutOfBounds`,
+/// `InvalidArgument`, `InvalidSplit`) are found before any byte moves and leave the communicator
+/// usable; after a failed transfer (`Timeout`, `PeerLost`, `Mismatch`) a CPU-engine communicator
+/// is broken and later calls return [`Error::Closed`]. New variants may be added: match with a `_` arm.
 ///
 /// ```
 /// use ferrocomm::prelude::*;
@@ -85,6 +85,23 @@ pub enum Error {
         len: usize,
         /// Size of the segment, bytes.
         bytes: usize,
+    },
+    /// A typed window access outside the window, in elements
+    /// ([`TypedWindow`](crate::TypedWindow), [`MappedSegment`](crate::MappedSegment)).
+    #[error("{op}: elements {offset}..{offset}+{len} ({dtype}) of rank {rank} are outside the window of {elements} elements")]
+    ElementsOutOfBounds {
+        /// The window operation (`"put"`, `"get"`, `"fetch_add"`, ...).
+        op: &'static str,
+        /// The rank whose segment was addressed.
+        rank: usize,
+        /// Start of the access in that segment, elements.
+        offset: usize,
+        /// Length of the access, elements.
+        len: usize,
+        /// Elements of every rank's segment.
+        elements: usize,
+        /// The element type (`"f32"`, `"u64"`, ...).
+        dtype: &'static str,
     },
     /// `split` was called with a rank list that is malformed or inconsistent across ranks.
     #[error("split: {0}")]

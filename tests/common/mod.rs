@@ -5,6 +5,7 @@ pub mod gpu;
 pub mod inference_suite;
 pub mod owned_suite;
 pub mod suite;
+pub mod typed_window_suite;
 pub mod window_suite;
 
 pub use ferrocomm::prelude::*;

@@ -238,11 +238,19 @@ pub fn run_on(comm: &Comm, w: &Window, seed: u64) {
     async_put_get(comm, w, seed);
 }
 
-/// Allocates a window and runs the suite; returns whether peers were mapped directly.
+/// Allocates a window and runs the suite, then the typed window suite; returns whether peers
+/// were mapped directly.
 pub fn run_all(comm: &Comm, seed: u64) -> bool {
     let w = comm.new_window(comm.size() * SLOT).unwrap();
     run_on(comm, &w, seed);
-    let mapped = (0..comm.size()).all(|p| w.remote_ptr(p).is_some());
+    // Typed windows in the same mode; map_remote reaches exactly the mapped segments.
+    let typed_mapped = super::typed_window_suite::run_all(comm, seed);
+    let ptrs = (0..comm.size()).filter(|&p| w.remote_ptr(p).is_some()).count();
+    assert_eq!(
+        typed_mapped, ptrs,
+        "map_remote and remote_ptr disagree on which ranks are mapped"
+    );
+    let mapped = ptrs == comm.size();
     comm.barrier().unwrap();
     mapped
 }
