@@ -88,6 +88,27 @@ fn window_contract_on_registered_user_memory() {
     }
 }
 
+/// Peers may write any byte into a segment, and a byte other than 0 or 1 is no bool: bool
+/// memory is refused as a segment, on every rank before anything is exchanged, and the
+/// communicator goes on (u8 memory of the same bytes registers).
+#[test]
+fn bool_memory_cannot_be_registered() {
+    let r = run_group(2, "win-bool", opts(), |c| {
+        let mut flags = vec![false; 4096];
+        let refused = c.register(&mut flags, WindowOptions::default()).map(|_| ());
+        let mut bytes = vec![0u8; 4096];
+        let w = c.register(&mut bytes, WindowOptions::default()).unwrap();
+        w.barrier().unwrap();
+        refused
+    });
+    for e in r {
+        assert!(
+            matches!(&e, Err(Error::InvalidArgument { op: "register", .. })),
+            "{e:?}"
+        );
+    }
+}
+
 #[test]
 fn windows_of_different_sizes_are_a_mismatch() {
     let r = run_group(2, "win-mm", options(Duration::from_secs(5)), |c| {
