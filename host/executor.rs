@@ -86,7 +86,7 @@ pub(crate) fn op_task<'a>(
         if let Some((rank, size @ 2..)) = check {
             crate::call_check::check(b, &op, rank, size, timeout)?;
         }
-        b.run(
+        let r = b.run(
             &mut op,
             &RunOptions {
                 timeout,
@@ -94,7 +94,11 @@ pub(crate) fn op_task<'a>(
                 stream,
                 fence,
             },
-        )
+        );
+        // Before the caller can read its outputs again, also after a failure that left some
+        // bytes written: a peer's bytes must not become invalid `bool`s.
+        op.normalise_outputs();
+        r
     })
 }
 

@@ -193,7 +193,7 @@ pub use typed_window::{AtomicElement, TypedWindow};
 pub use window::Window;
 pub use work::{Scope, ScopedWork};
 
-pub use contracts::fp8::F8E4M3;
+pub use contracts::fp8::{F8E4M3, F8E5M2};
 pub use half::{bf16, f16};
 
 /// The names most programs need.

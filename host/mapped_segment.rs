@@ -130,7 +130,8 @@ impl<'w, T: Element> MappedSegment<'w, T> {
     pub fn to_vec(&self) -> Vec<T> {
         let mut v = Vec::with_capacity(self.len);
         // SAFETY: as in `read`, for all `len` elements; `v` has room for them and every bit
-        // pattern is a valid `T` (Element), so `set_len` exposes initialised elements.
+        // pattern is a valid `T` (Element; `bool`, the one exception, is never mapped: see
+        // `TypedWindow::map_remote`), so `set_len` exposes initialised elements.
         unsafe {
             std::ptr::copy_nonoverlapping(self.ptr.as_ptr(), v.as_mut_ptr(), self.len);
             v.set_len(self.len);

@@ -6,7 +6,7 @@
 //! (docs/memory-model.md) is the typed window's too.
 
 use crate::comm::Comm;
-use crate::contracts::dtype::Element;
+use crate::contracts::dtype::{DType, Element};
 use crate::contracts::error::{Error, Result};
 use crate::contracts::window::{Cmp, Observed, SignalOp, SignalSource, WindowOptions};
 use crate::gpu::slice::DeviceSlice;
@@ -407,6 +407,14 @@ impl<'w, T: Element> TypedWindow<'w, T> {
     /// outside the communicator.
     pub fn map_remote(&self, rank: usize) -> Result<MappedSegment<'_, T>> {
         self.check_rank("map_remote", rank)?;
+        if T::DTYPE == DType::Bool {
+            // Peers may write any byte, and a byte other than 0 or 1 read as a bool is UB.
+            return Err(Error::invalid(
+                "map_remote",
+                "a bool segment cannot be borrowed in place: peers may write any byte into it; \
+                 view the window as u8 (Window::typed::<u8>) or use get",
+            ));
+        }
         if self.win.is_device_memory() {
             return Err(Error::invalid(
                 "map_remote",

@@ -5,7 +5,7 @@
 
 use crate::collectives::Collectives;
 use crate::comm::Comm;
-use crate::contracts::dtype::{as_bytes, as_bytes_mut, Element};
+use crate::contracts::dtype::{as_bytes, as_bytes_mut, normalise, DType, Element};
 use crate::contracts::error::{Error, Result};
 use crate::contracts::window::{Cmp, Observed, SignalOp, SignalSource, WindowBackend, WindowOptions, WindowSpec};
 use crate::contracts::window_handle::WindowHandle;
@@ -34,7 +34,16 @@ impl Comm {
     /// Exposes `buf` as this rank's segment of a new window (collective; every rank registers
     /// the same number of bytes). The buffer stays borrowed until the window is dropped; peers
     /// reach it through this rank's proxy, never by pointer.
+    ///
+    /// `bool` memory cannot be registered (`Error::InvalidArgument`): peers may write any byte
+    /// into a segment, and a byte other than 0 or 1 is not a `bool`. Register it as `u8`.
     pub fn register<'b, T: Element>(&self, buf: &'b mut [T], opts: WindowOptions) -> Result<Window<'b>> {
+        if T::DTYPE == DType::Bool {
+            return Err(Error::invalid(
+                "register",
+                "bool memory cannot be a segment: peers may write any byte into it; register it as u8",
+            ));
+        }
         let bytes = std::mem::size_of_val(buf);
         self.window(bytes, opts, Some(buf.as_mut_ptr().cast()))
     }
@@ -193,11 +202,14 @@ impl<'buf> Window<'buf> {
         self.backend.put(dst, offset, src)
     }
 
-    /// Copies `src`'s segment at byte `offset` into `dst`.
+    /// Copies `src`'s segment at byte `offset` into `dst` (a `bool` byte other than 0 or 1
+    /// arrives as `true`).
     pub fn get<T: Element>(&self, src: usize, offset: usize, dst: &mut [T]) -> Result<()> {
         let dst = as_bytes_mut(dst);
         self.check_range("get", src, offset, dst.len())?;
-        self.backend.get(src, offset, dst)
+        let r = self.backend.get(src, offset, dst);
+        normalise(T::DTYPE, dst);
+        r
     }
 
     /// Release-writes our slot of signal `id` on `dst`: earlier puts to `dst` are visible
@@ -293,15 +305,19 @@ impl<'buf> Window<'buf> {
 
     /// Copies from this rank's own segment. Bytes that a peer is writing concurrently (without
     /// a signal or barrier in between) may be old or new.
+    /// (A `bool` byte other than 0 or 1 arrives as `true`.)
     pub fn read_local<T: Element>(&self, offset: usize, dst: &mut [T]) -> Result<()> {
         let dst = as_bytes_mut(dst);
         self.check_range("read_local", self.rank(), offset, dst.len())?;
         if self.backend.device().is_some() {
-            return self.backend.get(self.rank(), offset, dst);
+            let r = self.backend.get(self.rank(), offset, dst);
+            normalise(T::DTYPE, dst);
+            return r;
         }
         // SAFETY: in bounds of our segment, which lives as long as `self`; copies through raw
         // pointers because peers may write the segment concurrently.
         unsafe { std::ptr::copy_nonoverlapping(self.backend.local_base().add(offset), dst.as_mut_ptr(), dst.len()) };
+        normalise(T::DTYPE, dst);
         Ok(())
     }
 

@@ -96,4 +96,12 @@ FERROCOMM_DEVICE_INLINE void end(const Window& w, u64* counters, const Step& s) 
   M(bf16_sum, Bf16, REDUCE_SUM)         \
   M(bf16_min, Bf16, REDUCE_MIN)         \
   M(bf16_max, Bf16, REDUCE_MAX)         \
-  M(bf16_avg, Bf16, REDUCE_AVG)
+  M(bf16_avg, Bf16, REDUCE_AVG)         \
+  M(i16_sum, I16, REDUCE_SUM)           \
+  M(i16_min, I16, REDUCE_MIN)           \
+  M(i16_max, I16, REDUCE_MAX)           \
+  M(i16_avg, I16, REDUCE_AVG)           \
+  M(u16_sum, U16, REDUCE_SUM)           \
+  M(u16_min, U16, REDUCE_MIN)           \
+  M(u16_max, U16, REDUCE_MAX)           \
+  M(u16_avg, U16, REDUCE_AVG)

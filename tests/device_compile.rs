@@ -131,7 +131,7 @@ fn the_library_kernels_compile_with_nvrtc_as_the_fallback_does() {
         "ferrocomm_allgather_oneshot".into(),
         "ferrocomm_alltoall".into(),
     ];
-    for d in ["f32", "f16", "bf16"] {
+    for d in ["f32", "f16", "bf16", "i16", "u16"] {
         for op in ["sum", "min", "max", "avg"] {
             wanted.push(format!("ferrocomm_allreduce_oneshot_{d}_{op}"));
             wanted.push(format!("ferrocomm_allreduce_twoshot_{d}_{op}"));

@@ -422,3 +422,110 @@ fn a_rank_that_cannot_join_fails_the_whole_group_at_once() {
         t0.elapsed()
     );
 }
+
+/// bool has no average or scaled sum, fp8 no bitwise ops: refused before anything moves, on
+/// every reducing collective, and the communicator stays usable.
+#[test]
+fn reductions_a_new_element_type_lacks_are_unsupported_reduce() {
+    let comms = group(1, "new-dtypes");
+    let c = &comms[0];
+    for op in [ReduceOp::Avg, ReduceOp::PremulSum(2.0)] {
+        assert!(matches!(
+            c.all_reduce(&mut [true], op),
+            Err(Error::UnsupportedReduce { dtype: "bool", .. })
+        ));
+        assert!(matches!(
+            c.reduce(&mut [false], op, 0),
+            Err(Error::UnsupportedReduce { dtype: "bool", .. })
+        ));
+        assert!(matches!(
+            c.reduce_scatter(&mut [false], &[true], op),
+            Err(Error::UnsupportedReduce { dtype: "bool", .. })
+        ));
+    }
+    for op in [ReduceOp::BAnd, ReduceOp::BOr, ReduceOp::BXor] {
+        assert!(matches!(
+            c.all_reduce(&mut [ferrocomm::F8E5M2::from_f32(1.0)], op),
+            Err(Error::UnsupportedReduce { dtype: "f8e5m2", .. })
+        ));
+        assert!(matches!(
+            c.all_reduce(&mut [ferrocomm::F8E4M3::from_f32(1.0)], op),
+            Err(Error::UnsupportedReduce { dtype: "f8e4m3", .. })
+        ));
+    }
+    // What bool and the 16-bit integers do have.
+    let mut b = [true, false];
+    c.all_reduce(&mut b, ReduceOp::BXor).unwrap();
+    assert_eq!(b, [true, false]);
+    let mut x = [i16::MAX, -3];
+    c.all_reduce(&mut x, ReduceOp::BAnd).unwrap();
+    assert_eq!(x, [i16::MAX, -3]);
+    assert!(ReduceOp::Sum.is_defined_for(DType::Bool) && !ReduceOp::Avg.is_defined_for(DType::Bool));
+    assert!(ReduceOp::BXor.is_defined_for(DType::U16) && !ReduceOp::BXor.is_defined_for(DType::F8E5M2));
+}
+
+/// Whatever bytes a backend (or a peer outside safe Rust, through it) leaves in a bool output,
+/// the caller reads bools: 0 stays false, any other byte is true, stored as 1.
+#[test]
+fn bytes_that_are_no_bool_in_an_output_arrive_as_true() {
+    use std::sync::Arc;
+    // A user backend that runs the CPU backend, then scribbles over every true in the outputs.
+    struct Scribbling(Box<dyn ferrocomm::Backend>);
+    impl ferrocomm::Backend for Scribbling {
+        fn name(&self) -> &'static str {
+            "scribbling"
+        }
+        fn run(&self, op: &mut ferrocomm::Op<'_>, o: &ferrocomm::RunOptions) -> ferrocomm::Result<()> {
+            self.0.run(op, o)?;
+            let scribble = |b: &mut ferrocomm::BufMut<'_>| {
+                for (i, x) in b.host_bytes_mut().iter_mut().enumerate() {
+                    if *x != 0 {
+                        *x = 2 + (i % 254) as u8;
+                    }
+                }
+            };
+            match op {
+                ferrocomm::Op::AllReduce { buf, .. } => scribble(buf),
+                ferrocomm::Op::AllGather { outputs, .. } => outputs.iter_mut().for_each(scribble),
+                _ => {}
+            }
+            Ok(())
+        }
+        fn abort(&self) {
+            self.0.abort()
+        }
+        fn finalize(&self) -> ferrocomm::Result<()> {
+            self.0.finalize()
+        }
+    }
+    let cpu = ferrocomm::backend_factory("cpu").unwrap();
+    ferrocomm::register_backend(
+        "scribbling",
+        Arc::new(move |init: &ferrocomm::BackendInit| {
+            Ok(Box::new(Scribbling(cpu(init)?)) as Box<dyn ferrocomm::Backend>)
+        }),
+    );
+    let bytes_of = |v: &[bool]| -> Vec<u8> {
+        // SAFETY: a bool is one byte; reads the bytes of initialised bools.
+        unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), v.len()) }.to_vec()
+    };
+    let r = run_group_on("scribbling", 2, "scribbled", |c| {
+        let mine: Vec<bool> = (0..300).map(|i| (i + c.rank()) % 3 == 0).collect();
+        let mut or = mine.clone();
+        c.all_reduce(&mut or, ReduceOp::BOr).unwrap();
+        let mut all = vec![false; 600];
+        c.all_gather(&mut all, &mine).unwrap();
+        (mine, or, all)
+    });
+    for (mine, or, all) in &r {
+        let want_or: Vec<bool> = (0..300).map(|i| r[0].0[i] | r[1].0[i]).collect();
+        assert_eq!(or, &want_or);
+        assert_eq!(all[..300], r[0].0[..]);
+        assert_eq!(all[300..], r[1].0[..]);
+        assert!(mine.iter().any(|&b| b));
+        assert!(
+            bytes_of(or).iter().chain(&bytes_of(all)).all(|&b| b <= 1),
+            "a byte that is no bool"
+        );
+    }
+}

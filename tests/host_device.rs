@@ -6,7 +6,7 @@
 mod common;
 use common::*;
 #[cfg(feature = "host-kernels")]
-use ferrocomm::{bf16, f16, Error, F8E4M3};
+use ferrocomm::{bf16, f16, Error, F8E4M3, F8E5M2};
 
 fn opts() -> CommOptions {
     options(Duration::from_secs(30))
@@ -132,6 +132,16 @@ mod with_kernels {
         sweep::<bf16>(3, seed, &[5, 1000, 70_001]);
         // 1.2 MiB of f32: past the window's region, so several launches per call.
         sweep::<f32>(2, seed, &[300_001]);
+    }
+
+    /// The 16-bit integers' kernels (NCCL has no type for them): sums wrap, averages divide the
+    /// wrapped sum, min and max exact, as the CPU engine computes them, bit for bit.
+    #[test]
+    fn sixteen_bit_integer_all_reduce_kernels_match_the_cpu_engine() {
+        let seed = fresh_seed();
+        sweep::<i16>(3, seed, &[1, 7, 8, 1000, 4099]);
+        sweep::<u16>(8, seed, &[5, 33, 700]);
+        sweep::<i16>(2, seed, &[600_001]);
     }
 
     /// all_gather, all_to_all, reduce_scatter and reduce_scatter_list through the kernels.
@@ -1015,6 +1025,65 @@ mod with_kernels {
         }
         for (c, got) in decoded.iter().enumerate() {
             let want = F8E4M3::from_bits(c as u8).to_f32();
+            assert!(
+                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                "code {c:#04x}: {got} vs {want}"
+            );
+        }
+    }
+
+    /// device-api's fp8 e5m2 conversion (fp8.cuh) gives the host reference's bits
+    /// (`F8E5M2::from_f32`: round to nearest even, once; saturation, infinities too; NaN) over
+    /// a dense sweep of both signs, every midpoint and its neighbours, the special values and
+    /// random bit patterns, and decodes every code (infinities and NaNs included) as it does.
+    #[test]
+    fn device_e5m2_conversion_matches_the_host_reference() {
+        let mut xs: Vec<f32> = Vec::new();
+        let mut x = 1e-7f64;
+        while x < 1e5 {
+            xs.extend([x as f32, -x as f32]);
+            x *= 1.0003;
+        }
+        for c in 0..=255u8 {
+            let v = F8E5M2::from_bits(c).to_f32();
+            let next = F8E5M2::from_bits(c.wrapping_add(1)).to_f32();
+            let mid = (v + next) / 2.0;
+            xs.extend([v, mid]);
+            if mid.is_finite() && mid != 0.0 {
+                xs.extend([f32::from_bits(mid.to_bits() + 1), f32::from_bits(mid.to_bits() - 1)]);
+            }
+        }
+        xs.extend([
+            0.0,
+            -0.0,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            57344.0,
+            61440.0,
+            65536.0,
+            f32::MAX,
+            f32::MIN_POSITIVE,
+            f32::from_bits(1),
+        ]);
+        let mut r = rng(fresh_seed(), 8);
+        xs.extend((0..20_000).map(|_| f32::from_bits(r.gen())));
+        let mut out = vec![0u8; xs.len()];
+        let mut decoded = vec![0f32; 256];
+        let args = (
+            xs.as_ptr() as u64,
+            out.as_mut_ptr() as u64,
+            xs.len() as u64,
+            decoded.as_mut_ptr() as u64,
+        );
+        launch("e5m2_convert", 4, 64, args);
+        for (x, got) in xs.iter().zip(&out) {
+            let want = F8E5M2::from_f32(*x);
+            let same = *got == want.to_bits() || (want.is_nan() && F8E5M2::from_bits(*got).is_nan());
+            assert!(same, "e5m2({x:e}) = {got:#04x}, the host gives {:#04x}", want.to_bits());
+        }
+        for (c, got) in decoded.iter().enumerate() {
+            let want = F8E5M2::from_bits(c as u8).to_f32();
             assert!(
                 got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
                 "code {c:#04x}: {got} vs {want}"

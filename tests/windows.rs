@@ -131,6 +131,27 @@ fn typed_windows_and_mapped_segments_are_send_and_sync() {
     send_sync::<ferrocomm::MappedSegment<'static, u64>>();
 }
 
+/// Peers may write any byte into a segment, and a byte other than 0 or 1 is no bool: bool
+/// memory is refused as a segment, on every rank before anything is exchanged, and the
+/// communicator goes on (u8 memory of the same bytes registers).
+#[test]
+fn bool_memory_cannot_be_registered() {
+    let r = run_group(2, "win-bool", opts(), |c| {
+        let mut flags = vec![false; 4096];
+        let refused = c.register(&mut flags, WindowOptions::default()).map(|_| ());
+        let mut bytes = vec![0u8; 4096];
+        let w = c.register(&mut bytes, WindowOptions::default()).unwrap();
+        w.barrier().unwrap();
+        refused
+    });
+    for e in r {
+        assert!(
+            matches!(&e, Err(Error::InvalidArgument { op: "register", .. })),
+            "{e:?}"
+        );
+    }
+}
+
 #[test]
 fn windows_of_different_sizes_are_a_mismatch() {
     let r = run_group(2, "win-mm", options(Duration::from_secs(5)), |c| {
@@ -198,4 +219,24 @@ fn cmp_holds_is_the_comparison_it_names() {
         assert_eq!(Cmp::Le.holds(a, b), a <= b);
         assert_eq!(Cmp::Lt.holds(a, b), a < b);
     }
+}
+
+/// A peer may write any byte into a bool segment, so it is never borrowed in place as bools
+/// (a byte other than 0 or 1 would be an invalid `bool`); `get` still works (it normalises).
+#[test]
+fn a_bool_segment_is_not_mapped_in_place() {
+    run_group(2, "win-bool-map", opts(), |c| {
+        let t = c.new_typed_window::<bool>(8).unwrap();
+        let peer = 1 - c.rank();
+        t.window().put(peer, 0, &[2u8, 0, 1, 255]).unwrap();
+        t.barrier().unwrap();
+        match t.map_remote(c.rank()) {
+            Err(Error::InvalidArgument { op: "map_remote", .. }) => {}
+            other => panic!("map_remote of bool: {other:?}"),
+        }
+        let mut got = [false; 4];
+        t.get(c.rank(), 0, &mut got).unwrap();
+        assert_eq!(got, [true, false, true, true]);
+        t.barrier().unwrap();
+    });
 }

@@ -30,11 +30,23 @@ pub enum DType {
     /// fp8 e4m3 ([`F8E4M3`](crate::F8E4M3)); reductions combine in `f32`, rounded (with
     /// saturation) once per step.
     F8E4M3 = 11,
+    /// `bool`, one byte (0 or 1). Reductions are logical, as torch's are on bool tensors:
+    /// `Sum`, `Max` and `BOr` are or, `Prod`, `Min` and `BAnd` are and, `BXor` is exclusive or;
+    /// `Avg` and `PremulSum` are `Error::UnsupportedReduce`. A received byte other than 0 or 1
+    /// (which a peer could only send from unsafe code or another language) reads as `true`.
+    Bool = 12,
+    /// Signed 16-bit integer (`i16`); arithmetic wraps.
+    I16 = 13,
+    /// Unsigned 16-bit integer (`u16`); arithmetic wraps.
+    U16 = 14,
+    /// fp8 e5m2 ([`F8E5M2`](crate::F8E5M2)); reductions combine in `f32`, rounded (with
+    /// saturation) once per step.
+    F8E5M2 = 15,
 }
 
 impl DType {
     /// Every element type, in the order of their wire codes.
-    pub const ALL: [DType; 11] = [
+    pub const ALL: [DType; 15] = [
         DType::F32,
         DType::F64,
         DType::F16,
@@ -46,13 +58,17 @@ impl DType {
         DType::U32,
         DType::U64,
         DType::F8E4M3,
+        DType::Bool,
+        DType::I16,
+        DType::U16,
+        DType::F8E5M2,
     ];
 
     /// Bytes per element (1, 2, 4 or 8).
     pub fn size(self) -> usize {
         match self {
-            DType::I8 | DType::U8 | DType::F8E4M3 => 1,
-            DType::F16 | DType::BF16 => 2,
+            DType::I8 | DType::U8 | DType::F8E4M3 | DType::F8E5M2 | DType::Bool => 1,
+            DType::F16 | DType::BF16 | DType::I16 | DType::U16 => 2,
             DType::F32 | DType::I32 | DType::U32 => 4,
             DType::F64 | DType::I64 | DType::U64 => 8,
         }
@@ -60,7 +76,10 @@ impl DType {
 
     /// Whether the type is a floating-point one (bitwise reductions are refused on these).
     pub fn is_float(self) -> bool {
-        matches!(self, DType::F32 | DType::F64 | DType::F16 | DType::BF16 | DType::F8E4M3)
+        matches!(
+            self,
+            DType::F32 | DType::F64 | DType::F16 | DType::BF16 | DType::F8E4M3 | DType::F8E5M2
+        )
     }
 
     /// The Rust name of the type (`"f32"`, `"bf16"`, ...), as errors and logs print it.
@@ -77,6 +96,10 @@ impl DType {
             DType::U32 => "u32",
             DType::U64 => "u64",
             DType::F8E4M3 => "f8e4m3",
+            DType::Bool => "bool",
+            DType::I16 => "i16",
+            DType::U16 => "u16",
+            DType::F8E5M2 => "f8e5m2",
         }
     }
 
@@ -96,8 +119,17 @@ mod sealed {
 }
 
 /// A plain-old-data element that ferrocomm can move and reduce. Sealed: the byte views the
-/// library takes of these slices are sound only for types without padding or invalid bit
-/// patterns, which is exactly this list.
+/// library takes of these slices are sound only for types without padding, which is exactly
+/// this list.
+///
+/// Every type of the list but `bool` accepts every bit pattern. `bool` accepts 0 and 1 only, so
+/// the library never leaves another byte where a caller can read a `bool`: every operation that
+/// writes into host memory of `bool` elements (a collective's or a receive's output, a window's
+/// `get` and `read_local`) rewrites each byte as 0 or 1 (any other byte becomes `true`)
+/// before the caller gets the slice back, and a window cannot be registered over `bool` memory,
+/// which peers could write at any time. Only a peer outside safe Rust (unsafe code, another
+/// language, a device kernel) can send such a byte: safe `bool`s are 0 or 1, and every
+/// reduction of them stays 0 or 1. `bool` elements in device memory are moved as they are.
 pub trait Element: sealed::Sealed + Copy + Send + Sync + 'static {
     /// The [`DType`] that buffers of this type carry.
     ///
@@ -105,6 +137,7 @@ pub trait Element: sealed::Sealed + Copy + Send + Sync + 'static {
     /// use ferrocomm::{bf16, DType, Element};
     /// assert_eq!(<bf16 as Element>::DTYPE, DType::BF16);
     /// assert_eq!(u64::DTYPE.size(), 8);
+    /// assert_eq!(bool::DTYPE.size(), 1);
     /// ```
     const DTYPE: DType;
 }
@@ -115,47 +148,77 @@ macro_rules! element {
         impl Element for $t { const DTYPE: DType = DType::$d; }
     )*};
 }
-element!(f32 => F32, f64 => F64, f16 => F16, bf16 => BF16, i8 => I8, u8 => U8, i32 => I32, i64 => I64, u32 => U32, u64 => U64, crate::contracts::fp8::F8E4M3 => F8E4M3);
+element!(
+    f32 => F32,
+    f64 => F64,
+    f16 => F16,
+    bf16 => BF16,
+    i8 => I8,
+    u8 => U8,
+    i16 => I16,
+    u16 => U16,
+    i32 => I32,
+    i64 => I64,
+    u32 => U32,
+    u64 => U64,
+    bool => Bool,
+    crate::contracts::fp8::F8E4M3 => F8E4M3,
+    crate::contracts::fp8::F8E5M2 => F8E5M2
+);
 
 /// Views a slice of elements as bytes.
 pub(crate) fn as_bytes<T: Element>(s: &[T]) -> &[u8] {
-    // SAFETY: `Element` is sealed to integer and float types: no padding, every byte initialised.
+    // SAFETY: `Element` is sealed to integer, float and bool types: no padding, every byte
+    // initialised.
     unsafe { std::slice::from_raw_parts(s.as_ptr().cast(), std::mem::size_of_val(s)) }
 }
 
-/// Views a mutable slice of elements as bytes.
+/// Views a mutable slice of elements as bytes. The caller writes only valid values of `T`
+/// through it, or calls [`normalise`] on the bytes before `s` is read as `T` again (the one
+/// element type with invalid bit patterns is `bool`).
 pub(crate) fn as_bytes_mut<T: Element>(s: &mut [T]) -> &mut [u8] {
-    // SAFETY: as above, and every bit pattern is a valid value of these types.
+    // SAFETY: as above; every bit pattern is a valid value of these types but `bool`'s, whose
+    // bytes the library normalises before the slice is read again (see `Element`).
     unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr().cast(), std::mem::size_of_val(s)) }
+}
+
+/// Makes `bytes`, just written as elements of `dtype`, valid values of it: a `bool` byte other
+/// than 0 or 1 becomes 1 (`true`). Every other element type accepts every bit pattern.
+pub(crate) fn normalise(dtype: DType, bytes: &mut [u8]) {
+    if dtype == DType::Bool {
+        bytes.iter_mut().for_each(|b| *b = u8::from(*b != 0));
+    }
 }
 
 /// A reduction operator.
 #[derive(Clone, Copy, Debug, PartialEq)]
 #[non_exhaustive]
 pub enum ReduceOp {
-    /// Elementwise sum.
+    /// Elementwise sum (logical or on `bool`).
     Sum,
-    /// Elementwise product.
+    /// Elementwise product (logical and on `bool`).
     Prod,
-    /// Elementwise minimum (exact: no rounding).
+    /// Elementwise minimum (exact: no rounding; logical and on `bool`).
     Min,
-    /// Elementwise maximum (exact: no rounding).
+    /// Elementwise maximum (exact: no rounding; logical or on `bool`).
     Max,
-    /// Sum divided by the number of ranks (integer division for integer types).
+    /// Sum divided by the number of ranks (integer division for integer types;
+    /// `Error::UnsupportedReduce` on `bool`).
     Avg,
-    /// Bitwise AND; integer types only (`Error::UnsupportedReduce` on floats).
+    /// Bitwise AND; integer types and `bool` only (`Error::UnsupportedReduce` on floats).
     BAnd,
-    /// Bitwise OR; integer types only (`Error::UnsupportedReduce` on floats).
+    /// Bitwise OR; integer types and `bool` only (`Error::UnsupportedReduce` on floats).
     BOr,
-    /// Bitwise exclusive OR; integer types only (`Error::UnsupportedReduce` on floats).
+    /// Bitwise exclusive OR; integer types and `bool` only (`Error::UnsupportedReduce` on
+    /// floats).
     BXor,
     /// Each rank's input is multiplied by the scalar before the sum; the scalar must be
-    /// finite (`Error::InvalidArgument` otherwise).
+    /// finite (`Error::InvalidArgument` otherwise); `Error::UnsupportedReduce` on `bool`.
     PremulSum(f64),
 }
 
 impl ReduceOp {
-    /// Whether the op is `BAnd`, `BOr` or `BXor`, defined on integer types only.
+    /// Whether the op is `BAnd`, `BOr` or `BXor`, defined on integer types and `bool` only.
     pub fn is_bitwise(self) -> bool {
         matches!(self, ReduceOp::BAnd | ReduceOp::BOr | ReduceOp::BXor)
     }
@@ -174,9 +237,17 @@ impl ReduceOp {
         }
     }
 
+    /// Whether the operator is defined for `dtype`: bitwise ops are not on floats, and `bool`
+    /// has no average or scaled sum (its other ops are logical; see [`DType::Bool`]).
+    pub fn is_defined_for(self, dtype: DType) -> bool {
+        let float_bits = self.is_bitwise() && dtype.is_float();
+        let bool_arith = dtype == DType::Bool && matches!(self, ReduceOp::Avg | ReduceOp::PremulSum(_));
+        !float_bits && !bool_arith
+    }
+
     /// Checks that the operator is defined for `dtype`.
     pub(crate) fn check(self, op: &'static str, dtype: DType) -> crate::contracts::error::Result<()> {
-        if self.is_bitwise() && dtype.is_float() {
+        if !self.is_defined_for(dtype) {
             return Err(crate::contracts::error::Error::UnsupportedReduce {
                 op,
                 reduce: self.to_string(),

@@ -248,6 +248,52 @@ impl Op<'_> {
         }
     }
 
+    /// Visits every output buffer (also in-place ones), for writing, in `for_each_buffer`'s
+    /// order.
+    pub(crate) fn for_each_output_mut(&mut self, output: &mut dyn FnMut(&mut BufMut<'_>)) {
+        match self {
+            Op::AllReduce { buf, .. } | Op::Reduce { buf, .. } | Op::Broadcast { buf, .. } => output(buf),
+            Op::AllGather { outputs, .. } | Op::AllToAll { outputs, .. } => outputs.iter_mut().for_each(output),
+            Op::ReduceScatter { output: o, .. } | Op::Scatter { output: o, .. } => output(o),
+            Op::Gather { outputs, .. } => outputs.iter_mut().flatten().for_each(output),
+            Op::Barrier => {}
+            Op::Batch(v) => v.iter_mut().for_each(|p| {
+                if let P2p::Recv { buf, .. } = p {
+                    output(buf)
+                }
+            }),
+            Op::AllReduceRmsNorm(f) => {
+                output(&mut f.residual);
+                output(&mut f.out);
+                f.scales.iter_mut().for_each(output);
+            }
+            Op::MoeDispatch(m) => {
+                if let Some(r) = &mut m.recv {
+                    output(&mut r.tokens);
+                    r.scales.iter_mut().for_each(&mut *output);
+                    output(&mut r.counts);
+                    output(&mut r.src);
+                }
+            }
+            Op::MoeCombine(m) => {
+                if let Some(r) = &mut m.recv {
+                    output(&mut r.out);
+                }
+            }
+        }
+    }
+
+    /// Makes every host output hold valid values of its element type again, whatever bytes
+    /// the backend (or a peer through it) left there: `bool` bytes other than 0 or 1 become 1
+    /// (see [`Element`](crate::Element)). Device buffers are left as they are.
+    pub(crate) fn normalise_outputs(&mut self) {
+        self.for_each_output_mut(&mut |b| {
+            if b.dtype() == DType::Bool && b.location() == Location::Host {
+                crate::contracts::dtype::normalise(b.dtype(), b.host_bytes_mut());
+            }
+        });
+    }
+
     /// Checks everything that can be checked locally: ranks, part counts, dtypes, reduce ops
     /// and this rank's own sizes. Cross-rank consistency is checked by the backend's protocol.
     pub fn validate(&self, rank: usize, size: usize) -> Result<()> {

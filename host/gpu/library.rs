@@ -33,6 +33,7 @@ pub const HEADERS: &[(&str, &str)] = &[
     header!("multimem.cuh"),
     header!("team.cuh"),
     header!("dtype.cuh"),
+    header!("fp8.cuh"),
     header!("reduce_copy.cuh"),
     header!("norm.cuh"),
     header!("ferrocomm.cuh"),

@@ -10,7 +10,7 @@ pub mod window_suite;
 
 pub use ferrocomm::prelude::*;
 pub use ferrocomm::Observed;
-use ferrocomm::{bf16, f16};
+use ferrocomm::{bf16, f16, F8E4M3, F8E5M2};
 pub use rand::rngs::StdRng;
 pub use rand::{Rng, SeedableRng};
 use std::fmt::Debug;
@@ -130,10 +130,39 @@ macro_rules! int_elem {
         }
     )*};
 }
-int_elem!(i8, u8, i32, i64, u32, u64);
+int_elem!(i8, u8, i16, u16, i32, i64, u32, u64);
+
+impl TestElem for bool {
+    fn random(r: &mut StdRng, _: Option<ReduceOp>) -> Self {
+        r.gen()
+    }
+    /// Only two values: an output left unwritten shows up half the time.
+    fn poison() -> Self {
+        true
+    }
+    /// Logical, as torch reduces bool tensors: sum / max / bor are or, prod / min / band and.
+    fn check_reduced(vals: &[Self], op: ReduceOp, got: Self) -> Result<(), String> {
+        let want = match op {
+            ReduceOp::Sum | ReduceOp::Max | ReduceOp::BOr => vals.iter().any(|&v| v),
+            ReduceOp::Prod | ReduceOp::Min | ReduceOp::BAnd => vals.iter().all(|&v| v),
+            ReduceOp::BXor => vals.iter().filter(|&&v| v).count() % 2 == 1,
+            _ => unreachable!("{op} is not defined on bool"),
+        };
+        if got == want {
+            Ok(())
+        } else {
+            Err(format!("got {got}, want {want} (inputs {vals:?}, {op})"))
+        }
+    }
+}
 
 macro_rules! float_elem {
     ($t:ty, $eps:expr, $to:expr, $from:expr) => {
+        float_elem!($t, $eps, 1e-30, $to, $from);
+    };
+    // `$tiny`: the absolute error of one rounding near zero (half the smallest subnormal), for
+    // types whose subnormals are coarse.
+    ($t:ty, $eps:expr, $tiny:expr, $to:expr, $from:expr) => {
         impl TestElem for $t {
             fn random(r: &mut StdRng, op: Option<ReduceOp>) -> Self {
                 // Products stay near 1 so eight ranks neither overflow nor underflow.
@@ -169,7 +198,7 @@ macro_rules! float_elem {
                 };
                 // Documented tolerance: each of the n-1 combining steps (and the final scale)
                 // rounds once to the element type: |error| <= eps * (n + 2) * sum|x|.
-                let tol = $eps * (n + 2.0) * scale + 1e-30;
+                let tol = ($eps * scale + $tiny) * (n + 2.0);
                 let g = $to(got);
                 if (g - want).abs() <= tol {
                     Ok(())
@@ -184,6 +213,17 @@ float_elem!(f32, f32::EPSILON as f64, |x: f32| x as f64, |x: f64| x as f32);
 float_elem!(f64, f64::EPSILON, |x: f64| x, |x: f64| x);
 float_elem!(f16, 0.000977, |x: f16| x.to_f64(), f16::from_f64);
 float_elem!(bf16, 0.0078125, |x: bf16| x.to_f64(), bf16::from_f64);
+// fp8: 4 and 3 significant bits; subnormals in steps of 2^-9 and 2^-16.
+float_elem!(F8E4M3, 0.0625, 1.0 / 1024.0, |x: F8E4M3| x.to_f32() as f64, |x: f64| {
+    F8E4M3::from_f32(x as f32)
+});
+float_elem!(
+    F8E5M2,
+    0.125,
+    1.0 / 131072.0,
+    |x: F8E5M2| x.to_f32() as f64,
+    |x: f64| F8E5M2::from_f32(x as f32)
+);
 
 pub const INT_OPS: [ReduceOp; 9] = [
     ReduceOp::Sum,
@@ -206,9 +246,22 @@ pub const FLOAT_OPS: [ReduceOp; 6] = [
     ReduceOp::PremulSum(0.5),
 ];
 
+/// INT_OPS but for avg and premul_sum, which bool does not have.
+pub const BOOL_OPS: [ReduceOp; 7] = [
+    ReduceOp::Sum,
+    ReduceOp::Prod,
+    ReduceOp::Min,
+    ReduceOp::Max,
+    ReduceOp::BAnd,
+    ReduceOp::BOr,
+    ReduceOp::BXor,
+];
+
 pub fn ops_for<T: Element>() -> &'static [ReduceOp] {
     if T::DTYPE.is_float() {
         &FLOAT_OPS
+    } else if T::DTYPE == DType::Bool {
+        &BOOL_OPS
     } else {
         &INT_OPS
     }

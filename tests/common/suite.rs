@@ -3,7 +3,7 @@
 //! every rank's inputs from the same seed, so each can compute the reference on its own.
 
 use super::*;
-use ferrocomm::{bf16, f16};
+use ferrocomm::{bf16, f16, F8E4M3, F8E5M2};
 
 struct Ctx<'c> {
     comm: &'c Comm,
@@ -236,5 +236,10 @@ pub fn run_all(comm: &Comm, seed: u64) -> usize {
     one_dtype::<i64>(&mut cx, &algos);
     one_dtype::<u32>(&mut cx, &algos);
     one_dtype::<u64>(&mut cx, &algos);
+    one_dtype::<bool>(&mut cx, &algos);
+    one_dtype::<i16>(&mut cx, &algos);
+    one_dtype::<u16>(&mut cx, &algos);
+    one_dtype::<F8E4M3>(&mut cx, &algos);
+    one_dtype::<F8E5M2>(&mut cx, &algos);
     cx.checks + super::inference_suite::on_comm(comm, seed) + super::owned_suite::on_comm(comm, seed)
 }

@@ -3,7 +3,7 @@
 //! registered memory.
 
 use super::*;
-use ferrocomm::{Error, Window};
+use ferrocomm::{Error, Window, F8E4M3, F8E5M2};
 
 const SLOT: usize = 4096;
 
@@ -226,6 +226,87 @@ fn async_put_get(comm: &Comm, w: &Window, seed: u64) {
     w.barrier().unwrap();
 }
 
+/// One vector of each of the 1- and 2-byte element types.
+type Typed = (Vec<bool>, Vec<i16>, Vec<u16>, Vec<F8E4M3>, Vec<F8E5M2>);
+
+/// Elements of every 1- and 2-byte type (bool, i16, u16, both fp8) put to the right neighbour
+/// and read back from everyone, by `get`, `get_async` and `read_local`; then bytes other than 0
+/// and 1 read as `bool` arrive as `true` (0 or 1 in memory), never as an invalid `bool`.
+fn typed_elements(comm: &Comm, w: &Window, seed: u64) {
+    let (n, me) = (w.size(), w.rank());
+    let right = (me + 1) % n;
+    let k = 97;
+    let mut r = rng(seed, 7000 + me as u64);
+    let mine_of = |r: &mut StdRng| -> Typed {
+        (
+            (0..k).map(|_| r.gen()).collect(),
+            (0..k).map(|_| r.gen()).collect(),
+            (0..k).map(|_| r.gen()).collect(),
+            (0..k).map(|_| F8E4M3::from_bits(r.gen())).collect(),
+            (0..k).map(|_| F8E5M2::from_bits(r.gen())).collect(),
+        )
+    };
+    let mine = mine_of(&mut r);
+    // Layout in a segment: bool, i16, u16, e4m3, e5m2, each k elements, 2-byte ones aligned.
+    let (o_b, o_i, o_u, o_e4, o_e5) = (0, 128, 128 + 2 * k, 128 + 4 * k, 128 + 5 * k);
+    w.put(right, o_b, &mine.0).unwrap();
+    w.put(right, o_i, &mine.1).unwrap();
+    w.put(right, o_u, &mine.2).unwrap();
+    w.put(right, o_e4, &mine.3).unwrap();
+    w.put(right, o_e5, &mine.4).unwrap();
+    w.barrier().unwrap();
+    for p in 0..n {
+        let left_of_p = (p + n - 1) % n;
+        let want = mine_of(&mut rng(seed, 7000 + left_of_p as u64));
+        let mut got = (
+            vec![false; k],
+            vec![0i16; k],
+            vec![0u16; k],
+            vec![F8E4M3::default(); k],
+            vec![F8E5M2::default(); k],
+        );
+        w.get(p, o_b, &mut got.0).unwrap();
+        w.get(p, o_i, &mut got.1).unwrap();
+        w.get(p, o_u, &mut got.2).unwrap();
+        w.get(p, o_e4, &mut got.3).unwrap();
+        w.get(p, o_e5, &mut got.4).unwrap();
+        assert!(got == want, "rank {me}: typed elements in rank {p}'s segment");
+        if p == me {
+            let mut local = vec![false; k];
+            w.read_local(o_b, &mut local).unwrap();
+            assert!(local == want.0, "rank {me}: read_local of bools");
+        }
+    }
+    let mut back = vec![F8E5M2::default(); k];
+    comm.scope(|s| w.get_async(s, right, o_e5, &mut back).unwrap().wait().unwrap());
+    assert!(back == mine.4, "rank {me}: get_async of e5m2");
+    w.barrier().unwrap();
+
+    // Bytes that are no bool, written as u8.
+    let raw: Vec<u8> = (0..k).map(|i| [0u8, 1, 2, 0x80, 0xFF, 0x7F][i % 6]).collect();
+    w.write_local(o_b, &raw).unwrap();
+    w.barrier().unwrap();
+    let want: Vec<bool> = raw.iter().map(|&b| b != 0).collect();
+    for p in 0..n {
+        let mut got = vec![false; k];
+        w.get(p, o_b, &mut got).unwrap();
+        assert!(got == want, "rank {me}: bools from rank {p}'s raw bytes");
+        // SAFETY: a bool is one byte; this reads what get left in memory as plain bytes.
+        let bytes = unsafe { std::slice::from_raw_parts(got.as_ptr().cast::<u8>(), k) };
+        assert!(
+            bytes.iter().all(|&b| b <= 1),
+            "rank {me}: get left a byte that is no bool: {bytes:?}"
+        );
+    }
+    let mut got = vec![false; k];
+    w.read_local(o_b, &mut got).unwrap();
+    assert!(got == want, "rank {me}: read_local of raw bytes as bools");
+    let mut got = vec![false; k];
+    comm.scope(|s| w.get_async(s, right, o_b, &mut got).unwrap().wait().unwrap());
+    assert!(got == want, "rank {me}: get_async of raw bytes as bools");
+    w.barrier().unwrap();
+}
+
 /// The whole suite on a window this rank already holds (allocated or registered).
 pub fn run_on(comm: &Comm, w: &Window, seed: u64) {
     assert!(w.bytes() >= w.size() * SLOT);
@@ -236,6 +317,7 @@ pub fn run_on(comm: &Comm, w: &Window, seed: u64) {
     atomics_under_contention(w, 200);
     bad_accesses_are_errors_and_write_nothing(w);
     async_put_get(comm, w, seed);
+    typed_elements(comm, w, seed);
 }
 
 /// Allocates a window and runs the suite, then the typed window suite; returns whether peers

@@ -173,13 +173,22 @@ extern "C" __global__ void fused_reduce_f16(ferrocomm_window_handle a, ferrocomm
   fused_reduce<F16>(a, b, n, out, copy);
 }
 
-// norm.cuh's fp8 e4m3 both ways: out[i] = e4m3(in[i]) for i < n, decoded[c] = the value of
+// fp8.cuh's e4m3 both ways: out[i] = e4m3(in[i]) for i < n, decoded[c] = the value of
 // code c for every code (256 floats).
 extern "C" __global__ void e4m3_convert(const float* in, unsigned char* out, u64 n, float* decoded) {
   const u64 stride = static_cast<u64>(gridDim.x) * blockDim.x;
   for (u64 i = static_cast<u64>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) out[i] = f32_to_e4m3(in[i]);
   for (u64 c = static_cast<u64>(blockIdx.x) * blockDim.x + threadIdx.x; c < 256; c += stride) {
     decoded[c] = e4m3_to_f32(static_cast<unsigned char>(c));
+  }
+}
+
+// fp8.cuh's e5m2 both ways, like e4m3_convert.
+extern "C" __global__ void e5m2_convert(const float* in, unsigned char* out, u64 n, float* decoded) {
+  const u64 stride = static_cast<u64>(gridDim.x) * blockDim.x;
+  for (u64 i = static_cast<u64>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) out[i] = f32_to_e5m2(in[i]);
+  for (u64 c = static_cast<u64>(blockIdx.x) * blockDim.x + threadIdx.x; c < 256; c += stride) {
+    decoded[c] = e5m2_to_f32(static_cast<unsigned char>(c));
   }
 }
 

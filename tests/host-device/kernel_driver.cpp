@@ -127,8 +127,7 @@ template <class E, u32 OP>
 typename E::Raw reference(int size, u64 i, u64 seed) {
   float acc = E::get(value<E>(0, i, seed));
   for (int r = 1; r < size; ++r) acc = combine<OP>(acc, E::get(value<E>(r, i, seed)));
-  if (OP == REDUCE_AVG) acc /= static_cast<float>(size);
-  return E::put(acc);
+  return finish<E, OP>(acc, size);
 }
 
 using ShotKernel = void (*)(ferrocomm_window_handle, const void*, void*, u64, u64*, u32);
@@ -1149,6 +1148,9 @@ int main(int argc, char** argv) {
       check_all_reduce<F32, REDUCE_MIN>(g, ferrocomm_allreduce_twoshot_f32_min, "twoshot f32 min", count, blocks, 32, 2);
       check_all_reduce<Bf16, REDUCE_SUM>(g, ferrocomm_allreduce_twoshot_bf16_sum, "twoshot bf16 sum", count, blocks, 64, 1);
       check_all_reduce<F16, REDUCE_AVG>(g, ferrocomm_allreduce_twoshot_f16_avg, "twoshot f16 avg", count, blocks, 32, 1);
+      // Negative values as u16 wrap: the sums wrap too.
+      check_all_reduce<I16, REDUCE_AVG>(g, ferrocomm_allreduce_oneshot_i16_avg, "oneshot i16 avg", count, blocks, 32, 1);
+      check_all_reduce<U16, REDUCE_SUM>(g, ferrocomm_allreduce_twoshot_u16_sum, "twoshot u16 sum", count, blocks, 64, 1);
     }
     check_all_gather(g, 333, 2, 32);
     check_reduce_scatter(g, 150, 2, 32);

@@ -262,10 +262,15 @@ pub enum DType {
     U32,
     I64,
     U64,
+    Bool,
+    I16,
+    U16,
+    F8E4M3,
+    F8E5M2,
 }
 
 impl DType {
-    const ALL: [DType; 10] = [
+    const ALL: [DType; 15] = [
         DType::F32,
         DType::F64,
         DType::F16,
@@ -276,6 +281,11 @@ impl DType {
         DType::U32,
         DType::I64,
         DType::U64,
+        DType::Bool,
+        DType::I16,
+        DType::U16,
+        DType::F8E4M3,
+        DType::F8E5M2,
     ];
 
     /// The name in tables and JSON, and nccl-tests' name for the type.
@@ -291,6 +301,12 @@ impl DType {
             DType::U32 => ("u32", "uint32"),
             DType::I64 => ("i64", "int64"),
             DType::U64 => ("u64", "uint64"),
+            // nccl-tests has no bool or 16-bit integers; its fp8 names are ours.
+            DType::Bool => ("bool", "bool"),
+            DType::I16 => ("i16", "int16"),
+            DType::U16 => ("u16", "uint16"),
+            DType::F8E4M3 => ("f8e4m3", "f8e4m3"),
+            DType::F8E5M2 => ("f8e5m2", "f8e5m2"),
         }
     }
 
@@ -307,7 +323,8 @@ impl ValueEnum for DType {
 
     fn to_possible_value(&self) -> Option<PossibleValue> {
         let (ours, nccl) = self.names();
-        Some(PossibleValue::new(ours).alias(nccl))
+        let v = PossibleValue::new(ours);
+        Some(if nccl == ours { v } else { v.alias(nccl) })
     }
 }
 

@@ -83,6 +83,11 @@ pub fn run(comm: &Comm, a: &Args) -> Result<Vec<Row>> {
         DType::U32 => sweep::<u32>(comm, a),
         DType::I64 => sweep::<i64>(comm, a),
         DType::U64 => sweep::<u64>(comm, a),
+        DType::Bool => sweep::<bool>(comm, a),
+        DType::I16 => sweep::<i16>(comm, a),
+        DType::U16 => sweep::<u16>(comm, a),
+        DType::F8E4M3 => sweep::<ferrocomm::F8E4M3>(comm, a),
+        DType::F8E5M2 => sweep::<ferrocomm::F8E5M2>(comm, a),
     }
 }
 

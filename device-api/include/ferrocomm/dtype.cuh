@@ -1,9 +1,14 @@
 // Element types of reductions as device code sees them: raw bits and their f32 value.
-// `F32`, `F16` and `Bf16` each give `Raw` (the stored bits: u32 or u16) and `get` / `put`
-// (to and from f32, where every reduction computes); f16_to_f32, f32_to_f16, bf16_to_f32 and
-// f32_to_bf16 are the conversions beneath them. Plain integer code, no half-precision headers,
-// so the same bits come out of nvcc, NVRTC, hipcc and the host device. Used by
-// reduce_copy.cuh and by ferrocomm's own collective kernels.
+// `F32`, `F16`, `Bf16`, `I16` and `U16` each give `Raw` (the stored bits: u32 or u16), `get` /
+// `put` (to and from f32, where every reduction computes) and `avg` (the average of `ranks`
+// values from their f32 sum); f16_to_f32, f32_to_f16, bf16_to_f32 and f32_to_bf16 are the
+// conversions beneath them. Plain integer code, no half-precision headers, so the same bits
+// come out of nvcc, NVRTC, hipcc and the host device. Used by reduce_copy.cuh and by
+// ferrocomm's own collective kernels; fp8.cuh adds the 8-bit float types.
+//
+// The 16-bit integers compute in f32 too, exactly: a sum of up to 256 of them is an integer
+// below 2^24. `put` keeps the low 16 bits of the (integer) value, so sums wrap as the host's do
+// (host/contracts/reduce.rs), and `avg` divides the wrapped sum, truncating, as the host does.
 #pragma once
 #include "ferrocomm/device.cuh"
 
@@ -54,16 +59,39 @@ struct F32 {
   using Raw = u32;
   static FERROCOMM_DEVICE_INLINE float get(Raw r) { return __uint_as_float(r); }
   static FERROCOMM_DEVICE_INLINE Raw put(float f) { return __float_as_uint(f); }
+  static FERROCOMM_DEVICE_INLINE Raw avg(float sum, i32 ranks) { return put(sum / static_cast<float>(ranks)); }
 };
 struct F16 {
   using Raw = u16;
   static FERROCOMM_DEVICE_INLINE float get(Raw r) { return f16_to_f32(r); }
   static FERROCOMM_DEVICE_INLINE Raw put(float f) { return f32_to_f16(f); }
+  static FERROCOMM_DEVICE_INLINE Raw avg(float sum, i32 ranks) { return put(sum / static_cast<float>(ranks)); }
 };
 struct Bf16 {
   using Raw = u16;
   static FERROCOMM_DEVICE_INLINE float get(Raw r) { return bf16_to_f32(r); }
   static FERROCOMM_DEVICE_INLINE Raw put(float f) { return f32_to_bf16(f); }
+  static FERROCOMM_DEVICE_INLINE Raw avg(float sum, i32 ranks) { return put(sum / static_cast<float>(ranks)); }
+};
+// i16 as its bits; `put` takes an f32 that holds an integer.
+struct I16 {
+  using Raw = u16;
+  static FERROCOMM_DEVICE_INLINE float get(Raw r) {
+    return static_cast<float>(static_cast<i32>(r) - ((r & 0x8000u) ? 0x10000 : 0));
+  }
+  static FERROCOMM_DEVICE_INLINE Raw put(float f) { return static_cast<Raw>(static_cast<u32>(static_cast<i32>(f))); }
+  static FERROCOMM_DEVICE_INLINE Raw avg(float sum, i32 ranks) {
+    const i32 wrapped = static_cast<i32>(get(put(sum)));
+    return static_cast<Raw>(static_cast<u32>(wrapped / ranks));
+  }
+};
+struct U16 {
+  using Raw = u16;
+  static FERROCOMM_DEVICE_INLINE float get(Raw r) { return static_cast<float>(r); }
+  static FERROCOMM_DEVICE_INLINE Raw put(float f) { return static_cast<Raw>(static_cast<u32>(static_cast<i32>(f))); }
+  static FERROCOMM_DEVICE_INLINE Raw avg(float sum, i32 ranks) {
+    return static_cast<Raw>(static_cast<u32>(put(sum)) / static_cast<u32>(ranks));
+  }
 };
 
 }  // namespace ferrocomm

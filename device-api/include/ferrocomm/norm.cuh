@@ -2,10 +2,7 @@
 // kernels/fused_norm.cu is made of them), for users' kernels that fuse a norm with their own
 // communication:
 //
-// - fp8 e4m3 (`E4M3`, `f32_to_e4m3`, `e4m3_to_f32`, `e4m3_scale`): the OCP "fn" variant that
-//   CUDA calls __nv_fp8_e4m3, by bit manipulation (no cuda_fp8.h), so nvcc, NVRTC, hipcc and
-//   the host device give the same bits as the host's reference (host/contracts/fp8.rs):
-//   round to nearest even, saturation to +-448, NaN stays NaN;
+// - fp8 e4m3's per-row scale (`e4m3_scale`; the type itself, `E4M3`, is in fp8.cuh);
 // - row groups (`RowGroups`, `load_group`, `store_group`, `reduce_group`): how a block cuts a row of `n`
 //   elements among its threads: groups of V = 16 / sizeof(element) consecutive elements,
 //   group g to thread g % blockDim.x. The cut does not depend on alignment: `vec` only picks
@@ -22,49 +19,12 @@
 // (the block size a multiple of the warp size). Element types are those of dtype.cuh plus E4M3.
 #pragma once
 #include "ferrocomm/dtype.cuh"
+#include "ferrocomm/fp8.cuh"
 #include "ferrocomm/reduce_copy.cuh"
 
 namespace ferrocomm {
 
-using u8 = unsigned char;
-
-// ---- fp8 e4m3 ----
-
-// fp8 e4m3's largest finite value.
-constexpr float E4M3_MAX = 448.0f;
-
-// `x` rounded to nearest (ties to even) to e4m3, saturating to +-448 (infinities too); NaN
-// gives the NaN code of x's sign. Scaling by powers of two is exact and rintf rounds to nearest
-// even, so this is host/contracts/fp8.rs's F8E4M3::from_f32 step by step.
-FERROCOMM_DEVICE_INLINE u8 f32_to_e4m3(float x) {
-  const u32 bits = __float_as_uint(x);
-  const u32 sign = (bits >> 24) & 0x80u, abits = bits & 0x7fffffffu;
-  if (abits > 0x7f800000u) return static_cast<u8>(sign | 0x7fu);
-  const float a = __uint_as_float(abits);
-  if (a >= E4M3_MAX) return static_cast<u8>(sign | 0x7eu);
-  // Below 2^-6 e4m3 is subnormal: multiples of 2^-9 (a code of 8 is the smallest normal).
-  if (abits < 0x3c800000u) return static_cast<u8>(sign | static_cast<u32>(rintf(a * 512.0f)));
-  i32 e = static_cast<i32>(abits >> 23) - 127;                                     // -6..8
-  u32 q = static_cast<u32>(rintf(a * __uint_as_float(static_cast<u32>(127 + 3 - e) << 23)));  // 8..16
-  if (q == 16) {
-    q = 8;
-    e += 1;
-  }
-  const u32 code = (static_cast<u32>(e + 7) << 3) | (q - 8);
-  return static_cast<u8>(sign | (code < 0x7eu ? code : 0x7eu));
-}
-
-// The value of an e4m3 code (exact).
-FERROCOMM_DEVICE_INLINE float e4m3_to_f32(u8 b) {
-  const u32 sign = static_cast<u32>(b & 0x80u) << 24;
-  const u32 exp = (b >> 3) & 0xfu, man = b & 7u;
-  if (exp == 15 && man == 7) return __uint_as_float(sign | 0x7fc00000u);
-  if (exp == 0) {
-    const float v = static_cast<float>(man) * (1.0f / 512.0f);
-    return sign ? -v : v;
-  }
-  return __uint_as_float(sign | ((exp + 120u) << 23) | (man << 20));
-}
+// ---- fp8 e4m3 scales ----
 
 // The per-row scale that maps a row's largest magnitude `amax` onto 448: amax / 448, or 1 for a
 // row of zeros or with a non-finite amax (whose quantised values are then their own).
@@ -72,13 +32,6 @@ FERROCOMM_DEVICE_INLINE float e4m3_scale(float amax) {
   const bool finite = (__float_as_uint(amax) & 0x7f800000u) != 0x7f800000u;
   return amax > 0.0f && finite ? amax / E4M3_MAX : 1.0f;
 }
-
-// fp8 e4m3 as an element type (next to dtype.cuh's F32, F16, Bf16).
-struct E4M3 {
-  using Raw = u8;
-  static FERROCOMM_DEVICE_INLINE float get(Raw r) { return e4m3_to_f32(r); }
-  static FERROCOMM_DEVICE_INLINE Raw put(float f) { return f32_to_e4m3(f); }
-};
 
 // ---- row groups ----
 

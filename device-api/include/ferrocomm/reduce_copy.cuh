@@ -1,10 +1,12 @@
 // Building blocks of reductions and copies over a window's segments, the ones ferrocomm's own
 // collectives (one-shot, two-shot, multimem, all_to_all) are made of, for users' fused kernels:
 //
-// - reduce ops: REDUCE_SUM / MIN / MAX / AVG and `combine<OP>` on f32 values;
+// - reduce ops: REDUCE_SUM / MIN / MAX / AVG, `combine<OP>` on f32 values and `finish<E, OP>`
+//   (the element from the f32 accumulator: `E::avg` for averages, else `E::put`);
 // - `reduce_one<E, OP>` and `reduce_vec<E, OP>`: the reduction over every rank's segment, in
 //   rank order 0, 1, ..., size - 1 (so every rank computes the same bits), of one element or
-//   of one 16-byte group, with `word_of` / `set_word` / `lane` to take a uint4 apart;
+//   of one 16-byte group, with `word_of` / `set_word` / `lane` to take a uint4 apart
+//   (elements of 2 or 4 bytes);
 // - `Share`, `share_of`, `copy_share`, `Slices`, `reduce_share`: how a grid cuts `n` elements
 //   into per-block shares of whole 16-byte groups (only the last block has a scalar tail), and
 //   block-wide copies and reductions over one share.
@@ -28,13 +30,18 @@ FERROCOMM_DEVICE_INLINE float combine(float a, float b) {
   return a + b;
 }
 
+// The element of a reduction whose f32 accumulator over `ranks` values is `acc`.
+template <class E, u32 OP>
+FERROCOMM_DEVICE_INLINE typename E::Raw finish(float acc, i32 ranks) {
+  return OP == REDUCE_AVG ? E::avg(acc, ranks) : E::put(acc);
+}
+
 // The reduction of element `base + i` over every rank's segment, in rank order.
 template <class E, u32 OP>
 FERROCOMM_DEVICE_INLINE typename E::Raw reduce_one(const Window& w, u64 base, u64 i) {
   float acc = E::get(w.peer_ptr<typename E::Raw>(0, 0)[base + i]);
   for (i32 r = 1; r < w.size(); ++r) acc = combine<OP>(acc, E::get(w.peer_ptr<typename E::Raw>(r, 0)[base + i]));
-  if (OP == REDUCE_AVG) acc /= static_cast<float>(w.size());
-  return E::put(acc);
+  return finish<E, OP>(acc, w.size());
 }
 
 // Element k of 16 bytes, and the 32-bit word that holds elements k (and k + 1 for 16-bit
@@ -71,8 +78,7 @@ FERROCOMM_DEVICE_INLINE uint4 reduce_vec(const Window& w, u64 base, u64 g) {
   uint4 o = make_uint4(0, 0, 0, 0);
 #pragma unroll
   for (int k = 0; k < V; ++k) {
-    if (OP == REDUCE_AVG) acc[k] /= static_cast<float>(w.size());
-    const u32 bits = static_cast<u32>(E::put(acc[k]));
+    const u32 bits = static_cast<u32>(finish<E, OP>(acc[k], w.size()));
     if (sizeof(Raw) == 4) {
       set_word(o, k, bits);
     } else {

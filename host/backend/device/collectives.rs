@@ -107,6 +107,15 @@ fn suffix(dtype: DType, op: ReduceOp) -> Option<&'static str> {
         (DType::BF16, ReduceOp::Min) => "bf16_min",
         (DType::BF16, ReduceOp::Max) => "bf16_max",
         (DType::BF16, ReduceOp::Avg) => "bf16_avg",
+        // 16-bit integers (the types NCCL cannot reduce): exact in f32, wrapping like the CPU's.
+        (DType::I16, ReduceOp::Sum) => "i16_sum",
+        (DType::I16, ReduceOp::Min) => "i16_min",
+        (DType::I16, ReduceOp::Max) => "i16_max",
+        (DType::I16, ReduceOp::Avg) => "i16_avg",
+        (DType::U16, ReduceOp::Sum) => "u16_sum",
+        (DType::U16, ReduceOp::Min) => "u16_min",
+        (DType::U16, ReduceOp::Max) => "u16_max",
+        (DType::U16, ReduceOp::Avg) => "u16_avg",
         _ => return None,
     })
 }
@@ -148,7 +157,7 @@ impl OwnCollectives {
         let load = |name: String| b.gpu.function(&name);
         let (mut one_shot, mut two_shot, mut reduce_scatter) = (HashMap::new(), HashMap::new(), HashMap::new());
         let mut multimem = HashMap::new();
-        for d in [DType::F32, DType::F16, DType::BF16] {
+        for d in [DType::F32, DType::F16, DType::BF16, DType::I16, DType::U16] {
             for op in [ReduceOp::Sum, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg] {
                 let Some(s) = suffix(d, op) else { continue };
                 one_shot.insert(s, load(format!("{}{s}", kernels::ALL_REDUCE_ONESHOT.name))?);

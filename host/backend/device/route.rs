@@ -6,7 +6,7 @@
 //! bytes (256 KiB by default); every other operation goes to NCCL at any size: all_to_all,
 //! whose sizes may differ between ranks (no size rule could agree), and the operations whose
 //! own path is the staged host copy. Per operation, the hint `route` = `nccl` or `device` overrides the
-//! size rule; `nccl` without NCCL (or for a bitwise reduction, which NCCL lacks) is ignored for
+//! size rule; `nccl` without NCCL (or for a reduction NCCL lacks: bitwise, of i16 or u16) is ignored for
 //! the own path: the device backend never fails for want of NCCL.
 //!
 //! The device backend's hints (see `CommOptions::hints` for the rule): `route`, and
@@ -146,7 +146,7 @@ impl Policy {
             (present, _) => {
                 if let Some(v) = hints.get("route").filter(|v| *v == "nccl") {
                     let why = if present {
-                        "NCCL has no bitwise reductions"
+                        "NCCL has no such reduction (bitwise, or of 16-bit integers)"
                     } else {
                         "NCCL is not available to every rank"
                     };
@@ -172,17 +172,17 @@ fn same_size_everywhere(op: &Op<'_>) -> bool {
     !matches!(op, Op::AllToAll { .. })
 }
 
-/// NCCL has no bitwise reductions and no inference collectives; those take the own path
-/// whatever the hint.
+/// NCCL has no bitwise reductions (but for bool's and / or), no 16-bit integers to reduce and
+/// no inference collectives; those take the own path whatever the hint.
 fn nccl_supports(op: &Op<'_>) -> bool {
     if matches!(op, Op::AllReduceRmsNorm(_) | Op::MoeDispatch(_) | Op::MoeCombine(_)) {
         return false;
     }
-    let reduce = match op {
-        Op::AllReduce { op, .. } | Op::Reduce { op, .. } | Op::ReduceScatter { op, .. } => Some(*op),
-        _ => None,
-    };
-    !reduce.is_some_and(|r| r.is_bitwise())
+    match op {
+        Op::AllReduce { op, buf } | Op::Reduce { op, buf, .. } => crate::backend::nccl::reduces(buf.dtype(), *op),
+        Op::ReduceScatter { op, output, .. } => crate::backend::nccl::reduces(output.dtype(), *op),
+        _ => true,
+    }
 }
 
 #[cfg(test)]
@@ -249,6 +249,46 @@ mod tests {
             op: ReduceOp::BXor,
         };
         assert_eq!(p.choose(&bits, &force("nccl"), false).unwrap(), Route::Own);
+    }
+
+    /// NCCL has no 16-bit integers to reduce and no bool exclusive or; it reduces bool's and /
+    /// or as min / max, and moves every type (as bytes where it has no type).
+    #[test]
+    fn reductions_nccl_lacks_take_the_own_path_and_everything_else_may_go_to_nccl() {
+        let p = policy(true, None);
+        let nccl = BTreeMap::from([("route".to_string(), "nccl".to_string())]);
+        let (mut i, mut u, mut b) = ([0i16; 4], [0u16; 4], [false; 4]);
+        for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::BAnd] {
+            let ints = Op::AllReduce {
+                buf: BufMut::new(&mut i),
+                op,
+            };
+            assert_eq!(p.choose(&ints, &nccl, false).unwrap(), Route::Own, "i16 {op}");
+            let ints = Op::Reduce {
+                buf: BufMut::new(&mut u),
+                op,
+                root: 0,
+            };
+            assert_eq!(p.choose(&ints, &nccl, false).unwrap(), Route::Own, "u16 {op}");
+        }
+        for (op, by_nccl) in [
+            (ReduceOp::Sum, true),
+            (ReduceOp::Min, true),
+            (ReduceOp::BOr, true),
+            (ReduceOp::BXor, false),
+        ] {
+            let bools = Op::AllReduce {
+                buf: BufMut::new(&mut b),
+                op,
+            };
+            let want = if by_nccl { Route::Nccl } else { Route::Own };
+            assert_eq!(p.choose(&bools, &nccl, false).unwrap(), want, "bool {op}");
+        }
+        let moved = Op::Broadcast {
+            buf: BufMut::new(&mut i),
+            root: 0,
+        };
+        assert_eq!(p.choose(&moved, &nccl, false).unwrap(), Route::Nccl);
     }
 
     #[test]

@@ -12,8 +12,9 @@ use crate::gpu::nccl_library::{CommPtr, Stream, SCALAR_HOST_IMMEDIATE};
 use half::{bf16, f16};
 use std::ffi::{c_int, c_void};
 
-pub(crate) fn dtype(d: DType) -> c_int {
-    match d {
+/// NCCL's type for `d`, where it has one: none for bool, i16 and u16.
+fn nccl_type(d: DType) -> Option<c_int> {
+    Some(match d {
         DType::I8 => 0,
         DType::U8 => 1,
         DType::I32 => 2,
@@ -24,8 +25,35 @@ pub(crate) fn dtype(d: DType) -> c_int {
         DType::F32 => 7,
         DType::F64 => 8,
         DType::BF16 => 9,
-        // ncclFloat8e4m3 (NCCL 2.24+, reductions on sm_90 and later only).
+        // ncclFloat8e4m3 and ncclFloat8e5m2 (NCCL 2.24+, reductions on sm_90 and later only).
         DType::F8E4M3 => 10,
+        DType::F8E5M2 => 11,
+        DType::Bool | DType::I16 | DType::U16 => return None,
+    })
+}
+
+/// `count` elements of `d` as NCCL moves them: (NCCL's count, NCCL's type). Types NCCL lacks
+/// move as bytes (ncclUint8): a copy does not look at the values.
+fn moved(d: DType, count: usize) -> (usize, c_int) {
+    match nccl_type(d) {
+        Some(t) => (count, t),
+        None => (count * d.size(), 1),
+    }
+}
+
+/// NCCL's type for reducing `d` (where [`reduces`] holds): bool is ncclUint8, whose min and
+/// max are and and or on 0 and 1.
+fn reduced(d: DType) -> c_int {
+    nccl_type(d).unwrap_or(1)
+}
+
+/// Whether NCCL reduces `d` with `op` (see `redop`): not bitwise ops, but for bool's and / or;
+/// not i16 or u16, which NCCL has no type for.
+pub(crate) fn reduces(d: DType, op: ReduceOp) -> bool {
+    match d {
+        DType::I16 | DType::U16 => false,
+        DType::Bool => !matches!(op, ReduceOp::BXor),
+        _ => !op.is_bitwise(),
     }
 }
 
@@ -44,6 +72,17 @@ fn redop(
         reduce: format!("{op} (on the nccl backend)"),
         dtype: d.name(),
     };
+    if !reduces(d, op) {
+        return Err(unsupported());
+    }
+    if d == DType::Bool {
+        // Logical, as on the CPU (ReduceOp::check refused avg and premul_sum): or is max and
+        // and is min on bytes of 0 and 1.
+        return Ok(match op {
+            ReduceOp::Sum | ReduceOp::Max | ReduceOp::BOr => 2,
+            _ => 3,
+        });
+    }
     Ok(match op {
         ReduceOp::Sum => 0,
         ReduceOp::Prod => 1,
@@ -66,6 +105,8 @@ fn redop(
                 DType::I64 => scalar.copy_from_slice(&(s as i64).to_ne_bytes()),
                 DType::U64 => scalar.copy_from_slice(&(s as u64).to_ne_bytes()),
                 DType::F8E4M3 => scalar[0] = crate::contracts::fp8::F8E4M3::from_f32(s as f32).to_bits(),
+                DType::F8E5M2 => scalar[0] = crate::contracts::fp8::F8E5M2::from_f32(s as f32).to_bits(),
+                DType::Bool | DType::I16 | DType::U16 => return Err(unsupported()),
             }
             let mut out = 0;
             // SAFETY: NCCL reads the scalar now (host immediate) and writes the operator.
@@ -73,7 +114,7 @@ fn redop(
                 (nccl.lib.api.ncclRedOpCreatePreMulSum)(
                     &mut out,
                     scalar.as_mut_ptr().cast(),
-                    dtype(d),
+                    reduced(d),
                     SCALAR_HOST_IMMEDIATE,
                     comm,
                 )
@@ -82,7 +123,7 @@ fn redop(
             made.push(out);
             out
         }
-        // NCCL has no bitwise reductions.
+        // NCCL has no bitwise reductions (`reduces` refused them above).
         ReduceOp::BAnd | ReduceOp::BOr | ReduceOp::BXor => return Err(unsupported()),
     })
 }
@@ -129,13 +170,15 @@ pub(crate) fn issue(
         let send = |b: &Buf, peer: usize| {
             // SAFETY: as stated above for every call.
             check("ncclSend", unsafe {
-                (api.ncclSend)(ptr(dev(b)), b.count(), dtype(b.dtype()), peer as c_int, c, stream)
+                let (n, t) = moved(b.dtype(), b.count());
+                (api.ncclSend)(ptr(dev(b)), n, t, peer as c_int, c, stream)
             })
         };
         let recv = |b: &BufMut, peer: usize| {
             // SAFETY: as stated above for every call.
             check("ncclRecv", unsafe {
-                (api.ncclRecv)(ptr(dev_mut(b)), b.count(), dtype(b.dtype()), peer as c_int, c, stream)
+                let (n, t) = moved(b.dtype(), b.count());
+                (api.ncclRecv)(ptr(dev_mut(b)), n, t, peer as c_int, c, stream)
             })
         };
         // SAFETY: as stated above for every call.
@@ -148,7 +191,7 @@ pub(crate) fn issue(
                         let o = redop(nccl, c, name, *op, d, &mut made)?;
                         check(
                             "ncclAllReduce",
-                            (api.ncclAllReduce)(ptr(b), ptr(b), buf.count(), dtype(d), o, c, stream),
+                            (api.ncclAllReduce)(ptr(b), ptr(b), buf.count(), reduced(d), o, c, stream),
                         )
                     }
                     Op::Reduce { buf, op, root } => {
@@ -156,38 +199,32 @@ pub(crate) fn issue(
                         let o = redop(nccl, c, name, *op, d, &mut made)?;
                         check(
                             "ncclReduce",
-                            (api.ncclReduce)(ptr(b), ptr(b), buf.count(), dtype(d), o, *root as c_int, c, stream),
+                            (api.ncclReduce)(ptr(b), ptr(b), buf.count(), reduced(d), o, *root as c_int, c, stream),
                         )
                     }
                     Op::Broadcast { buf, root } => {
                         let b = dev_mut(buf);
+                        let (n, t) = moved(buf.dtype(), buf.count());
                         check(
                             "ncclBroadcast",
-                            (api.ncclBroadcast)(
-                                ptr(b),
-                                ptr(b),
-                                buf.count(),
-                                dtype(buf.dtype()),
-                                *root as c_int,
-                                c,
-                                stream,
-                            ),
+                            (api.ncclBroadcast)(ptr(b), ptr(b), n, t, *root as c_int, c, stream),
                         )
                     }
                     Op::AllGather { input, outputs } => {
                         let outs: Vec<DeviceBytes> = outputs.iter().map(dev_mut).collect();
-                        let d = dtype(input.dtype());
                         if contiguous(&outs) && outs[0].len == input.byte_len() {
+                            let (n, t) = moved(input.dtype(), input.count());
                             return check(
                                 "ncclAllGather",
-                                (api.ncclAllGather)(ptr(dev(input)), ptr(outs[0]), input.count(), d, c, stream),
+                                (api.ncclAllGather)(ptr(dev(input)), ptr(outs[0]), n, t, c, stream),
                             );
                         }
                         for (r, (o, b)) in outs.iter().zip(outputs).enumerate() {
                             let src = if r == rank { ptr(dev(input)) } else { ptr(*o) };
+                            let (n, t) = moved(b.dtype(), b.count());
                             check(
                                 "ncclBroadcast",
-                                (api.ncclBroadcast)(src, ptr(*o), b.count(), d, r as c_int, c, stream),
+                                (api.ncclBroadcast)(src, ptr(*o), n, t, r as c_int, c, stream),
                             )?;
                         }
                         Ok(())
@@ -203,7 +240,7 @@ pub(crate) fn issue(
                                     ptr(ins[0]),
                                     ptr(dev_mut(output)),
                                     output.count(),
-                                    dtype(d),
+                                    reduced(d),
                                     o,
                                     c,
                                     stream,
@@ -215,7 +252,7 @@ pub(crate) fn issue(
                             let dst = if r == rank { ptr(dev_mut(output)) } else { ptr(*i) };
                             check(
                                 "ncclReduce",
-                                (api.ncclReduce)(ptr(*i), dst, b.count(), dtype(d), o, r as c_int, c, stream),
+                                (api.ncclReduce)(ptr(*i), dst, b.count(), reduced(d), o, r as c_int, c, stream),
                             )?;
                         }
                         Ok(())

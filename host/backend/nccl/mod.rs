@@ -15,6 +15,8 @@ mod calls;
 mod comm;
 mod watchdog;
 
+pub(crate) use calls::reduces;
+
 use super::cpu::{self, CpuBackend};
 use super::norm_pass::NormPass;
 use crate::contracts::backend::{Backend, BackendInit, RunOptions};
