@@ -18,6 +18,8 @@ use std::time::Duration;
 const LIVE: u8 = 0;
 const FINALIZED: u8 = 1;
 const ABORTED: u8 = 2;
+/// Replaced by a smaller communicator (`Comm::shrink`).
+const SHRUNK: u8 = 3;
 
 struct Inner {
     exec: Arc<Executor>,
@@ -31,6 +33,7 @@ struct Inner {
     store: Arc<dyn Store>,
     prefix: String,
     splits: AtomicU64,
+    shrinks: AtomicU64,
     windows: AtomicU64,
     /// LIVE, FINALIZED or ABORTED; shared with the tasks of `AbortOnError`, which abort from
     /// wherever the operation ran.
@@ -214,7 +217,7 @@ pub fn new_comm(backend: &str, device: Device, name: &str, options: CommOptions)
 
 impl Comm {
     #[allow(clippy::too_many_arguments)]
-    fn create(
+    pub(crate) fn create(
         backend: &str,
         device: Device,
         name: &str,
@@ -261,6 +264,7 @@ impl Comm {
                 store,
                 prefix,
                 splits: AtomicU64::new(0),
+                shrinks: AtomicU64::new(0),
                 windows: AtomicU64::new(0),
                 state: Arc::new(AtomicU8::new(LIVE)),
                 _server: server,
@@ -368,12 +372,36 @@ impl Comm {
         self.inner.options.timeout
     }
 
-    fn check_live(&self, op: &'static str) -> Result<()> {
+    /// `Error::Closed` once the communicator is finalized, aborted or shrunk.
+    pub(crate) fn check_live(&self, op: &'static str) -> Result<()> {
         match self.inner.state.load(Ordering::Acquire) {
             LIVE => Ok(()),
             FINALIZED => Err(Error::Closed { op, state: "finalized" }),
+            SHRUNK => Err(Error::Closed {
+                op,
+                state: "replaced by a shrunk communicator",
+            }),
             _ => Err(Error::Closed { op, state: "aborted" }),
         }
+    }
+
+    /// What `Comm::shrink` needs of the communicator it replaces: the job store (not
+    /// prefixed), this communicator's namespace in it, its options, and the number of earlier
+    /// shrinks (every rank counts the same, as for `split`).
+    pub(crate) fn shrink_parts(&self) -> (Arc<dyn Store>, &str, &CommOptions, u64) {
+        let i = &self.inner;
+        (
+            i.store.clone(),
+            &i.prefix,
+            &i.options,
+            i.shrinks.fetch_add(1, Ordering::Relaxed),
+        )
+    }
+
+    /// Closes this rank's communicator for good after `Comm::shrink` replaced it: later
+    /// operations, its windows' included, fail with `Error::Closed`.
+    pub(crate) fn mark_shrunk(&self) {
+        self.inner.state.store(SHRUNK, Ordering::Release);
     }
 
     /// Checks `op` and makes its task; shared by the synchronous and asynchronous paths, so

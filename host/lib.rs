@@ -152,6 +152,7 @@ mod mapped_segment;
 mod objects;
 mod owned;
 mod owned_work;
+mod shrink;
 mod typed_window;
 mod window;
 mod work;

@@ -147,6 +147,8 @@ impl<'buf> Window<'buf> {
     }
 
     fn check_rank(&self, op: &'static str, rank: usize) -> Result<()> {
+        // A window lives no longer than its communicator (finalized, aborted or shrunk).
+        self.comm.check_live(op)?;
         if rank < self.size() {
             Ok(())
         } else {
@@ -184,6 +186,7 @@ impl<'buf> Window<'buf> {
     }
 
     fn check_signal(&self, op: &'static str, id: usize) -> Result<()> {
+        self.comm.check_live(op)?;
         if id < self.signals {
             Ok(())
         } else {
@@ -273,11 +276,13 @@ impl<'buf> Window<'buf> {
 
     /// Orders our earlier puts to each rank before our later ones.
     pub fn fence(&self) -> Result<()> {
+        self.comm.check_live("fence")?;
         self.backend.fence()
     }
 
     /// Waits until every earlier operation of ours is complete at its target.
     pub fn flush(&self) -> Result<()> {
+        self.comm.check_live("flush")?;
         self.backend.flush()
     }
 

@@ -53,6 +53,34 @@ fn child_entry() {
             let mapped = common::window_suite::run_all(&comm, seed);
             println!("child ok: windows (mapped directly: {mapped})");
         }
+        "shrink-after-sigkill" => {
+            let comm = new_comm("cpu", Device::Cpu, "mp-shrink", CommOptions::from_env().unwrap()).unwrap();
+            let mut x = vec![1.0f32; 1 << 16];
+            let mut said = false;
+            let lost = loop {
+                match comm.all_reduce(&mut x, ReduceOp::Sum) {
+                    // Once: the parent reads stdout only at the end.
+                    Ok(()) if !said => {
+                        said = {
+                            println!("waiting");
+                            true
+                        }
+                    }
+                    Ok(()) => {}
+                    Err(Error::PeerLost { peer, .. }) => break peer,
+                    Err(e) => panic!("rank {rank}: {e}"),
+                }
+                x.fill(1.0);
+            };
+            let small = comm.shrink(&[lost]).unwrap();
+            assert!(matches!(comm.barrier(), Err(Error::Closed { .. })));
+            for step in 0..20u64 {
+                let mut y = vec![rank as u64 * 100 + step; 1000];
+                small.all_reduce(&mut y, ReduceOp::Sum).unwrap();
+                assert!(y.iter().all(|&v| v == 100 + 2 * step), "step {step}");
+            }
+            println!("child ok: rank {lost} lost, shrunk to {} ranks", small.size());
+        }
         "window-waiter-loses-peer" => {
             let comm = new_comm("cpu", Device::Cpu, "mp-winkill", CommOptions::from_env().unwrap()).unwrap();
             let w = comm.new_window(64).unwrap();
@@ -294,6 +322,35 @@ fn survivors_report_a_sigkilled_rank(mode: &str, expected: &str) {
 #[test]
 fn sigkill_in_a_collective_gives_every_other_rank_an_error() {
     survivors_report_a_sigkilled_rank("killed-mid-collective", "PeerLost in all_reduce");
+}
+
+/// Rank 2 is SIGKILLed while all ranks loop over all_reduces; the survivors shrink to two
+/// ranks and go on (over shared memory and over TCP), with the launcher-less store of the test.
+#[test]
+fn survivors_of_a_sigkill_shrink_and_go_on() {
+    for transport in ["auto", "tcp"] {
+        let env = [
+            (MODE, "shrink-after-sigkill"),
+            ("FERROCOMM_TIMEOUT", "30"),
+            ("FERROCOMM_TRANSPORT", transport),
+        ];
+        let DirectJob {
+            server: _server,
+            ranks: mut children,
+        } = start_direct("child_entry", 3, &env);
+        std::thread::sleep(Duration::from_millis(1500));
+        let mut victim = children.pop().unwrap();
+        let _ = rustix::process::kill_process(rustix::process::Pid::from_child(&victim), rustix::process::Signal::KILL);
+        for (r, c) in children.into_iter().enumerate() {
+            let (status, out) = wait_bounded(c, Duration::from_secs(60));
+            assert!(status.success(), "{transport}: rank {r}:\n{out}");
+            assert!(
+                out.contains("child ok: rank 2 lost, shrunk to 2 ranks"),
+                "{transport}: rank {r}:\n{out}"
+            );
+        }
+        let _ = victim.wait();
+    }
 }
 
 #[test]

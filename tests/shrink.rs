@@ -1,0 +1,262 @@
+//! `Comm::shrink` with the ranks as threads: survivors of a rank that left mid-loop agree on a
+//! smaller communicator and go on with every result checked; the old communicator and its
+//! windows are closed; a rank that never comes is left out after the timeout, one that comes
+//! late is told it was left out, one that dies during the shrink is left out by a retry; bad
+//! arguments. Processes over shared memory and TCP: tests/multiprocess.rs; the device backend
+//! on the host device: tests/host_device.rs.
+
+mod common;
+use common::*;
+use ferrocomm::{Error, MemoryStore, Store};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// The loop of examples/elastic.rs in miniature: rank `leaver` aborts its communicator at
+/// step 3; the others see `PeerLost` naming it, shrink, and finish the steps with checked sums.
+fn survivors_finish(backend: &str, device: Device, n: usize, leaver: usize) {
+    let opts = options(Duration::from_secs(20));
+    let out = run_group_on_device(backend, device, n, &format!("shrink-{backend}-{n}"), opts, |c| {
+        let w = c.new_window(64).unwrap();
+        let mut comm = c.clone();
+        let mut shrunk_at = None;
+        for step in 0..8u64 {
+            if c.rank() == leaver && step == 3 {
+                // Leaves as a process that exits would: peers waiting on it get PeerLost.
+                c.abort();
+                drop((w, comm));
+                return None;
+            }
+            let mut x = [c.rank() as u64 + step];
+            match comm.all_reduce(&mut x, ReduceOp::Sum) {
+                Ok(()) => {}
+                Err(Error::PeerLost { peer, .. }) => {
+                    assert_eq!(peer, leaver, "PeerLost names the rank that left");
+                    comm = comm.shrink(&[peer]).expect("shrink");
+                    shrunk_at = Some(step);
+                    x = [c.rank() as u64 + step];
+                    comm.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+                }
+                Err(e) => panic!("rank {} step {step}: {e}", c.rank()),
+            }
+            let ranks: Vec<u64> = match shrunk_at {
+                Some(_) => (0..n as u64).filter(|&r| r != leaver as u64).collect(),
+                None => (0..n as u64).collect(),
+            };
+            assert_eq!(x[0], ranks.iter().map(|r| r + step).sum::<u64>(), "step {step}");
+        }
+        assert_eq!(comm.size(), n - 1);
+        assert_eq!(comm.rank(), c.rank() - usize::from(c.rank() > leaver));
+        // The old communicator and its window are closed; the new one works.
+        assert!(
+            matches!(c.barrier(), Err(Error::Closed { .. })),
+            "old comm after shrink"
+        );
+        assert!(matches!(w.put(0, 0, &[1u8]), Err(Error::Closed { .. })), "old window");
+        assert!(matches!(w.fence(), Err(Error::Closed { .. })), "old window fence");
+        let w2 = comm.new_window(8).unwrap();
+        w2.put((comm.rank() + 1) % comm.size(), 0, &[comm.rank() as u64])
+            .unwrap();
+        w2.barrier().unwrap();
+        let mut got = [0u64];
+        w2.read_local(0, &mut got).unwrap();
+        assert_eq!(got[0] as usize, (comm.rank() + comm.size() - 1) % comm.size());
+        w2.barrier().unwrap();
+        shrunk_at
+    });
+    for (r, s) in out.iter().enumerate() {
+        if r != leaver {
+            assert!(s.is_some(), "rank {r} never shrank");
+        }
+    }
+}
+
+#[test]
+fn survivors_of_a_rank_that_left_shrink_and_finish() {
+    survivors_finish("cpu", Device::Cpu, 4, 3);
+    survivors_finish("cpu", Device::Cpu, 3, 0);
+}
+
+#[test]
+fn survivors_shrink_over_tcp_links() {
+    let mut o = tcp_options(Duration::from_secs(20));
+    o.transport.force_tcp = true;
+    let out = run_group(3, "shrink-tcp", o, |c| {
+        if c.rank() == 1 {
+            c.abort();
+            return 0;
+        }
+        let mut x = [1u32];
+        let e = c.all_reduce(&mut x, ReduceOp::Sum).unwrap_err();
+        let Error::PeerLost { peer: 1, .. } = e else {
+            panic!("{e}")
+        };
+        let s = c.shrink(&[1]).unwrap();
+        let mut x = [c.rank() as u32 + 1];
+        s.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+        x[0]
+    });
+    assert_eq!(out, [4, 0, 4]);
+}
+
+/// A rank that neither calls shrink nor is named lost is waited for until the timeout, then
+/// left out; when it calls shrink later, it is told so.
+#[test]
+fn a_silent_rank_is_left_out_after_the_timeout_and_told_when_it_comes() {
+    let timeout = Duration::from_millis(1500);
+    let out = run_group(3, "shrink-silent", options(timeout), |c| {
+        if c.rank() == 2 {
+            std::thread::sleep(timeout * 4);
+            return match c.shrink(&[]) {
+                Err(Error::InvalidArgument { op: "shrink", reason }) => {
+                    assert!(reason.contains("without rank 2"), "{reason}");
+                    0
+                }
+                other => panic!("late rank: {other:?}"),
+            };
+        }
+        let t0 = Instant::now();
+        let s = c.shrink(&[]).unwrap();
+        assert!(t0.elapsed() >= timeout, "left rank 2 out before the timeout");
+        let mut x = [10u32];
+        s.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+        x[0]
+    });
+    assert_eq!(out, [20, 20, 0]);
+}
+
+/// A rank named lost that is alive and calls shrink in time is kept: `lost` only spares the
+/// wait. And a shrink without any loss keeps everyone.
+#[test]
+fn lost_is_a_hint_and_a_shrink_without_loss_keeps_everyone() {
+    let out = run_group(4, "shrink-hint", options(Duration::from_secs(20)), |c| {
+        let lost: &[usize] = if c.rank() == 0 { &[3] } else { &[] };
+        if c.rank() == 3 {
+            // It comes, a little after the others have started.
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let s = match c.shrink(lost) {
+            Ok(s) => s,
+            Err(Error::InvalidArgument { op: "shrink", .. }) if c.rank() == 3 => return (0, 0, 0),
+            Err(e) => panic!("rank {}: {e}", c.rank()),
+        };
+        let t = s.shrink(&[]).unwrap();
+        let mut x = [1u8];
+        t.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+        (s.size(), t.size(), x[0])
+    });
+    // Rank 0 may decide before rank 3 arrives (then 3 is out), or after (then 3 is in): the
+    // store keeps one answer, and every member must hold the same.
+    let kept: Vec<_> = out.iter().filter(|o| o.0 > 0).collect();
+    assert!(
+        kept.len() >= 3 && kept.iter().all(|o| **o == (kept.len(), kept.len(), kept.len() as u8)),
+        "{out:?}"
+    );
+}
+
+/// A store that fails every call of one rank once it has announced itself in a shrink: that
+/// rank "dies" between the agreement on members and the new communicator.
+struct DiesDuringShrink {
+    inner: Arc<dyn Store>,
+    dead: std::sync::atomic::AtomicBool,
+}
+
+impl DiesDuringShrink {
+    fn check(&self, key: &str) -> ferrocomm::Result<()> {
+        use std::sync::atomic::Ordering::SeqCst;
+        if self.dead.load(SeqCst) {
+            return Err(Error::StoreClosed("this rank died".into()));
+        }
+        if key.contains("/members") {
+            self.dead.store(true, SeqCst);
+        }
+        Ok(())
+    }
+}
+
+impl Store for DiesDuringShrink {
+    fn set(&self, key: &str, value: &[u8]) -> ferrocomm::Result<()> {
+        self.check(key)?;
+        self.inner.set(key, value)
+    }
+    fn get(&self, key: &str, timeout: Duration) -> ferrocomm::Result<Vec<u8>> {
+        self.check(key)?;
+        self.inner.get(key, timeout)
+    }
+    fn add(&self, key: &str, delta: i64) -> ferrocomm::Result<i64> {
+        self.check(key)?;
+        self.inner.add(key, delta)
+    }
+    fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> ferrocomm::Result<Vec<u8>> {
+        let r = self.inner.compare_set(key, expected, desired);
+        self.check(key)?;
+        r
+    }
+    fn delete(&self, key: &str) -> ferrocomm::Result<bool> {
+        self.check(key)?;
+        self.inner.delete(key)
+    }
+    fn wait(&self, keys: &[&str], timeout: Duration) -> ferrocomm::Result<()> {
+        self.check(keys.first().copied().unwrap_or(""))?;
+        self.inner.wait(keys, timeout)
+    }
+}
+
+#[test]
+fn a_rank_that_dies_during_the_shrink_is_left_out_by_a_retry() {
+    let (n, timeout) = (4, Duration::from_secs(2));
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let out: Vec<Result<(usize, u32), String>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|r| {
+                let store = store.clone();
+                s.spawn(move || {
+                    let mine: Arc<dyn Store> = if r == 1 {
+                        Arc::new(DiesDuringShrink {
+                            inner: store,
+                            dead: Default::default(),
+                        })
+                    } else {
+                        store
+                    };
+                    let o = options(timeout).with_store(mine, r, n);
+                    let c = new_comm("cpu", Device::Cpu, "shrink-dies", o).unwrap();
+                    c.barrier().unwrap();
+                    if r == 3 {
+                        return Ok((0, 0)); // leaves; rank 1 then dies in the shrink
+                    }
+                    let t = c.shrink(&[3]).map_err(|e| e.to_string())?;
+                    let mut x = [r as u32];
+                    t.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+                    Ok((t.size(), x[0]))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(out[1].is_err(), "rank 1 died: {out:?}");
+    assert_eq!(out[0], Ok((2, 2)), "{out:?}");
+    assert_eq!(out[2], Ok((2, 2)), "{out:?}");
+}
+
+#[test]
+fn bad_shrink_arguments_are_refused_on_the_spot() {
+    run_group(2, "shrink-args", options(Duration::from_secs(10)), |c| {
+        let me = c.rank();
+        assert!(matches!(
+            c.shrink(&[me]),
+            Err(Error::InvalidArgument { op: "shrink", .. })
+        ));
+        assert!(matches!(c.shrink(&[7]), Err(Error::InvalidRank { rank: 7, .. })));
+        // Still usable: nothing was agreed.
+        let mut x = [1u8];
+        c.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+        assert_eq!(x, [2]);
+    });
+}
+
+/// The device backend (its kernels on the host device): survivors shrink and finish.
+#[cfg(feature = "host-kernels")]
+#[test]
+fn the_device_backend_shrinks_on_the_host_device() {
+    survivors_finish("device", Device::Host(0), 3, 1);
+}
