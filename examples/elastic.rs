@@ -52,7 +52,10 @@ fn run(world: &Comm, leave: impl Fn(&Comm)) -> ferrocomm::Result<usize> {
                 let lost = members[peer];
                 comm = comm.shrink(&[peer])?;
                 members.retain(|&r| r != lost);
-                println!("elastic: rank {me} lost rank {lost} at step {step}; going on with {}", comm.size());
+                println!(
+                    "elastic: rank {me} lost rank {lost} at step {step}; going on with {}",
+                    comm.size()
+                );
             }
             Err(e) => return Err(e),
         }

@@ -294,6 +294,44 @@ fn gpu_nccl_async_work_orders_the_waiting_stream() {
     assert_eq!(d.download(&s), want);
 }
 
+/// An owned Work on a cudarc allocation: kept past the call, waited on another thread (which
+/// then orders its own stream), and one dropped unwaited frees its allocation only once the
+/// GPU is done with it.
+#[test]
+fn gpu_nccl_owned_work_hands_device_buffers_back() {
+    if !nccl_or_skip() {
+        return;
+    }
+    let comm = one_rank("nccl", "nccl-owned");
+    let s = stream();
+    let x: Vec<f32> = random_vec(&mut rng(fresh_seed(), 3), 1 << 20, None);
+    let work = {
+        let _current = device::use_stream(&s);
+        comm.owned()
+            .all_reduce(s.clone_htod(&x).unwrap(), ReduceOp::PremulSum(2.0))
+            .unwrap()
+    };
+    let s2 = s.clone();
+    let back = std::thread::spawn(move || {
+        let _current = device::use_stream(&s2);
+        let d = work.wait().unwrap();
+        s2.clone_dtoh(&d).unwrap()
+    })
+    .join()
+    .unwrap();
+    let want: Vec<f32> = x.iter().map(|v| v * 2.0).collect();
+    assert_eq!(back, want);
+    for _ in 0..20 {
+        let _current = device::use_stream(&s);
+        drop(
+            comm.owned()
+                .all_reduce(s.clone_htod(&x).unwrap(), ReduceOp::Sum)
+                .unwrap(),
+        );
+    }
+    s.synchronize().unwrap();
+}
+
 #[test]
 fn gpu_nccl_split_makes_a_working_sub_communicator() {
     if !nccl_or_skip() {

@@ -70,6 +70,18 @@ mod with_kernels {
         run_group_on_device("device", Device::Host(0), world, name, opts(), f)
     }
 
+    /// Owned works on the device backend (kept, moved, polled, dropped, every owned call).
+    #[test]
+    fn owned_work_on_the_host_device() {
+        let seed = fresh_seed();
+        for world in [1, 2, 3] {
+            let checks = on_ranks(world, &format!("hd-owned{world}"), |c| {
+                common::owned_suite::on_comm(c, seed)
+            });
+            assert!(checks.iter().all(|&k| k == checks[0] && k > 0), "{checks:?}");
+        }
+    }
+
     /// The all_reduce sweep of tests/gpu_collectives.rs: sizes from one element to past the
     /// window's 1 MiB region (chunked launches), every op, one- and two-shot; every rank's
     /// result bitwise equal, equal between the algorithms, and within the reference's bound.
