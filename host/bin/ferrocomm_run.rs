@@ -145,18 +145,19 @@ impl Job {
                 cli.nnodes
             )));
         }
+        // The value may come from FERROCOMM_RUN_TOLERATE_FAILURES: the messages name both.
         if cli.tolerate_failures > 0 && cli.nnodes > 1 {
             // Each launcher sees its own ranks only; a job-wide count would need the launchers
             // to agree through the store, which they do not (yet).
             return Err(usage(format!(
-                "--tolerate-failures {} works on a single node only (not with --nnodes {}): each \
+                "--tolerate-failures {} (or FERROCOMM_RUN_TOLERATE_FAILURES) works on a single node only (not with --nnodes {}): each \
                  node's launcher sees only its own ranks and cannot count the job's failures",
                 cli.tolerate_failures, cli.nnodes
             )));
         }
         if cli.tolerate_failures >= nproc {
             return Err(usage(format!(
-                "--tolerate-failures {} must be below the number of ranks (-n {nproc}): at least \
+                "--tolerate-failures {} (or FERROCOMM_RUN_TOLERATE_FAILURES) must be below the number of ranks (-n {nproc}): at least \
                  one rank has to finish",
                 cli.tolerate_failures
             )));
