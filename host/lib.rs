@@ -105,6 +105,7 @@
 //! | `FERROCOMM_CHECK_CALLS` | `1`: the ranks compare their whole calls before every operation (v-form counts included) |
 //! | `FERROCOMM_ABORT_ON_ERROR` | `off`, `comm` or `process`: what an operation failing with a timeout, a lost peer or a mismatch does beyond returning its error |
 //! | `FERROCOMM_RUN_GRACE` | seconds `ferrocomm-run` gives ranks between a forwarded SIGTERM/SIGINT and SIGKILL (5) |
+//! | `FERROCOMM_RUN_TOLERATE_FAILURES` | ranks that may fail while `ferrocomm-run` lets the others go on; `--tolerate-failures` overrides it (0) |
 //! | `FERROCOMM_REQUIRE_NVCC`, `FERROCOMM_REQUIRE_NVRTC`, `FERROCOMM_REQUIRE_NCCL`, `FERROCOMM_REQUIRE_GPU` | `1`: fail instead of skipping where nvcc, NVRTC, NCCL or a GPU is missing |
 //!
 //! ## Threads and clean-up

@@ -2,7 +2,8 @@
 //! them are SIGKILLed after the grace period, the launcher exits with 128 + the signal's number,
 //! and no rank outlives it, not even when the launcher itself is SIGKILLed. Its command line:
 //! two launchers on loopback form one job of two nodes, and malformed command lines are clap's
-//! usage errors.
+//! usage errors. With `--tolerate-failures N`, up to N ranks may fail while the others finish
+//! (and keep using the launcher's store), and the failure after the Nth stops the job.
 //!
 //! In the signal tests the ranks are `sh` scripts that write their pid to a file and then
 //! `exec sleep 600`, so the pid the test reads is the sleeping rank's own. In the multi-node
@@ -71,6 +72,7 @@ impl Job {
             .args(args)
             .args(["--", "sh", "-c", script])
             .env_remove("FERROCOMM_RUN_GRACE")
+            .env_remove("FERROCOMM_RUN_TOLERATE_FAILURES")
             .envs(envs.iter().copied())
             .env("PIDS", &dir)
             .stdin(Stdio::null())
@@ -378,6 +380,7 @@ fn malformed_command_lines_are_usage_errors() {
             .args(args)
             .env_remove("FERROCOMM_TOKEN")
             .env_remove("FERROCOMM_RUN_GRACE")
+            .env_remove("FERROCOMM_RUN_TOLERATE_FAILURES")
             .envs(envs.iter().copied())
             .output()
             .unwrap();
@@ -447,6 +450,52 @@ fn malformed_command_lines_are_usage_errors() {
             &[],
             "--node-rank 5",
         ),
+        // At least one rank must be left to finish.
+        (
+            &["-n", "3", "--tolerate-failures", "3", "true"],
+            &[],
+            "below the number of ranks",
+        ),
+        (
+            &["-n", "1", "--tolerate-failures", "1", "true"],
+            &[],
+            "below the number of ranks",
+        ),
+        (
+            &["-n", "3", "--tolerate-failures", "-1", "true"],
+            &[],
+            "--tolerate-failures",
+        ),
+        (&["-n", "3", "--tolerate-failures=-1", "true"], &[], "at least 0"),
+        (&["-n", "3", "--tolerate-failures", "some", "true"], &[], "at least 0"),
+        (
+            &["-n", "3", "true"],
+            &[("FERROCOMM_RUN_TOLERATE_FAILURES", "x")],
+            "FERROCOMM_RUN_TOLERATE_FAILURES",
+        ),
+        (
+            &["-n", "2", "true"],
+            &[("FERROCOMM_RUN_TOLERATE_FAILURES", "2")],
+            "below the number of ranks",
+        ),
+        // Each node's launcher sees only its own ranks: no job-wide count, so no flag.
+        (
+            &[
+                "-n",
+                "2",
+                "--nnodes",
+                "2",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                "1",
+                "--tolerate-failures",
+                "1",
+                "true",
+            ],
+            &[("FERROCOMM_TOKEN", "t")],
+            "single node only",
+        ),
     ] {
         let (code, err) = run(args, envs);
         assert_eq!(code, Some(2), "{args:?}: {err}");
@@ -473,4 +522,187 @@ fn a_single_node_job_passes_the_environment_through() {
     for want in ["[0]: 0/2/0/0/kept", "[1]: 1/2/1/0/kept"] {
         assert!(text.lines().any(|l| l == want), "{want:?} missing:\n{text}");
     }
+}
+
+/// What a launcher run to its end left: its status (`None`: killed at the limit), stdout,
+/// stderr, and how long it ran.
+struct Ran {
+    status: Option<ExitStatus>,
+    out: String,
+    err: String,
+    took: Duration,
+}
+
+/// Runs `ferrocomm-run -n RANKS {args} -- {program}` to its end (at most `limit`).
+fn launch(args: &[&str], program: &Command, limit: Duration) -> Ran {
+    use std::io::Read;
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ferrocomm-run"));
+    cmd.args(["-n", &RANKS.to_string()])
+        .args(args)
+        .arg("--")
+        .arg(program.get_program())
+        .args(program.get_args());
+    for k in job_variables(std::env::vars().map(|(k, _)| k)) {
+        cmd.env_remove(k);
+    }
+    for (k, v) in program.get_envs() {
+        match v {
+            Some(v) => cmd.env(k, v),
+            None => cmd.env_remove(k),
+        };
+    }
+    let t0 = Instant::now();
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start ferrocomm-run");
+    // Read stderr alongside: wait_child reads stdout once the launcher has exited.
+    let mut stderr = child.stderr.take().unwrap();
+    let err = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stderr.read_to_string(&mut s);
+        s
+    });
+    let (status, out, ended) = wait_child(child, t0 + limit);
+    Ran {
+        status,
+        out,
+        err: err.join().unwrap(),
+        took: ended - t0,
+    }
+}
+
+fn sh(script: &str) -> Command {
+    let mut c = Command::new("sh");
+    c.args(["-c", script]);
+    c
+}
+
+#[test]
+fn a_tolerated_failure_lets_the_other_ranks_finish_and_the_launcher_exits_0() {
+    // Rank 1 fails at once; the others finish a second later, long after the launcher would
+    // have stopped them without the flag.
+    let ranks = sh(r#"if [ "$RANK" = 1 ]; then exit 7; fi; sleep 1; echo "rank $RANK finished""#);
+    let ran = launch(&["--tolerate-failures", "1"], &ranks, Duration::from_secs(30));
+    let Ran { status, out, err, .. } = &ran;
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{status:?}\n{out}\n{err}");
+    for want in ["[0]: rank 0 finished", "[2]: rank 2 finished"] {
+        assert!(out.lines().any(|l| l == want), "{want:?} missing:\n{out}\n{err}");
+    }
+    assert!(
+        err.lines()
+            .any(|l| l.contains("rank 1 failed (exit code 7); tolerated")),
+        "no line for the tolerated failure:\n{err}"
+    );
+    assert!(!err.contains("stopping"), "the launcher stopped the job:\n{err}");
+}
+
+#[test]
+fn a_failure_beyond_the_tolerance_stops_the_other_ranks() {
+    // Ranks 0 and 1 fail, one after the other; rank 2 would sleep for ten minutes.
+    let ranks = sh(r#"case "$RANK" in 0) exit 7;; 1) sleep 0.3; exit 8;; *) exec sleep 600;; esac"#);
+    let ran = launch(
+        &["--tolerate-failures", "1", "--grace", "5"],
+        &ranks,
+        Duration::from_secs(30),
+    );
+    let Ran { status, out, err, took } = &ran;
+    // The launcher reaps every rank before it exits: rank 2 was stopped, by SIGTERM at once.
+    let code = status.and_then(|s| s.code());
+    assert!(matches!(code, Some(7 | 8)), "{status:?}\n{out}\n{err}");
+    assert!(
+        *took < Duration::from_secs(5),
+        "rank 2 was not stopped at once ({took:?}):\n{err}"
+    );
+    assert!(err.contains("tolerated (1 of --tolerate-failures 1)"), "{err}");
+    assert!(
+        err.contains("failure 2 with --tolerate-failures 1); stopping the other ranks"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_rank_killed_by_a_signal_counts_as_a_failure() {
+    // Rank 0 dies of SIGKILL: tolerated, and reported with its signal. Rank 1's failure is then
+    // the second one, which stops rank 2.
+    let ranks = sh(r#"case "$RANK" in 0) kill -KILL $$;; 1) sleep 0.3; exit 3;; *) exec sleep 600;; esac"#);
+    let ran = launch(
+        &["--tolerate-failures", "1", "--grace", "5"],
+        &ranks,
+        Duration::from_secs(30),
+    );
+    let Ran { status, out, err, took } = &ran;
+    assert_eq!(status.and_then(|s| s.code()), Some(3), "{status:?}\n{out}\n{err}");
+    assert!(
+        *took < Duration::from_secs(5),
+        "rank 2 was not stopped at once ({took:?}):\n{err}"
+    );
+    assert!(
+        err.contains("rank 0 failed (signal 9); tolerated"),
+        "no line for rank 0's signal:\n{err}"
+    );
+
+    // Alone, the same death is within the tolerance.
+    let ranks = sh(r#"if [ "$RANK" = 0 ]; then kill -KILL $$; fi"#);
+    let ran = launch(&["--tolerate-failures", "1"], &ranks, Duration::from_secs(30));
+    assert_eq!(ran.status.and_then(|s| s.code()), Some(0), "{}", ran.err);
+}
+
+/// Set for the ranks that `survivor_entry` runs as.
+const SURVIVOR: &str = "FERROCOMM_TEST_LAUNCHER_SURVIVOR";
+
+/// The rank side of `the_store_outlives_a_tolerated_failure`: rank 1 marks the store and exits
+/// 7; the others wait for the mark, give the launcher time to reap rank 1, then connect to the
+/// store afresh and meet there.
+#[test]
+#[ignore = "run by the tolerated-failure launcher test as its ranks"]
+fn survivor_entry() {
+    if std::env::var(SURVIVOR).is_err() {
+        eprintln!("survivor_entry: not started by a launcher test, nothing to do");
+        return;
+    }
+    let var = |k: &str| std::env::var(k).unwrap_or_else(|_| panic!("{k} unset"));
+    let (rank, world): (usize, usize) = (var("RANK").parse().unwrap(), var("WORLD_SIZE").parse().unwrap());
+    let addr = format!("{}:{}", var("MASTER_ADDR"), var("MASTER_PORT"));
+    let token = var("FERROCOMM_TOKEN");
+    use ferrocomm::Store;
+    let wait = Duration::from_secs(30);
+    let store = ferrocomm::TcpStore::connect(addr.as_str(), &token, wait).unwrap();
+    if rank == 1 {
+        store.set("left", b"1").unwrap();
+        drop(store);
+        std::process::exit(7);
+    }
+    store.wait(&["left"], wait).unwrap();
+    drop(store);
+    std::thread::sleep(Duration::from_millis(500));
+    // A new connection: the launcher still hosts the store after rank 1's failure.
+    let store = ferrocomm::TcpStore::connect(addr.as_str(), &token, wait).unwrap();
+    store.add("survivors", 1).unwrap();
+    let deadline = Instant::now() + wait;
+    while store.add("survivors", 0).unwrap() < world as i64 - 1 {
+        assert!(Instant::now() < deadline, "the other survivors did not arrive");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    println!("survivor ok: {rank}");
+}
+
+#[test]
+fn the_store_outlives_a_tolerated_failure() {
+    let mut entry = test_entry_command("survivor_entry");
+    entry.env(SURVIVOR, "1");
+    let ran = launch(&["--tolerate-failures", "1"], &entry, Duration::from_secs(120));
+    let Ran { status, out, err, .. } = &ran;
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{status:?}\n{out}\n{err}");
+    for rank in [0, 2] {
+        let (prefix, want) = (format!("[{rank}]: "), format!("survivor ok: {rank}"));
+        // The test harness may print its "test survivor_entry ... " before the line.
+        assert!(
+            out.lines().any(|l| l.starts_with(&prefix) && l.ends_with(&want)),
+            "{want:?} missing:\n{out}\n{err}"
+        );
+    }
+    assert!(err.contains("rank 1 failed (exit code 7); tolerated"), "{err}");
 }

@@ -4,6 +4,12 @@
 //! rank fails it stops the others and exits non-zero. `--help` says it all; a malformed command
 //! line is clap's usage error (status 2).
 //!
+//! `--tolerate-failures N` (torchrun's elastic mode, for jobs whose survivors shrink their
+//! communicator): up to N ranks may fail (exit non-zero or die of a signal) without the launcher
+//! stopping the others; each such failure is reported on stderr, the store stays up for the
+//! survivors, and the launcher exits 0 when every other rank does. The failure after the Nth
+//! stops the job as above. One node only: a launcher sees only its own node's ranks.
+//!
 //! The job's TCP store: on one node the launcher hosts it with a fresh token (at
 //! `--master-addr`, default 127.0.0.1, and `--master-port`, default any free port). With
 //! `--nnodes M > 1`, one launcher runs on each node with its own `--node-rank`; node 0's hosts
@@ -86,6 +92,12 @@ struct Cli {
     #[arg(long, value_name = "SECONDS", env = "FERROCOMM_RUN_GRACE", default_value = DEFAULT_GRACE,
           value_parser = parse_grace)]
     grace: Duration,
+    /// Ranks that may fail (exit non-zero or die of a signal) while the others go on; the
+    /// launcher then exits 0 if every other rank does. One more failure stops the job. Below -n;
+    /// single-node jobs only.
+    #[arg(long, value_name = "N", env = "FERROCOMM_RUN_TOLERATE_FAILURES", default_value = "0",
+          allow_negative_numbers = true, value_parser = parse_tolerance)]
+    tolerate_failures: usize,
     /// Prints a completion script for SHELL and exits.
     #[arg(long, value_name = "SHELL", hide = true, exclusive = true)]
     completions: Option<clap_complete::Shell>,
@@ -111,6 +123,8 @@ struct Job {
     /// The job token: fresh on a single node, FERROCOMM_TOKEN's on several.
     token: String,
     grace: Duration,
+    /// Ranks of this node that may fail while the others go on (`--tolerate-failures`).
+    tolerate: usize,
     program: Vec<OsString>,
 }
 
@@ -129,6 +143,23 @@ impl Job {
             return Err(usage(format!(
                 "-n {nproc} ranks on each of --nnodes {} nodes: more than {MAX_RANKS} ranks",
                 cli.nnodes
+            )));
+        }
+        // The value may come from FERROCOMM_RUN_TOLERATE_FAILURES: the messages name both.
+        if cli.tolerate_failures > 0 && cli.nnodes > 1 {
+            // Each launcher sees its own ranks only; a job-wide count would need the launchers
+            // to agree through the store, which they do not (yet).
+            return Err(usage(format!(
+                "--tolerate-failures {} (or FERROCOMM_RUN_TOLERATE_FAILURES) works on a single node only (not with --nnodes {}): each \
+                 node's launcher sees only its own ranks and cannot count the job's failures",
+                cli.tolerate_failures, cli.nnodes
+            )));
+        }
+        if cli.tolerate_failures >= nproc {
+            return Err(usage(format!(
+                "--tolerate-failures {} (or FERROCOMM_RUN_TOLERATE_FAILURES) must be below the number of ranks (-n {nproc}): at least \
+                 one rank has to finish",
+                cli.tolerate_failures
             )));
         }
         if cli.node_rank >= cli.nnodes {
@@ -177,6 +208,7 @@ impl Job {
             master_port,
             token,
             grace: cli.grace,
+            tolerate: cli.tolerate_failures,
             program: cli.program,
         })
     }
@@ -210,6 +242,16 @@ fn parse_grace(v: &str) -> Result<Duration, String> {
     let bad = |what: &str| format!("{v:?} (from --grace or FERROCOMM_RUN_GRACE) is not {what}");
     let secs: f64 = v.parse().map_err(|_| bad("a number of seconds"))?;
     Duration::try_from_secs_f64(secs).map_err(|_| bad("a non-negative number of seconds"))
+}
+
+/// A count of failures, 0 or more.
+fn parse_tolerance(v: &str) -> Result<usize, String> {
+    // The value may come from FERROCOMM_RUN_TOLERATE_FAILURES, which clap's message would not name.
+    v.parse::<usize>().map_err(|_| {
+        format!(
+            "{v:?} (from --tolerate-failures or FERROCOMM_RUN_TOLERATE_FAILURES) is not a whole number of at least 0"
+        )
+    })
 }
 
 /// The termination signals the launcher forwards. They are blocked in every thread of the
@@ -447,6 +489,8 @@ fn run(job: &Job) -> Result<ExitCode, LaunchError> {
     };
     let mut pumps = Vec::new();
     let mut stop: Option<Stop> = None;
+    // The ranks whose failure was tolerated (`--tolerate-failures`).
+    let mut tolerated: Vec<usize> = Vec::new();
     // When the ranks still running get SIGKILL; unset once they did.
     let mut kill_at: Option<Instant> = None;
     for local in 0..job.nproc {
@@ -477,9 +521,28 @@ fn run(job: &Job) -> Result<ExitCode, LaunchError> {
 
     while ranks.any_left() {
         for (local, status) in ranks.reap() {
-            if !status.success() && stop.is_none() {
+            if !status.success() && stop.is_none() && tolerated.len() < job.tolerate {
+                tolerated.push(job.rank(local));
                 eprintln!(
-                    "ferrocomm-run: rank {} failed ({}); stopping the other ranks",
+                    "ferrocomm-run: rank {} failed ({}); tolerated ({} of --tolerate-failures {}), \
+                     the other ranks go on",
+                    job.rank(local),
+                    describe(status),
+                    tolerated.len(),
+                    job.tolerate
+                );
+            } else if !status.success() && stop.is_none() {
+                let beyond = if job.tolerate > 0 {
+                    format!(
+                        ", failure {} with --tolerate-failures {}",
+                        tolerated.len() + 1,
+                        job.tolerate
+                    )
+                } else {
+                    String::new()
+                };
+                eprintln!(
+                    "ferrocomm-run: rank {} failed ({}{beyond}); stopping the other ranks",
                     job.rank(local),
                     describe(status)
                 );
@@ -513,6 +576,12 @@ fn run(job: &Job) -> Result<ExitCode, LaunchError> {
         if p.is_finished() {
             let _ = p.join();
         }
+    }
+    if stop.is_none() && !tolerated.is_empty() {
+        eprintln!(
+            "ferrocomm-run: ranks {tolerated:?} failed within --tolerate-failures {}; every other rank exited 0",
+            job.tolerate
+        );
     }
     if job.nnodes > 1 {
         // A launcher that was told to stop, or whose ranks failed, does not hold the store up

@@ -19,9 +19,9 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 /// Every `FERROCOMM_*` variable the library, its binaries and its build read. The library's
-/// own are fields of [`Config`]; `FERROCOMM_RUN_GRACE` belongs to the
-/// launcher, `FERROCOMM_REQUIRE_*` to the build and the tests.
-pub(crate) const VARIABLES: [&str; 27] = [
+/// own are fields of [`Config`]; `FERROCOMM_RUN_GRACE` and `FERROCOMM_RUN_TOLERATE_FAILURES`
+/// belong to the launcher, `FERROCOMM_REQUIRE_*` to the build and the tests.
+pub(crate) const VARIABLES: [&str; 28] = [
     "FERROCOMM_TIMEOUT",
     "FERROCOMM_ABORT_ON_ERROR",
     "FERROCOMM_CHECK_CALLS",
@@ -29,6 +29,7 @@ pub(crate) const VARIABLES: [&str; 27] = [
     "FERROCOMM_STORE",
     "FERROCOMM_STORE_EXTERNAL",
     "FERROCOMM_RUN_GRACE",
+    "FERROCOMM_RUN_TOLERATE_FAILURES",
     "FERROCOMM_TRANSPORT",
     "FERROCOMM_SHM_RING_BYTES",
     "FERROCOMM_SOCKET_ADDR",
