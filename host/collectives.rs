@@ -5,7 +5,8 @@
 use crate::buffer::{InputBuffer, OutputBuffer};
 use crate::comm::Comm;
 use crate::contracts::dtype::ReduceOp;
-use crate::contracts::error::Result;
+use crate::contracts::error::{Error, Result};
+use crate::contracts::fp8::F8E4M3;
 use crate::contracts::inference::{MoeShape, RmsNormFusion};
 use crate::contracts::ops::{equal_counts, Op, P2p};
 use crate::contracts::options::OpOptions;
@@ -348,7 +349,7 @@ pub trait Collectives<'a>: Sized {
         X: InputBuffer<'a>,
         R: OutputBuffer<'a, Elem = X::Elem>,
         G: InputBuffer<'a, Elem = X::Elem>,
-        O: OutputBuffer<'a, Elem = crate::F8E4M3>,
+        O: OutputBuffer<'a, Elem = F8E4M3>,
         S: OutputBuffer<'a, Elem = f32>,
     {
         let f = RmsNormFusion::new(
@@ -527,14 +528,14 @@ impl Comm {
     /// });
     /// # Ok::<(), ferrocomm::Error>(())
     /// ```
-    pub fn moe_expert_counts<T: Copy + Into<i64>>(&self, experts: usize, topk_idx: &[T]) -> crate::Result<Vec<usize>> {
+    pub fn moe_expert_counts<T: Copy + Into<i64>>(&self, experts: usize, topk_idx: &[T]) -> Result<Vec<usize>> {
         let mut counts = vec![0u64; experts];
         for (i, &x) in topk_idx.iter().enumerate() {
             match x.into() {
                 -1 => {}
                 x if (0..experts as i64).contains(&x) => counts[x as usize] += 1,
                 x => {
-                    return Err(crate::Error::InvalidArgument {
+                    return Err(Error::InvalidArgument {
                         op: "moe_expert_counts",
                         reason: format!("topk_idx[{i}] = {x} is not an expert (0..{experts}) or -1"),
                     })

@@ -5,12 +5,13 @@
 //! results are the borrowed call's. MoE dispatch and combine, whose buffers are structs of
 //! their own, go through [`Comm::start`] directly.
 
-use crate::buffer::{owned_in, owned_out, OwnedBuffer};
+use crate::buffer::{owned_in, owned_out, OwnedBuffer, Typed};
 use crate::collectives::Collectives;
 use crate::comm::Comm;
 use crate::contracts::dtype::ReduceOp;
 use crate::contracts::error::Result;
 use crate::contracts::fp8::F8E4M3;
+use crate::contracts::ops::{Buf, BufMut};
 use crate::contracts::options::OpOptions;
 use crate::owned_work::{Starter, Work};
 
@@ -332,11 +333,11 @@ impl<B: OwnedBuffer> OwnedBatch<'_, B> {
 }
 
 /// Every buffer of a list as an output.
-fn outs<B: OwnedBuffer>(list: &mut [B]) -> Result<Vec<crate::buffer::Typed<crate::BufMut<'_>, B::Elem>>> {
+fn outs<B: OwnedBuffer>(list: &mut [B]) -> Result<Vec<Typed<BufMut<'_>, B::Elem>>> {
     list.iter_mut().map(owned_out).collect()
 }
 
 /// Every buffer of a list as an input.
-fn ins<B: OwnedBuffer>(list: &[B]) -> Result<Vec<crate::buffer::Typed<crate::Buf<'_>, B::Elem>>> {
+fn ins<B: OwnedBuffer>(list: &[B]) -> Result<Vec<Typed<Buf<'_>, B::Elem>>> {
     list.iter().map(owned_in).collect()
 }
