@@ -48,14 +48,16 @@ fn run(world: &Comm, leave: impl Fn(&Comm)) -> ferrocomm::Result<usize> {
                 step += 1;
             }
             Err(Error::PeerLost { peer, .. }) => {
-                // `peer` is a rank of `comm`; the survivors agree, and redo this step.
-                let lost = members[peer];
-                comm = comm.shrink(&[peer])?;
-                members.retain(|&r| r != lost);
+                // `peer` is a rank of `comm`; the survivors agree on who is left (`kept`:
+                // ranks of `comm`), and redo this step.
+                let (smaller, kept) = comm.shrink(&[peer])?;
                 println!(
-                    "elastic: rank {me} lost rank {lost} at step {step}; going on with {}",
-                    comm.size()
+                    "elastic: rank {me} lost rank {} at step {step}; going on with {}",
+                    members[peer],
+                    smaller.size()
                 );
+                members = kept.iter().map(|&r| members[r]).collect();
+                comm = smaller;
             }
             Err(e) => return Err(e),
         }

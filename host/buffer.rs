@@ -101,6 +101,12 @@ pub trait OwnedBuffer: Send + 'static {
     fn input(&self) -> Result<Buf<'_>>;
     /// The buffer as an operation's output (or in-place buffer).
     fn output(&mut self) -> Result<BufMut<'_>>;
+    /// For device memory, the raw `CUstream` that frees or next uses the buffer (besides the
+    /// waiter's current stream): [`Work::wait`](crate::Work::wait) orders it after the
+    /// operation. `None` (the default) for host memory.
+    fn device_stream(&self) -> Option<u64> {
+        None
+    }
 }
 
 impl<T: Element> OwnedBuffer for Vec<T> {
@@ -132,6 +138,10 @@ impl<T: Element> OwnedBuffer for cudarc::driver::CudaSlice<T> {
     }
     fn output(&mut self) -> Result<BufMut<'_>> {
         DeviceSliceMut::new(self).map(OutputBuffer::into_buf_mut)
+    }
+    /// The allocation's own stream: cudarc frees it there.
+    fn device_stream(&self) -> Option<u64> {
+        Some(self.stream().cu_stream() as u64)
     }
 }
 

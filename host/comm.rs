@@ -379,9 +379,18 @@ impl Comm {
             FINALIZED => Err(Error::Closed { op, state: "finalized" }),
             SHRUNK => Err(Error::Closed {
                 op,
-                state: "replaced by a shrunk communicator",
+                state: "closed by a shrink",
             }),
             _ => Err(Error::Closed { op, state: "aborted" }),
+        }
+    }
+
+    /// `Error::Closed` unless a shrink may start from this communicator: live, or aborted
+    /// after a failure (not finalized, nor shrunk or left out already).
+    pub(crate) fn check_shrinkable(&self) -> Result<()> {
+        match self.inner.state.load(Ordering::Acquire) {
+            LIVE | ABORTED => Ok(()),
+            _ => self.check_live("shrink"),
         }
     }
 
@@ -398,8 +407,9 @@ impl Comm {
         )
     }
 
-    /// Closes this rank's communicator for good after `Comm::shrink` replaced it: later
-    /// operations, its windows' included, fail with `Error::Closed`.
+    /// Closes this rank's communicator for good once `Comm::shrink` replaced it (or left this
+    /// rank out, or failed after the ranks started counting it): later operations, its
+    /// windows' included, fail with `Error::Closed`, and no second shrink starts from it.
     pub(crate) fn mark_shrunk(&self) {
         self.inner.state.store(SHRUNK, Ordering::Release);
     }

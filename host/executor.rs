@@ -220,7 +220,16 @@ impl Executor {
             // job is done.
             let r = {
                 let _running = self.running.lock().unwrap_or_else(|p| p.into_inner());
-                task(&*self.backend, Some(&done.fence))
+                // A panic must still finish the completion: waiters (and a dropped owned
+                // Work, which waits before it frees buffers) would wait forever otherwise.
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| task(&*self.backend, Some(&done.fence))))
+                    .unwrap_or_else(|_| {
+                        Err(Error::Backend {
+                            backend: self.backend.name().into(),
+                            call: "run".into(),
+                            message: "the backend panicked while running a queued operation".into(),
+                        })
+                    })
             };
             self.queue.lock().unwrap_or_else(|p| p.into_inner()).in_flight -= 1;
             self.wake.notify_all();

@@ -5,13 +5,12 @@
 //! results are the borrowed call's. MoE dispatch and combine, whose buffers are structs of
 //! their own, go through [`Comm::start`] directly.
 
-use crate::buffer::{owned_in, owned_out, OwnedBuffer, Typed};
+use crate::buffer::{InputBuffer, OutputBuffer, OwnedBuffer};
 use crate::collectives::Collectives;
 use crate::comm::Comm;
 use crate::contracts::dtype::ReduceOp;
 use crate::contracts::error::Result;
 use crate::contracts::fp8::F8E4M3;
-use crate::contracts::ops::{Buf, BufMut};
 use crate::contracts::options::OpOptions;
 use crate::owned_work::{Starter, Work};
 
@@ -75,17 +74,17 @@ impl<'c> Owned<'c> {
 
     /// [`Collectives::all_reduce`] on an owned buffer.
     pub fn all_reduce<B: OwnedBuffer>(&self, buf: B, op: ReduceOp) -> Result<Work<B>> {
-        self.start(buf, move |s, b| s.all_reduce(owned_out(b)?, op))
+        self.start(buf, move |s, b| s.all_reduce(s.output(b)?, op))
     }
 
     /// [`Collectives::reduce`] on an owned buffer.
     pub fn reduce<B: OwnedBuffer>(&self, buf: B, op: ReduceOp, root: usize) -> Result<Work<B>> {
-        self.start(buf, move |s, b| s.reduce(owned_out(b)?, op, root))
+        self.start(buf, move |s, b| s.reduce(s.output(b)?, op, root))
     }
 
     /// [`Collectives::broadcast`] on an owned buffer.
     pub fn broadcast<B: OwnedBuffer>(&self, buf: B, root: usize) -> Result<Work<B>> {
-        self.start(buf, move |s, b| s.broadcast(owned_out(b)?, root))
+        self.start(buf, move |s, b| s.broadcast(s.output(b)?, root))
     }
 
     /// [`Collectives::all_gather`]; `wait` hands back `(output, input)`.
@@ -94,7 +93,7 @@ impl<'c> Owned<'c> {
         O: OwnedBuffer,
         I: OwnedBuffer<Elem = O::Elem>,
     {
-        self.start((output, input), |s, (o, i)| s.all_gather(owned_out(o)?, owned_in(&*i)?))
+        self.start((output, input), |s, (o, i)| s.all_gather(s.output(o)?, s.input(&*i)?))
     }
 
     /// [`Collectives::all_gather_list`]; `wait` hands back `(outputs, input)`.
@@ -104,7 +103,7 @@ impl<'c> Owned<'c> {
         I: OwnedBuffer<Elem = O::Elem>,
     {
         self.start((outputs, input), |s, (o, i)| {
-            s.all_gather_list(outs(o)?, owned_in(&*i)?)
+            s.all_gather_list(outs(s, o)?, s.input(&*i)?)
         })
     }
 
@@ -116,7 +115,7 @@ impl<'c> Owned<'c> {
     {
         let counts = counts.to_vec();
         self.start((output, input), move |s, (o, i)| {
-            s.all_gather_v(owned_out(o)?, owned_in(&*i)?, &counts)
+            s.all_gather_v(s.output(o)?, s.input(&*i)?, &counts)
         })
     }
 
@@ -127,7 +126,7 @@ impl<'c> Owned<'c> {
         I: OwnedBuffer<Elem = O::Elem>,
     {
         self.start((output, input), move |s, (o, i)| {
-            s.reduce_scatter(owned_out(o)?, owned_in(&*i)?, op)
+            s.reduce_scatter(s.output(o)?, s.input(&*i)?, op)
         })
     }
 
@@ -138,7 +137,7 @@ impl<'c> Owned<'c> {
         I: OwnedBuffer<Elem = O::Elem>,
     {
         self.start((output, inputs), move |s, (o, i)| {
-            s.reduce_scatter_list(owned_out(o)?, ins(i)?, op)
+            s.reduce_scatter_list(s.output(o)?, ins(s, i)?, op)
         })
     }
 
@@ -150,7 +149,7 @@ impl<'c> Owned<'c> {
     {
         let counts = counts.to_vec();
         self.start((output, input), move |s, (o, i)| {
-            s.reduce_scatter_v(owned_out(o)?, owned_in(&*i)?, &counts, op)
+            s.reduce_scatter_v(s.output(o)?, s.input(&*i)?, &counts, op)
         })
     }
 
@@ -160,7 +159,7 @@ impl<'c> Owned<'c> {
         O: OwnedBuffer,
         I: OwnedBuffer<Elem = O::Elem>,
     {
-        self.start((output, input), |s, (o, i)| s.all_to_all(owned_out(o)?, owned_in(&*i)?))
+        self.start((output, input), |s, (o, i)| s.all_to_all(s.output(o)?, s.input(&*i)?))
     }
 
     /// [`Collectives::all_to_all_list`]; `wait` hands back `(outputs, inputs)`.
@@ -169,7 +168,9 @@ impl<'c> Owned<'c> {
         O: OwnedBuffer,
         I: OwnedBuffer<Elem = O::Elem>,
     {
-        self.start((outputs, inputs), |s, (o, i)| s.all_to_all_list(outs(o)?, ins(i)?))
+        self.start((outputs, inputs), |s, (o, i)| {
+            s.all_to_all_list(outs(s, o)?, ins(s, i)?)
+        })
     }
 
     /// [`Collectives::all_to_all_v`]; `wait` hands back `(output, input)`.
@@ -186,7 +187,7 @@ impl<'c> Owned<'c> {
     {
         let (oc, ic) = (output_counts.to_vec(), input_counts.to_vec());
         self.start((output, input), move |s, (o, i)| {
-            s.all_to_all_v(owned_out(o)?, owned_in(&*i)?, &oc, &ic)
+            s.all_to_all_v(s.output(o)?, s.input(&*i)?, &oc, &ic)
         })
     }
 
@@ -197,8 +198,8 @@ impl<'c> Owned<'c> {
         I: OwnedBuffer<Elem = O::Elem>,
     {
         self.start((output, input), move |s, (o, i)| {
-            let i = i.as_ref().map(owned_in).transpose()?;
-            s.scatter(owned_out(o)?, i, root)
+            let i = i.as_ref().map(|i| s.input(i)).transpose()?;
+            s.scatter(s.output(o)?, i, root)
         })
     }
 
@@ -209,8 +210,8 @@ impl<'c> Owned<'c> {
         I: OwnedBuffer<Elem = O::Elem>,
     {
         self.start((output, input), move |s, (o, i)| {
-            let o = o.as_mut().map(owned_out).transpose()?;
-            s.gather(o, owned_in(&*i)?, root)
+            let o = o.as_mut().map(|o| s.output(o)).transpose()?;
+            s.gather(o, s.input(&*i)?, root)
         })
     }
 
@@ -231,7 +232,7 @@ impl<'c> Owned<'c> {
         O: OwnedBuffer<Elem = X::Elem>,
     {
         self.start((x, residual, gamma, out), move |s, (x, r, g, o)| {
-            s.all_reduce_residual_rmsnorm(owned_in(&*x)?, owned_out(r)?, owned_in(&*g)?, owned_out(o)?, eps)
+            s.all_reduce_residual_rmsnorm(s.input(&*x)?, s.output(r)?, s.input(&*g)?, s.output(o)?, eps)
         })
     }
 
@@ -256,11 +257,11 @@ impl<'c> Owned<'c> {
     {
         self.start((x, residual, gamma, out, scales), move |s, (x, r, g, o, sc)| {
             s.all_reduce_residual_rmsnorm_fp8(
-                owned_in(&*x)?,
-                owned_out(r)?,
-                owned_in(&*g)?,
-                owned_out(o)?,
-                owned_out(sc)?,
+                s.input(&*x)?,
+                s.output(r)?,
+                s.input(&*g)?,
+                s.output(o)?,
+                s.output(sc)?,
                 eps,
             )
         })
@@ -273,12 +274,12 @@ impl<'c> Owned<'c> {
 
     /// [`Collectives::send`] of an owned buffer.
     pub fn send<B: OwnedBuffer>(&self, buf: B, peer: usize) -> Result<Work<B>> {
-        self.start(buf, move |s, b| s.send(owned_in(&*b)?, peer))
+        self.start(buf, move |s, b| s.send(s.input(&*b)?, peer))
     }
 
     /// [`Collectives::recv`] into an owned buffer.
     pub fn recv<B: OwnedBuffer>(&self, buf: B, peer: usize) -> Result<Work<B>> {
-        self.start(buf, move |s, b| s.recv(owned_out(b)?, peer))
+        self.start(buf, move |s, b| s.recv(s.output(b)?, peer))
     }
 
     /// [`Collectives::batch`] of owned buffers of one type; `wait` hands them back in the order
@@ -323,8 +324,8 @@ impl<B: OwnedBuffer> OwnedBatch<'_, B> {
             let mut batch = s.batch();
             for (b, &(send, peer)) in bufs.iter_mut().zip(&peers) {
                 batch = match send {
-                    true => batch.send(owned_in(&*b)?, peer),
-                    false => batch.recv(owned_out(b)?, peer),
+                    true => batch.send(s.input(&*b)?, peer),
+                    false => batch.recv(s.output(b)?, peer),
                 };
             }
             batch.issue()
@@ -333,11 +334,11 @@ impl<B: OwnedBuffer> OwnedBatch<'_, B> {
 }
 
 /// Every buffer of a list as an output.
-fn outs<B: OwnedBuffer>(list: &mut [B]) -> Result<Vec<Typed<BufMut<'_>, B::Elem>>> {
-    list.iter_mut().map(owned_out).collect()
+fn outs<'b, B: OwnedBuffer>(s: &Starter<'b>, list: &'b mut [B]) -> Result<Vec<impl OutputBuffer<'b, Elem = B::Elem>>> {
+    list.iter_mut().map(|b| s.output(b)).collect()
 }
 
 /// Every buffer of a list as an input.
-fn ins<B: OwnedBuffer>(list: &[B]) -> Result<Vec<Typed<Buf<'_>, B::Elem>>> {
-    list.iter().map(owned_in).collect()
+fn ins<'b, B: OwnedBuffer>(s: &Starter<'b>, list: &'b [B]) -> Result<Vec<impl InputBuffer<'b, Elem = B::Elem>>> {
+    list.iter().map(|b| s.input(b)).collect()
 }

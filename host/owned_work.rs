@@ -10,10 +10,11 @@
 //! lifetime and an `&'b mut B` for every `'b` (`for<'b>`), so an operation can borrow nothing
 //! but the owned buffers and `'static` data.
 
+use crate::buffer::{owned_in, owned_out, InputBuffer, OutputBuffer, OwnedBuffer};
 use crate::collectives::Collectives;
 use crate::comm::Comm;
 use crate::contracts::error::{Error, Result};
-use crate::contracts::ops::Op;
+use crate::contracts::ops::{Location, Op};
 use crate::contracts::options::OpOptions;
 use crate::executor::Completion;
 use crate::gpu::cuda::stream;
@@ -53,6 +54,8 @@ pub struct Work<B: Send + 'static> {
     /// The buffers, boxed and leaked until every operation has ended; `None` once handed back.
     buffers: Option<NonNull<B>>,
     pending: Vec<(Arc<Completion>, &'static str)>,
+    /// The owned device buffers' own streams, which `wait` orders after the operations too.
+    streams: Vec<u64>,
     /// How long a device fence may keep the buffers after the host part ended (see Drop).
     timeout: Duration,
 }
@@ -102,34 +105,35 @@ impl<B: Send + 'static> Work<B> {
     }
 
     /// Blocks until every operation has ended and hands the buffers back, or returns the first
-    /// operation's error (the buffers are then dropped: [`wait_buffers`](Self::wait_buffers)
-    /// keeps them). Device operations left running on a stream are ordered before later work
-    /// on the calling thread's current stream; the host does not wait for the GPU.
-    pub fn wait(self) -> Result<B> {
-        let (buffers, r) = self.wait_buffers();
-        r.map(|()| buffers)
-    }
-
-    /// [`wait`](Self::wait) that hands the buffers back whatever happened, with the first
-    /// error (an all_reduce that timed out leaves its buffer in an unspecified state).
-    pub fn wait_buffers(mut self) -> (B, Result<()>) {
+    /// operation's error (the buffers are then dropped as an unwaited `Work` drops them).
+    /// Device operations left running on a stream are ordered before later work on the
+    /// calling thread's current stream and on each owned device buffer's own stream
+    /// ([`OwnedBuffer::device_stream`](crate::OwnedBuffer::device_stream)); the host does not
+    /// wait for the GPU.
+    pub fn wait(mut self) -> Result<B> {
         let mut first = Ok(());
         for (c, _) in &self.pending {
-            let r = c
-                .wait(None)
-                .unwrap_or(Ok(()))
-                .and_then(|()| c.fence.stream_wait(stream::current()));
+            let r = c.wait(None).unwrap_or(Ok(())).and_then(|()| {
+                std::iter::once(stream::current())
+                    .chain(self.streams.iter().copied())
+                    .try_for_each(|s| c.fence.stream_wait(s))
+            });
             if first.is_ok() {
                 first = r;
             }
         }
-        let ptr = self
-            .buffers
-            .take()
-            .expect("a Work's buffers are taken only here or in drop");
+        // On failure the device may still be at work: Drop waits for it (or leaks).
+        first?;
+        let Some(ptr) = self.buffers.take() else {
+            return Err(Error::Closed {
+                op: "Work::wait",
+                state: "its buffers were already handed back",
+            });
+        };
         // SAFETY: `ptr` came from `Box::leak` in `Comm::start`; every operation that borrowed
-        // it has ended (above), and its device work is ordered before the caller's stream.
-        (*unsafe { Box::from_raw(ptr.as_ptr()) }, first)
+        // it has ended (above), and its device work is ordered before every stream that may
+        // touch the buffers next.
+        Ok(*unsafe { Box::from_raw(ptr.as_ptr()) })
     }
 }
 
@@ -140,19 +144,20 @@ impl<B: Send + 'static> Drop for Work<B> {
             let _ = c.wait(None);
         }
         // The buffers are freed right here, not on a stream: wait (bounded) for device work.
+        // A fence that cannot be asked counts as running: leaking beats freeing under a kernel.
         let deadline = Instant::now() + self.timeout;
-        while !self.pending.iter().all(|(c, _)| c.fence.is_complete().unwrap_or(true)) {
+        while !self.pending.iter().all(|(c, _)| c.fence.is_complete().unwrap_or(false)) {
             if Instant::now() >= deadline {
                 tracing::warn!(
                     ops = ?self.pending.iter().map(|p| p.1).collect::<Vec<_>>(),
-                    "a dropped Work's device operations are still running after the timeout: \
-                     its buffers are leaked, not freed under them"
+                    "a dropped Work's device operations are still running (or cannot be asked) after \
+                     the timeout: its buffers are leaked, not freed under them"
                 );
                 return;
             }
             std::thread::sleep(Duration::from_micros(200));
         }
-        // SAFETY: as in `wait_buffers`; every operation has ended, on the device too.
+        // SAFETY: as in `wait`; every operation has ended, on the device too.
         drop(unsafe { Box::from_raw(ptr.as_ptr()) });
     }
 }
@@ -174,6 +179,7 @@ pub struct Starter<'b> {
     comm: Comm,
     opts: OpOptions,
     pending: RefCell<Vec<(Arc<Completion>, &'static str)>>,
+    streams: RefCell<Vec<u64>>,
     /// Invariant in 'b: a starter cannot be taken for one of a shorter borrow (which would let
     /// an operation borrow a local of the closure).
     _borrow: PhantomData<&'b mut &'b ()>,
@@ -186,6 +192,14 @@ impl<'b> Collectives<'b> for Starter<'b> {
     }
     fn issue(&self, op: Op<'b>, opts: &OpOptions) -> Result<()> {
         let name = op.name();
+        // A captured graph replays the operation after its Work handed the buffers back.
+        if matches!(op.location()?, Some(Location::Cuda(_))) && stream::is_capturing(stream::current())? {
+            return Err(Error::invalid(
+                name,
+                "an owned operation cannot be captured into a CUDA graph (its replays would \
+                 outlive the Work's buffers): capture the borrowed call instead",
+            ));
+        }
         let task = self.comm.prepare(op, opts)?;
         // SAFETY: the task borrows for 'b, that is, the buffers `Comm::start` boxed (or
         // 'static data); they are freed only after this completion and its fence (Work).
@@ -195,6 +209,31 @@ impl<'b> Collectives<'b> for Starter<'b> {
     }
     fn op_options(&self) -> OpOptions {
         self.opts.clone()
+    }
+}
+
+impl<'b> Starter<'b> {
+    /// `buf` as the input of a call on this starter; its device stream, if any, is ordered
+    /// after the work by [`Work::wait`].
+    pub fn input<O: OwnedBuffer>(&self, buf: &'b O) -> Result<impl InputBuffer<'b, Elem = O::Elem>> {
+        self.note_stream(buf);
+        owned_in(buf)
+    }
+
+    /// `buf` as the output (or in-place buffer) of a call on this starter; see
+    /// [`input`](Self::input).
+    pub fn output<O: OwnedBuffer>(&self, buf: &'b mut O) -> Result<impl OutputBuffer<'b, Elem = O::Elem>> {
+        self.note_stream(buf);
+        owned_out(buf)
+    }
+
+    fn note_stream<O: OwnedBuffer>(&self, buf: &O) {
+        if let Some(s) = buf.device_stream() {
+            let mut streams = self.streams.borrow_mut();
+            if !streams.contains(&s) {
+                streams.push(s);
+            }
+        }
     }
 }
 
@@ -246,6 +285,7 @@ impl Comm {
             comm: self.clone(),
             opts: opts.clone(),
             pending: RefCell::default(),
+            streams: RefCell::default(),
             _borrow: PhantomData,
         };
         // SAFETY: the leaked box is reached only through this borrow until the Work (which
@@ -254,6 +294,7 @@ impl Comm {
         let work = Work {
             buffers: Some(ptr),
             pending: starter.pending.into_inner(),
+            streams: starter.streams.into_inner(),
             timeout: opts.timeout.unwrap_or(self.timeout()),
         };
         // On failure, dropping the work waits for what was queued before the buffers go.

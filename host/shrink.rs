@@ -6,16 +6,18 @@
 //! (under `ferrocomm-run` the launcher hosts it; in a `new_group` it is in memory). Each
 //! attempt `a` of shrink number `g` has keys under `<comm prefix>/shrink<g>/<a>/`:
 //!
-//! 1. every survivor sets `alive/<rank>`, then waits (at most the timeout) for the `alive` key
-//!    of every rank it has no reason to think lost;
+//! 1. every survivor sets `alive/<rank>`, then waits (at most the timeout, and no longer than
+//!    until a proposal is in) for the `alive` key of every rank it has no reason to think lost;
 //! 2. every survivor proposes the ranks whose `alive` key it sees, and the store's
 //!    compare-and-set keeps the first proposal as `members`: one list for everyone, whatever
 //!    each one saw (a rank the list leaves out gets an error saying so);
 //! 3. the members create the new communicator under `<attempt>/comm` and set `ok/<rank>`
 //!    (`1` created, `0` failed); each waits for the members' `ok` keys and proposes `done`
-//!    (all created) or a retry without the members whose key never came, and compare-and-set
-//!    again keeps the first `outcome`. On a retry every member drops what it created and
-//!    starts attempt `a + 1`, so a rank that dies during the shrink is left out as well.
+//!    (all created), `failed` (all reported, some could not create: everyone gets the error)
+//!    or a retry without the members whose key never came, and compare-and-set again keeps
+//!    the first `outcome`. On a retry every member drops what it created and starts attempt
+//!    `a + 1` without waiting for anyone left out so far, so a rank that dies during the
+//!    shrink is left out as well.
 
 use crate::comm::Comm;
 use crate::contracts::error::{Error, Result};
@@ -25,36 +27,42 @@ use std::time::{Duration, Instant};
 
 /// How long a probe of a key that should already be there may take.
 const PROBE: Duration = Duration::from_millis(1);
+/// The pause between two looks at the store while waiting for the survivors.
+const POLL: Duration = Duration::from_millis(5);
 
 impl Comm {
     /// A communicator of this one's ranks that are still alive, agreed by every one of them
-    /// (collective over the survivors; the lost ranks do not call it). `lost` lists ranks known
-    /// to be gone, such as the `peer` of an `Error::PeerLost`: nobody waits for them, but a
-    /// listed rank that does call `shrink` in time is kept. Any other rank that has not called
-    /// `shrink` within the timeout is left out, and so is a rank that dies during it.
+    /// (collective over the survivors; the lost ranks do not call it), with the ranks of this
+    /// communicator it has, in order (new rank `i` is old rank `members[i]`). `lost` lists
+    /// ranks known to be gone, such as the `peer` of an `Error::PeerLost`: this rank does not
+    /// wait for them (a listed rank that comes before the agreement is kept all the same).
+    /// Any other rank that has not called `shrink` within the timeout is left out, and so is
+    /// a rank that dies during it.
     ///
-    /// The new communicator has the same backend, device, name and options; ranks keep their
-    /// order (new rank = position among the survivors). This one is closed for good: its
-    /// calls, and its windows', return `Error::Closed`. Works after this communicator failed
-    /// (a `PeerLost`, an abort): only the job store is needed, so the store must not have been
-    /// hosted by a lost rank (`ferrocomm-run` and `new_group` host it themselves).
+    /// The new communicator has the same backend, device, name and options. This one is
+    /// closed for good whatever the outcome: its calls, its windows' and a second `shrink`
+    /// return `Error::Closed`. Works after this communicator failed (a `PeerLost`, an abort):
+    /// only the job store is needed, so the store must not have been hosted by a lost rank
+    /// (`ferrocomm-run` and `new_group` host it themselves).
     ///
-    /// Errors: `Error::InvalidArgument` when `lost` names this rank or one out of range, or
-    /// when the survivors agreed without this rank (it came too late); store errors as the
-    /// store reports them.
+    /// Errors: `InvalidRank` / `InvalidArgument` when `lost` names a rank out of range or this
+    /// one (nothing happens then); `Error::LeftOut` when the survivors agreed without this
+    /// rank; `Error::Closed` on a finalized or already shrunk communicator; store errors as
+    /// the store reports them.
     ///
     /// ```
     /// use ferrocomm::prelude::*;
     ///
     /// let comms = Comm::new_group("cpu", &[Device::Cpu; 3], "elastic-doc", CommOptions::from_env()?)?;
     /// std::thread::scope(|s| {
-    ///     for c in comms {
+    ///     for c in &comms {
     ///         s.spawn(move || {
     ///             if c.rank() == 1 {
-    ///                 return; // rank 1 leaves: its communicator is dropped
+    ///                 c.abort(); // rank 1 leaves, as a process that exits would
+    ///                 return;
     ///             }
-    ///             let small = c.shrink(&[1]).unwrap();
-    ///             assert_eq!((small.size(), small.rank()), (2, c.rank() / 2));
+    ///             let (small, members) = c.shrink(&[1]).unwrap();
+    ///             assert_eq!(members, [0, 2]);
     ///             let mut x = [c.rank() as u32];
     ///             small.all_reduce(&mut x, ReduceOp::Sum).unwrap();
     ///             assert_eq!(x, [2]); // ranks 0 and 2 of the old communicator
@@ -63,7 +71,7 @@ impl Comm {
     /// });
     /// # Ok::<(), ferrocomm::Error>(())
     /// ```
-    pub fn shrink(&self, lost: &[usize]) -> Result<Comm> {
+    pub fn shrink(&self, lost: &[usize]) -> Result<(Comm, Vec<usize>)> {
         let (me, size) = (self.rank(), self.size());
         let mut known_lost = BTreeSet::new();
         for &r in lost {
@@ -79,21 +87,29 @@ impl Comm {
             }
             known_lost.insert(r);
         }
+        self.check_shrinkable()?;
+        // From here on every rank counts this shrink: whatever happens, this communicator
+        // cannot start another one (its generation would no longer match the others').
+        let r = self.agree_and_create(me, size, known_lost);
+        self.mark_shrunk();
+        r
+    }
+
+    fn agree_and_create(&self, me: usize, size: usize, mut known_lost: BTreeSet<usize>) -> Result<(Comm, Vec<usize>)> {
         let (store, prefix, options, generation) = self.shrink_parts();
         let timeout = options.timeout;
         let base = format!("{prefix}/shrink{generation}");
-        // Every attempt but the last leaves out at least one rank, so `size` attempts suffice.
+        // Every retry has at least one member fewer than the attempt before (a member whose
+        // `ok` never came), so `size` attempts suffice.
         for attempt in 0..size {
             let keys = format!("{base}/{attempt}");
             let members = agree_members(&*store, &keys, me, size, &known_lost, timeout)?;
             let Some(new_rank) = members.iter().position(|&r| r == me) else {
-                return Err(Error::invalid(
-                    "shrink",
-                    format!(
-                        "the survivors agreed on ranks {members:?} without rank {me}: it reached \
-                         shrink after their timeout of {timeout:?}"
-                    ),
-                ));
+                return Err(Error::LeftOut {
+                    op: "shrink",
+                    rank: me,
+                    members,
+                });
             };
             let created = Comm::create(
                 self.backend_name(),
@@ -110,14 +126,26 @@ impl Comm {
             if let Err(e) = &created {
                 tracing::warn!(rank = me, attempt, error = %e, "shrink: creating the smaller communicator failed");
             }
-            store.set(&format!("{keys}/ok/{me}"), if created.is_ok() { b"1" } else { b"0" })?;
+            let ok_key = format!("{keys}/ok/{me}");
+            let deadline = Instant::now() + timeout;
+            patient(deadline, || {
+                store.set(&ok_key, if created.is_ok() { b"1" } else { b"0" })
+            })?;
             match agree_outcome(&*store, &keys, &members, timeout)? {
                 Outcome::Done => {
                     // `done` needs this rank's `1`, so `created` is a communicator.
                     let comm = created?;
-                    self.mark_shrunk();
-                    tracing::info!(rank = me, new_rank, members = ?members, "communicator shrunk");
-                    return Ok(comm);
+                    tracing::info!(rank = me, new_rank, ?members, "communicator shrunk");
+                    return Ok((comm, members));
+                }
+                Outcome::Failed(ranks) => {
+                    return Err(Error::invalid(
+                        "shrink",
+                        format!(
+                            "every member of {members:?} reported, but ranks {ranks:?} could not create \
+                             the smaller communicator (their logs say why)"
+                        ),
+                    ))
                 }
                 Outcome::Retry(gone) => {
                     tracing::warn!(
@@ -126,6 +154,8 @@ impl Comm {
                         ?gone,
                         "shrink: members lost while creating; retrying without them"
                     );
+                    // Nobody waits again for a rank this attempt left out or lost.
+                    known_lost.extend((0..size).filter(|r| !members.contains(r)));
                     known_lost.extend(gone);
                 }
             }
@@ -138,7 +168,8 @@ impl Comm {
 }
 
 /// Steps 1 and 2: announce this rank, wait for the others, and take the store's first
-/// proposal of who is alive.
+/// proposal of who is alive. The wait ends early once someone's proposal is in: then the
+/// answer is fixed, and waiting on would only make this rank late for the new communicator.
 fn agree_members(
     store: &dyn Store,
     keys: &str,
@@ -148,13 +179,20 @@ fn agree_members(
     timeout: Duration,
 ) -> Result<Vec<usize>> {
     let alive = |r: usize| format!("{keys}/alive/{r}");
-    store.set(&alive(me), b"1")?;
+    let members_key = format!("{keys}/members");
     let deadline = Instant::now() + timeout;
-    for r in (0..size).filter(|r| *r != me && !known_lost.contains(r)) {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match store.wait(&[&alive(r)], left.max(PROBE)) {
-            Ok(()) | Err(Error::StoreTimeout { .. }) => {}
-            Err(e) => return Err(e),
+    patient(deadline, || store.set(&alive(me), b"1"))?;
+    let mut awaited: Vec<usize> = (0..size).filter(|r| *r != me && !known_lost.contains(r)).collect();
+    while !awaited.is_empty() && Instant::now() < deadline && !present(store, &members_key)? {
+        let mut still = Vec::new();
+        for r in awaited {
+            if !present(store, &alive(r))? {
+                still.push(r);
+            }
+        }
+        awaited = still;
+        if !awaited.is_empty() {
+            std::thread::sleep(POLL);
         }
     }
     let mut seen = Vec::new();
@@ -163,7 +201,9 @@ fn agree_members(
             seen.push(r);
         }
     }
-    let agreed = decode(&store.compare_set(&format!("{keys}/members"), b"", &encode(&seen))?)?;
+    let agreed = decode(&patient(deadline + timeout, || {
+        store.compare_set(&members_key, b"", &encode(&seen))
+    })?)?;
     if agreed.is_empty() || agreed.windows(2).any(|w| w[0] >= w[1]) || agreed.iter().any(|&r| r >= size) {
         return Err(Error::Protocol {
             context: "shrink agreement",
@@ -175,6 +215,8 @@ fn agree_members(
 
 enum Outcome {
     Done,
+    /// Every member reported, and these could not create the communicator.
+    Failed(Vec<usize>),
     /// The members whose `ok` key never came.
     Retry(Vec<usize>),
 }
@@ -184,24 +226,34 @@ enum Outcome {
 fn agree_outcome(store: &dyn Store, keys: &str, members: &[usize], timeout: Duration) -> Result<Outcome> {
     let ok = |r: usize| format!("{keys}/ok/{r}");
     let deadline = Instant::now() + 2 * timeout;
-    let mut gone = Vec::new();
-    let mut all_created = true;
+    let (mut gone, mut failed) = (Vec::new(), Vec::new());
     for &r in members {
         let left = deadline.saturating_duration_since(Instant::now());
-        match store.get(&ok(r), left.max(PROBE)) {
-            Ok(v) => all_created &= v == b"1",
+        match patient(deadline, || store.get(&ok(r), left.max(PROBE))) {
+            Ok(v) if v == b"1" => {}
+            Ok(_) => failed.push(r),
             Err(Error::StoreTimeout { .. }) => gone.push(r),
             Err(e) => return Err(e),
         }
     }
-    let verdict = match (all_created, gone.is_empty()) {
+    let verdict = match (gone.is_empty(), failed.is_empty()) {
         (true, true) => b"done".to_vec(),
-        _ => [b"retry".to_vec(), encode(&gone)].concat(),
+        (true, false) => [b"failed".to_vec(), encode(&failed)].concat(),
+        (false, _) => [b"retry".to_vec(), encode(&gone)].concat(),
     };
-    let agreed = store.compare_set(&format!("{keys}/outcome"), b"", &verdict)?;
+    // A member that saw every `ok` must not be left without the verdict the others act on:
+    // a store hiccup here is retried until well past everyone's deadline.
+    let agreed = patient(deadline + timeout, || {
+        store.compare_set(&format!("{keys}/outcome"), b"", &verdict)
+    })?;
+    if agreed == b"done" {
+        return Ok(Outcome::Done);
+    }
+    if let Some(rest) = agreed.strip_prefix(b"failed") {
+        return Ok(Outcome::Failed(decode(rest)?));
+    }
     match agreed.strip_prefix(b"retry") {
         Some(rest) => Ok(Outcome::Retry(decode(rest)?)),
-        None if agreed == b"done" => Ok(Outcome::Done),
         None => Err(Error::Protocol {
             context: "shrink agreement",
             reason: format!(
@@ -209,6 +261,17 @@ fn agree_outcome(store: &dyn Store, keys: &str, members: &[usize], timeout: Dura
                 String::from_utf8_lossy(&agreed)
             ),
         }),
+    }
+}
+
+/// `f` again after an I/O error of the store (a dropped connection that the client redials)
+/// until `deadline`; other errors, and the last I/O error, are returned.
+fn patient<T>(deadline: Instant, mut f: impl FnMut() -> Result<T>) -> Result<T> {
+    loop {
+        match f() {
+            Err(Error::Io { .. }) if Instant::now() < deadline => std::thread::sleep(POLL),
+            r => return r,
+        }
     }
 }
 

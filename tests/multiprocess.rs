@@ -72,7 +72,8 @@ fn child_entry() {
                 }
                 x.fill(1.0);
             };
-            let small = comm.shrink(&[lost]).unwrap();
+            let (small, members) = comm.shrink(&[lost]).unwrap();
+            assert_eq!(members, [0, 1]);
             assert!(matches!(comm.barrier(), Err(Error::Closed { .. })));
             for step in 0..20u64 {
                 let mut y = vec![rank as u64 * 100 + step; 1000];

@@ -31,7 +31,7 @@ fn survivors_finish(backend: &str, device: Device, n: usize, leaver: usize) {
                 Ok(()) => {}
                 Err(Error::PeerLost { peer, .. }) => {
                     assert_eq!(peer, leaver, "PeerLost names the rank that left");
-                    comm = comm.shrink(&[peer]).expect("shrink");
+                    comm = comm.shrink(&[peer]).expect("shrink").0;
                     shrunk_at = Some(step);
                     x = [c.rank() as u64 + step];
                     comm.all_reduce(&mut x, ReduceOp::Sum).unwrap();
@@ -90,7 +90,8 @@ fn survivors_shrink_over_tcp_links() {
         let Error::PeerLost { peer: 1, .. } = e else {
             panic!("{e}")
         };
-        let s = c.shrink(&[1]).unwrap();
+        let (s, members) = c.shrink(&[1]).unwrap();
+        assert_eq!(members, [0, 2]);
         let mut x = [c.rank() as u32 + 1];
         s.all_reduce(&mut x, ReduceOp::Sum).unwrap();
         x[0]
@@ -107,16 +108,27 @@ fn a_silent_rank_is_left_out_after_the_timeout_and_told_when_it_comes() {
         if c.rank() == 2 {
             std::thread::sleep(timeout * 4);
             return match c.shrink(&[]) {
-                Err(Error::InvalidArgument { op: "shrink", reason }) => {
-                    assert!(reason.contains("without rank 2"), "{reason}");
+                Err(Error::LeftOut {
+                    op: "shrink",
+                    rank: 2,
+                    members,
+                }) => {
+                    assert_eq!(members, [0, 1]);
+                    // Its old communicator is closed: no second shrink of its own.
+                    assert!(matches!(c.shrink(&[]), Err(Error::Closed { .. })));
                     0
                 }
                 other => panic!("late rank: {other:?}"),
             };
         }
         let t0 = Instant::now();
-        let s = c.shrink(&[]).unwrap();
+        let (s, members) = c.shrink(&[]).unwrap();
+        assert_eq!(members, [0, 1]);
         assert!(t0.elapsed() >= timeout, "left rank 2 out before the timeout");
+        assert!(
+            matches!(c.shrink(&[]), Err(Error::Closed { .. })),
+            "a second shrink of the old comm"
+        );
         let mut x = [10u32];
         s.all_reduce(&mut x, ReduceOp::Sum).unwrap();
         x[0]
@@ -135,11 +147,11 @@ fn lost_is_a_hint_and_a_shrink_without_loss_keeps_everyone() {
             std::thread::sleep(Duration::from_millis(50));
         }
         let s = match c.shrink(lost) {
-            Ok(s) => s,
-            Err(Error::InvalidArgument { op: "shrink", .. }) if c.rank() == 3 => return (0, 0, 0),
+            Ok((s, _)) => s,
+            Err(Error::LeftOut { op: "shrink", .. }) if c.rank() == 3 => return (0, 0, 0),
             Err(e) => panic!("rank {}: {e}", c.rank()),
         };
-        let t = s.shrink(&[]).unwrap();
+        let (t, _) = s.shrink(&[]).unwrap();
         let mut x = [1u8];
         t.all_reduce(&mut x, ReduceOp::Sum).unwrap();
         (s.size(), t.size(), x[0])
@@ -224,7 +236,8 @@ fn a_rank_that_dies_during_the_shrink_is_left_out_by_a_retry() {
                     if r == 3 {
                         return Ok((0, 0)); // leaves; rank 1 then dies in the shrink
                     }
-                    let t = c.shrink(&[3]).map_err(|e| e.to_string())?;
+                    let (t, members) = c.shrink(&[3]).map_err(|e| e.to_string())?;
+                    assert_eq!(members, [0, 2]);
                     let mut x = [r as u32];
                     t.all_reduce(&mut x, ReduceOp::Sum).unwrap();
                     Ok((t.size(), x[0]))

@@ -174,6 +174,17 @@ pub enum Error {
         /// losing rank 3)"`, ...).
         reason: String,
     },
+    /// The survivors of a `Comm::shrink` agreed on a communicator without this rank (it came
+    /// after their timeout, or a rank passed it as lost). Its old communicator is closed.
+    #[error("{op}: the survivors agreed on ranks {members:?} without rank {rank}")]
+    LeftOut {
+        /// The operation (`"shrink"`).
+        op: &'static str,
+        /// This rank, in the old communicator.
+        rank: usize,
+        /// The old communicator's ranks that the new one has.
+        members: Vec<usize>,
+    },
     /// This communicator was aborted or finalized.
     #[error("{op}: communicator was {state}")]
     Closed {
