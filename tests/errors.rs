@@ -529,3 +529,51 @@ fn bytes_that_are_no_bool_in_an_output_arrive_as_true() {
         );
     }
 }
+
+/// A backend that panics in an operation queued behind others: the worker records the panic
+/// as that operation's error (its Work must not wait forever, even when dropped unwaited), and
+/// the communicator goes on.
+#[test]
+fn a_backend_panic_in_queued_work_is_that_works_error() {
+    use std::sync::Arc;
+    struct Panicky(Box<dyn ferrocomm::Backend>);
+    impl ferrocomm::Backend for Panicky {
+        fn name(&self) -> &'static str {
+            "panicky"
+        }
+        fn run(&self, op: &mut ferrocomm::Op<'_>, o: &ferrocomm::RunOptions) -> ferrocomm::Result<()> {
+            if matches!(op, ferrocomm::Op::Broadcast { .. }) {
+                panic!("this backend cannot broadcast");
+            }
+            self.0.run(op, o)
+        }
+        fn abort(&self) {
+            self.0.abort()
+        }
+        fn finalize(&self) -> ferrocomm::Result<()> {
+            self.0.finalize()
+        }
+    }
+    let cpu = ferrocomm::backend_factory("cpu").unwrap();
+    ferrocomm::register_backend(
+        "panicky",
+        Arc::new(move |init: &ferrocomm::BackendInit| Ok(Box::new(Panicky(cpu(init)?)) as Box<dyn ferrocomm::Backend>)),
+    );
+    let c = Comm::new_group("panicky", &[Device::Cpu], "panicky", options(Duration::from_secs(10)))
+        .unwrap()
+        .remove(0);
+    let first = c.owned().all_reduce(vec![1u8; 4], ReduceOp::Sum).unwrap();
+    let panics = c.owned().broadcast(vec![2u8; 4], 0).unwrap();
+    drop(c.owned().broadcast(vec![3u8; 4], 0).unwrap()); // dropped unwaited: must return
+    assert_eq!(first.wait().unwrap(), vec![1; 4]);
+    match panics.wait() {
+        Err(Error::Backend { backend, message, .. }) => {
+            assert_eq!(backend, "panicky");
+            assert!(message.contains("panicked"), "{message}");
+        }
+        other => panic!("a panicking backend: {other:?}"),
+    }
+    let mut x = [5u8];
+    c.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+    assert_eq!(x, [5]);
+}
