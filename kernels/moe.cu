@@ -224,15 +224,18 @@ enum class Filled { Yes, Stop, Skip };
 
 // The first difference between a source's shape and ours, recorded (thread 0); false if none.
 FERROCOMM_DEVICE_INLINE bool shape_differs(const Args& a, const Header* h, i32 p) {
-  const u64 ours[5] = {a.experts, a.topk, a.hidden, a.capacity, a.elem};
-  const u64 theirs[5] = {h->experts, h->topk, h->hidden, h->capacity, h->elem};
-  for (u32 f = 0; f < 5; ++f) {
-    if (static_cast<u32>(ours[f]) != theirs[f]) {
-      if (threadIdx.x == 0) record_status(a.errors, FERROCOMM_STATUS_MISMATCH, OP_SHAPE, p, f, ours[f], theirs[f]);
-      return true;
-    }
-  }
-  return false;
+  u32 field = FIELD_EXPERTS;
+  u64 ours = a.experts, theirs = h->experts;
+  auto next = [&](u32 f, u64 o, u64 t) {
+    if (ours == theirs) field = f, ours = o, theirs = t;
+  };
+  next(FIELD_TOPK, a.topk, h->topk);
+  next(FIELD_HIDDEN, a.hidden, h->hidden);
+  next(FIELD_CAPACITY, a.capacity, h->capacity);
+  next(FIELD_DTYPE, a.elem, h->elem);
+  if (ours == theirs) return false;
+  if (threadIdx.x == 0) record_status(a.errors, FERROCOMM_STATUS_MISMATCH, OP_SHAPE, p, field, ours, theirs);
+  return true;
 }
 
 // Waits for every source's slot of this epoch. Stop: a slot of another epoch (recorded), or the
