@@ -284,10 +284,11 @@ pub trait Collectives<'a>: Sized {
     /// `[tokens, hidden]`, `gamma` is `[hidden]`, all of one type (f32, f16 or bf16). Sums run
     /// in f32, over ranks in rank order, so every rank gets the same bits; the norm reads the
     /// f32 sum (see [`RmsNormFusion`](crate::RmsNormFusion)). The hint `algorithm` =
-    /// `oneshot` / `twoshot` overrides the choice by size. On the CPU backend a rank whose
-    /// arguments fail its checks still tells the others: they fail at once with
-    /// `Error::InvalidArgument` naming it and its reason, and the communicator stays usable
-    /// (so do MoE dispatch and combine).
+    /// `oneshot` / `twoshot` overrides the choice by size. On the CPU backend (and where the
+    /// device backend runs it on the CPU engine) a rank whose arguments fail its checks still
+    /// tells the others: they fail at once with `Error::InvalidArgument` naming it and its
+    /// reason, and the communicator stays usable (so do MoE dispatch and combine, on every
+    /// backend that runs them).
     ///
     /// ```
     /// use ferrocomm::prelude::*;
@@ -371,8 +372,10 @@ pub trait Collectives<'a>: Sized {
     /// rank computes in between. More rows for an expert than `shape.capacity` is
     /// `Error::CapacityExceeded` on the receiving rank (the counts say how many came). A rank
     /// that refuses its send half (an expert id out of range, a buffer of the wrong size) fails
-    /// every rank at once on the CPU backend (the others with `Error::InvalidArgument` naming
-    /// it); nothing moves and the communicator stays usable.
+    /// every rank at once (the others with `Error::InvalidArgument` naming it; on the device
+    /// backend's kernels, whose send half alone does not wait for peers, the others' receive
+    /// half); nothing is written and the communicator stays usable. Ranks must call with one
+    /// `shape` and element type: otherwise every rank gets `Error::Mismatch` naming the field.
     fn moe_dispatch(&self, shape: MoeShape, buffers: Dispatch<'a>) -> Result<Self::Output> {
         self.call(Op::MoeDispatch(buffers.into_op(shape)))
     }

@@ -31,6 +31,17 @@
 //   records, which a dispatch's src leaves sorted by (token, k); else by a scan), and sums
 //   w[t, k] * row in f32 in k order (fmaf), rounded once; then DONE_b to every source.
 //
+// Every slot's header also carries the sender's shape (experts, topk, hidden, capacity, element
+// type) and whether it refuses the call: a send that finds a bad expert id (dispatch) or a bad
+// count or source (combine) in its data, or that the host refused (`Args::refuse`, an argument
+// error found on the host), still publishes a header to every destination, flagged with why,
+// and no records. Receive blocks check every source's header after acquiring its READY: a
+// refusal (the first source in rank order) or a shape that differs from their own is recorded,
+// nothing is written to the outputs, and the protocol completes (DONE to every source), so every
+// rank fails the same call with the same error and the next call runs in step. The header is
+// written before the release of READY and read after its acquire (rule 1 / rule 2 of
+// docs/memory-model.md), like the records.
+//
 // A sender first waits until every receive block of the destination has signalled DONE for
 // its previous epoch, so no slot is overwritten while it is read (DONE and READY toward a rank
 // on another host are signals through the queue like any other: release, in order with the
@@ -66,6 +77,13 @@ constexpr u32 OP_MISSING = 0x4d04;   // peer = owner rank, expected = token, obs
 constexpr u32 OP_STEP = 0x4d05;      // peer = source, expected = this epoch, observed = the slot's
 constexpr u32 OP_STRAY = 0x4d06;     // peer = source, expected = token, observed = k
 constexpr u32 OP_OUTBOX = 0x4d07;    // peer = destination behind the proxy queue, and no outbox
+// A source refused the call (recorded by receivers; the sender's header said why):
+constexpr u32 OP_REFUSED_EXPERT = 0x4d08;  // peer = source, extra = its experts, expected = index, observed = id
+constexpr u32 OP_REFUSED_SRC = 0x4d09;     // peer = source, extra = local expert, expected = row (~0: counts), observed
+constexpr u32 OP_REFUSED_HOST = 0x4d0a;    // peer = source: an argument error found on its host
+constexpr u32 OP_SHAPE = 0x4d0b;           // MISMATCH: peer = source, extra = field, expected = ours, observed = its
+// The shape fields of OP_SHAPE's `extra`.
+constexpr u32 FIELD_EXPERTS = 0, FIELD_TOPK = 1, FIELD_HIDDEN = 2, FIELD_CAPACITY = 3, FIELD_DTYPE = 4;
 
 // What the host passes (one layout for the four kernels; unused fields are 0).
 struct Args {
@@ -91,13 +109,22 @@ struct Args {
                     // gives up at once while the handle's status holds an error)
   u64 outbox;       // sends: this rank's outboxes in its own segment, one per destination, `slot`
                     // bytes apart, where slots for ranks behind the proxy queue are built; 0: none
+  u64 elem;         // the element type's code (host DType), which ranks must agree on
+  u64 refuse;       // sends: 0, or the host refused the call (OP_REFUSED_HOST): publish a refusal
+                    // and read nothing; receives on a refusing rank get no output buffers
 };
 
 struct Header {
-  u64 rows;   // records sent (dispatch: tokens, which may exceed the slot's `rows`)
-  u64 epoch;  // the sender's epoch of this slot
+  u64 rows;                                // records sent (dispatch: tokens, may exceed the slot's `rows`)
+  u64 epoch;                               // the sender's epoch of this slot
+  u32 experts, topk, hidden, capacity, elem;  // the sender's shape and element type
+  u32 refused;                             // 0, or why the sender refuses: OP_EXPERT, OP_SRC, OP_REFUSED_HOST
+  u32 extra;                               // the refusal's record fields (see OP_EXPERT, OP_SRC)
+  u32 spare;
+  u64 expected, observed;
   // then u32 per_expert[local]
 };
+static_assert(sizeof(Header) == 64, "host/backend/device/moe.rs and the driver size the header from 64 bytes");
 
 FERROCOMM_DEVICE_INLINE u32* per_expert(Byte* slot) { return reinterpret_cast<u32*>(slot + sizeof(Header)); }
 FERROCOMM_DEVICE_INLINE const u32* per_expert(const Byte* slot) {
@@ -110,6 +137,32 @@ FERROCOMM_DEVICE_INLINE i64 expert_id(const Args& a, u64 i) {
 
 FERROCOMM_DEVICE_INLINE void invalid(const Args& a, u32 op, i32 peer, u64 expected, u64 observed, u32 extra = 0) {
   record_status(a.errors, FERROCOMM_STATUS_INVALID, op, peer, extra, expected, observed);
+}
+
+FERROCOMM_DEVICE_INLINE bool bad_expert(const Args& a, i64 x) { return x < -1 || x >= static_cast<i64>(a.experts); }
+
+// Why a send refuses its call: the first bad value of its data, in the CPU engine's order.
+struct Refusal {
+  u32 op;  // 0: none
+  u32 extra;
+  u64 expected, observed;
+};
+
+// Fills the fixed part of a slot's header (one thread): the sender's shape, and its refusal.
+FERROCOMM_DEVICE_INLINE void write_header(Byte* slot, const Args& a, u64 rows, u64 epoch, const Refusal& why) {
+  Header* hd = reinterpret_cast<Header*>(slot);
+  hd->rows = rows;
+  hd->epoch = epoch;
+  hd->experts = static_cast<u32>(a.experts);
+  hd->topk = static_cast<u32>(a.topk);
+  hd->hidden = static_cast<u32>(a.hidden);
+  hd->capacity = static_cast<u32>(a.capacity);
+  hd->elem = static_cast<u32>(a.elem);
+  hd->refused = why.op;
+  hd->extra = why.extra;
+  hd->spare = 0;
+  hd->expected = why.expected;
+  hd->observed = why.observed;
 }
 
 // Bytes [0, len) from src to dst by the threads of the block, as wide as alignment allows.
@@ -132,7 +185,11 @@ struct Scan {
   u32 v[MOE_THREADS];
   u32 total;
   u64 picked[MOE_THREADS];
+  Refusal why;  // the send block's refusal, written by the thread that found it
 };
+
+// block_scan's values carry two counts: the low half, rows picked; the high half, bad values.
+constexpr u32 BAD = 1u << 16;
 
 // Exclusive prefix sum of `v` over the block (thread order); `total` gets the block's sum.
 // Every thread calls. The block's `picked` list stays readable until the next call.
@@ -163,19 +220,53 @@ FERROCOMM_DEVICE_INLINE bool wait_consumed(const Window& w, u32 done_id, i32 pee
   return true;
 }
 
-// Waits for every source's slot of this epoch; records a slot of another epoch.
-FERROCOMM_DEVICE_INLINE bool wait_filled(const Window& w, const Args& a, u32 ready_id, u64 epoch) {
+enum class Filled { Yes, Stop, Skip };
+
+// The first difference between a source's shape and ours, recorded (thread 0); false if none.
+FERROCOMM_DEVICE_INLINE bool shape_differs(const Args& a, const Header* h, i32 p) {
+  u32 field = FIELD_EXPERTS;
+  u64 ours = a.experts, theirs = h->experts;
+  auto next = [&](u32 f, u64 o, u64 t) {
+    if (ours == theirs) field = f, ours = o, theirs = t;
+  };
+  next(FIELD_TOPK, a.topk, h->topk);
+  next(FIELD_HIDDEN, a.hidden, h->hidden);
+  next(FIELD_CAPACITY, a.capacity, h->capacity);
+  next(FIELD_DTYPE, a.elem, h->elem);
+  if (ours == theirs) return false;
+  if (threadIdx.x == 0) record_status(a.errors, FERROCOMM_STATUS_MISMATCH, OP_SHAPE, p, field, ours, theirs);
+  return true;
+}
+
+// Waits for every source's slot of this epoch. Stop: a slot of another epoch (recorded), or the
+// wait failed; the block gives up. Skip: every slot is there, but a source refused the call or
+// has another shape (the first in rank order recorded, but for our own refusal, which our send
+// recorded): nothing may be read, and the protocol still completes.
+FERROCOMM_DEVICE_INLINE Filled wait_filled(const Window& w, const Args& a, u32 ready_id, u64 epoch) {
+  bool skip = false;
   for (i32 p = 0; p < w.size(); ++p) {
-    if (!w.wait_signal(coop_block(), ready_id, p, Cmp::Ge, epoch).ok) return false;
+    if (!w.wait_signal(coop_block(), ready_id, p, Cmp::Ge, epoch).ok) return Filled::Stop;
+    // After the acquire (the block synchronised after its leader's), the header is the one
+    // released with READY.
     const Header* h = w.local_ptr<const Header>(a.region + static_cast<u64>(p) * a.slot);
     if (h->epoch != epoch) {
       if (threadIdx.x == 0) {
         record_status(a.errors, FERROCOMM_STATUS_MISMATCH, OP_STEP, p, ready_id, epoch, h->epoch);
       }
-      return false;
+      return Filled::Stop;
     }
+    if (skip) continue;
+    if (h->refused != 0) {
+      skip = true;
+      if (threadIdx.x == 0 && p != w.rank()) {
+        const u32 op = h->refused == OP_EXPERT ? OP_REFUSED_EXPERT : h->refused == OP_SRC ? OP_REFUSED_SRC : OP_REFUSED_HOST;
+        invalid(a, op, p, h->expected, h->observed, h->extra);
+      }
+      continue;
+    }
+    skip = shape_differs(a, h, p);
   }
-  return true;
+  return skip ? Filled::Skip : Filled::Yes;
 }
 
 FERROCOMM_DEVICE_INLINE void signal_consumed(const Window& w, u32 done_id, u64 epoch) {
@@ -225,22 +316,37 @@ FERROCOMM_DEVICE_INLINE void dispatch_send(const ferrocomm_window_handle& h, con
   const u64 ids_bytes = (4 + 4 * a.topk + 15) / 16 * 16;
   const u64 data_bytes = (a.row_bytes + 15) / 16 * 16;
   u64 n = 0;  // tokens for r so far (the same on every thread)
-  for (u64 base = 0; base < a.n_tokens; base += blockDim.x) {
+  // Refused: by the host, or at the first bad expert id (every block sees the same one).
+  bool refused = a.refuse != 0;
+  if (threadIdx.x == 0) scan.why = Refusal{static_cast<u32>(a.refuse), 0, 0, 0};
+  for (u64 base = 0; base < a.n_tokens && !refused; base += blockDim.x) {
     const u64 t = base + threadIdx.x;
     u32 go = 0;
+    u64 bad = ~0ull;  // this thread's first bad index
     if (t < a.n_tokens) {
       for (u64 k = 0; k < a.topk; ++k) {
         const i64 x = expert_id(a, t * a.topk + k);
-        if (x < -1 || x >= static_cast<i64>(a.experts)) {
-          // Reported by the block of rank 0 only (every block sees it).
-          if (r == 0) invalid(a, OP_EXPERT, -1, t * a.topk + k, static_cast<u64>(x));
+        if (bad_expert(a, x)) {
+          if (bad == ~0ull) bad = t * a.topk + k;
         } else if (x >= first && x < last) {
           go = 1;
         }
       }
     }
-    u32 total;
-    const u32 pos = block_scan(scan, go, total);
+    u32 both;
+    const u32 at = block_scan(scan, go + (bad != ~0ull ? BAD : 0), both);
+    const u32 pos = at & (BAD - 1), total = both & (BAD - 1);
+    if (both >= BAD) {
+      // The block's first bad id is the one of its first thread with one: token order.
+      if (bad != ~0ull && at < BAD) {
+        const u64 x = static_cast<u64>(expert_id(a, bad));
+        scan.why = Refusal{OP_EXPERT, static_cast<u32>(a.experts), bad, x};
+        // Reported here by the block of rank 0 only (every block sees it).
+        if (r == 0) invalid(a, OP_EXPERT, -1, bad, x, static_cast<u32>(a.experts));
+      }
+      refused = true;
+      break;
+    }
     if (go && n + pos < a.rows) {
       scan.picked[pos] = t;
       i32* rec = reinterpret_cast<i32*>(recs + (n + pos) * a.record);
@@ -265,6 +371,8 @@ FERROCOMM_DEVICE_INLINE void dispatch_send(const ferrocomm_window_handle& h, con
   // More tokens than the slot holds: then some expert of r gets more than its capacity (the
   // slot holds local * capacity), and r needs exact counts, which it cannot take from records
   // that were not written.
+  if (refused) n = 0;
+  __syncthreads();  // scan.why is written
   if (n > a.rows) {
     for (u64 e = threadIdx.x; e < a.local; e += blockDim.x) {
       u64 c = 0;
@@ -272,12 +380,8 @@ FERROCOMM_DEVICE_INLINE void dispatch_send(const ferrocomm_window_handle& h, con
       per_expert(slot)[e] = static_cast<u32>(c < 0xffffffffull ? c : 0xffffffffull);
     }
   }
-  if (threadIdx.x == 0) {
-    Header* hd = reinterpret_cast<Header*>(slot);
-    hd->rows = n;
-    hd->epoch = epoch;
-  }
-  publish(w, a, r, direct, slot, a.header + min(n, a.rows) * a.record, D_READY, epoch);
+  if (threadIdx.x == 0) write_header(slot, a, n, epoch, scan.why);
+  publish(w, a, r, direct, slot, refused ? sizeof(Header) : a.header + min(n, a.rows) * a.record, D_READY, epoch);
   if (threadIdx.x == 0) store_release(sent, epoch);
 }
 
@@ -287,14 +391,15 @@ FERROCOMM_DEVICE_INLINE void dispatch_recv(const ferrocomm_window_handle& h, con
   FERROCOMM_SHARED(Scan, scan);
   u64* got = counters + C_DRECV + blockIdx.x;
   const u64 epoch = load_relaxed(got) + 1;
-  if (!wait_filled(w, a, D_READY, epoch)) return;
+  const Filled filled = wait_filled(w, a, D_READY, epoch);
+  if (filled == Filled::Stop) return;
   const i64 first = static_cast<i64>(w.rank()) * a.local;
   const u64 ids_bytes = (4 + 4 * a.topk + 15) / 16 * 16;
   const u64 data_bytes = (a.row_bytes + 15) / 16 * 16;
   Byte* out = reinterpret_cast<Byte*>(a.tokens);
   Byte* out_scales = reinterpret_cast<Byte*>(a.scales);
   i32* src = reinterpret_cast<i32*>(a.src);
-  for (u64 e = blockIdx.x; e < a.local; e += gridDim.x) {
+  for (u64 e = blockIdx.x; filled == Filled::Yes && e < a.local; e += gridDim.x) {
     const i64 x = first + static_cast<i64>(e);
     u64 count = 0;  // pairs routed to e so far
     u64 at = 0;     // rows of e packed so far (differs from count only after a slot overflowed)
@@ -361,25 +466,44 @@ FERROCOMM_DEVICE_INLINE void combine_send(const ferrocomm_window_handle& h, cons
   const i32* src = reinterpret_cast<const i32*>(a.src);
   const Byte* rows = reinterpret_cast<const Byte*>(a.tokens);
   u64 n = 0;
-  for (u64 e = 0; e < a.local; ++e) {
+  // Refused: by the host, or at the first bad count or source, in (expert, row) order (every
+  // block sees the same one).
+  bool refused = a.refuse != 0;
+  if (threadIdx.x == 0) scan.why = Refusal{static_cast<u32>(a.refuse), 0, 0, 0};
+  for (u64 e = 0; e < a.local && !refused; ++e) {
     const i32 c = counts[e];
-    if (c < 0 && r == 0 && threadIdx.x == 0) invalid(a, OP_SRC, static_cast<i32>(e), ~0ull, static_cast<u64>(c));
-    const u64 m = c < 0 ? 0 : min(static_cast<u64>(c), a.capacity);
+    if (c < 0) {
+      if (threadIdx.x == 0) {
+        scan.why = Refusal{OP_SRC, static_cast<u32>(e), ~0ull, static_cast<u64>(c)};
+        if (r == 0) invalid(a, OP_SRC, static_cast<i32>(e), ~0ull, static_cast<u64>(c));
+      }
+      refused = true;
+      break;
+    }
+    const u64 m = min(static_cast<u64>(c), a.capacity);
     u64 mine = 0;
     for (u64 base = 0; base < m; base += blockDim.x) {
       const u64 i = base + threadIdx.x;
-      u32 go = 0;
+      u32 go = 0, bad = 0;
       if (i < m) {
         const i32* s = src + (e * a.capacity + i) * 3;
         const bool ok = s[0] >= 0 && s[0] < w.size() && s[1] >= 0 && s[2] >= 0 && static_cast<u64>(s[2]) < a.topk;
-        if (!ok) {
-          if (r == 0) invalid(a, OP_SRC, static_cast<i32>(e), i, static_cast<u64>(static_cast<u32>(s[0])) << 32 | static_cast<u32>(s[2]));
-        } else {
-          go = s[0] == r;
-        }
+        bad = !ok;
+        go = ok && s[0] == r;
       }
-      u32 total;
-      const u32 pos = block_scan(scan, go, total);
+      u32 both;
+      const u32 at = block_scan(scan, go + (bad ? BAD : 0), both);
+      const u32 pos = at & (BAD - 1), total = both & (BAD - 1);
+      if (both >= BAD) {
+        if (bad && at < BAD) {
+          const i32* s = src + (e * a.capacity + i) * 3;
+          const u64 seen = static_cast<u64>(static_cast<u32>(s[0])) << 32 | static_cast<u32>(s[2]);
+          scan.why = Refusal{OP_SRC, static_cast<u32>(e), i, seen};
+          if (r == 0) invalid(a, OP_SRC, static_cast<i32>(e), i, seen);
+        }
+        refused = true;
+        break;
+      }
       if (go) {
         const i32* s = src + (e * a.capacity + i) * 3;
         scan.picked[pos] = i;
@@ -394,14 +518,12 @@ FERROCOMM_DEVICE_INLINE void combine_send(const ferrocomm_window_handle& h, cons
       n += total;
       mine += total;
     }
-    if (threadIdx.x == 0) per_expert(slot)[e] = static_cast<u32>(mine);
+    if (!refused && threadIdx.x == 0) per_expert(slot)[e] = static_cast<u32>(mine);
   }
-  if (threadIdx.x == 0) {
-    Header* hd = reinterpret_cast<Header*>(slot);
-    hd->rows = n;
-    hd->epoch = epoch;
-  }
-  publish(w, a, r, direct, slot, a.header + n * a.record, C_READY, epoch);
+  if (refused) n = 0;
+  __syncthreads();  // scan.why is written
+  if (threadIdx.x == 0) write_header(slot, a, n, epoch, scan.why);
+  publish(w, a, r, direct, slot, refused ? sizeof(Header) : a.header + n * a.record, C_READY, epoch);
   if (threadIdx.x == 0) store_release(sent, epoch);
 }
 
@@ -455,7 +577,14 @@ FERROCOMM_DEVICE_INLINE void combine_recv(const ferrocomm_window_handle& h, cons
   FERROCOMM_SHARED(Found, found);
   u64* got = counters + C_CRECV + blockIdx.x;
   const u64 epoch = load_relaxed(got) + 1;
-  if (!wait_filled(w, a, C_READY, epoch)) return;
+  const Filled filled = wait_filled(w, a, C_READY, epoch);
+  if (filled == Filled::Stop) return;
+  // Nothing to read (a source refused, or has another shape): only DONE.
+  if (filled == Filled::Skip) {
+    signal_consumed(w, C_DONE, epoch);
+    if (threadIdx.x == 0) store_release(got, epoch);
+    return;
+  }
   // Every record must answer a (token, k) of ours routed to its sender's expert (the CPU
   // engine's check): the blocks share the records of each source.
   for (i32 p = 0; p < w.size(); ++p) {
@@ -480,8 +609,8 @@ FERROCOMM_DEVICE_INLINE void combine_recv(const ferrocomm_window_handle& h, cons
     for (u64 k = threadIdx.x; k < a.topk; k += blockDim.x) {
       const i64 x = expert_id(a, t * a.topk + k);
       const Byte* row = nullptr;
-      if (x < -1 || x >= static_cast<i64>(a.experts)) {
-        invalid(a, OP_EXPERT, -1, t * a.topk + k, static_cast<u64>(x));
+      if (bad_expert(a, x)) {
+        invalid(a, OP_EXPERT, -1, t * a.topk + k, static_cast<u64>(x), static_cast<u32>(a.experts));
       } else if (x >= 0) {
         const i32 p = static_cast<i32>(x / static_cast<i64>(a.local));
         row = find_row(w, a, p, static_cast<u64>(x) % a.local, static_cast<i32>(t), static_cast<i32>(k));

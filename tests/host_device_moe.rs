@@ -642,51 +642,187 @@ fn halves_out_of_order_are_refused_on(hosts: Hosts) {
     }
 }
 
-/// An expert id out of range: the rank that sent it is told (InvalidArgument), the others get
-/// their rows, and the next call works (the kernels finish their protocol).
-#[test]
-fn a_bad_expert_id_is_reported_by_its_rank_and_the_window_stays_usable() {
-    for &hosts in Hosts::of(2) {
-        a_bad_expert_id_on(hosts);
+/// Runs `bad(comm, culprit)` on `world` ranks (rank `culprit` with a bad argument), then a
+/// dispatch and combine of random tokens, on the device backend (both placements) and on the
+/// CPU engine. The culprit gets its own error (containing `why`); every other rank fails at
+/// once with `Error::InvalidArgument` saying "rank {culprit} refused its call" (and `why`, where
+/// `peers_why`: the kernels carry the data errors they find, not the host's text); no output
+/// is written; and the next call matches the reference and, bit for bit, the CPU engine.
+fn one_rank_refuses(
+    world: usize,
+    culprit: usize,
+    name: &str,
+    why: &str,
+    peers_why: bool,
+    bad: impl Fn(&Comm, bool, MoeShape) -> ferrocomm::Result<()> + Sync,
+) {
+    let seed = fresh_seed();
+    let c = Case {
+        world,
+        shape: shape(4 * world, 2, 128, 16),
+        tokens: (0..world).map(|r| 4 + 2 * r).collect(),
+        routing: Routing::Random,
+        idx64: false,
+    };
+    let rank_main = |comm: &Comm| {
+        let t0 = std::time::Instant::now();
+        let refused = bad(comm, comm.rank() == culprit, c.shape);
+        let took = t0.elapsed();
+        (refused, took, run_rank::<bf16>(comm, seed, &c, false, true))
+    };
+    let cpu = run_group_on_device("cpu", Device::Cpu, world, &format!("{name}-cpu"), opts(), rank_main);
+    for &hosts in Hosts::of(world) {
+        let dev = on_device(hosts, world, name, rank_main);
+        for (rank, ((refused, took, next), (cpu_refused, _, cpu_next))) in dev.iter().zip(&cpu).enumerate() {
+            for (backend, r) in [("device", refused), ("cpu", cpu_refused)] {
+                match r {
+                    Err(e) if rank == culprit => assert!(
+                        e.to_string().contains(why),
+                        "{backend} rank {rank} ({hosts:?}), the culprit: {e}"
+                    ),
+                    Err(Error::InvalidArgument { reason, .. }) => assert!(
+                        reason.contains(&format!("rank {culprit} refused its call"))
+                            && (!peers_why || reason.contains(why)),
+                        "{backend} rank {rank} ({hosts:?}): {reason}"
+                    ),
+                    other => panic!("{backend} rank {rank} ({hosts:?}): {other:?}"),
+                }
+            }
+            assert!(
+                *took < Duration::from_secs(10),
+                "rank {rank} ({hosts:?}) waited {took:?} for the culprit"
+            );
+            check::<bf16>(seed, &c, rank, next);
+            let strip = |o: &Out| Out {
+                dispatch: kind(&o.dispatch),
+                combine: o.combine.as_ref().map(kind),
+                ..o.clone()
+            };
+            assert_eq!(
+                strip(next),
+                strip(cpu_next),
+                "rank {rank} ({hosts:?}): the next call differs from the CPU engine's"
+            );
+        }
     }
 }
 
-fn a_bad_expert_id_on(hosts: Hosts) {
-    let seed = fresh_seed();
-    let world = 2;
-    let res = on_device(hosts, world, "moe-bad-id", |comm| {
-        let s = shape(4, 2, 128, 16);
-        let tokens = vec![bf16::ONE; 3 * 128];
-        let idx: Vec<i32> = if comm.rank() == 1 {
-            vec![0, 9, 1, -1, 2, 3]
-        } else {
-            vec![0, 1, 1, -1, 2, 3]
-        };
-        let (mut rt, mut counts, mut src) = (vec![bf16::ZERO; 2 * 16 * 128], vec![0i32; 2], vec![0i32; 2 * 16 * 3]);
-        let bad = comm.moe_dispatch(s, Dispatch::send(&tokens, &idx).recv(&mut rt, &mut counts, &mut src));
-        let c = Case {
+/// An expert id out of range on one rank (found by its send kernel): that rank gets its
+/// argument error, every other rank fails at once naming it (the id travels in the slot
+/// headers), nothing is written, and the next call runs in step; as on the CPU engine.
+#[test]
+fn a_bad_expert_id_on_one_rank_fails_every_rank_naming_it_and_the_next_call_works() {
+    for world in [2, 4] {
+        one_rank_refuses(
             world,
-            shape: shape(4, 2, 128, 16),
-            tokens: vec![4, 6],
-            routing: Routing::Random,
-            idx64: false,
-        };
-        (
-            bad.map_err(|e| format!("{e:?}")),
-            run_rank::<bf16>(comm, seed, &c, false, true),
-            c,
-        )
-    });
-    for (rank, (bad, next, c)) in res.iter().enumerate() {
-        match rank {
-            1 => assert!(
-                bad.as_ref()
-                    .is_err_and(|e| e.contains("InvalidArgument") && e.contains("topk_idx[1] = 9")),
-                "{bad:?}"
-            ),
-            _ => assert!(bad.is_ok(), "{bad:?}"),
+            world - 1,
+            "moe-bad-id",
+            "topk_idx[3] = 99",
+            true,
+            |comm, bad, s| {
+                let tokens = vec![bf16::ONE; 3 * 128];
+                let idx = [0i32, 1, 2, if bad { 99 } else { 3 }, -1, 5];
+                let local = s.experts / comm.size();
+                let mut rt = vec![bf16::from_bits(0x7fcd); local * s.capacity * 128];
+                let (mut counts, mut src) = (vec![-7i32; local], vec![-9i32; local * s.capacity * 3]);
+                let r = comm.moe_dispatch(s, Dispatch::send(&tokens, &idx).recv(&mut rt, &mut counts, &mut src));
+                assert!(
+                    rt.iter().all(|x| x.to_bits() == 0x7fcd) && counts.iter().all(|&c| c == -7),
+                    "a refused dispatch wrote"
+                );
+                r
+            },
+        );
+    }
+}
+
+/// A bad source row in one rank's combine (found by its send kernel): every rank fails,
+/// naming it.
+#[test]
+fn a_bad_combine_source_on_one_rank_fails_every_rank_naming_it() {
+    one_rank_refuses(2, 0, "moe-bad-src", "src[0, 0] = (", true, |comm, bad, s| {
+        let tokens = vec![bf16::ONE; 2 * 128];
+        let idx = [0i32, 5, 1, 6];
+        let local = s.experts / comm.size();
+        let mut rt = vec![bf16::ZERO; local * s.capacity * 128];
+        let (mut counts, mut src) = (vec![0i32; local], vec![0i32; local * s.capacity * 3]);
+        comm.moe_dispatch(s, Dispatch::send(&tokens, &idx).recv(&mut rt, &mut counts, &mut src))?;
+        if bad {
+            src[0] = 7; // row 0 of expert 0 "came from" rank 7
         }
-        check::<bf16>(seed, c, rank, next);
+        let mut out = vec![bf16::from_bits(0x7fcd); 2 * 128];
+        let r = comm.moe_combine(s, Combine::send(&rt, &src, &counts).recv(&idx, &[1.0f32; 4], &mut out));
+        assert!(out.iter().all(|x| x.to_bits() == 0x7fcd), "a refused combine wrote");
+        r
+    });
+}
+
+/// An argument error found on the host (a buffer of the wrong size): the device backend still
+/// takes part (a header flagged refused to every peer), so every rank fails at once.
+#[test]
+fn a_wrong_buffer_size_on_one_rank_fails_every_rank_naming_it() {
+    for world in [2, 4] {
+        one_rank_refuses(world, world - 1, "moe-short", "topk_idx has", false, |comm, bad, s| {
+            let tokens = vec![bf16::ONE; 2 * 128];
+            let idx: &[i32] = if bad { &[0, 1, 2] } else { &[0, 1, 2, 3] };
+            let local = s.experts / comm.size();
+            let mut rt = vec![bf16::ZERO; local * s.capacity * 128];
+            let (mut counts, mut src) = (vec![0i32; local], vec![0i32; local * s.capacity * 3]);
+            comm.moe_dispatch(s, Dispatch::send(&tokens, idx).recv(&mut rt, &mut counts, &mut src))
+        });
+    }
+}
+
+/// One rank calls with another `topk`, or another number of experts (a shape whose staging
+/// fits the window the first call made): `Error::Mismatch` on every rank, naming the field and
+/// a rank of the other shape, at once; the kernels finish their protocol, so the next call
+/// with one shape works.
+#[test]
+fn a_shape_that_differs_on_one_rank_is_a_mismatch_on_every_rank() {
+    for world in [2, 4] {
+        for &hosts in Hosts::of(world) {
+            for field in ["topk", "experts"] {
+                a_shape_mismatch_on(hosts, world, field);
+            }
+        }
+    }
+}
+
+fn a_shape_mismatch_on(hosts: Hosts, world: usize, field: &str) {
+    let seed = fresh_seed();
+    let c = Case {
+        world,
+        shape: shape(4 * world, 2, 128, 16),
+        tokens: (0..world).map(|r| 3 + r).collect(),
+        routing: Routing::Random,
+        idx64: false,
+    };
+    let res = on_device(hosts, world, "moe-shape", |comm| {
+        let first = run_rank::<bf16>(comm, seed, &c, false, false);
+        let odd = match field {
+            "topk" => shape(4 * world, 1, 128, 16),
+            _ => shape(2 * world, 2, 128, 16),
+        };
+        let s = if comm.rank() == 1 { odd } else { c.shape };
+        let local = s.experts / world;
+        let tokens = vec![bf16::ONE; 2 * 128];
+        let idx: Vec<i32> = (0..2 * s.topk).map(|i| (i % s.experts) as i32).collect();
+        let mut rt = vec![bf16::ZERO; local * s.capacity * 128];
+        let (mut counts, mut src) = (vec![0i32; local], vec![0i32; local * s.capacity * 3]);
+        let t0 = std::time::Instant::now();
+        let r = comm.moe_dispatch(s, Dispatch::send(&tokens, &idx).recv(&mut rt, &mut counts, &mut src));
+        let took = t0.elapsed();
+        (first, r, took, run_rank::<bf16>(comm, seed, &c, false, true))
+    });
+    for (rank, (first, r, took, next)) in res.iter().enumerate() {
+        check::<bf16>(seed, &c, rank, first);
+        let peer_ok = |p: usize| if rank == 1 { p != 1 } else { p == 1 };
+        assert!(
+            matches!(r, Err(Error::Mismatch { peer, detail, .. }) if peer_ok(*peer) && detail.contains(field)),
+            "rank {rank} ({hosts:?}, world {world}, {field}): {r:?}"
+        );
+        assert!(*took < Duration::from_secs(10), "rank {rank} waited {took:?}");
+        check::<bf16>(seed, &c, rank, next);
     }
 }
 

@@ -454,3 +454,43 @@ fn a_bad_norm_argument_on_one_rank_fails_every_rank_at_once_naming_it() {
         });
     }
 }
+
+/// Ranks that call MoE dispatch with different shapes: `Error::Mismatch` on every rank, naming
+/// the field and a rank of the other shape, well before the timeout (the shapes
+/// travel with the count exchange, before any row).
+#[test]
+fn a_moe_shape_that_differs_on_one_rank_is_a_mismatch_on_every_rank() {
+    let timeout = Duration::from_secs(10);
+    let good = shape(6, 2, 4, 9);
+    for (field, odd) in [
+        ("topk", shape(6, 1, 4, 9)),
+        ("experts", shape(3, 2, 4, 9)),
+        ("capacity", shape(6, 2, 4, 8)),
+        ("hidden", shape(6, 2, 8, 9)),
+    ] {
+        let got = run_group(3, &format!("moe-shape-{field}"), options(timeout), |c| {
+            let s = if c.rank() == 1 { odd } else { good };
+            let local = s.experts / 3;
+            let x = vec![1f32; 3 * s.hidden];
+            let ids: Vec<i32> = (0..3 * s.topk).map(|i| (i % s.experts) as i32).collect();
+            let (mut recv, mut counts, mut src) = (
+                vec![0f32; local * s.capacity * s.hidden],
+                vec![0i32; local],
+                vec![0i32; local * s.capacity * 3],
+            );
+            let t0 = std::time::Instant::now();
+            let r = c.moe_dispatch(s, Dispatch::send(&x, &ids).recv(&mut recv, &mut counts, &mut src));
+            (r, t0.elapsed())
+        });
+        for (r, (got, took)) in got.iter().enumerate() {
+            // The first mismatch any rank found (the fault record): every rank but 1 sees rank
+            // 1 named, as the peer or in the detail.
+            assert!(
+                matches!(got, Err(Error::Mismatch { peer, detail, .. })
+                    if detail.contains(field) && (r == 1 || *peer == 1 || detail.contains("rank 1"))),
+                "rank {r}, {field}: {got:?}"
+            );
+            assert!(*took < timeout / 2, "rank {r} waited {took:?}");
+        }
+    }
+}

@@ -147,9 +147,11 @@ pub(crate) struct MoeArgs {
     pub(crate) rows: u64,
     pub(crate) errors: u64,
     pub(crate) outbox: u64,
+    pub(crate) elem: u64,
+    pub(crate) refuse: u64,
 }
 
-const _: () = assert!(std::mem::size_of::<MoeArgs>() == 8 * 24);
+const _: () = assert!(std::mem::size_of::<MoeArgs>() == 8 * 26);
 
 /// Threads per block of the collective kernels (their `__launch_bounds__`).
 pub(crate) const COLLECTIVE_THREADS: u32 = 256;

@@ -342,14 +342,17 @@ struct Proxies {
 // experts per rank, K = 2 distinct experts per token (some slots -1), 5 + rank tokens. With
 // `hosts`, odd and even ranks are on two "hosts": toward the other host the kernels build
 // slots in their outboxes and put them through the proxy queue (Proxies above), with DONE and
-// READY signals through it too; within a host they store directly.
+// READY signals through it too; within a host they store directly. Call 1 (of more than 2, with
+// peers) gives the last rank a bad expert id: it records it, every other rank records its
+// refusal, nothing is written to any output (the combine's counts are then still -1, so every
+// combine send refuses too), and the next call runs normally.
 void check_moe_on(int calls, bool hosts) {
   namespace m = ferrocomm::moe;
   auto up16 = [](u64 x) { return (x + 15) / 16 * 16; };
   for (int size : {1, 2, 3, 4}) {
     if (hosts && size == 1) continue;
     const u64 local = 2, experts = local * size, topk = 2, hidden = 128, capacity = 32;
-    const u64 rows = local * capacity, header = up16(16 + 4 * local), data = up16(hidden * 4);
+    const u64 rows = local * capacity, header = up16(64 + 4 * local), data = up16(hidden * 4);
     const u64 dslot = header + rows * (up16(4 + 4 * topk) + data), cslot = header + rows * (16 + data);
     const u64 outbox = hosts ? size * (dslot + cslot) : 0;
     Group g(size, size * (dslot + cslot) + (hosts ? size * std::max(dslot, cslot) : 0), 2 + 2 * m::MOE_BLOCKS);
@@ -358,6 +361,7 @@ void check_moe_on(int calls, bool hosts) {
     std::vector<ferrocomm_status> errors(size);
     memset(errors.data(), 0, sizeof(ferrocomm_status) * size);
     for (int call = 0; call < calls; ++call) {
+      const bool bad = call == 1 && calls > 2 && size > 1;
       auto tokens_of = [](int r) { return u64(5 + r); };
       std::vector<std::vector<u16>> tok(size), rt(size), eo(size), out(size);
       std::vector<std::vector<i32>> idx(size), counts(size), src(size);
@@ -370,6 +374,7 @@ void check_moe_on(int calls, bool hosts) {
           const i32 b = (i % 3 == 0 || experts == 1) ? -1 : i32((a + 1 + mix(i + r) % (experts - 1)) % experts);
           idx[r].push_back(a);
           idx[r].push_back(b);
+          if (bad && r == size - 1 && i == 0) idx[r][1] = 99;
           wts[r].push_back(0.5f + float(i % 4));
           wts[r].push_back(-0.25f * float(i % 3));
         }
@@ -409,6 +414,26 @@ void check_moe_on(int calls, bool hosts) {
         launch(m::MOE_BLOCKS, 32, [=] { ferrocomm_moe_combine_recv(h, cr, c); });
       });
       g.check_status("moe");
+      if (bad) {
+        for (int r = 0; r < size; ++r) {
+          const bool culprit = r == size - 1;
+          if (errors[r].code != FERROCOMM_STATUS_INVALID || errors[r].op != (culprit ? m::OP_EXPERT : m::OP_REFUSED_EXPERT) ||
+              errors[r].peer != (culprit ? -1 : size - 1) || errors[r].expected != 1 || errors[r].observed != 99) {
+            fail("moe refusal record", r, errors[r].op, errors[r].peer);
+          }
+          for (u16 x : rt[r]) {
+            if (x != 0xffff) fail("moe refused dispatch wrote a row", r, x, 0);
+          }
+          for (i32 c : counts[r]) {
+            if (c != -1) fail("moe refused dispatch wrote a count", r, c, 0);
+          }
+          for (u16 x : out[r]) {
+            if (x != 0xffff) fail("moe refused combine wrote a token", r, x, 0);
+          }
+        }
+        memset(errors.data(), 0, sizeof(ferrocomm_status) * size);
+        continue;
+      }
       for (int r = 0; r < size; ++r) {
         if (errors[r].code != FERROCOMM_STATUS_OK) fail("moe data error", r, errors[r].op, errors[r].peer);
         // Dispatch: per local expert, (source, token, k) in order.
@@ -1118,6 +1143,11 @@ void check_norm_passes() {
 
 int main(int argc, char** argv) {
   const int max_ranks = argc > 1 ? atoi(argv[1]) : 4;
+  // A second argument `moe` runs the MoE checks alone (the slow sanitizer runs of one kernel).
+  if (argc > 2 && strcmp(argv[2], "moe") == 0) {
+    check_moe(3);
+    return 0;
+  }
   for (int n = 1; n <= max_ranks; n = n < 4 ? n + 1 : n * 2) {
     // The collective window's first region (one/two-shot) and second (all_to_all slots).
     const u64 region = 4096;
@@ -1160,7 +1190,7 @@ int main(int argc, char** argv) {
     printf("ok: %d rank%s\n", n, n == 1 ? "" : "s");
     fflush(stdout);
   }
-  check_moe(2);
+  check_moe(3);
   check_norm_passes();
   return 0;
 }

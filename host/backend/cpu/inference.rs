@@ -436,34 +436,63 @@ fn check_ids(op: &'static str, ids: &[i64], experts: usize) -> Result<()> {
     }
 }
 
-/// Sends `msgs[p]` to every rank p and returns what each rank sent here: a count exchange,
-/// then the messages (two calls). Our own message is kept as it is, not copied; the others'
-/// land in spare buffers.
+/// The shape's fields as the count exchange carries them, after the message's length.
+const SHAPE_FIELDS: [&str; 4] = ["experts", "topk", "hidden", "capacity"];
+
+/// The count exchange's message to one peer: the length of our message to it, and our shape.
+fn count_message(len: usize, s: &MoeShape) -> [u8; 40] {
+    let mut m = [0u8; 40];
+    let words = [len, s.experts, s.topk, s.hidden, s.capacity];
+    for (i, w) in words.into_iter().enumerate() {
+        m[8 * i..8 * i + 8].copy_from_slice(&(w as u64).to_le_bytes());
+    }
+    m
+}
+
+fn word(m: &[u8; 40], i: usize) -> u64 {
+    u64::from_le_bytes(m[8 * i..8 * i + 8].try_into().unwrap_or_default())
+}
+
+/// Sends `msgs[p]` to every rank p and returns what each rank sent here: a count exchange
+/// (which also carries every rank's shape: a rank of another shape is `Error::Mismatch` on
+/// every rank, naming the first in rank order that differs from this one, before any row
+/// moves), then the messages (two calls). Our own message is kept as it is, not copied; the
+/// others' land in spare buffers.
 fn exchange(
     e: &mut Engine,
     ctx: &OpCtx,
     pending: &mut Pending,
-    (code, d, hidden): (u8, DType, usize),
+    (code, d, s): (u8, DType, &MoeShape),
     mut msgs: Vec<Vec<u8>>,
 ) -> Result<Vec<Vec<u8>>> {
-    let (size, me) = (e.size, e.rank);
-    let lens: Vec<[u8; 8]> = msgs.iter().map(|m| (m.len() as u64).to_le_bytes()).collect();
-    let mut got = vec![[0u8; 8]; size];
+    let (size, me, hidden) = (e.size, e.rank, s.hidden);
+    let lens: Vec<[u8; 40]> = msgs.iter().map(|m| count_message(m.len(), s)).collect();
+    let mut got = vec![[0u8; 40]; size];
     {
         let t = tag(code, d, 0);
         let ins: Vec<&[u8]> = lens.iter().map(|l| &l[..]).collect();
         let mut outs: Vec<&mut [u8]> = got.iter_mut().map(|g| &mut g[..]).collect();
-        begin(e, t, size as u64, hidden, Algo::Direct);
+        // The row length travels with the shape (checked below, by name).
+        begin(e, t, size as u64, 0, Algo::Direct);
         algorithms::all_to_all(e, ctx, t, &ins, &mut outs)?;
     }
+    for (p, theirs) in got.iter().enumerate().filter(|&(p, _)| p != me) {
+        let ours = &lens[p];
+        if let Some(f) = (0..SHAPE_FIELDS.len()).find(|&f| word(ours, f + 1) != word(theirs, f + 1)) {
+            return Err(Error::Mismatch {
+                op: ctx.op,
+                peer: p,
+                detail: format!(
+                    "MoE shape, {}: this rank has {}, rank {p} has {}",
+                    SHAPE_FIELDS[f],
+                    word(ours, f + 1),
+                    word(theirs, f + 1)
+                ),
+            });
+        }
+    }
     let mut from: Vec<Vec<u8>> = (0..size)
-        .map(|p| {
-            pending.buffer(if p == me {
-                0
-            } else {
-                u64::from_le_bytes(got[p]) as usize
-            })
-        })
+        .map(|p| pending.buffer(if p == me { 0 } else { word(&got[p], 0) as usize }))
         .collect();
     {
         let t = tag(code, d, 1);
@@ -631,7 +660,7 @@ pub(super) fn moe_dispatch(e: &mut Engine, ctx: &OpCtx, pending: &mut Pending, m
             return refuse(e, ctx, MOE_DISPATCH, d, why);
         }
         let msgs = dispatch_messages(pending, &s, size, send, &ids);
-        let from = exchange(e, ctx, pending, (MOE_DISPATCH, d, s.hidden), msgs)?;
+        let from = exchange(e, ctx, pending, (MOE_DISPATCH, d, &s), msgs)?;
         pending.dispatch = Some(Arrived {
             shape: s,
             dtype: d,
@@ -765,7 +794,7 @@ pub(super) fn moe_combine(e: &mut Engine, ctx: &OpCtx, pending: &mut Pending, m:
             Err(why) => return refuse(e, ctx, MOE_COMBINE, d, why),
         };
         let msgs = combine_messages(pending, &s, send, &records);
-        let from = exchange(e, ctx, pending, (MOE_COMBINE, d, s.hidden), msgs)?;
+        let from = exchange(e, ctx, pending, (MOE_COMBINE, d, &s), msgs)?;
         pending.combine = Some(Arrived {
             shape: s,
             dtype: d,

@@ -251,6 +251,48 @@ impl Backend for DeviceBackend {
         }
     }
 
+    /// A refused MoE send half on the own kernels takes part far enough to fail every peer at
+    /// once (`OwnMoe::refuse`: a header flagged refused in every peer's slot); an operation the
+    /// CPU engine would run is refused by the engine, in band, as on the `cpu` backend. The
+    /// fused norm on the own kernels or NCCL is not: there the peers wait until their timeout.
+    fn refuse(&self, op: &Op<'_>, reason: &str, opts: &RunOptions) {
+        if !op.refused_in_band() {
+            return;
+        }
+        let host_device = self.me.gpu == crate::gpu::target::Gpu::Host;
+        let on_gpu = matches!(op.location(), Ok(Some(Location::Cuda(_))));
+        if let Some(moe) = self.moe.as_ref().filter(|m| m.supports(op)) {
+            if host_device || on_gpu {
+                let ready = host_device
+                    || crate::gpu::cuda::context(self.me.ordinal)
+                        .and_then(|_| self.check_own_stream(op.name(), opts.stream))
+                        .is_ok();
+                if !ready {
+                    return;
+                }
+                if let Err(e) = moe.refuse(&self.me, op, opts.stream, opts.timeout) {
+                    tracing::debug!(rank = self.me.rank, error = %e, "the peers could not be told of a refused {}", op.name());
+                }
+                return;
+            }
+        }
+        // On the host device the fused norm runs on the engine only where asked to (or without
+        // kernels of its own); MoE shapes the own kernels do not take always do.
+        let engine = if host_device {
+            !matches!(op, Op::AllReduceRmsNorm(_))
+                || route::wants_engine(opts.hints)
+                || (self.own.is_none() && self.norm_pass.is_none())
+        } else {
+            matches!(op.location(), Ok(None | Some(Location::Host)))
+        };
+        if engine {
+            let _ = on_engine(op.name(), opts, |o| {
+                self.me.host.refuse(op, reason, o);
+                Ok(())
+            });
+        }
+    }
+
     fn abort(&self) {
         self.me.abort_flag.write(0, 1);
         if let Some(n) = &self.nccl {

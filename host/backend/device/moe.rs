@@ -28,6 +28,16 @@
 //! them: on the host device by the call itself, on a GPU by the next MoE call on the
 //! communicator (the kernels run asynchronously). The kernels finish their protocol even then,
 //! so the next call runs normally.
+//!
+//! The ranks agree as on the CPU engine: a send half that finds a bad expert id (dispatch) or a
+//! bad count or source (combine) refuses the call in band (its slot headers say why and carry
+//! no rows), and a rank whose host refused the call (`OwnMoe::refuse`) sends such headers too;
+//! every slot header carries the sender's shape. So every rank's receive half fails with
+//! `Error::InvalidArgument` naming the refusing rank, or `Error::Mismatch` naming a rank of
+//! another shape, writes nothing, and the next call runs in step. Unlike on the CPU engine,
+//! whose send half exchanges the rows, a send half called alone succeeds on the peers: their
+//! receive half reports it. A shape that needs a larger window on some ranks only makes those
+//! ranks make one (collectively), so ranks of different shapes there wait until their timeout.
 
 use super::call_order::CallOrder;
 use super::rank::DeviceRank;
@@ -60,6 +70,12 @@ const OP_MISSING: u32 = 0x4d04;
 const OP_STEP: u32 = 0x4d05;
 const OP_STRAY: u32 = 0x4d06;
 const OP_OUTBOX: u32 = 0x4d07;
+const OP_REFUSED_EXPERT: u32 = 0x4d08;
+const OP_REFUSED_SRC: u32 = 0x4d09;
+const OP_REFUSED_HOST: u32 = 0x4d0a;
+const OP_SHAPE: u32 = 0x4d0b;
+/// kernels/moe.cu's `Header` without its per-expert counts: the sender's epoch, shape and refusal.
+const HEADER_FIXED: usize = 64;
 
 /// The most bytes of one rank's MoE window; larger shapes keep the backend's other path.
 pub(crate) const WINDOW_MAX: usize = 1 << 30;
@@ -98,7 +114,7 @@ impl Layout {
     fn of(s: &MoeShape, world: usize, outboxes: bool) -> Option<Layout> {
         let local = s.local_experts(world);
         let rows = local.checked_mul(s.capacity)?;
-        let header = align16(16 + 4 * local)?;
+        let header = align16(HEADER_FIXED + 4 * local)?;
         let data = align16(s.hidden.checked_mul(4)?)?;
         let dispatch_record = align16(4 + 4 * s.topk)?.checked_add(data)?;
         let combine_record = 16 + data;
@@ -230,9 +246,12 @@ impl OwnMoe {
     }
 
     fn takes(s: &MoeShape, world: usize, outboxes: bool) -> bool {
+        // The slot headers carry the shape in u32s.
         world <= MAX_RANKS
             && s.topk <= MAX_TOPK
             && s.capacity <= i32::MAX as usize
+            && s.experts <= u32::MAX as usize
+            && s.hidden <= u32::MAX as usize
             && Layout::of(s, world, outboxes).is_some_and(|l| l.bytes <= WINDOW_MAX)
     }
 
@@ -248,15 +267,111 @@ impl OwnMoe {
             self.take_errors(live, name)?;
         }
         let hd = self.host_device;
-        let (shape, plan) = match op {
-            Op::MoeDispatch(m) => (m.shape, self.plan_dispatch(&mut st, m, hd)?),
-            Op::MoeCombine(m) => (m.shape, self.plan_combine(&mut st, m, hd)?),
+        let planned = match op {
+            Op::MoeDispatch(m) => self.plan_dispatch(&mut st, m, hd).map(|p| (m.shape, p)),
+            Op::MoeCombine(m) => self.plan_combine(&mut st, m, hd).map(|p| (m.shape, p)),
             _ => return Err(Error::invalid(name, "not a MoE operation")),
+        };
+        let (shape, plan) = match planned {
+            Ok(planned) => planned,
+            // The peers' kernels wait for this rank's send half: it refuses in band.
+            Err(why) => {
+                if op.refused_in_band() {
+                    if let Err(e) = self.run_refusal(b, &mut st, op, stream, timeout) {
+                        tracing::debug!(error = %e, "the peers could not be told of this rank's refused {name}");
+                    }
+                }
+                return Err(why);
+            }
         };
         let layout = Layout::of(&shape, self.size, self.outboxes)
             .filter(|l| l.bytes <= WINDOW_MAX)
             .ok_or_else(|| Error::invalid(name, "the shape's staging does not fit the MoE window"))?;
         self.ensure_window(b, &mut st, layout, timeout)?;
+        let result = self.launch(&st, name, layout, &plan, stream, timeout, true);
+        // The halves ran (their protocol completes even when the data was wrong): a send half
+        // alone leaves its rows waiting for the receive half.
+        let pending = match op {
+            Op::MoeDispatch(_) => &mut st.dispatch,
+            _ => &mut st.combine,
+        };
+        *pending = plan.sent.filter(|_| !plan.received);
+        if plan.received {
+            *pending = None;
+        }
+        result
+    }
+
+    /// Takes part in `op`, which this rank refuses (an argument error found on the host), far
+    /// enough for its peers to fail at once with an error naming it (`Backend::refuse`), as the
+    /// CPU engine's peers do: a send that publishes only a header flagged refused to every
+    /// destination, and a receive that reads nothing and releases every source's slot, so the
+    /// next call runs in step. Whatever halves `op` had: the peers' send halves of this call
+    /// fill this rank's slots either way. Nothing is recorded on this rank (its caller has its
+    /// own error). Not where a send half of this op still waits for its receive half (the
+    /// slots are taken) or the kernels would not run `op`.
+    pub(crate) fn refuse(&self, b: &DeviceRank, op: &Op<'_>, stream: u64, timeout: Duration) -> Result<()> {
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        self.run_refusal(b, &mut st, op, stream, timeout)
+    }
+
+    fn run_refusal(&self, b: &DeviceRank, st: &mut State, op: &Op<'_>, stream: u64, timeout: Duration) -> Result<()> {
+        let name = op.name();
+        let (shape, elem, dispatch) = match op {
+            Op::MoeDispatch(m) => (m.shape, m.send.as_ref().map(|s| s.tokens.dtype()), true),
+            Op::MoeCombine(m) => (m.shape, m.send.as_ref().map(|s| s.expert_out.dtype()), false),
+            _ => return Ok(()),
+        };
+        let waiting = if dispatch { &st.dispatch } else { &st.combine };
+        if elem.is_none() || waiting.is_some() || !self.supports(op) {
+            return Ok(());
+        }
+        let layout = Layout::of(&shape, self.size, self.outboxes)
+            .filter(|l| l.bytes <= WINDOW_MAX)
+            .ok_or_else(|| Error::invalid(name, "the shape's staging does not fit the MoE window"))?;
+        // Only headers move: any window there is holds them (the first call makes one, with
+        // the peers, collectively).
+        if st.live.is_none() {
+            self.ensure_window(b, st, layout, timeout)?;
+        }
+        let local = shape.local_experts(self.size);
+        let args = MoeArgs {
+            hidden: shape.hidden as u64,
+            topk: shape.topk as u64,
+            experts: shape.experts as u64,
+            local: local as u64,
+            capacity: shape.capacity as u64,
+            elem: elem.map_or(0, |d| d as u64),
+            refuse: OP_REFUSED_HOST as u64,
+            ..Default::default()
+        };
+        let (send, recv) = if dispatch {
+            (Step::DispatchSend, Step::DispatchRecv)
+        } else {
+            (Step::CombineSend, Step::CombineRecv)
+        };
+        let plan = Plan {
+            launches: vec![Launch { step: send, args }, Launch { step: recv, args }],
+            sent: None,
+            received: true,
+        };
+        self.launch(st, name, layout, &plan, stream, timeout, false)
+    }
+
+    /// Launches `plan`'s kernels on the window: to completion on the host device (then its
+    /// data errors are this call's, with `errors`), enqueued on `stream` on a GPU. Without
+    /// `errors` the kernels record nothing (a refusal's).
+    #[allow(clippy::too_many_arguments)]
+    fn launch(
+        &self,
+        st: &State,
+        name: &'static str,
+        layout: Layout,
+        plan: &Plan,
+        stream: u64,
+        timeout: Duration,
+        errors: bool,
+    ) -> Result<()> {
         let live = st.live.as_ref().ok_or_else(|| Error::invalid(name, "no MoE window"))?;
         let counters = live.counters.device_addr();
         let launches: Vec<(&Function, &kernels::Kernel<_>, u32, MoeArgs)> = plan
@@ -272,7 +387,7 @@ impl OwnMoe {
                 a.slot = slot as u64;
                 a.header = layout.header as u64;
                 a.rows = layout.rows as u64;
-                a.errors = live.errors.device_addr();
+                a.errors = if errors { live.errors.device_addr() } else { 0 };
                 a.outbox = if self.outboxes {
                     (self.size * (live.dispatch_slot + live.combine_slot)) as u64
                 } else {
@@ -288,7 +403,7 @@ impl OwnMoe {
             })
             .collect();
         let (mut handle, window_stream) = live.window.handle_and_stream();
-        let result = match window_stream {
+        match window_stream {
             // Host buffers belong to the call: it returns once every launch has ended.
             Stream::Host(_) => {
                 handle.timeout_ns = timeout.as_nanos().min(u64::MAX as u128) as u64;
@@ -296,9 +411,12 @@ impl OwnMoe {
                     k.launch(f, window_stream.queue(), *blocks, (handle, *a, counters))
                 });
                 let n = launches.len() as u32;
-                enqueued
-                    .and_then(|()| live.window.finish(name, (timeout + Duration::from_secs(1)) * n))
-                    .and_then(|()| self.take_errors(live, name))
+                let ended = enqueued.and_then(|()| live.window.finish(name, (timeout + Duration::from_secs(1)) * n));
+                if errors {
+                    ended.and_then(|()| self.take_errors(live, name))
+                } else {
+                    ended
+                }
             }
             Stream::Cuda(_) => {
                 let order = live
@@ -312,18 +430,7 @@ impl OwnMoe {
                         .try_for_each(|(f, k, blocks, a)| k.launch(f, q, *blocks, (handle, *a, counters)))
                 })
             }
-        };
-        // The halves ran (their protocol completes even when the data was wrong): a send half
-        // alone leaves its rows waiting for the receive half.
-        let pending = match op {
-            Op::MoeDispatch(_) => &mut st.dispatch,
-            _ => &mut st.combine,
-        };
-        *pending = plan.sent.filter(|_| !plan.received);
-        if plan.received {
-            *pending = None;
         }
-        result
     }
 
     /// Reports a failure the kernels of the last call recorded (on a GPU they end after their
@@ -396,7 +503,55 @@ impl OwnMoe {
         }
         live.errors.write(0, DeviceStatus::default());
         // Which call's shape the record belongs to is not kept: say what the record says.
+        let peer = usize::try_from(s.peer).unwrap_or(usize::MAX);
+        let expert = |i: u64, x: u64, experts: u32| {
+            format!("topk_idx[{i}] = {} is not an expert (0..{experts}) or -1", x as i64)
+        };
+        let refused = |call: &str, why: String| {
+            Error::invalid(
+                op,
+                format!("rank {peer} refused its call of {call} ({why}); nothing moved"),
+            )
+        };
         Err(match (s.code, s.op) {
+            (STATUS_MISMATCH, OP_SHAPE) => {
+                let (field, ours, theirs) = match s.signal_id {
+                    0 => ("experts", s.expected.to_string(), s.observed.to_string()),
+                    1 => ("topk", s.expected.to_string(), s.observed.to_string()),
+                    2 => ("hidden", s.expected.to_string(), s.observed.to_string()),
+                    3 => ("capacity", s.expected.to_string(), s.observed.to_string()),
+                    _ => {
+                        let name = |c: u64| {
+                            u8::try_from(c)
+                                .ok()
+                                .and_then(DType::from_code)
+                                .map_or("-", |d| d.name())
+                        };
+                        ("dtype", name(s.expected).to_string(), name(s.observed).to_string())
+                    }
+                };
+                Error::Mismatch {
+                    op,
+                    peer,
+                    detail: format!("MoE shape, {field}: this rank has {ours}, rank {peer} has {theirs}"),
+                }
+            }
+            (_, OP_REFUSED_EXPERT) => refused("moe_dispatch", expert(s.expected, s.observed, s.signal_id)),
+            (_, OP_REFUSED_SRC) if s.expected == u64::MAX => refused(
+                "moe_combine",
+                format!("counts[{}] = {} is negative", s.signal_id, s.observed as u32 as i32),
+            ),
+            (_, OP_REFUSED_SRC) => refused(
+                "moe_combine",
+                format!(
+                    "src[{}, {}] = (rank {}, k {}) is not a dispatched row's source",
+                    s.signal_id,
+                    s.expected,
+                    (s.observed >> 32) as u32 as i32,
+                    s.observed as u32 as i32
+                ),
+            ),
+            (_, OP_REFUSED_HOST) => refused(op, "an argument failed that rank's checks; it has the error".into()),
             (STATUS_MISMATCH, _) | (_, OP_STEP) => Error::Mismatch {
                 op,
                 peer: usize::try_from(s.peer).unwrap_or(usize::MAX),
@@ -414,13 +569,7 @@ impl OwnMoe {
                     capacity: s.expected as usize,
                 }
             }
-            (_, OP_EXPERT) => Error::invalid(
-                op,
-                format!(
-                    "topk_idx[{}] = {} is not an expert id or -1",
-                    s.expected, s.observed as i64
-                ),
-            ),
+            (_, OP_EXPERT) => Error::invalid(op, expert(s.expected, s.observed, s.signal_id)),
             (_, OP_SRC) if s.expected == u64::MAX => Error::invalid(
                 op,
                 format!("counts[{}] = {} is negative", s.peer, s.observed as u32 as i32),
@@ -478,6 +627,7 @@ impl OwnMoe {
             } else {
                 0
             },
+            elem: d as u64,
             ..Default::default()
         };
         let record = |a: &MoeArgs| -> u64 {
@@ -549,6 +699,7 @@ impl OwnMoe {
                 capacity: s.capacity as u64,
                 row_bytes,
                 dtype: act_code(d).ok_or_else(|| Error::invalid(OP, format!("rows of {d}")))?,
+                elem: d as u64,
                 record: 16 + row_bytes.next_multiple_of(16),
                 ..Default::default()
             })
@@ -660,9 +811,10 @@ mod tests {
         };
         let l = Layout::of(&s, 2, false).unwrap();
         assert_eq!(l.rows, 16);
-        assert_eq!(l.header, 32);
-        assert_eq!(l.dispatch_slot, 32 + 16 * (16 + 512));
-        assert_eq!(l.combine_slot, 32 + 16 * (16 + 512));
+        // The fixed header (epoch, shape, refusal), then a count per local expert.
+        assert_eq!(l.header, 80);
+        assert_eq!(l.dispatch_slot, 80 + 16 * (16 + 512));
+        assert_eq!(l.combine_slot, 80 + 16 * (16 + 512));
         assert_eq!(l.bytes, 2 * (l.dispatch_slot + l.combine_slot));
         // With ranks on other hosts: one outbox per destination, as large as the larger slot.
         let k8 = MoeShape { topk: 8, ..s };
