@@ -52,7 +52,10 @@ fn contract(s: Arc<dyn Store>) {
         Err(Error::StoreTimeout { ref key, .. }) if key.ends_with("never")
     ));
     let s2 = s.clone();
-    let h = std::thread::spawn(move || s2.get_many(&["a", "later1", "later2"], Duration::from_secs(10)).unwrap());
+    let h = std::thread::spawn(move || {
+        s2.get_many(&["a", "later1", "later2"], Duration::from_secs(10))
+            .unwrap()
+    });
     std::thread::sleep(Duration::from_millis(50));
     s.set("later2", b"y").unwrap();
     s.set("later1", b"x").unwrap();
@@ -79,7 +82,10 @@ fn a_thousand_waiters_on_a_thousand_keys_all_complete() {
             .collect();
         for h in hs {
             let vals = h.join().unwrap();
-            assert!(vals.iter().enumerate().all(|(i, v)| *v == (n - 1 - i).to_string().as_bytes()));
+            assert!(vals
+                .iter()
+                .enumerate()
+                .all(|(i, v)| *v == (n - 1 - i).to_string().as_bytes()));
         }
     });
     let waiter = {

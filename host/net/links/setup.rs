@@ -452,3 +452,68 @@ pub(crate) fn published_addr(listener: Option<&TcpListener>) -> Result<String> {
         None => Ok("-".into()),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bootstrap::MemoryStore;
+
+    fn connect_threads(n: usize) -> Vec<Transport> {
+        let store = MemoryStore::new();
+        let opts = TransportOptions {
+            shm_ring_bytes: 1 << 16,
+            force_tcp: false,
+            net: crate::contracts::options::NetTransport::Auto,
+            bind_addr: None,
+        };
+        std::thread::scope(|s| {
+            let hs: Vec<_> = (0..n)
+                .map(|r| {
+                    let (store, opts) = (&store, &opts);
+                    s.spawn(move || connect_all(r, n, store, opts, Duration::from_secs(30)).unwrap())
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    /// Ranks of one process share one mapping of each segment, whose names are gone at once;
+    /// a link is made when first used, and a pending one still tells unread bytes and a peer
+    /// that left.
+    #[test]
+    fn shared_memory_links_are_made_on_first_use() {
+        let mut t = connect_threads(4);
+        for (r, tr) in t.iter().enumerate() {
+            assert!(tr
+                .links
+                .iter()
+                .enumerate()
+                .all(|(p, l)| (p == r) == matches!(l, Link::SelfLoop(_))));
+            assert!(
+                tr.links.iter().all(|l| !matches!(l, Link::Shm(_))),
+                "no link is made at set-up"
+            );
+            assert!(Arc::ptr_eq(tr.peers.as_ref().unwrap(), t[0].peers.as_ref().unwrap()));
+            let name = tr.own_seg.as_ref().unwrap().name().trim_start_matches('/').to_owned();
+            assert!(
+                !std::path::Path::new("/dev/shm").join(name).exists(),
+                "the name is removed"
+            );
+            assert!(tr.board.is_some());
+        }
+        assert_eq!(t[0].link(1).write(b"hello").unwrap(), 5);
+        assert!(matches!(t[0].links[1], Link::Shm(_)));
+        assert!(t[1].has_unread(0), "bytes on a pending link are seen");
+        assert!(matches!(t[1].links[0], Link::Pending));
+        let mut got = [0u8; 5];
+        assert_eq!(t[1].link(0).read(&mut got).unwrap(), 5);
+        assert_eq!(&got, b"hello");
+        assert!(!t[1].has_unread(0));
+        assert!(matches!(t[2].links[3], Link::Pending));
+        assert!(t[2].check_peer(3).is_ok());
+        drop(t.pop()); // rank 3 leaves
+        let gone = t[2].check_peer(3).err().expect("a pending link sees its peer leave");
+        assert_eq!(gone.rank, 3);
+        assert!(gone.reason.contains("closed"), "{}", gone.reason);
+    }
+}
