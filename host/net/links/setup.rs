@@ -512,7 +512,7 @@ mod tests {
         assert!(matches!(t[2].links[3], Link::Pending));
         assert!(t[2].check_peer(3).is_ok());
         drop(t.pop()); // rank 3 leaves
-        let gone = t[2].check_peer(3).err().expect("a pending link sees its peer leave");
+        let gone = t[2].check_peer(3).expect_err("a pending link sees its peer leave");
         assert_eq!(gone.rank, 3);
         assert!(gone.reason.contains("closed"), "{}", gone.reason);
     }
