@@ -1,8 +1,10 @@
 //! `init`: how long communicator creation takes. Each repetition creates a communicator of
 //! `--world` ranks (processes: `new_comm` on every rank; `--threads`: `Comm::new_group` of that
 //! many `Device::Cpu` ranks), times it until every rank holds it ("ready"), then until a first
-//! 8-byte all_reduce has completed on every rank ("first op": links made lazily are paid
-//! there), and then its finalize and drop ("teardown").
+//! 8-byte all_reduce has completed on every rank ("first op"), then until a first exchange
+//! with both ring neighbours has ("first p2p": 8 bytes sent right and received from the left;
+//! links made lazily are paid there, where the all_reduce of ranks of one host goes through
+//! shared-memory rounds and needs none), and then its finalize and drop ("teardown").
 //!
 //! Processes: before each repetition the ranks meet in a barrier on a control communicator;
 //! each rank times its own calls and the slowest rank counts (an all_reduce(max) on the control
@@ -36,6 +38,9 @@ pub struct InitRow {
     pub ready_after_last_ms: f64,
     /// Creation until the first all_reduce has returned (slowest rank), ms.
     pub first_op_ms: f64,
+    /// Creation until the first exchange with both ring neighbours has returned (slowest
+    /// rank), ms.
+    pub first_p2p_ms: f64,
     /// finalize + drop (slowest rank), ms.
     pub teardown_ms: f64,
     /// Ranks whose rank, size or first all_reduce result was wrong (`--check`).
@@ -89,6 +94,7 @@ struct InitReport<'a> {
     rows: &'a [InitRow],
     ready_ms: Stats,
     first_op_ms: Stats,
+    first_p2p_ms: Stats,
 }
 
 fn ms(d: Duration) -> f64 {
@@ -147,6 +153,20 @@ fn first_op(c: &Comm, world: usize) -> ferrocomm::Result<u64> {
     Ok(u64::from(x[0] != want || c.size() != world))
 }
 
+/// The first point-to-point exchange: 8 bytes to the right neighbour, 8 from the left; returns
+/// 1 if what arrived is wrong.
+fn first_p2p(c: &Comm) -> ferrocomm::Result<u64> {
+    let (n, me) = (c.size(), c.rank());
+    let send = [me as u64];
+    let mut recv = [u64::MAX];
+    let left = (me + n - 1) % n;
+    c.batch()
+        .send(&send[..], (me + 1) % n)
+        .recv(&mut recv[..], left)
+        .issue()?;
+    Ok(u64::from(recv[0] != left as u64))
+}
+
 /// This process is one rank (started by the bench itself or by a launcher).
 fn launched(a: &Args) -> Result<(), Failure> {
     let entered = wall_ns();
@@ -159,6 +179,8 @@ fn launched(a: &Args) -> Result<(), Failure> {
     let world = control.size();
     let wrong = first_op(&control, world)?;
     let first = t0.elapsed();
+    let wrong = wrong + first_p2p(&control)?;
+    let p2p = t0.elapsed();
     let lead = control.rank() == 0;
     let mut m = [
         ready.as_nanos() as u64,
@@ -166,6 +188,7 @@ fn launched(a: &Args) -> Result<(), Failure> {
         w0,
         wr,
         spawned.map_or(0, |s| entered.saturating_sub(s)),
+        p2p.as_nanos() as u64,
     ];
     control.all_reduce(&mut m[..], ReduceOp::Max)?;
     let mut w = [wrong];
@@ -175,6 +198,7 @@ fn launched(a: &Args) -> Result<(), Failure> {
         ready_ms: m[0] as f64 / 1e6,
         ready_after_last_ms: m[3].saturating_sub(m[2]) as f64 / 1e6,
         first_op_ms: m[1] as f64 / 1e6,
+        first_p2p_ms: m[5] as f64 / 1e6,
         teardown_ms: f64::NAN,
         wrong: w[0],
     };
@@ -198,6 +222,8 @@ fn launched(a: &Args) -> Result<(), Failure> {
         let (ready, wr) = (t0.elapsed(), wall_ns());
         let mut wrong = first_op(&comm, world)?;
         let first = t0.elapsed();
+        wrong += first_p2p(&comm)?;
+        let p2p = t0.elapsed();
         wrong += u64::from(comm.rank() != control.rank());
         let t1 = Instant::now();
         comm.finalize()?;
@@ -209,6 +235,7 @@ fn launched(a: &Args) -> Result<(), Failure> {
             teardown.as_nanos() as u64,
             w0,
             wr,
+            p2p.as_nanos() as u64,
         ];
         control.all_reduce(&mut m[..], ReduceOp::Max)?;
         let mut w = [wrong];
@@ -218,6 +245,7 @@ fn launched(a: &Args) -> Result<(), Failure> {
             ready_ms: m[0] as f64 / 1e6,
             ready_after_last_ms: m[4].saturating_sub(m[3]) as f64 / 1e6,
             first_op_ms: m[1] as f64 / 1e6,
+            first_p2p_ms: m[5] as f64 / 1e6,
             teardown_ms: m[2] as f64 / 1e6,
             wrong: w[0],
         };
@@ -252,14 +280,16 @@ fn threads(a: &Args) -> Result<(), Failure> {
         let t0 = Instant::now();
         let comms = Comm::new_group(&a.backend, &vec![Device::Cpu; n], "init", opts.clone())?;
         let ready = t0.elapsed();
-        let done: Vec<ferrocomm::Result<(Instant, u64)>> = std::thread::scope(|s| {
+        let done: Vec<ferrocomm::Result<(Instant, Instant, u64)>> = std::thread::scope(|s| {
             let hs: Vec<_> = comms
                 .iter()
                 .enumerate()
                 .map(|(r, c)| {
                     s.spawn(move || {
                         let wrong = first_op(c, n)? + u64::from(c.rank() != r);
-                        Ok((Instant::now(), wrong))
+                        let first = Instant::now();
+                        let wrong = wrong + first_p2p(c)?;
+                        Ok((first, Instant::now(), wrong))
                     })
                 })
                 .collect();
@@ -270,11 +300,12 @@ fn threads(a: &Args) -> Result<(), Failure> {
                 })
                 .collect()
         });
-        let mut end = t0;
+        let (mut end, mut end_p2p) = (t0, t0);
         let mut wrong = 0;
         for d in done {
-            let (e, w) = d?;
+            let (e, e2, w) = d?;
             end = end.max(e);
+            end_p2p = end_p2p.max(e2);
             wrong += w;
         }
         let first = end - t0;
@@ -289,6 +320,7 @@ fn threads(a: &Args) -> Result<(), Failure> {
             ready_ms: ms(ready),
             ready_after_last_ms: ms(ready),
             first_op_ms: ms(first),
+            first_p2p_ms: ms(end_p2p - t0),
             teardown_ms: ms(teardown),
             wrong,
         };
@@ -321,20 +353,24 @@ impl Header<'_> {
         if let Some(c) = self.cold {
             println!(
                 "# cold (each process's first communicator, from the last rank's call): ready {:.2} ms \
-                 (slowest rank's own {:.2} ms), first op {:.2} ms, #wrong {}",
-                c.ready_after_last_ms, c.ready_ms, c.first_op_ms, c.wrong
+                 (slowest rank's own {:.2} ms), first op {:.2} ms, first p2p {:.2} ms, #wrong {}",
+                c.ready_after_last_ms, c.ready_ms, c.first_op_ms, c.first_p2p_ms, c.wrong
             );
         }
-        println!("#   rep   ready (ms)   ready after last (ms)   first op (ms)   teardown (ms)  #wrong");
+        println!(
+            "#   rep   ready (ms)   ready after last (ms)   first op (ms)  first p2p (ms)   teardown (ms)  #wrong"
+        );
     }
 
     /// Prints the summary and writes `--json` and `--csv`.
     fn finish(&self, rows: &[InitRow]) -> Result<(), Failure> {
         let ready = Stats::of(rows.iter().map(|r| r.ready_ms));
         let first = Stats::of(rows.iter().map(|r| r.first_op_ms));
+        let p2p = Stats::of(rows.iter().map(|r| r.first_p2p_ms));
         println!(
-            "# ready (ms): min {:.2} median {:.2} max {:.2}; first op (ms): min {:.2} median {:.2} max {:.2}",
-            ready.min, ready.median, ready.max, first.min, first.median, first.max
+            "# ready (ms): min {:.2} median {:.2} max {:.2}; first op (ms): min {:.2} median {:.2} max {:.2}; \
+             first p2p (ms): min {:.2} median {:.2} max {:.2}",
+            ready.min, ready.median, ready.max, first.min, first.median, first.max, p2p.min, p2p.median, p2p.max
         );
         let report = InitReport {
             tool: "ferrocomm",
@@ -348,6 +384,7 @@ impl Header<'_> {
             rows,
             ready_ms: ready,
             first_op_ms: first,
+            first_p2p_ms: p2p,
         };
         let io = |p: &std::path::Path, e| Error::Io {
             context: format!("write {}", p.display()),
@@ -359,11 +396,11 @@ impl Header<'_> {
         }
         if let Some(p) = &self.a.csv {
             let mut s = String::from(
-                "tool,backend,op,world,mode,transport,rep,ready_ms,ready_after_last_ms,first_op_ms,teardown_ms,wrong\n",
+                "tool,backend,op,world,mode,transport,rep,ready_ms,ready_after_last_ms,first_op_ms,first_p2p_ms,teardown_ms,wrong\n",
             );
             for r in rows {
                 s += &format!(
-                    "ferrocomm,{},init,{},{},{},{},{:.3},{:.3},{:.3},{:.3},{}\n",
+                    "ferrocomm,{},init,{},{},{},{},{:.3},{:.3},{:.3},{:.3},{:.3},{}\n",
                     self.a.backend,
                     self.world,
                     self.mode,
@@ -372,6 +409,7 @@ impl Header<'_> {
                     r.ready_ms,
                     r.ready_after_last_ms,
                     r.first_op_ms,
+                    r.first_p2p_ms,
                     r.teardown_ms,
                     r.wrong
                 );
@@ -385,12 +423,13 @@ impl Header<'_> {
 /// A repetition's line; warm-up ones are comments.
 fn print_row(r: &InitRow, warmup: bool) {
     println!(
-        "{}{:>6} {:>12.3} {:>23.3} {:>15.3} {:>15.3} {:>7}",
+        "{}{:>6} {:>12.3} {:>23.3} {:>15.3} {:>15.3} {:>15.3} {:>7}",
         if warmup { "#" } else { " " },
         r.rep,
         r.ready_ms,
         r.ready_after_last_ms,
         r.first_op_ms,
+        r.first_p2p_ms,
         r.teardown_ms,
         r.wrong
     );

@@ -140,7 +140,8 @@ fn init_creates_checked_communicators_in_every_mode() {
         for r in &rows {
             let ready: f64 = r[1].parse().unwrap();
             let first: f64 = r[3].parse().unwrap();
-            assert!(ready > 0.0 && first >= ready, "{args:?}: {r:?}");
+            let p2p: f64 = r[4].parse().unwrap();
+            assert!(ready > 0.0 && first >= ready && p2p >= first, "{args:?}: {r:?}");
         }
     }
     let j = std::fs::read_to_string(&json).unwrap();
