@@ -120,3 +120,28 @@ fn all_to_all_v_falls_back_together_when_one_rank_does_not_fit() {
         "{r:?}"
     );
 }
+
+/// A group of 128 ranks: its links are made as its algorithms first use them (a ring all_reduce
+/// two per rank, a direct all_to_all every pair), and every result is right.
+#[test]
+fn a_large_group_makes_its_links_as_it_uses_them() {
+    let n = 128;
+    let mut o = options(Duration::from_secs(120));
+    o.transport.shm_ring_bytes = 4096;
+    let ok = run_group(n, "large", o, |c| {
+        let (me, n) = (c.rank() as u64, c.size() as u64);
+        let mut x = vec![me; 1 << 15];
+        c.with_options(OpOptions::new().hint("algorithm", "ring"))
+            .all_reduce(&mut x[..], ReduceOp::Sum)
+            .unwrap();
+        let sum = n * (n - 1) / 2;
+        let ring_ok = x.iter().all(|&v| v == sum);
+        let send: Vec<u64> = (0..n).map(|p| me * 1000 + p).collect();
+        let mut recv = vec![0u64; n as usize];
+        c.with_options(OpOptions::new().hint("algorithm", "direct"))
+            .all_to_all(&mut recv[..], &send[..])
+            .unwrap();
+        ring_ok && recv.iter().enumerate().all(|(p, &v)| v == p as u64 * 1000 + me)
+    });
+    assert!(ok.iter().all(|&k| k));
+}

@@ -41,6 +41,60 @@ fn contract(s: Arc<dyn Store>) {
     assert_eq!(h.join().unwrap(), b"here");
     s.set("empty", b"").unwrap();
     assert_eq!(s.get("empty", SHORT).unwrap(), b"");
+    // get_many: every value in the order asked, once the last key arrives; a timeout names a
+    // missing key.
+    assert_eq!(
+        s.get_many(&["n", "a", "empty", "a"], SHORT).unwrap(),
+        [&b"3"[..], b"two", b"", b"two"]
+    );
+    assert!(matches!(
+        s.get_many(&["a", "never"], SHORT),
+        Err(Error::StoreTimeout { ref key, .. }) if key.ends_with("never")
+    ));
+    let s2 = s.clone();
+    let h = std::thread::spawn(move || {
+        s2.get_many(&["a", "later1", "later2"], Duration::from_secs(10))
+            .unwrap()
+    });
+    std::thread::sleep(Duration::from_millis(50));
+    s.set("later2", b"y").unwrap();
+    s.set("later1", b"x").unwrap();
+    assert_eq!(h.join().unwrap(), [&b"two"[..], b"x", b"y"]);
+}
+
+/// Many ranks waiting for many keys (a communicator's set-up round): every waiter sees every
+/// key, whichever order they arrive in, and a failed store ends the waits that remain.
+#[test]
+fn a_thousand_waiters_on_a_thousand_keys_all_complete() {
+    let s = MemoryStore::new();
+    let n = 1000;
+    let keys: Vec<String> = (0..n).map(|r| format!("k/{r}")).collect();
+    std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..n)
+            .map(|r| {
+                let (s, keys) = (&s, &keys);
+                sc.spawn(move || {
+                    s.set(&keys[n - 1 - r], r.to_string().as_bytes()).unwrap();
+                    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+                    s.get_many(&refs, Duration::from_secs(60)).unwrap()
+                })
+            })
+            .collect();
+        for h in hs {
+            let vals = h.join().unwrap();
+            assert!(vals
+                .iter()
+                .enumerate()
+                .all(|(i, v)| *v == (n - 1 - i).to_string().as_bytes()));
+        }
+    });
+    let waiter = {
+        let s = s.clone();
+        std::thread::spawn(move || s.wait(&["k/0", "absent"], Duration::from_secs(60)))
+    };
+    std::thread::sleep(Duration::from_millis(50));
+    s.fail("rank 3 could not join");
+    assert!(matches!(waiter.join().unwrap(), Err(Error::StoreClosed(ref r)) if r.contains("rank 3")));
 }
 
 #[test]

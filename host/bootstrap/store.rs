@@ -20,7 +20,9 @@ pub(crate) fn all_gather(
     timeout: Duration,
 ) -> Result<Vec<Vec<u8>>> {
     store.set(&format!("{key}/{rank}"), value)?;
-    (0..size).map(|r| store.get(&format!("{key}/{r}"), timeout)).collect()
+    let keys: Vec<String> = (0..size).map(|r| format!("{key}/{r}")).collect();
+    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    store.get_many(&refs, timeout)
 }
 
 /// [`all_gather`] of a serde record (contracts/record.rs): every rank's, in rank order. A record that does
@@ -55,10 +57,51 @@ fn parse_counter(op: &'static str, key: &str, v: Option<&Vec<u8>>) -> Result<i64
 /// The shared state of a store, usable by any front end (memory store, TCP store server).
 #[derive(Default)]
 pub(crate) struct Table {
-    map: Mutex<HashMap<String, Vec<u8>>>,
-    changed: Condvar,
+    state: Mutex<State>,
     /// Set by `fail`: every blocking call ends with this reason.
     failed: Mutex<Option<String>>,
+}
+
+#[derive(Default)]
+struct State {
+    map: HashMap<String, Vec<u8>>,
+    /// The waiters of each absent key. A waiter counts its absent keys and is woken only when
+    /// the last one arrives, so a thousand ranks waiting for a thousand keys cost a million
+    /// decrements rather than a million wake-ups (one condition variable for all would wake
+    /// every waiter at every key, and each would scan its keys again).
+    interest: HashMap<String, Vec<Arc<Waiter>>>,
+}
+
+struct Waiter {
+    /// Keys of this wait still absent; changed only under the state lock.
+    missing: std::sync::atomic::AtomicUsize,
+    woken: Condvar,
+}
+
+impl State {
+    /// After `key` was written: counts it off for its waiters, waking those it completes.
+    fn arrived(&mut self, key: &str) {
+        let Some(waiters) = self.interest.remove(key) else {
+            return;
+        };
+        for w in waiters {
+            if w.missing.fetch_sub(1, std::sync::atomic::Ordering::Relaxed) == 1 {
+                w.woken.notify_one();
+            }
+        }
+    }
+
+    /// Removes `w` from the waiters of `keys` (it gave up).
+    fn forget(&mut self, keys: &[&str], w: &Arc<Waiter>) {
+        for k in keys {
+            if let Some(v) = self.interest.get_mut(*k) {
+                v.retain(|x| !Arc::ptr_eq(x, w));
+                if v.is_empty() {
+                    self.interest.remove(*k);
+                }
+            }
+        }
+    }
 }
 
 /// Why a blocking store call ended without its keys.
@@ -77,72 +120,113 @@ impl WaitFail {
 }
 
 impl Table {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn failure(&self) -> Option<String> {
+        self.failed.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
     pub(crate) fn set(&self, key: &str, value: &[u8]) {
-        let mut m = self.map.lock().unwrap_or_else(|p| p.into_inner());
-        m.insert(key.to_owned(), value.to_vec());
-        self.changed.notify_all();
+        let mut st = self.lock();
+        st.map.insert(key.to_owned(), value.to_vec());
+        st.arrived(key);
+    }
+
+    /// Ends every blocking call, now and later, with `reason`. Lock order: `failed` is never
+    /// held while the state is taken here, so it cannot invert `wait_keys`' state-then-failed.
+    pub(crate) fn fail(&self, reason: &str) {
+        *self.failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason.to_owned());
+        let st = self.lock();
+        for w in st.interest.values().flatten() {
+            w.woken.notify_one();
+        }
     }
 
     /// Waits until every key exists or `deadline` passes; returns the first missing key.
-    /// Ends every blocking call, now and later, with `reason`. Lock order: `failed` is never
-    /// held while `map` is taken here, so it cannot invert `wait_keys`' map-then-failed.
-    pub(crate) fn fail(&self, reason: &str) {
-        *self.failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason.to_owned());
-        let _m = self.map.lock().unwrap_or_else(|p| p.into_inner());
-        self.changed.notify_all();
+    pub(crate) fn wait_keys(&self, keys: &[&str], deadline: Instant) -> std::result::Result<(), WaitFail> {
+        let st = self.lock();
+        self.wait_locked(st, keys, deadline).map(drop)
     }
 
-    pub(crate) fn wait_keys(&self, keys: &[&str], deadline: Instant) -> std::result::Result<(), WaitFail> {
-        let mut m = self.map.lock().unwrap_or_else(|p| p.into_inner());
+    /// `wait_keys`, returning the state lock still held once every key exists.
+    fn wait_locked<'t>(
+        &'t self,
+        mut st: std::sync::MutexGuard<'t, State>,
+        keys: &[&str],
+        deadline: Instant,
+    ) -> std::result::Result<std::sync::MutexGuard<'t, State>, WaitFail> {
+        let absent: Vec<&str> = keys.iter().copied().filter(|k| !st.map.contains_key(*k)).collect();
+        if absent.is_empty() {
+            return Ok(st);
+        }
+        let w = Arc::new(Waiter {
+            missing: absent.len().into(),
+            woken: Condvar::new(),
+        });
+        for k in &absent {
+            st.interest.entry((*k).to_owned()).or_default().push(w.clone());
+        }
         loop {
-            let Some(missing) = keys.iter().find(|k| !m.contains_key(**k)) else {
-                return Ok(());
-            };
-            if let Some(reason) = self.failed.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+            if w.missing.load(std::sync::atomic::Ordering::Relaxed) == 0 {
+                return Ok(st);
+            }
+            if let Some(reason) = self.failure() {
+                st.forget(&absent, &w);
                 return Err(WaitFail::Failed(reason));
             }
             let now = Instant::now();
             if now >= deadline {
+                st.forget(&absent, &w);
+                let missing = absent.iter().find(|k| !st.map.contains_key(**k)).unwrap_or(&absent[0]);
                 return Err(WaitFail::Missing((*missing).to_owned()));
             }
-            m = self
-                .changed
-                .wait_timeout(m, deadline - now)
+            st = w
+                .woken
+                .wait_timeout(st, deadline - now)
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }
     }
 
     pub(crate) fn get(&self, key: &str, deadline: Instant) -> std::result::Result<Vec<u8>, WaitFail> {
-        self.wait_keys(&[key], deadline)?;
-        let m = self.map.lock().unwrap_or_else(|p| p.into_inner());
-        Ok(m.get(key).cloned().unwrap_or_default())
+        let st = self.wait_locked(self.lock(), &[key], deadline)?;
+        Ok(st.map.get(key).cloned().unwrap_or_default())
+    }
+
+    /// Every key's value, in order, once all exist.
+    pub(crate) fn get_many(&self, keys: &[&str], deadline: Instant) -> std::result::Result<Vec<Vec<u8>>, WaitFail> {
+        let st = self.wait_locked(self.lock(), keys, deadline)?;
+        Ok(keys
+            .iter()
+            .map(|k| st.map.get(*k).cloned().unwrap_or_default())
+            .collect())
     }
 
     pub(crate) fn add(&self, key: &str, delta: i64) -> Result<i64> {
-        let mut m = self.map.lock().unwrap_or_else(|p| p.into_inner());
-        let v = parse_counter("store add", key, m.get(key))?.wrapping_add(delta);
-        m.insert(key.to_owned(), v.to_string().into_bytes());
-        self.changed.notify_all();
+        let mut st = self.lock();
+        let v = parse_counter("store add", key, st.map.get(key))?.wrapping_add(delta);
+        st.map.insert(key.to_owned(), v.to_string().into_bytes());
+        st.arrived(key);
         Ok(v)
     }
 
     pub(crate) fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Vec<u8> {
-        let mut m = self.map.lock().unwrap_or_else(|p| p.into_inner());
-        let matches = match m.get(key) {
+        let mut st = self.lock();
+        let matches = match st.map.get(key) {
             None => expected.is_empty(),
             Some(cur) => cur == expected,
         };
         if matches {
-            m.insert(key.to_owned(), desired.to_vec());
-            self.changed.notify_all();
+            st.map.insert(key.to_owned(), desired.to_vec());
+            st.arrived(key);
         }
-        m.get(key).cloned().unwrap_or_default()
+        st.map.get(key).cloned().unwrap_or_default()
     }
 
     pub(crate) fn delete(&self, key: &str) -> bool {
-        let mut m = self.map.lock().unwrap_or_else(|p| p.into_inner());
-        m.remove(key).is_some()
+        self.lock().map.remove(key).is_some()
     }
 }
 
@@ -196,6 +280,11 @@ impl Store for MemoryStore {
             .wait_keys(keys, Instant::now() + timeout)
             .map_err(|f| f.into_error(timeout))
     }
+    fn get_many(&self, keys: &[&str], timeout: Duration) -> Result<Vec<Vec<u8>>> {
+        self.table
+            .get_many(keys, Instant::now() + timeout)
+            .map_err(|f| f.into_error(timeout))
+    }
     fn local_addr_hint(&self) -> Option<IpAddr> {
         Some(IpAddr::from([127, 0, 0, 1]))
     }
@@ -243,6 +332,11 @@ impl Store for PrefixStore {
         let full: Vec<String> = keys.iter().map(|k| self.key(k)).collect();
         let refs: Vec<&str> = full.iter().map(String::as_str).collect();
         self.inner.wait(&refs, timeout)
+    }
+    fn get_many(&self, keys: &[&str], timeout: Duration) -> Result<Vec<Vec<u8>>> {
+        let full: Vec<String> = keys.iter().map(|k| self.key(k)).collect();
+        let refs: Vec<&str> = full.iter().map(String::as_str).collect();
+        self.inner.get_many(&refs, timeout)
     }
     fn local_addr_hint(&self) -> Option<IpAddr> {
         self.inner.local_addr_hint()

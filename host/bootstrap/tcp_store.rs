@@ -28,6 +28,7 @@ mod opcode {
     pub const CAS: u8 = 4;
     pub const DELETE: u8 = 5;
     pub const WAIT: u8 = 6;
+    pub const GET_MANY: u8 = 7;
 }
 
 mod status {
@@ -224,7 +225,7 @@ fn handle(table: &Table, req: &[u8], max_wait: Duration) -> Result<Vec<u8>> {
             d.finish()?;
             ok().u8(table.delete(k) as u8).0
         }
-        opcode::WAIT => {
+        opcode::WAIT | opcode::GET_MANY => {
             let n = d.u64()?;
             // Each key costs at least its 4-byte length, so `n` is bounded by the frame size.
             if n > req.len() as u64 / 4 {
@@ -236,8 +237,16 @@ fn handle(table: &Table, req: &[u8], max_wait: Duration) -> Result<Vec<u8>> {
             let keys = (0..n).map(|_| d.str()).collect::<Result<Vec<_>>>()?;
             let ms = d.u64()?;
             d.finish()?;
-            match table.wait_keys(&keys, deadline_after(ms, max_wait)) {
-                Ok(()) => ok().0,
+            let deadline = deadline_after(ms, max_wait);
+            let waited = if op == opcode::WAIT {
+                table.wait_keys(&keys, deadline).map(|()| ok().0)
+            } else {
+                table
+                    .get_many(&keys, deadline)
+                    .map(|vals| vals.iter().fold(ok(), |e, v| e.bytes(v)).0)
+            };
+            match waited {
+                Ok(reply) => reply,
                 Err(WaitFail::Missing(key)) => timed_out(&key),
                 Err(WaitFail::Failed(reason)) => Enc::default().u8(status::ERROR).bytes(reason.as_bytes()).0,
             }
@@ -422,6 +431,20 @@ impl Store for TcpStore {
         let r = self.call(&e.u64(timeout.as_millis() as u64).0, timeout)?;
         Self::ok(&r, timeout)?.finish()
     }
+    fn get_many(&self, keys: &[&str], timeout: Duration) -> Result<Vec<Vec<u8>>> {
+        let mut e = Enc::default().u8(opcode::GET_MANY).u64(keys.len() as u64);
+        for k in keys {
+            e = e.bytes(k.as_bytes());
+        }
+        let r = self.call(&e.u64(timeout.as_millis() as u64).0, timeout)?;
+        let mut d = Self::ok(&r, timeout)?;
+        let vals = keys
+            .iter()
+            .map(|_| d.bytes().map(<[u8]>::to_vec))
+            .collect::<Result<Vec<_>>>()?;
+        d.finish()?;
+        Ok(vals)
+    }
     fn local_addr_hint(&self) -> Option<IpAddr> {
         self.local_ip
     }
@@ -447,7 +470,7 @@ mod tests {
             *r ^= *r << 17;
             *r
         };
-        let mut f = vec![(next() % 8) as u8];
+        let mut f = vec![(next() % 9) as u8];
         for _ in 0..next() % 5 {
             match next() % 3 {
                 0 => f.extend_from_slice(&next().to_le_bytes()),

@@ -36,6 +36,13 @@ pub trait Store: Send + Sync {
     fn delete(&self, key: &str) -> Result<bool>;
     /// Waits until every key exists.
     fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()>;
+    /// Waits until every key exists, then returns their values in the order of `keys`: one
+    /// round trip to a store server where `get` per key would take one each (how ranks read
+    /// every peer's set-up data at once). The default waits, then gets each key.
+    fn get_many(&self, keys: &[&str], timeout: Duration) -> Result<Vec<Vec<u8>>> {
+        self.wait(keys, timeout)?;
+        keys.iter().map(|k| self.get(k, timeout)).collect()
+    }
     /// An address of this host that other ranks can reach (used to bind TCP links).
     fn local_addr_hint(&self) -> Option<IpAddr> {
         None

@@ -71,6 +71,10 @@ pub enum Command {
     DeviceRmsnorm(RmsNormArgs),
     /// ferrocomm's nccl backend against direct NCCL calls (world 1, GPU 0).
     NcclAllReduce(Args),
+    /// Communicator creation: `-n` communicators of `--world` ranks (processes, or `--threads`),
+    /// each timed until every rank holds it and until a first 8-byte all_reduce has completed
+    /// (-b/-e/-f do not apply).
+    Init(InitArgs),
     /// Draws latency and bus bandwidth against message size from JSON files of
     /// ferrocomm-bench and its MPI and Gloo peers.
     Plot(PlotArgs),
@@ -165,6 +169,20 @@ pub struct Args {
     /// The flags of `rmsnorm` and `moe`, from their subcommands.
     #[arg(skip)]
     pub inference: Option<Box<Inference>>,
+    /// `init --transport tcp`: every link over TCP, also between ranks of this host.
+    #[arg(skip)]
+    pub transport_tcp: bool,
+}
+
+/// `init`'s flags: the common ones and its own.
+#[derive(clap::Args, Clone, Debug)]
+pub struct InitArgs {
+    #[command(flatten)]
+    pub common: Args,
+    /// How ranks of this host connect: `auto` (shared memory) or `tcp` (as
+    /// FERROCOMM_TRANSPORT=tcp does).
+    #[arg(long, value_name = "KIND", default_value = "auto", value_parser = ["auto", "shm", "tcp"])]
+    pub transport: String,
 }
 
 /// `rmsnorm`'s flags: the common ones and its own.
@@ -414,6 +432,10 @@ pub fn parse() -> Invocation {
         Command::Moe(m) => Args {
             inference: Some(Box::new(Inference::Moe(m.opts))),
             ..m.common
+        },
+        Command::Init(i) => Args {
+            transport_tcp: i.transport == "tcp",
+            ..i.common
         },
     };
     if args.min_bytes == 0 || args.min_bytes > args.max_bytes {

@@ -8,6 +8,7 @@ mod device_norm;
 mod gpu;
 mod host_device;
 mod inference;
+mod init;
 mod nccl_direct;
 mod ops;
 mod plot;
@@ -44,6 +45,7 @@ fn sweep(a: &Args) -> Result<(), Failure> {
         _ if device_row => gpu::run(a)?,
         "queue_pickup" => queue::run(a)?,
         "nccl_all_reduce" => nccl_direct::run(a)?,
+        "init" => init::run(a)?,
         _ => ranks::run(a)?,
     }
     Ok(())

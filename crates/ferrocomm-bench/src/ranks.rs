@@ -15,8 +15,16 @@ pub fn run(a: &Args) -> Result<(), Failure> {
     } else if a.threads {
         threads(a)
     } else {
-        processes(a)
+        spawn(a)
     }
+}
+
+/// Now, in nanoseconds since the Unix epoch.
+fn spawned_at() -> String {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos())
+        .to_string()
 }
 
 /// Started by a launcher: this process is one rank.
@@ -48,8 +56,8 @@ fn threads(a: &Args) -> Result<(), Failure> {
 }
 
 /// Starts `--world` copies of this program with this command line as the ranks, hosting their
-/// store; rank 0's output is ours.
-fn processes(a: &Args) -> Result<(), Failure> {
+/// store; rank 0's output is ours. Each learns when it was spawned (`init` reports start-up).
+pub fn spawn(a: &Args) -> Result<(), Failure> {
     let token = ferrocomm::random_token();
     let server = ferrocomm::TcpStoreServer::bind("127.0.0.1:0", &token)?;
     let port = server.addr().port().to_string();
@@ -72,6 +80,7 @@ fn processes(a: &Args) -> Result<(), Failure> {
                 ("FERROCOMM_TOKEN", &token),
             ])
             .env("FERROCOMM_STORE_EXTERNAL", "1")
+            .env(crate::init::SPAWNED_AT, spawned_at())
             .stdout(if r == 0 { Stdio::inherit() } else { Stdio::null() })
             .spawn()
             .map_err(|e| Error::Io {

@@ -112,6 +112,50 @@ fn every_op_passes_its_check_across_processes() {
     }
 }
 
+/// `init` creates communicators as processes (shared memory and TCP) and as threads, checks
+/// every rank's first all_reduce, and writes its JSON and CSV.
+#[test]
+fn init_creates_checked_communicators_in_every_mode() {
+    let dir = std::env::temp_dir().join(format!("fc-bench-init-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (json, csv) = (dir.join("i.json"), dir.join("i.csv"));
+    for (world, extra) in [
+        ("3", &[][..]),
+        ("2", &["--transport", "tcp"][..]),
+        (
+            "8",
+            &[
+                "--threads",
+                "--json",
+                json.to_str().unwrap(),
+                "--csv",
+                csv.to_str().unwrap(),
+            ][..],
+        ),
+    ] {
+        let mut args = vec!["init", "--world", world, "-n", "3", "-w", "1", "--check"];
+        args.extend_from_slice(extra);
+        let rows = checked(&args);
+        assert_eq!(rows.len(), 3, "{args:?}: {rows:?}");
+        for r in &rows {
+            let ready: f64 = r[1].parse().unwrap();
+            let first: f64 = r[3].parse().unwrap();
+            let p2p: f64 = r[4].parse().unwrap();
+            assert!(ready > 0.0 && first >= ready && p2p >= first, "{args:?}: {r:?}");
+        }
+    }
+    let j = std::fs::read_to_string(&json).unwrap();
+    assert!(
+        j.starts_with("{\"tool\":\"ferrocomm\"") && j.contains("\"op\":\"init\"") && j.contains("\"mode\":\"threads\""),
+        "{j}"
+    );
+    assert_eq!(j.matches("\"first_op_ms\":").count(), 3 + 1, "{j}");
+    let c = std::fs::read_to_string(&csv).unwrap();
+    assert_eq!(c.lines().count(), 1 + 3, "{c}");
+    assert!(c.lines().skip(1).all(|l| l.ends_with(",0")), "{c}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 /// The data rows of a table (the lines that are not comments).
 fn rows(text: &str) -> Vec<&str> {
     text.lines().filter(|l| !l.starts_with('#')).collect()
@@ -541,6 +585,7 @@ fn help_is_clap_and_lists_every_op() {
         "device_all_reduce",
         "nccl_all_reduce",
         "queue_pickup",
+        "init",
         "rmsnorm",
         "moe",
         "plot",

@@ -451,7 +451,7 @@ impl Engine {
                 continue; // an earlier message to/from this peer is still in flight
             }
             *stamp = self.sweep;
-            moved |= Self::step(&mut self.transport.links[peer], x, ctx.op, &mut calls_pending)?;
+            moved |= Self::step(self.transport.link(peer), x, ctx.op, &mut calls_pending)?;
             if !x.done() {
                 continue;
             }
@@ -573,7 +573,7 @@ impl Engine {
                 if moved_on[peer] {
                     continue;
                 }
-                let link = &mut self.transport.links[peer];
+                let link = self.transport.link(peer);
                 let r = match x {
                     Xfer::Send { .. } => Self::step(link, x, ctx.op, &mut 0).map_err(drop),
                     Xfer::Recv { hdr, hpos, pos, .. } => {
@@ -614,7 +614,7 @@ impl Engine {
                 }
                 for (p, m) in moved_on.iter_mut().enumerate().filter(|(p, _)| *p != self.rank) {
                     let ahead = (self.transport.board.as_ref()).is_some_and(|b| b.peer_latest(p) >= b.next_round());
-                    *m |= ahead || self.transport.links[p].check_peer(p).is_err();
+                    *m |= ahead || self.transport.check_peer(p).is_err();
                 }
             }
         }
@@ -668,7 +668,7 @@ impl Engine {
             };
             if !complete {
                 ctx.check(Instant::now(), || Some(peer))?;
-                if let Err(g) = self.transport.links[peer].check_peer(peer) {
+                if let Err(g) = self.transport.check_peer(peer) {
                     return Err(Error::PeerLost {
                         op: ctx.op,
                         peer: g.rank,
@@ -735,7 +735,7 @@ impl Engine {
         ctx.check(now, || pending.first().copied())?;
         let gone = pending
             .iter()
-            .find_map(|&p| self.transport.links[p].check_peer(p).err().map(|g| (p, g)));
+            .find_map(|&p| self.transport.check_peer(p).err().map(|g| (p, g)));
         if let Some((peer, g)) = gone {
             // The peer may have written its last bytes just before leaving: its state store is a
             // Release, our read an Acquire, so sweeping once more sees everything it sent.

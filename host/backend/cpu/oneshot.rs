@@ -37,9 +37,8 @@ fn wait_for(e: &Engine, ctx: &OpCtx, peer: usize, ready: impl Fn(&Board) -> bool
     while !ready(b) {
         let Some(now) = pace.stalled() else { continue };
         ctx.check(now, || Some(peer))?;
-        let link = &e.transport.links[peer];
         // The peer updates the board before it leaves or moves on, so look once more first.
-        if let Err(g) = link.check_peer(peer) {
+        if let Err(g) = e.transport.check_peer(peer) {
             if ready(b) {
                 break;
             }
@@ -49,7 +48,7 @@ fn wait_for(e: &Engine, ctx: &OpCtx, peer: usize, ready: impl Fn(&Board) -> bool
                 reason: g.reason,
             });
         }
-        if link.has_unread() && !ready(b) {
+        if e.transport.has_unread(peer) && !ready(b) {
             return Err(Error::Mismatch {
                 op: ctx.op,
                 peer,

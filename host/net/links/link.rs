@@ -10,7 +10,12 @@ use std::sync::Arc;
 
 /// One rank's view of its stream pair with one peer.
 pub(crate) enum Link {
-    Shm(ShmLink),
+    /// A peer on this host whose rings have not been used yet: made on first use
+    /// (`Transport::link`). A communicator of n ranks on one host has n² rings, of which its
+    /// algorithms may use a few per rank; until then they cost neither memory nor set-up time.
+    Pending,
+    /// Boxed: the other variants are small.
+    Shm(Box<ShmLink>),
     Tcp(TcpLink),
     SelfLoop(VecDeque<u8>),
 }
@@ -18,14 +23,34 @@ pub(crate) enum Link {
 pub(crate) struct ShmLink {
     pub(crate) tx: RingEnd,
     pub(crate) rx: RingEnd,
-    /// The peer's segment (holds `tx`) and ours (holds `rx`): kept mapped while the ends live.
-    pub(crate) peer_seg: Arc<Segment>,
-    pub(crate) _own_seg: Arc<Segment>,
-    pub(crate) watch: Option<ProcessWatch>,
+    /// The segments the rings lie in (ours holds `rx`, the peer's `tx`), kept mapped while the
+    /// ends live, and the peer's liveness.
+    pub(crate) peers: Arc<PeerSegments>,
+}
+
+/// The shared-memory segments of a communicator's ranks on this host (`None` for the others),
+/// mapped once per process and shared by its ranks, with a watch on every rank of another
+/// process, opened at set-up while the peer is known to be alive.
+pub(crate) struct PeerSegments {
+    pub(crate) segs: Vec<Option<Arc<Segment>>>,
+    pub(crate) watches: Vec<Option<ProcessWatch>>,
+}
+
+impl PeerSegments {
+    /// Whether `peer` (a rank on this host) is still there, as its segment and process say.
+    pub(crate) fn check(&self, peer: usize) -> Result<(), PeerGone> {
+        match &self.segs[peer] {
+            Some(seg) => check_owner(peer, seg, self.watches[peer].as_ref()),
+            None => Ok(()),
+        }
+    }
 }
 
 /// Why a link cannot make progress any more.
 pub(crate) type Gone = String;
+
+/// A pending link used directly instead of through its transport (a bug, reported as a lost link).
+const NOT_MADE: &str = "the shared-memory link was never made";
 
 /// A peer that can no longer take part: `rank` is the rank at the root of the failure (the
 /// peer itself, or a rank the peer reports it lost).
@@ -38,6 +63,7 @@ impl Link {
     /// Writes as much of `src` as the stream takes now.
     pub(crate) fn write(&mut self, src: &[u8]) -> Result<usize, Gone> {
         match self {
+            Link::Pending => Err(NOT_MADE.into()),
             Link::Shm(l) => Ok(l.tx.write(src)),
             Link::Tcp(l) => l.write(src),
             Link::SelfLoop(q) => {
@@ -50,6 +76,7 @@ impl Link {
     /// Reads what is available now, up to `dst.len()`.
     pub(crate) fn read(&mut self, dst: &mut [u8]) -> Result<usize, Gone> {
         match self {
+            Link::Pending => Err(NOT_MADE.into()),
             Link::Shm(l) => Ok(l.rx.read(dst)),
             Link::Tcp(l) => l.read(dst),
             Link::SelfLoop(q) => {
@@ -69,10 +96,11 @@ impl Link {
     }
 
     /// Called only when no progress is being made: is `peer` still there to make it?
-    /// TCP links report loss through read/write errors instead.
+    /// TCP links report loss through read/write errors instead; a pending link is checked by
+    /// its transport (`Transport::check_peer`).
     pub(crate) fn check_peer(&self, peer: usize) -> Result<(), PeerGone> {
         let Link::Shm(l) = self else { return Ok(()) };
-        check_owner(peer, &l.peer_seg, l.watch.as_ref())
+        l.peers.check(peer)
     }
 }
 

@@ -20,7 +20,7 @@ pub(crate) mod shm_board;
 mod tcp;
 
 pub(crate) use fault::{Cause, FaultRecord};
-pub(crate) use link::{back_off, check_owner, Gone, Link, PeerGone, ShmLink};
+pub(crate) use link::{back_off, check_owner, Gone, Link, PeerGone, PeerSegments, ShmLink};
 pub(crate) use liveness::ProcessWatch;
 pub(crate) use setup::{bind_listener, connect_all, host_identity, published_addr, Announcer, Transport};
 pub(crate) use shm::{OwnerState, Segment};

@@ -112,6 +112,17 @@ impl RingEnd {
     }
 }
 
+/// Bytes published in the ring at `base` and not yet read, for a consumer that has not made
+/// its end (it has read nothing, so its counter is the one in the control block).
+///
+/// # Safety
+/// `base` must point to a ring's live control block, 64-aligned (as for [`RingEnd::new`]).
+pub(crate) unsafe fn unread_at(base: *const u8) -> u64 {
+    // SAFETY: the caller's contract; the counters are atomics.
+    let ctl = unsafe { &*(base as *const RingCtl) };
+    ctl.tail.load(Ordering::Acquire) - ctl.head.load(Ordering::Acquire)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,28 +1,41 @@
 //! Builds every link of one communicator through its store: ranks on the same host map each
 //! other's shared-memory segment, ranks on other hosts connect over TCP and prove they belong to
 //! the communicator with a per-communicator secret that only the (authenticated) store carries.
+//!
+//! What it costs, whatever the number of ranks: one store round (every rank publishes its
+//! host, segment and listener in one key and reads every rank's in one request), and a second
+//! only on hosts where ranks of several processes meet (once every process has mapped every
+//! segment, their names are removed). Segments are mapped once per process, shared by its ranks;
+//! rings get memory and their ends are made only when a link is first used (`Link::Pending`);
+//! TCP links are accepted on a second thread while this one dials.
 
 use super::liveness::ProcessWatch;
-use super::ring::{RingEnd, CTL_BYTES};
+use super::ring::{unread_at, RingEnd, CTL_BYTES};
 use super::shm::{OwnerState, Segment};
 use super::shm_board::{self as board, Board};
-use super::tcp::{accept_authenticated, dial, TcpLink};
-use super::{Link, ShmLink};
+use super::tcp::{accept_authenticated_or_stop, dial, TcpLink};
+use super::{Link, PeerGone, PeerSegments, ShmLink};
 use crate::bootstrap;
 use crate::contracts::error::{Error, Result};
 use crate::contracts::options::TransportOptions;
 use crate::contracts::store::Store;
+use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 /// All links of one rank, indexed by peer rank.
 pub(crate) struct Transport {
+    /// Reach them through `link`, which makes pending ones.
     pub(crate) links: Vec<Link>,
     /// Present when every rank shares this host (and there are at least two).
     pub(crate) board: Option<Board>,
     own_seg: Option<Arc<Segment>>,
+    /// The segments of the ranks on this host, when there are any besides us.
+    peers: Option<Arc<PeerSegments>>,
+    rank: usize,
+    ring_bytes: usize,
 }
 
 impl Transport {
@@ -39,6 +52,62 @@ impl Transport {
         Announcer {
             seg: self.own_seg.clone(),
             streams,
+        }
+    }
+
+    /// The link to `peer`, made now if it is pending: its two rings are faulted in at once
+    /// (`Segment::populate`) and its ends made.
+    pub(crate) fn link(&mut self, peer: usize) -> &mut Link {
+        if matches!(self.links[peer], Link::Pending) {
+            if let Some(l) = self.make_shm_link(peer) {
+                self.links[peer] = Link::Shm(Box::new(l));
+            }
+        }
+        &mut self.links[peer]
+    }
+
+    fn make_shm_link(&self, peer: usize) -> Option<ShmLink> {
+        let (own, peers) = (self.own_seg.as_ref()?, self.peers.as_ref()?);
+        let theirs = peers.segs[peer].as_ref()?;
+        let stride = ring_stride(self.ring_bytes);
+        let (tx_at, rx_at) = (self.rank * stride, peer * stride);
+        theirs.populate(tx_at, CTL_BYTES + self.ring_bytes);
+        own.populate(rx_at, CTL_BYTES + self.ring_bytes);
+        // SAFETY: each segment holds one ring per sender, in rank order, of CTL_BYTES +
+        // ring_bytes (a power of two), zeroed at creation and 64-aligned; `peers` keeps both
+        // mapped as long as the link lives. Each end is used by exactly one rank: we produce into
+        // our slot of the peer's segment and consume the peer's slot of ours.
+        let (tx, rx) = unsafe {
+            (
+                RingEnd::new(theirs.payload().add(tx_at), self.ring_bytes, true),
+                RingEnd::new(own.payload().add(rx_at), self.ring_bytes, false),
+            )
+        };
+        Some(ShmLink {
+            tx,
+            rx,
+            peers: peers.clone(),
+        })
+    }
+
+    /// Called only when no progress is being made: is `peer` still there to make it?
+    pub(crate) fn check_peer(&self, peer: usize) -> std::result::Result<(), PeerGone> {
+        match (&self.links[peer], &self.peers) {
+            (Link::Pending, Some(p)) => p.check(peer),
+            (l, _) => l.check_peer(peer),
+        }
+    }
+
+    /// Has `peer` sent bytes we have not read? (See `Link::has_unread`.) A pending link is
+    /// looked at without being made.
+    pub(crate) fn has_unread(&self, peer: usize) -> bool {
+        match (&self.links[peer], &self.own_seg) {
+            (Link::Pending, Some(own)) => {
+                // SAFETY: our segment holds the peer's ring to us at this offset (see
+                // `make_shm_link`), mapped as long as `own_seg`.
+                unsafe { unread_at(own.payload().add(peer * ring_stride(self.ring_bytes))) > 0 }
+            }
+            (l, _) => l.has_unread(),
         }
     }
 }
@@ -72,30 +141,34 @@ impl Announcer {
 }
 
 pub(crate) fn host_identity(rank: usize, opts: &TransportOptions) -> String {
-    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
-    // The host name as gethostname(2) reports it (glibc reads it from uname's nodename too).
-    let uname = rustix::system::uname();
-    let name = uname.nodename().to_bytes();
-    // Shared memory needs one kernel (boot id), one mount namespace (the same /dev/shm) and
-    // one PID namespace (liveness checks open a pidfd on the peer's pid). Ranks in different
-    // namespaces (containers, `ip netns exec`) count as different hosts and use TCP.
-    let ns = |kind: &str| {
-        std::fs::read_link(format!("/proc/self/ns/{kind}"))
-            .map(|p| p.display().to_string())
-            .unwrap_or_default()
-    };
-    let id = format!(
-        "{}/{}/{}/{}",
-        String::from_utf8_lossy(name),
-        boot.trim(),
-        ns("mnt"),
-        ns("pid")
-    );
+    // Read once per process: its ranks (threads) all ask.
+    static ID: OnceLock<String> = OnceLock::new();
+    let id = ID.get_or_init(|| {
+        let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+        // The host name as gethostname(2) reports it (glibc reads it from uname's nodename too).
+        let uname = rustix::system::uname();
+        let name = uname.nodename().to_bytes();
+        // Shared memory needs one kernel (boot id), one mount namespace (the same /dev/shm) and
+        // one PID namespace (liveness checks open a pidfd on the peer's pid). Ranks in different
+        // namespaces (containers, `ip netns exec`) count as different hosts and use TCP.
+        let ns = |kind: &str| {
+            std::fs::read_link(format!("/proc/self/ns/{kind}"))
+                .map(|p| p.display().to_string())
+                .unwrap_or_default()
+        };
+        format!(
+            "{}/{}/{}/{}",
+            String::from_utf8_lossy(name),
+            boot.trim(),
+            ns("mnt"),
+            ns("pid")
+        )
+    });
     if opts.force_tcp {
         // Every rank its own "host": all links go over TCP (tests the multi-host path locally).
         format!("{id}#rank{rank}")
     } else {
-        id
+        id.clone()
     }
 }
 
@@ -103,12 +176,40 @@ fn left(deadline: Instant) -> Duration {
     deadline.saturating_duration_since(Instant::now())
 }
 
-fn get_str(store: &dyn Store, key: &str, deadline: Instant) -> Result<String> {
-    let v = store.get(key, left(deadline))?;
-    String::from_utf8(v).map_err(|_| Error::protocol("transport setup", format!("store key `{key}` is not UTF-8")))
+static SEGMENT_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// What a rank publishes about itself, in one store key: its host and process, its segment
+/// (`-`: none), its link listener (`-`: none) and, from rank 0, the communicator's link secret.
+struct Hello<'a> {
+    host: &'a str,
+    pid: &'a str,
+    shm: &'a str,
+    tcp: &'a str,
+    secret: &'a str,
 }
 
-static SEGMENT_COUNTER: AtomicU64 = AtomicU64::new(0);
+impl<'a> Hello<'a> {
+    fn encode(&self) -> String {
+        format!(
+            "{}\n{}\n{}\n{}\n{}",
+            self.host, self.pid, self.shm, self.tcp, self.secret
+        )
+    }
+
+    fn decode(rank: usize, raw: &'a [u8]) -> Result<Hello<'a>> {
+        let bad = || Error::protocol("transport setup", format!("malformed set-up record of rank {rank}"));
+        let text = std::str::from_utf8(raw).map_err(|_| bad())?;
+        let mut f = text.splitn(5, '\n');
+        let mut next = || f.next().ok_or_else(bad);
+        Ok(Hello {
+            host: next()?,
+            pid: next()?,
+            shm: next()?,
+            tcp: next()?,
+            secret: next()?,
+        })
+    }
+}
 
 /// Connects `rank` to every other rank of a communicator of `size`, using `store` (already
 /// prefixed for this communicator). Collective: every rank must call it.
@@ -121,110 +222,181 @@ pub(crate) fn connect_all(
 ) -> Result<Transport> {
     let deadline = Instant::now() + timeout;
     let me = host_identity(rank, opts);
-    store.set(&format!("host/{rank}"), me.as_bytes())?;
-    let hosts = (0..size)
-        .map(|r| get_str(store, &format!("host/{r}"), deadline))
-        .collect::<Result<Vec<_>>>()?;
-    let local = |p: usize| hosts[p] == me;
-    let any_remote = hosts.iter().any(|h| h != &hosts[0]);
-
-    let own_seg = if (0..size).any(|p| p != rank && local(p)) {
+    let pid = std::process::id().to_string();
+    // Made before anyone knows who shares the host (that would take another round): a segment
+    // where peers may share memory, a listener where they may not. Each is dropped below if no
+    // peer turns out to need it; neither costs much (the segment gets pages only when used).
+    let own_seg = if size > 1 && !opts.force_tcp {
         let name = format!(
-            "/ferrocomm-{}-{}-{}-{}",
-            std::process::id(),
-            rank,
+            "/ferrocomm-{pid}-{rank}-{}-{}",
             SEGMENT_COUNTER.fetch_add(1, Ordering::Relaxed),
             &bootstrap::random_token()[..12]
         );
-        Some(Arc::new(Segment::create(
-            &name,
-            payload_bytes(size, opts.shm_ring_bytes),
-        )?))
+        Some(Segment::create_shared(&name, payload_bytes(size, opts.shm_ring_bytes))?)
     } else {
         None
     };
-    let listener = if (0..size).any(|p| !local(p)) {
+    let mut listener = if size > 1 {
         Some(bind_listener(opts, store, "link listener")?)
     } else {
         None
     };
-    let secret = if any_remote {
-        if rank == 0 {
-            let s = bootstrap::random_token();
-            store.set("link-secret", s.as_bytes())?;
-            s
-        } else {
-            get_str(store, "link-secret", deadline)?
-        }
+    let secret = if rank == 0 && size > 1 {
+        bootstrap::random_token()
     } else {
         String::new()
     };
-
-    let shm_name = own_seg
-        .as_ref()
-        .map(|s| s.name().to_owned())
-        .unwrap_or_else(|| "-".into());
     let tcp_addr = published_addr(listener.as_ref())?;
-    store.set(&format!("endpoint/{rank}"), format!("{shm_name} {tcp_addr}").as_bytes())?;
-
-    let mut links: Vec<Option<Link>> = (0..size).map(|_| None).collect();
-    links[rank] = Some(Link::SelfLoop(Default::default()));
-    for p in (0..size).filter(|&p| p != rank) {
-        let ep = get_str(store, &format!("endpoint/{p}"), deadline)?;
-        let (peer_shm, peer_tcp) = ep
-            .split_once(' ')
-            .ok_or_else(|| Error::protocol("transport setup", format!("malformed endpoint of rank {p}: {ep:?}")))?;
-        if local(p) {
-            let own = own_seg
-                .clone()
-                .ok_or_else(|| Error::protocol("transport setup", "no own segment"))?;
-            links[p] = Some(shm_link(rank, p, own, peer_shm, size, opts.shm_ring_bytes)?);
-        } else if rank > p {
-            let addr: SocketAddr = peer_tcp.parse().map_err(|_| {
-                Error::protocol(
-                    "transport setup",
-                    format!("rank {p} published no TCP address ({peer_tcp:?})"),
-                )
-            })?;
-            links[p] = Some(Link::Tcp(TcpLink::new(dial(
-                rank,
-                p,
-                addr,
-                secret.as_bytes(),
-                deadline,
-            )?)?));
-        }
-    }
-    if let Some(l) = &listener {
-        let expected = (rank + 1..size).filter(|&p| !local(p)).count();
-        for (p, stream) in accept_authenticated(l, expected, secret.as_bytes(), size, deadline)? {
-            if links[p].is_some() || p <= rank || local(p) {
-                return Err(Error::protocol(
-                    "transport setup",
-                    format!("unexpected link from rank {p}"),
-                ));
-            }
-            links[p] = Some(Link::Tcp(TcpLink::new(stream)?));
-        }
-    }
-    let links = links
-        .into_iter()
-        .enumerate()
-        .map(|(p, l)| l.ok_or_else(|| Error::protocol("transport setup", format!("no link to rank {p}"))))
-        .collect::<Result<Vec<_>>>()?;
-
-    // Everyone has mapped every segment once all are ready: drop the names so nothing is left
-    // in /dev/shm even if a process dies later.
-    store.set(&format!("ready/{rank}"), b"1")?;
-    let keys: Vec<String> = (0..size).map(|r| format!("ready/{r}")).collect();
+    let hello = Hello {
+        host: &me,
+        pid: &pid,
+        shm: own_seg.as_ref().map_or("-", |s| s.name()),
+        tcp: &tcp_addr,
+        secret: &secret,
+    };
+    store.set(&format!("hello/{rank}"), hello.encode().as_bytes())?;
+    let keys: Vec<String> = (0..size).map(|r| format!("hello/{r}")).collect();
     let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-    let waited = store.wait(&refs, left(deadline));
-    if let Some(s) = &own_seg {
-        s.unlink();
+    let raw = store.get_many(&refs, left(deadline))?;
+    let hellos = raw
+        .iter()
+        .enumerate()
+        .map(|(r, v)| Hello::decode(r, v))
+        .collect::<Result<Vec<_>>>()?;
+    let local: Vec<bool> = hellos.iter().map(|h| h.host == me).collect();
+    let own_seg = own_seg.filter(|_| (0..size).any(|p| p != rank && local[p]));
+    let expected = (rank + 1..size).filter(|&p| !local[p]).count();
+    if expected == 0 {
+        listener = None;
     }
-    waited?;
-    let board = board_over(rank, &links, own_seg.as_ref(), opts.shm_ring_bytes);
-    Ok(Transport { links, board, own_seg })
+    let secret = hellos[0].secret.as_bytes();
+    let peers = match &own_seg {
+        Some(_) => Some(peer_segments(&hellos, &local, size, opts.shm_ring_bytes)?),
+        None => None,
+    };
+
+    // Peers on other hosts hold a placeholder until their TCP link replaces it below: each is
+    // dialled or accepted, or the set-up fails.
+    let mut links: Vec<Link> = (0..size)
+        .map(|p| {
+            if local[p] && p != rank {
+                Link::Pending
+            } else {
+                Link::SelfLoop(Default::default())
+            }
+        })
+        .collect();
+    let stop = AtomicBool::new(false);
+    let accepted = std::thread::scope(|s| -> Result<Vec<(usize, TcpStream)>> {
+        let stop = &stop;
+        let acceptor = listener
+            .as_ref()
+            .map(|l| s.spawn(move || accept_authenticated_or_stop(l, expected, secret, size, deadline, stop)));
+        let dialled = dial_lower(rank, &hellos, &local, secret, deadline, &mut links);
+        if dialled.is_err() {
+            stop.store(true, Ordering::Release);
+        }
+        let accepted = match acceptor {
+            Some(h) => h
+                .join()
+                .unwrap_or_else(|_| Err(Error::protocol("transport setup", "the accepting thread panicked"))),
+            None => Ok(Vec::new()),
+        };
+        dialled?;
+        accepted
+    })?;
+    drop(listener);
+    let mut remote = vec![false; size];
+    for (p, stream) in accepted {
+        if p <= rank || local[p] || std::mem::replace(&mut remote[p], true) {
+            return Err(Error::protocol(
+                "transport setup",
+                format!("unexpected link from rank {p}"),
+            ));
+        }
+        links[p] = Link::Tcp(TcpLink::new(stream)?);
+    }
+
+    // Where ranks of other processes share this host, they map our segment by name: once all
+    // of them have, remove the names, so nothing is left in /dev/shm even if a process dies
+    // later. Ranks of one process share their mappings and need no names, so where this host
+    // has one process the names go at once.
+    if let Some(s) = &own_seg {
+        let several = (0..size).any(|p| local[p] && hellos[p].pid != pid);
+        let waited = if several {
+            store.set(&format!("ready/{rank}"), b"1")?;
+            let keys: Vec<String> = (0..size).filter(|&p| local[p]).map(|r| format!("ready/{r}")).collect();
+            let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+            store.wait(&refs, left(deadline))
+        } else {
+            Ok(())
+        };
+        s.unlink();
+        waited?;
+    }
+    let board = board_over(rank, size, own_seg.as_ref(), peers.as_ref(), opts.shm_ring_bytes);
+    Ok(Transport {
+        links,
+        board,
+        own_seg,
+        peers,
+        rank,
+        ring_bytes: opts.shm_ring_bytes,
+    })
+}
+
+/// The segments of every rank on this host, from this process's table of them: the first of
+/// its ranks to get here maps them (where another rank of the process has not already: see
+/// `Segment::open_shared`) and opens a liveness watch on each rank of another process; the
+/// others share that. Keyed by the communicator's secret, which is new for each one.
+fn peer_segments(hellos: &[Hello<'_>], local: &[bool], size: usize, ring_bytes: usize) -> Result<Arc<PeerSegments>> {
+    static TABLES: OnceLock<Mutex<HashMap<String, Weak<PeerSegments>>>> = OnceLock::new();
+    let mut tables = TABLES
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    let key = hellos[0].secret;
+    if let Some(t) = tables.get(key).and_then(Weak::upgrade) {
+        return Ok(t);
+    }
+    let len = payload_bytes(size, ring_bytes);
+    let mut segs = Vec::with_capacity(size);
+    let mut watches = Vec::with_capacity(size);
+    for (h, &here) in hellos.iter().zip(local) {
+        let seg = if here {
+            Some(Segment::open_shared(h.shm, len)?)
+        } else {
+            None
+        };
+        watches.push(seg.as_ref().and_then(|s| ProcessWatch::open(s.owner_pid())));
+        segs.push(seg);
+    }
+    let t = Arc::new(PeerSegments { segs, watches });
+    tables.retain(|_, w| w.strong_count() > 0);
+    tables.insert(key.to_owned(), Arc::downgrade(&t));
+    Ok(t)
+}
+
+/// Dials the TCP listener of every rank of a lower rank on another host.
+fn dial_lower(
+    rank: usize,
+    hellos: &[Hello<'_>],
+    local: &[bool],
+    secret: &[u8],
+    deadline: Instant,
+    links: &mut [Link],
+) -> Result<()> {
+    for p in (0..rank).filter(|&p| !local[p]) {
+        let h = &hellos[p];
+        let addr: SocketAddr = h.tcp.parse().map_err(|_| {
+            Error::protocol(
+                "transport setup",
+                format!("rank {p} published no TCP address ({:?})", h.tcp),
+            )
+        })?;
+        links[p] = Link::Tcp(TcpLink::new(dial(rank, p, addr, secret, deadline)?)?);
+    }
+    Ok(())
 }
 
 /// A rank's segment holds one incoming ring per sender, in rank order, then its board area.
@@ -244,54 +416,20 @@ fn area_base(seg: &Segment, size: usize, ring_bytes: usize) -> *mut u8 {
 }
 
 /// The board over every rank's area, when all ranks share memory with us.
-fn board_over(rank: usize, links: &[Link], own: Option<&Arc<Segment>>, ring_bytes: usize) -> Option<Board> {
-    let own = own?;
-    let mut segments = Vec::with_capacity(links.len());
-    for (p, l) in links.iter().enumerate() {
-        match l {
-            Link::Shm(s) => segments.push(s.peer_seg.clone()),
-            Link::SelfLoop(_) if p == rank => segments.push(own.clone()),
-            _ => return None,
-        }
-    }
-    let areas = segments.iter().map(|s| area_base(s, links.len(), ring_bytes)).collect();
-    // SAFETY: every segment was created zeroed with an area at its end and stays mapped inside
-    // the Board; each rank writes only its own area.
-    Some(unsafe { Board::new(rank, areas, segments) })
-}
-
-fn ring_base(seg: &Segment, sender: usize, ring_bytes: usize) -> *mut u8 {
-    debug_assert!((sender + 1) * ring_stride(ring_bytes) <= seg.payload_len());
-    // SAFETY: in bounds: the segment was created with one ring per rank.
-    unsafe { seg.payload().add(sender * ring_stride(ring_bytes)) }
-}
-
-fn shm_link(
+fn board_over(
     rank: usize,
-    peer: usize,
-    own: Arc<Segment>,
-    peer_name: &str,
     size: usize,
+    own: Option<&Arc<Segment>>,
+    peers: Option<&Arc<PeerSegments>>,
     ring_bytes: usize,
-) -> Result<Link> {
-    let peer_seg = Arc::new(Segment::open(peer_name, payload_bytes(size, ring_bytes))?);
-    // SAFETY: both rings lie inside mappings that the link keeps alive (the Arcs below); each
-    // end is used by exactly one rank: we produce into our slot of the peer's segment and
-    // consume the peer's slot of ours.
-    let (tx, rx) = unsafe {
-        (
-            RingEnd::new(ring_base(&peer_seg, rank, ring_bytes), ring_bytes, true),
-            RingEnd::new(ring_base(&own, peer, ring_bytes), ring_bytes, false),
-        )
-    };
-    let watch = ProcessWatch::open(peer_seg.owner_pid());
-    Ok(Link::Shm(ShmLink {
-        tx,
-        rx,
-        peer_seg,
-        _own_seg: own,
-        watch,
-    }))
+) -> Option<Board> {
+    let (_, peers) = (own?, peers?);
+    let areas = (0..size)
+        .map(|p| peers.segs[p].as_ref().map(|s| area_base(s, size, ring_bytes)))
+        .collect::<Option<Vec<_>>>()?;
+    // SAFETY: every segment was created zeroed with an area at its end and stays mapped inside
+    // `peers`, which the Board holds; each rank writes only its own area.
+    Some(unsafe { Board::new(rank, areas, peers.clone()) })
 }
 
 /// A listener for other ranks on an address they can reach: `FERROCOMM_SOCKET_ADDR`, else the
@@ -312,5 +450,70 @@ pub(crate) fn published_addr(listener: Option<&TcpListener>) -> Result<String> {
             .map_err(|e| Error::io("listener address", e))?
             .to_string()),
         None => Ok("-".into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bootstrap::MemoryStore;
+
+    fn connect_threads(n: usize) -> Vec<Transport> {
+        let store = MemoryStore::new();
+        let opts = TransportOptions {
+            shm_ring_bytes: 1 << 16,
+            force_tcp: false,
+            net: crate::contracts::options::NetTransport::Auto,
+            bind_addr: None,
+        };
+        std::thread::scope(|s| {
+            let hs: Vec<_> = (0..n)
+                .map(|r| {
+                    let (store, opts) = (&store, &opts);
+                    s.spawn(move || connect_all(r, n, store, opts, Duration::from_secs(30)).unwrap())
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    /// Ranks of one process share one mapping of each segment, whose names are gone at once;
+    /// a link is made when first used, and a pending one still tells unread bytes and a peer
+    /// that left.
+    #[test]
+    fn shared_memory_links_are_made_on_first_use() {
+        let mut t = connect_threads(4);
+        for (r, tr) in t.iter().enumerate() {
+            assert!(tr
+                .links
+                .iter()
+                .enumerate()
+                .all(|(p, l)| (p == r) == matches!(l, Link::SelfLoop(_))));
+            assert!(
+                tr.links.iter().all(|l| !matches!(l, Link::Shm(_))),
+                "no link is made at set-up"
+            );
+            assert!(Arc::ptr_eq(tr.peers.as_ref().unwrap(), t[0].peers.as_ref().unwrap()));
+            let name = tr.own_seg.as_ref().unwrap().name().trim_start_matches('/').to_owned();
+            assert!(
+                !std::path::Path::new("/dev/shm").join(name).exists(),
+                "the name is removed"
+            );
+            assert!(tr.board.is_some());
+        }
+        assert_eq!(t[0].link(1).write(b"hello").unwrap(), 5);
+        assert!(matches!(t[0].links[1], Link::Shm(_)));
+        assert!(t[1].has_unread(0), "bytes on a pending link are seen");
+        assert!(matches!(t[1].links[0], Link::Pending));
+        let mut got = [0u8; 5];
+        assert_eq!(t[1].link(0).read(&mut got).unwrap(), 5);
+        assert_eq!(&got, b"hello");
+        assert!(!t[1].has_unread(0));
+        assert!(matches!(t[2].links[3], Link::Pending));
+        assert!(t[2].check_peer(3).is_ok());
+        drop(t.pop()); // rank 3 leaves
+        let gone = t[2].check_peer(3).expect_err("a pending link sees its peer leave");
+        assert_eq!(gone.rank, 3);
+        assert!(gone.reason.contains("closed"), "{}", gone.reason);
     }
 }

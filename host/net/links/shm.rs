@@ -6,9 +6,11 @@ use crate::contracts::error::{Error, Result};
 use rustix::fs::Mode;
 use rustix::mm::{self, MapFlags, ProtFlags};
 use rustix::shm;
+use std::collections::HashMap;
 use std::ffi::CString;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 const MAGIC: u64 = 0x6665_7272_6f63_6f6d; // "ferrocom"
 const HEADER_BYTES: usize = 4096;
@@ -75,8 +77,31 @@ fn shm_flags(flags: shm::OFlags) -> shm::OFlags {
 }
 
 impl Segment {
-    /// Creates and maps a fresh, zeroed segment with `payload_len` bytes of payload.
+    /// Creates and maps a fresh, zeroed segment with `payload_len` bytes of payload, every page
+    /// faulted in now (`MAP_POPULATE`).
     pub(crate) fn create(name: &str, payload_len: usize) -> Result<Segment> {
+        Self::create_with(name, payload_len, true)
+    }
+
+    /// Maps a peer's segment, which must have `payload_len` bytes of payload, every page faulted
+    /// in now.
+    pub(crate) fn open(name: &str, payload_len: usize) -> Result<Segment> {
+        Self::open_with(name, payload_len, true)
+    }
+
+    /// As [`create`](Self::create), but only the pages that are used get memory, when they are
+    /// first touched or [`populate`](Self::populate)d: the links' segments, which hold a ring
+    /// for every sender of which most may never send.
+    pub(crate) fn create_sparse(name: &str, payload_len: usize) -> Result<Segment> {
+        Self::create_with(name, payload_len, false)
+    }
+
+    /// As [`open`](Self::open), without faulting the pages in.
+    pub(crate) fn open_sparse(name: &str, payload_len: usize) -> Result<Segment> {
+        Self::open_with(name, payload_len, false)
+    }
+
+    fn create_with(name: &str, payload_len: usize, populate: bool) -> Result<Segment> {
         let cname = CString::new(name).map_err(|_| Error::Config(format!("bad shm name {name}")))?;
         let len = HEADER_BYTES + payload_len;
         let fd = shm::open(
@@ -90,7 +115,7 @@ impl Segment {
             let _ = shm::unlink(cname.as_c_str());
             return Err(Error::io(format!("ftruncate({name}, {len})"), e.into()));
         }
-        let seg = Self::map(fd, len, cname, true);
+        let seg = Self::map(fd, len, cname, true, populate);
         if let Ok(s) = &seg {
             // SAFETY: the header lies at the start of our fresh, zeroed mapping (at least
             // HEADER_BYTES long, page-aligned) and no peer writes it: peers only read it once
@@ -107,8 +132,7 @@ impl Segment {
         seg
     }
 
-    /// Maps a peer's segment, which must have `payload_len` bytes of payload.
-    pub(crate) fn open(name: &str, payload_len: usize) -> Result<Segment> {
+    fn open_with(name: &str, payload_len: usize, populate: bool) -> Result<Segment> {
         let cname = CString::new(name).map_err(|_| Error::Config(format!("bad shm name {name}")))?;
         let fd = shm::open(cname.as_c_str(), shm_flags(shm::OFlags::RDWR), Mode::empty())
             .map_err(|e| Error::io(format!("shm_open({name}, open)"), e.into()))?;
@@ -122,7 +146,7 @@ impl Segment {
                 format!("{name} has size {size} bytes, expected {len}"),
             ));
         }
-        let seg = Self::map(fd, len, cname, false)?;
+        let seg = Self::map(fd, len, cname, false, populate)?;
         // SAFETY: the mapping is at least HEADER_BYTES long and page-aligned, so its first u64
         // (the magic) is a valid AtomicU64; the owner writes it only atomically.
         let magic = unsafe { (*(seg.base as *const AtomicU64)).load(Ordering::Acquire) };
@@ -138,10 +162,16 @@ impl Segment {
 
     /// Maps `len` bytes of the shared-memory object `fd` (closed on return; the mapping keeps
     /// the memory alive).
-    fn map(fd: OwnedFd, len: usize, name: CString, owner: bool) -> Result<Segment> {
+    fn map(fd: OwnedFd, len: usize, name: CString, owner: bool, populate: bool) -> Result<Segment> {
         // MAP_POPULATE: fault every page in now, at setup, rather than one page at a time in
         // the first operations that touch them (measured: a 128 KiB all_reduce at the start of
-        // a bench sweep took 15 us instead of 6).
+        // a bench sweep took 15 us instead of 6). Sparse segments do it per range instead
+        // (`populate`), when a range is first used.
+        let flags = if populate {
+            MapFlags::SHARED | MapFlags::POPULATE
+        } else {
+            MapFlags::SHARED
+        };
         // SAFETY: a null address without MAP_FIXED lets the kernel pick a range that overlaps
         // no existing mapping, so no Rust object is aliased or unmapped; `fd` is an object of
         // `len` bytes (create sized it, open checked its size).
@@ -150,7 +180,7 @@ impl Segment {
                 std::ptr::null_mut(),
                 len,
                 ProtFlags::READ | ProtFlags::WRITE,
-                MapFlags::SHARED | MapFlags::POPULATE,
+                flags,
                 &fd,
                 0,
             )
@@ -218,6 +248,22 @@ impl Segment {
         self.len - HEADER_BYTES
     }
 
+    /// Faults in `len` payload bytes from `offset` for writing, all at once (one system call
+    /// rather than a fault per page in the operation that first touches them); memory for
+    /// pages nobody wrote yet is allocated now. Best effort: where the kernel cannot
+    /// (`MADV_POPULATE_WRITE` is Linux 5.14), the pages fault in as they are touched.
+    pub(crate) fn populate(&self, offset: usize, len: usize) {
+        let page = rustix::param::page_size();
+        let start = (HEADER_BYTES + offset) / page * page;
+        let end = (HEADER_BYTES + offset + len).min(self.len);
+        if end <= start {
+            return;
+        }
+        // SAFETY: [start, end) lies inside our mapping (page-aligned start, end clamped to its
+        // length); populating changes no byte of it, only when its pages get memory.
+        let _ = unsafe { mm::madvise(self.base.add(start).cast(), end - start, mm::Advice::LinuxPopulateWrite) };
+    }
+
     /// Removes the name; existing mappings stay valid. Called once every peer has mapped us, so
     /// a crash later leaves nothing behind in /dev/shm.
     pub(crate) fn unlink(&self) {
@@ -228,8 +274,47 @@ impl Segment {
     }
 }
 
+/// The sparse segments mapped in this process, by name: ranks that are threads of one process
+/// share one mapping of each segment instead of mapping it once each (a thousand ranks would
+/// otherwise make a million mappings, past the kernel's limit of 65530 per process).
+fn mapped() -> std::sync::MutexGuard<'static, HashMap<CString, Weak<Segment>>> {
+    static M: OnceLock<Mutex<HashMap<CString, Weak<Segment>>>> = OnceLock::new();
+    M.get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+}
+
+impl Segment {
+    /// [`create_sparse`](Self::create_sparse), and known to this process's other ranks by name.
+    pub(crate) fn create_shared(name: &str, payload_len: usize) -> Result<Arc<Segment>> {
+        let seg = Arc::new(Self::create_sparse(name, payload_len)?);
+        mapped().insert(seg.name.clone(), Arc::downgrade(&seg));
+        Ok(seg)
+    }
+
+    /// The process's mapping of the sparse segment `name` (made by a rank of this process, or
+    /// opened by one), else [`open_sparse`](Self::open_sparse).
+    pub(crate) fn open_shared(name: &str, payload_len: usize) -> Result<Arc<Segment>> {
+        let cname = CString::new(name).map_err(|_| Error::Config(format!("bad shm name {name}")))?;
+        if let Some(seg) = mapped().get(&cname).and_then(Weak::upgrade) {
+            if seg.payload_len() == payload_len {
+                return Ok(seg);
+            }
+        }
+        let seg = Arc::new(Self::open_sparse(name, payload_len)?);
+        mapped().insert(cname, Arc::downgrade(&seg));
+        Ok(seg)
+    }
+}
+
 impl Drop for Segment {
     fn drop(&mut self) {
+        {
+            let mut m = mapped();
+            if m.get(&self.name).is_some_and(|w| w.strong_count() == 0) {
+                m.remove(&self.name);
+            }
+        }
         self.unlink();
         // SAFETY: `base`/`len` are exactly the mapping made in `map`, unmapped only here; the
         // rings and windows that point into it hold the segment (Arc) and are gone by now.

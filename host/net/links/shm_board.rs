@@ -18,7 +18,7 @@
 //! a slot is never rewritten while it is read, and a reader waiting for `e` never sees `e + 2`.
 //! No extra "done" flag is needed; a round kind that is not all-to-all would need one.
 
-use super::shm::Segment;
+use super::link::PeerSegments;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -57,7 +57,7 @@ pub(crate) struct Board {
     /// Area start in every rank's segment (ours included), indexed by rank.
     areas: Vec<*mut u8>,
     /// Keeps those mappings alive.
-    _segments: Vec<Arc<Segment>>,
+    _segments: Arc<PeerSegments>,
     /// The round the next `publish` starts.
     next: u64,
 }
@@ -70,7 +70,7 @@ impl Board {
     /// # Safety
     /// `areas[r]` must point to `area_bytes(areas.len())` of zero-initialised, 64-aligned shared memory in
     /// `segments`' mappings, the area of rank `r`; ours (`areas[rank]`) is written by us alone.
-    pub(crate) unsafe fn new(rank: usize, areas: Vec<*mut u8>, segments: Vec<Arc<Segment>>) -> Board {
+    pub(crate) unsafe fn new(rank: usize, areas: Vec<*mut u8>, segments: Arc<PeerSegments>) -> Board {
         Board {
             rank,
             areas,

@@ -1,10 +1,11 @@
 //! TCP links between ranks on different hosts: one non-blocking stream per peer pair.
 
-use crate::bootstrap::accept::accept_until;
 use crate::bootstrap::{self, NONCE_BYTES, PROOF_BYTES};
 use crate::contracts::error::{Error, Result};
+use rustix::event::{poll, PollFd, PollFlags, Timespec};
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 const LINK_MAGIC: &[u8; 4] = b"FCL1";
@@ -92,10 +93,55 @@ pub(crate) fn accept_authenticated(
     size: usize,
     deadline: Instant,
 ) -> Result<Vec<(usize, TcpStream)>> {
+    accept_authenticated_or_stop(l, expected, secret, size, deadline, &AtomicBool::new(false))
+}
+
+/// As [`accept_authenticated`], giving up (`Error::Closed`) once `stop` is set: the caller's
+/// other half of the set-up failed. Waits in `poll` on the listener, so a connection is taken
+/// as soon as it arrives.
+pub(crate) fn accept_authenticated_or_stop(
+    l: &TcpListener,
+    expected: usize,
+    secret: &[u8],
+    size: usize,
+    deadline: Instant,
+    stop: &AtomicBool,
+) -> Result<Vec<(usize, TcpStream)>> {
+    const OP: &str = "transport setup (accept links)";
     l.set_nonblocking(true).map_err(|e| Error::io("link listener", e))?;
+    let started = Instant::now();
     let mut got = Vec::new();
     while got.len() < expected {
-        let (mut s, _) = accept_until(|| l.accept(), deadline, "transport setup (accept links)", "accept link")?;
+        let mut s = match l.accept() {
+            Ok((s, _)) => s,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                if stop.load(Ordering::Acquire) {
+                    return Err(Error::Closed {
+                        op: OP,
+                        state: "abandoned: the rest of the set-up failed",
+                    });
+                }
+                let now = Instant::now();
+                if now >= deadline {
+                    return Err(Error::Timeout {
+                        op: OP,
+                        peer: None,
+                        after: started.elapsed(),
+                    });
+                }
+                // Woken by a connection; at least every 20 ms to look at `stop`.
+                let wait = (deadline - now).min(Duration::from_millis(20));
+                let ts = Timespec {
+                    tv_sec: 0,
+                    tv_nsec: wait.as_nanos() as _,
+                };
+                let mut fds = [PollFd::new(l, PollFlags::IN)];
+                let _ = poll(&mut fds, Some(&ts));
+                continue;
+            }
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(e) => return Err(Error::io("accept link", e)),
+        };
         s.set_nonblocking(false).map_err(|e| Error::io("link socket", e))?;
         s.set_read_timeout(Some(left(deadline).max(Duration::from_millis(1))))
             .map_err(|e| Error::io("link socket", e))?;
