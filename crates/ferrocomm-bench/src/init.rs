@@ -18,15 +18,12 @@
 //! Threads: one clock; the first op spawns a thread per rank, which is counted.
 
 use crate::cli::Args;
+use crate::ranks::SPAWNED_AT;
 use crate::Failure;
 use ferrocomm::prelude::*;
 use ferrocomm::Error;
 use serde::Serialize;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
-
-/// The variable through which the bench tells the processes it starts when it spawned them
-/// (nanoseconds since the Unix epoch).
-pub const SPAWNED_AT: &str = "FCBENCH_SPAWNED_NS";
 
 /// One repetition, as the slowest rank saw it.
 #[derive(Clone, Debug, Default, Serialize)]

@@ -19,6 +19,10 @@ pub fn run(a: &Args) -> Result<(), Failure> {
     }
 }
 
+/// The variable through which the bench tells the processes it starts when it spawned them
+/// (nanoseconds since the Unix epoch); `init` reads it to time process start-up.
+pub const SPAWNED_AT: &str = "FCBENCH_SPAWNED_NS";
+
 /// Now, in nanoseconds since the Unix epoch.
 fn spawned_at() -> String {
     std::time::SystemTime::now()
@@ -80,7 +84,7 @@ pub fn spawn(a: &Args) -> Result<(), Failure> {
                 ("FERROCOMM_TOKEN", &token),
             ])
             .env("FERROCOMM_STORE_EXTERNAL", "1")
-            .env(crate::init::SPAWNED_AT, spawned_at())
+            .env(SPAWNED_AT, spawned_at())
             .stdout(if r == 0 { Stdio::inherit() } else { Stdio::null() })
             .spawn()
             .map_err(|e| Error::Io {
