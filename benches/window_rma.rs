@@ -89,7 +89,7 @@ fn main() -> ferrocomm::Result<()> {
         return rank_main(max_bytes);
     }
     let transport = arg("--transport").unwrap_or_else(|| "auto".into());
-    let token = ferrocomm::random_token();
+    let token = ferrocomm::random_token().unwrap();
     let server = ferrocomm::TcpStoreServer::bind("127.0.0.1:0", &token)?;
     let port = server.addr().port().to_string();
     println!(

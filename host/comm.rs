@@ -167,7 +167,7 @@ fn next_generation(name: &str, rank: usize) -> u64 {
 ///
 /// # std::env::remove_var("FERROCOMM_STORE"); // it would win over MASTER_ADDR/MASTER_PORT
 /// // The launcher's part: a store on a free port, a fresh token, the variables.
-/// let token = random_token();
+/// let token = random_token()?;
 /// let server = TcpStoreServer::bind(("127.0.0.1", 0), &token)?;
 /// for (k, v) in [
 ///     ("RANK", "0".to_string()),

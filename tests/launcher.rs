@@ -315,7 +315,7 @@ fn free_port() -> String {
 
 #[test]
 fn two_launchers_form_one_job_across_nodes() {
-    let (port, token) = (free_port(), ferrocomm::random_token());
+    let (port, token) = (free_port(), ferrocomm::random_token().unwrap());
     let entry = test_entry_command("rank_entry");
     // Node 1 first: its ranks wait for node 0's store.
     let nodes: Vec<Child> = [1, 0]
@@ -350,7 +350,7 @@ fn two_launchers_form_one_job_across_nodes() {
 /// reports that its ranks, which run a second longer, have ended.
 #[test]
 fn node_zero_keeps_the_store_until_every_node_is_done() {
-    let (port, token) = (free_port(), ferrocomm::random_token());
+    let (port, token) = (free_port(), ferrocomm::random_token().unwrap());
     let mut ranks = Command::new("sh");
     ranks.args(["-c", r#"if [ "$GROUP_RANK" = 1 ]; then sleep 1; fi"#]);
     let t0 = Instant::now();

@@ -264,14 +264,14 @@ fn rank_zero_hosts_the_store_when_no_launcher_does() {
     let env = [
         ("MASTER_ADDR", "127.0.0.1".to_string()),
         ("MASTER_PORT", free_port()),
-        ("FERROCOMM_TOKEN", ferrocomm::random_token()),
+        ("FERROCOMM_TOKEN", ferrocomm::random_token().unwrap()),
     ];
     spawn_ranks(3, "smoke", &env);
 }
 
 #[test]
 fn ranks_can_rendezvous_through_a_file_store() {
-    let dir = std::env::temp_dir().join(format!("ferrocomm-mp-{}", ferrocomm::random_token()));
+    let dir = std::env::temp_dir().join(format!("ferrocomm-mp-{}", ferrocomm::random_token().unwrap()));
     spawn_ranks(3, "smoke", &[("FERROCOMM_STORE", format!("file://{}", dir.display()))]);
     std::fs::remove_dir_all(dir).unwrap();
 }
@@ -386,7 +386,7 @@ fn sigkill_gives_window_waiters_peer_lost() {
 /// host. Needs root (`ip netns`); says so and skips otherwise.
 #[test]
 fn ranks_on_two_hosts_between_network_namespaces() {
-    let tag = &ferrocomm::random_token()[..6];
+    let tag = &ferrocomm::random_token().unwrap()[..6];
     let (a, b) = (format!("fc-a-{tag}"), format!("fc-b-{tag}"));
     let ip = |args: &str| {
         Command::new("ip")
@@ -423,7 +423,7 @@ fn ranks_on_two_hosts_between_network_namespaces() {
         assert!(ip(&cmd), "ip {cmd} failed");
     }
     let seed = fresh_seed().to_string();
-    let token = ferrocomm::random_token();
+    let token = ferrocomm::random_token().unwrap();
     let child = child_command("two-hosts");
     let children: Vec<Child> = [&a, &b]
         .iter()

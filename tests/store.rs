@@ -113,7 +113,7 @@ fn prefix_store_keeps_the_contract_and_isolates_namespaces() {
 
 #[test]
 fn file_store_keeps_the_contract() {
-    let dir = std::env::temp_dir().join(format!("ferrocomm-filestore-{}", ferrocomm::random_token()));
+    let dir = std::env::temp_dir().join(format!("ferrocomm-filestore-{}", ferrocomm::random_token().unwrap()));
     contract(Arc::new(FileStore::new(&dir).unwrap()));
     // A second handle on the same directory sees the same keys (another process would too).
     assert_eq!(FileStore::new(&dir).unwrap().get("a", SHORT).unwrap(), b"two");

@@ -170,7 +170,11 @@ impl Job {
         }
         let (master_addr, master_port, token) = if cli.nnodes == 1 {
             let addr = cli.master_addr.unwrap_or_else(|| "127.0.0.1".into());
-            (addr, cli.master_port.unwrap_or(0), ferrocomm::random_token())
+            // No token without the OS generator: never a predictable one.
+            let token = ferrocomm::random_token().map_err(|e| {
+                clap::Error::raw(clap::error::ErrorKind::Io, format!("ferrocomm-run: job token: {e}\n"))
+            })?;
+            (addr, cli.master_port.unwrap_or(0), token)
         } else {
             let (Some(addr), Some(port)) = (cli.master_addr, cli.master_port) else {
                 return Err(usage(format!(

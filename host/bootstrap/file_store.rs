@@ -53,7 +53,7 @@ impl FileStore {
     fn write(&self, key: &str, value: &[u8]) -> Result<()> {
         let tmp = self
             .dir
-            .join(format!("tmp.{}.{}", std::process::id(), super::auth::random_token()));
+            .join(format!("tmp.{}.{}", std::process::id(), super::auth::random_token()?));
         fs::write(&tmp, value).map_err(|e| Error::io(format!("file store write `{key}`"), e))?;
         fs::rename(&tmp, self.path(key)).map_err(|e| Error::io(format!("file store rename `{key}`"), e))
     }

@@ -140,7 +140,7 @@ impl Drop for TcpStoreServer {
 }
 
 fn server_handshake(mut s: &TcpStream, token: &[u8]) -> Result<()> {
-    let nonce = auth::nonce();
+    let nonce = auth::nonce()?;
     let mut hello = MAGIC.to_vec();
     hello.extend_from_slice(&nonce);
     s.write_all(&hello).map_err(|e| Error::io("store handshake", e))?;
@@ -360,7 +360,7 @@ fn client_handshake(s: &mut TcpStream, token: &[u8]) -> Result<()> {
     if &hello[..4] != MAGIC {
         return Err(Error::protocol("store handshake", "server is not a ferrocomm store"));
     }
-    let nonce = auth::nonce();
+    let nonce = auth::nonce()?;
     let mut reply = MAGIC.to_vec();
     reply.extend_from_slice(&auth::proof(token, &hello[4..], b"client"));
     reply.extend_from_slice(&nonce);
@@ -460,6 +460,22 @@ pub fn fuzz_one_request(frame: &[u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A client whose OS generator fails cannot join (no predictable nonce is ever sent), and
+    /// the server goes on serving the others.
+    #[test]
+    fn a_client_without_randomness_cannot_join_and_the_server_goes_on() {
+        let token = "t0k3n";
+        let server = TcpStoreServer::bind("127.0.0.1:0", token).unwrap();
+        let addr = server.addr();
+        let e = crate::bootstrap::auth::failing::with(|| TcpStore::connect(addr, token, Duration::from_secs(5)))
+            .err()
+            .expect("connected without randomness");
+        assert!(e.to_string().contains("random generator"), "{e}");
+        let good = TcpStore::connect(addr, token, Duration::from_secs(5)).unwrap();
+        good.set("k", b"v").unwrap();
+        assert_eq!(good.get("k", Duration::from_secs(1)).unwrap(), b"v");
+    }
 
     /// Frames that look like requests: a known opcode, then fields whose length prefixes may
     /// lie about what follows.

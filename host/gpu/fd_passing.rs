@@ -42,7 +42,8 @@ pub(crate) fn private_dir(base: &Path, prefix: &str) -> std::io::Result<PathBuf>
     const LETTERS: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
     let mut tries = 0;
     loop {
-        let suffix: String = crate::bootstrap::nonce()[..6]
+        let random = crate::bootstrap::nonce().map_err(|e| std::io::Error::other(e.to_string()))?;
+        let suffix: String = random[..6]
             .iter()
             .map(|&b| LETTERS[b as usize % LETTERS.len()] as char)
             .collect();

@@ -311,7 +311,7 @@ pub struct DirectJob {
 
 /// Starts `n` ranks of the ignored test `entry` with the launcher variables set and `envs`.
 pub fn start_direct(entry: &str, n: usize, envs: &[(&str, &str)]) -> DirectJob {
-    let token = ferrocomm::random_token();
+    let token = ferrocomm::random_token().unwrap();
     let server = ferrocomm::TcpStoreServer::bind("127.0.0.1:0", &token).expect("store server");
     let port = server.addr().port().to_string();
     let ranks = (0..n)

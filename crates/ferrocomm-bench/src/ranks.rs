@@ -62,7 +62,7 @@ fn threads(a: &Args) -> Result<(), Failure> {
 /// Starts `--world` copies of this program with this command line as the ranks, hosting their
 /// store; rank 0's output is ours. Each learns when it was spawned (`init` reports start-up).
 pub fn spawn(a: &Args) -> Result<(), Failure> {
-    let token = ferrocomm::random_token();
+    let token = ferrocomm::random_token()?;
     let server = ferrocomm::TcpStoreServer::bind("127.0.0.1:0", &token)?;
     let port = server.addr().port().to_string();
     let exe = std::env::current_exe().map_err(|e| Error::Io {

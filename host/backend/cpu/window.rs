@@ -111,7 +111,7 @@ impl CpuWindow {
             "/ferrocomm-win-{}-{rank}-{}-{}",
             std::process::id(),
             WINDOW_COUNTER.fetch_add(1, Ordering::Relaxed),
-            &bootstrap::random_token()[..12]
+            &bootstrap::random_token()?[..12]
         );
         let own = Arc::new(Segment::create(&name, data_len + pad_len)?);
         let data = spec.registered.unwrap_or(own.payload());

@@ -230,7 +230,7 @@ pub(crate) fn connect_all(
         let name = format!(
             "/ferrocomm-{pid}-{rank}-{}-{}",
             SEGMENT_COUNTER.fetch_add(1, Ordering::Relaxed),
-            &bootstrap::random_token()[..12]
+            &bootstrap::random_token()?[..12]
         );
         Some(Segment::create_shared(&name, payload_bytes(size, opts.shm_ring_bytes))?)
     } else {
@@ -242,7 +242,7 @@ pub(crate) fn connect_all(
         None
     };
     let secret = if rank == 0 && size > 1 {
-        bootstrap::random_token()
+        bootstrap::random_token()?
     } else {
         String::new()
     };

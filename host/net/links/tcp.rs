@@ -145,7 +145,7 @@ pub(crate) fn accept_authenticated_or_stop(
         s.set_nonblocking(false).map_err(|e| Error::io("link socket", e))?;
         s.set_read_timeout(Some(left(deadline).max(Duration::from_millis(1))))
             .map_err(|e| Error::io("link socket", e))?;
-        let nonce = bootstrap::nonce();
+        let nonce = bootstrap::nonce()?;
         let mut challenge = LINK_MAGIC.to_vec();
         challenge.extend_from_slice(&nonce);
         if s.write_all(&challenge).is_err() {

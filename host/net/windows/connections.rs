@@ -41,7 +41,7 @@ pub(crate) fn connect(
     // ranks with a path read it.
     let any = (0..size).any(|o| (0..size).any(|t| by_net(o, t)));
     if rank == 0 && any {
-        store.set("net/secret", bootstrap::random_token().as_bytes())?;
+        store.set("net/secret", bootstrap::random_token()?.as_bytes())?;
     }
     if serves == 0 && dials.is_empty() {
         return Ok(mesh);
