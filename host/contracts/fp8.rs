@@ -24,6 +24,43 @@
 #[repr(transparent)]
 pub struct F8E4M3(u8);
 
+/// An fp8 format's layout: mantissa bits, exponent bias, largest finite value and its code.
+struct Format {
+    man: u32,
+    bias: i32,
+    max: f32,
+    max_code: u8,
+}
+
+/// `x` in format `f`, rounded once to nearest (ties to even), saturating to ±`f.max`
+/// (infinities too); NaN stays NaN (code 0x7F, a NaN in both formats).
+fn round_to_fp8(x: f32, f: Format) -> u8 {
+    // 2^k as an f32, for the k in range here (exact scalings, no rounding).
+    let pow2 = |k: i32| f32::from_bits(((127 + k) as u32) << 23);
+    let sign = ((x.to_bits() >> 24) & 0x80) as u8;
+    if x.is_nan() {
+        return sign | 0x7F;
+    }
+    let a = x.abs();
+    if a >= f.max {
+        return sign | f.max_code;
+    }
+    let lead = 1u32 << f.man; // the implicit leading bit, as a mantissa count
+                              // Below the smallest normal, 2^(1 - bias), values are multiples of 2^(1 - bias - man).
+    if a < pow2(1 - f.bias) {
+        // At most `lead`, which is also the smallest normal's code.
+        return sign | (a * pow2(f.bias - 1 + f.man as i32)).round_ties_even() as u8;
+    }
+    let mut e = ((a.to_bits() >> 23) as i32) - 127;
+    let mut q = (a * pow2(f.man as i32 - e)).round_ties_even() as u32; // in lead..=2 * lead
+    if q == 2 * lead {
+        q = lead;
+        e += 1;
+    }
+    let code = (((e + f.bias) as u32) << f.man) | (q - lead);
+    sign | code.min(u32::from(f.max_code)) as u8
+}
+
 impl F8E4M3 {
     /// The largest finite value, 448.
     pub const MAX: f32 = 448.0;
@@ -40,30 +77,15 @@ impl F8E4M3 {
 
     /// `x` rounded to nearest (ties to even), saturating to ±448; NaN stays NaN.
     pub fn from_f32(x: f32) -> F8E4M3 {
-        let sign = ((x.to_bits() >> 24) & 0x80) as u8;
-        if x.is_nan() {
-            return F8E4M3(sign | 0x7F);
-        }
-        let a = x.abs();
-        if a >= Self::MAX {
-            return F8E4M3(sign | 0x7E);
-        }
-        // Below 2^-6 the values are subnormal: multiples of 2^-9.
-        if a < f32::from_bits(0x3C80_0000) {
-            // Exact: a scaling by a power of two; q <= 8, and 8 is the smallest normal's code.
-            let q = (a * 512.0).round_ties_even() as u8;
-            return F8E4M3(sign | q);
-        }
-        let e = ((a.to_bits() >> 23) as i32) - 127; // in -6..=8
-        let scaled = a * f32::from_bits(((127 + 3 - e) as u32) << 23); // in [8, 16)
-        let mut q = scaled.round_ties_even() as u32; // in 8..=16
-        let mut e = e;
-        if q == 16 {
-            q = 8;
-            e += 1;
-        }
-        let code = (((e + 7) as u32) << 3) | (q - 8);
-        F8E4M3(sign | code.min(0x7E) as u8)
+        F8E4M3(round_to_fp8(
+            x,
+            Format {
+                man: 3,
+                bias: 7,
+                max: Self::MAX,
+                max_code: 0x7E,
+            },
+        ))
     }
 
     /// The value as f32 (exact).
@@ -134,30 +156,15 @@ impl F8E5M2 {
     /// `x` rounded to nearest (ties to even), saturating to ±57344 (infinities too); NaN stays
     /// NaN. Rounds once, from f32 (not through f16, which would round twice).
     pub fn from_f32(x: f32) -> F8E5M2 {
-        let sign = ((x.to_bits() >> 24) & 0x80) as u8;
-        if x.is_nan() {
-            return F8E5M2(sign | 0x7F);
-        }
-        let a = x.abs();
-        if a >= Self::MAX {
-            return F8E5M2(sign | 0x7B);
-        }
-        // Below 2^-14 the values are subnormal: multiples of 2^-16.
-        if a < f32::from_bits(0x3880_0000) {
-            // Exact: a scaling by a power of two; q <= 4, and 4 is the smallest normal's code.
-            let q = (a * 65536.0).round_ties_even() as u8;
-            return F8E5M2(sign | q);
-        }
-        let e = ((a.to_bits() >> 23) as i32) - 127; // in -14..=15
-        let scaled = a * f32::from_bits(((127 + 2 - e) as u32) << 23); // in [4, 8)
-        let mut q = scaled.round_ties_even() as u32; // in 4..=8
-        let mut e = e;
-        if q == 8 {
-            q = 4;
-            e += 1;
-        }
-        let code = (((e + 15) as u32) << 2) | (q - 4);
-        F8E5M2(sign | code.min(0x7B) as u8)
+        F8E5M2(round_to_fp8(
+            x,
+            Format {
+                man: 2,
+                bias: 15,
+                max: Self::MAX,
+                max_code: 0x7B,
+            },
+        ))
     }
 
     /// The value as f32 (exact): the f16 whose upper byte this is.
