@@ -154,11 +154,11 @@ fn raw_client(addr: std::net::SocketAddr, token: &str) -> TcpStream {
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let mut hello = [0u8; 36];
     s.read_exact(&mut hello).unwrap();
-    assert_eq!(&hello[..4], b"FCS1");
+    assert_eq!(&hello[..4], b"FCS2");
     let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(token.as_bytes()).unwrap();
     mac.update(&hello[4..]);
     mac.update(b"client");
-    let mut reply = b"FCS1".to_vec();
+    let mut reply = b"FCS2".to_vec();
     reply.extend_from_slice(&mac.finalize().into_bytes());
     reply.extend_from_slice(&[7u8; 32]);
     s.write_all(&reply).unwrap();

@@ -63,6 +63,18 @@ pub(crate) mod failing {
     }
 }
 
+/// The key for `label` under the secret `root` (HKDF-SHA256; the salt names this use): ranks
+/// that share `root` derive the same key, and a key reveals nothing of `root` or of any other
+/// label's key.
+pub(crate) fn derive(root: &[u8], label: &str) -> [u8; 32] {
+    let mut key = [0u8; 32];
+    // 32 bytes is far below HKDF's limit (255 hash lengths), so `expand` cannot fail here.
+    hkdf::Hkdf::<Sha256>::new(Some(b"ferrocomm derived secret v1"), root)
+        .expand(label.as_bytes(), &mut key)
+        .unwrap_or_else(|_| unreachable!());
+    key
+}
+
 pub(crate) fn proof(secret: &[u8], nonce: &[u8], role: &[u8]) -> [u8; PROOF_BYTES] {
     // HMAC accepts keys of any length, so `new_from_slice` cannot fail here.
     let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(secret).unwrap_or_else(|_| unreachable!());

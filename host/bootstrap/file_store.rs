@@ -26,6 +26,8 @@ use std::time::{Duration, Instant};
 /// ```
 pub struct FileStore {
     dir: PathBuf,
+    /// The job token communicators derive their secrets from, where one was given.
+    token: Option<String>,
 }
 
 impl FileStore {
@@ -33,7 +35,16 @@ impl FileStore {
     pub fn new(dir: impl AsRef<Path>) -> Result<FileStore> {
         let dir = dir.as_ref().to_path_buf();
         fs::create_dir_all(&dir).map_err(|e| Error::io(format!("create store directory {}", dir.display()), e))?;
-        Ok(FileStore { dir })
+        Ok(FileStore { dir, token: None })
+    }
+
+    /// Derives communicators' secrets from the job `token` (see [`Store::derive_secret`]),
+    /// instead of keeping a random one as a value in the directory.
+    pub fn with_token(self, token: &str) -> FileStore {
+        FileStore {
+            token: Some(token.to_owned()),
+            ..self
+        }
     }
 
     fn path(&self, key: &str) -> PathBuf {
@@ -141,5 +152,8 @@ impl Store for FileStore {
             self.poll_until(left, k, || Ok(self.path(k).exists().then_some(())))?;
         }
         Ok(())
+    }
+    fn derive_secret(&self, label: &str) -> Result<Option<[u8; 32]>> {
+        Ok(self.token.as_ref().map(|t| super::auth::derive(t.as_bytes(), label)))
     }
 }

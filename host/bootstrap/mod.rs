@@ -6,6 +6,7 @@ pub(crate) mod accept;
 mod auth;
 mod env;
 mod file_store;
+pub(crate) mod gate;
 mod store;
 mod tcp_store;
 mod wire;
@@ -61,7 +62,14 @@ pub(crate) fn store_from_config(
     timeout: Duration,
 ) -> Result<(Arc<dyn Store>, Option<TcpStoreServer>)> {
     match store_addr(|k| config.var(k))? {
-        StoreAddr::File(dir) => Ok((Arc::new(FileStore::new(dir)?), None)),
+        StoreAddr::File(dir) => {
+            let store = FileStore::new(dir)?;
+            let store = match config.token.as_deref() {
+                Some(t) if !t.is_empty() => store.with_token(t),
+                _ => store,
+            };
+            Ok((Arc::new(store), None))
+        }
         StoreAddr::Tcp { host, port } => {
             let token = config.token.as_deref().ok_or_else(|| {
                 Error::Config(

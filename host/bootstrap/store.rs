@@ -241,6 +241,8 @@ pub(crate) fn timeout_err(key: &str, after: Duration) -> Error {
 #[derive(Default, Clone)]
 pub struct MemoryStore {
     table: Arc<Table>,
+    /// The random key its secrets derive from, made when first needed; shared by clones.
+    root: Arc<Mutex<Option<[u8; 32]>>>,
 }
 
 impl MemoryStore {
@@ -287,6 +289,14 @@ impl Store for MemoryStore {
     }
     fn local_addr_hint(&self) -> Option<IpAddr> {
         Some(IpAddr::from([127, 0, 0, 1]))
+    }
+    fn derive_secret(&self, label: &str) -> Result<Option<[u8; 32]>> {
+        let mut root = self.root.lock().unwrap_or_else(|p| p.into_inner());
+        let root = match *root {
+            Some(r) => r,
+            None => *root.insert(super::auth::nonce()?),
+        };
+        Ok(Some(super::auth::derive(&root, label)))
     }
 }
 
@@ -340,6 +350,9 @@ impl Store for PrefixStore {
     }
     fn local_addr_hint(&self) -> Option<IpAddr> {
         self.inner.local_addr_hint()
+    }
+    fn derive_secret(&self, label: &str) -> Result<Option<[u8; 32]>> {
+        self.inner.derive_secret(&self.key(label))
     }
 }
 

@@ -6,20 +6,22 @@
 //! connection of the client that sent it and nothing else.
 
 use super::auth::{self, NONCE_BYTES, PROOF_BYTES};
+use super::gate::{read_exact_by, Gate, Judgement, Limits, Reply};
 use super::store::{timeout_err, Table, WaitFail};
 use super::wire::{read_frame, write_frame, Dec, Enc, DEFAULT_MAX_FRAME};
 use crate::contracts::error::{Error, Result};
 use crate::contracts::store::Store;
 use std::collections::HashMap;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-const MAGIC: &[u8; 4] = b"FCS1";
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-const MAX_CONNECTIONS: usize = 4096;
+const MAGIC: &[u8; 4] = b"FCS2";
+/// The whole handshake, greeting to verdict, on either side: a deadline, not a per-read timeout,
+/// so a peer sending a byte at a time cannot stretch it.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
 mod opcode {
     pub const SET: u8 = 1;
@@ -41,10 +43,13 @@ mod status {
 pub struct TcpStoreServer {
     addr: SocketAddr,
     stop: Arc<AtomicBool>,
-    /// Open client connections, so dropping the server can close them.
-    conns: Arc<Mutex<HashMap<u64, TcpStream>>>,
+    /// Open client connections (each served by its own thread), so dropping the server can
+    /// close them.
+    conns: Conns,
     accept: Option<std::thread::JoinHandle<()>>,
 }
+
+type Conns = Arc<Mutex<HashMap<u64, TcpStream>>>;
 
 impl TcpStoreServer {
     /// Listens on `addr` (port 0 picks a free port) with the job `token`.
@@ -56,6 +61,10 @@ impl TcpStoreServer {
     /// [`DEFAULT_MAX_FRAME`]: a client that sends a larger frame is disconnected.
     /// `Error::Config` for an empty token, `Error::Io` when the address cannot be bound.
     pub fn bind_with_cap(addr: impl ToSocketAddrs, token: &str, max_frame: u32) -> Result<TcpStoreServer> {
+        Self::bind_with(addr, token, max_frame, UNPROVEN)
+    }
+
+    fn bind_with(addr: impl ToSocketAddrs, token: &str, max_frame: u32, limits: Limits) -> Result<TcpStoreServer> {
         if token.is_empty() {
             return Err(Error::Config(
                 "the TCP store needs a non-empty job token (FERROCOMM_TOKEN)".into(),
@@ -68,45 +77,32 @@ impl TcpStoreServer {
             )
         })?;
         let addr = listener.local_addr().map_err(|e| Error::io("TCP store address", e))?;
+        let mut gate = Gate::new(listener, *MAGIC, REPLY_BYTES, limits)?;
         let stop = Arc::new(AtomicBool::new(false));
-        let conns: Arc<Mutex<HashMap<u64, TcpStream>>> = Arc::default();
+        let conns: Conns = Arc::default();
         let table = Arc::new(Table::default());
         let token: Arc<[u8]> = token.as_bytes().into();
         let (stop2, conns2) = (stop.clone(), conns.clone());
-        let live = Arc::new(AtomicUsize::new(0));
         let accept = std::thread::Builder::new()
             .name("ferrocomm-store".into())
             .spawn(move || {
                 let mut next_id = 0u64;
-                for stream in listener.incoming() {
-                    if stop2.load(Ordering::Acquire) {
-                        break;
-                    }
-                    let Ok(stream) = stream else { continue };
-                    if live.load(Ordering::Acquire) >= MAX_CONNECTIONS {
-                        tracing::warn!("store: connection limit reached, refusing a client");
-                        continue;
-                    }
-                    let id = next_id;
-                    next_id += 1;
-                    if let Ok(c) = stream.try_clone() {
-                        conns2.lock().unwrap_or_else(|p| p.into_inner()).insert(id, c);
-                    }
-                    let (table, token, live, conns) = (table.clone(), token.clone(), live.clone(), conns2.clone());
-                    live.fetch_add(1, Ordering::AcqRel);
-                    let spawned = std::thread::Builder::new()
-                        .name("ferrocomm-store-conn".into())
-                        .spawn(move || {
-                            if let Err(e) = serve(&stream, &table, &token, max_frame) {
-                                tracing::debug!("store: client dropped: {e}");
-                            }
-                            // The clone kept for `Drop` would hold the socket open: close it here.
-                            let _ = stream.shutdown(Shutdown::Both);
-                            conns.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
-                            live.fetch_sub(1, Ordering::AcqRel);
-                        });
-                    if spawned.is_err() {
-                        tracing::warn!("store: cannot spawn a connection thread");
+                let stopped = || stop2.load(Ordering::Acquire);
+                while !stopped() {
+                    let admitted = gate.next(Instant::now() + Duration::from_secs(1), &stopped, &mut |r| {
+                        judge_client(&token, r)
+                    });
+                    match admitted {
+                        Ok(Some((stream, answer))) => {
+                            next_id += 1;
+                            admit(stream, answer, next_id, &table, &conns2, max_frame);
+                        }
+                        Ok(None) => {}
+                        Err(e) => {
+                            // Fail closed: no client is greeted until the generator works.
+                            tracing::error!("store: {e}");
+                            std::thread::sleep(Duration::from_millis(100));
+                        }
                     }
                 }
             })
@@ -123,13 +119,93 @@ impl TcpStoreServer {
     pub fn addr(&self) -> SocketAddr {
         self.addr
     }
+
+    /// Clients being served now.
+    #[cfg(test)]
+    fn connections(&self) -> usize {
+        self.conns.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+}
+
+/// How many clients may be proving the token at once (and from one address), and for how
+/// long. Real ranks answer within a round trip; these bound what idle or trickling
+/// connections can hold (a descriptor each, no thread).
+const UNPROVEN: Limits = Limits {
+    handshake: HANDSHAKE_TIMEOUT,
+    pending: 512,
+    per_source: 256,
+};
+
+/// The client's answer to the greeting: magic, its proof, its own nonce.
+const REPLY_BYTES: usize = 4 + PROOF_BYTES + NONCE_BYTES;
+
+mod verdict {
+    pub const REFUSED: u8 = 0;
+    pub const ADMITTED: u8 = 1;
+    /// The server could not take the connection now (no thread): the client retries.
+    pub const BUSY: u8 = 2;
+}
+
+/// Admits a client that proved the token; the answer carries our proof of it in turn.
+fn judge_client(token: &[u8], r: &Reply<'_>) -> Judgement<Vec<u8>> {
+    let (magic, rest) = r.bytes.split_at(4);
+    let (proof, client_nonce) = rest.split_at(PROOF_BYTES);
+    if magic != MAGIC || !auth::verify(token, r.nonce, b"client", proof) {
+        return Judgement::Refuse(vec![verdict::REFUSED]);
+    }
+    let mut answer = vec![verdict::ADMITTED];
+    answer.extend_from_slice(&auth::proof(token, client_nonce, b"server"));
+    Judgement::Admit(answer)
+}
+
+/// Serves an admitted client on a thread of its own. The connection is listed while, and only
+/// while, its thread runs: where no thread can be made, it is told the server is busy and
+/// closed, and the list is as before.
+fn admit(stream: TcpStream, answer: Vec<u8>, id: u64, table: &Arc<Table>, conns: &Conns, max_frame: u32) {
+    let Ok(kept) = stream.try_clone() else {
+        let _ = (&stream).write_all(&[verdict::BUSY]);
+        return;
+    };
+    conns.lock().unwrap_or_else(|p| p.into_inner()).insert(id, kept);
+    let (table, list) = (table.clone(), conns.clone());
+    let serving = spawn_handler(move || {
+        let served = (&stream)
+            .write_all(&answer)
+            .map_err(|e| Error::io("store handshake", e))
+            .and_then(|()| serve(&stream, &table, max_frame));
+        if let Err(e) = served {
+            tracing::debug!("store: client dropped: {e}");
+        }
+        // The clone kept for `Drop` would hold the socket open: close it here.
+        let _ = stream.shutdown(Shutdown::Both);
+        list.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+    });
+    if let Err(e) = serving {
+        tracing::warn!("store: cannot start a thread for a client ({e}); telling it to retry");
+        if let Some(s) = conns.lock().unwrap_or_else(|p| p.into_inner()).remove(&id) {
+            let _ = (&s).write_all(&[verdict::BUSY]);
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+fn spawn_handler(f: impl FnOnce() + Send + 'static) -> std::io::Result<()> {
+    #[cfg(test)]
+    if tests::FAIL_SPAWNS
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+        .is_ok()
+    {
+        return Err(std::io::Error::from(std::io::ErrorKind::OutOfMemory));
+    }
+    std::thread::Builder::new()
+        .name("ferrocomm-store-conn".into())
+        .spawn(f)
+        .map(drop)
 }
 
 impl Drop for TcpStoreServer {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
-        // Wake the accept loop so it sees `stop`.
-        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_secs(1));
         for (_, c) in self.conns.lock().unwrap_or_else(|p| p.into_inner()).drain() {
             let _ = c.shutdown(Shutdown::Both);
         }
@@ -139,34 +215,7 @@ impl Drop for TcpStoreServer {
     }
 }
 
-fn server_handshake(mut s: &TcpStream, token: &[u8]) -> Result<()> {
-    let nonce = auth::nonce()?;
-    let mut hello = MAGIC.to_vec();
-    hello.extend_from_slice(&nonce);
-    s.write_all(&hello).map_err(|e| Error::io("store handshake", e))?;
-    let mut reply = [0u8; 4 + PROOF_BYTES + NONCE_BYTES];
-    s.read_exact(&mut reply).map_err(|e| Error::io("store handshake", e))?;
-    if &reply[..4] != MAGIC {
-        return Err(Error::protocol(
-            "store handshake",
-            "client is not a ferrocomm store client",
-        ));
-    }
-    let (proof, client_nonce) = reply[4..].split_at(PROOF_BYTES);
-    if !auth::verify(token, &nonce, b"client", proof) {
-        let _ = s.write_all(&[0]);
-        return Err(Error::Auth("client did not prove the job token".into()));
-    }
-    let mut ok = vec![1u8];
-    ok.extend_from_slice(&auth::proof(token, client_nonce, b"server"));
-    s.write_all(&ok).map_err(|e| Error::io("store handshake", e))
-}
-
-fn serve(mut s: &TcpStream, table: &Table, token: &[u8], max_frame: u32) -> Result<()> {
-    s.set_read_timeout(Some(HANDSHAKE_TIMEOUT))
-        .map_err(|e| Error::io("store socket", e))?;
-    server_handshake(s, token)?;
-    s.set_read_timeout(None).map_err(|e| Error::io("store socket", e))?;
+fn serve(mut s: &TcpStream, table: &Table, max_frame: u32) -> Result<()> {
     s.set_nodelay(true).map_err(|e| Error::io("store socket", e))?;
     while let Some(req) = read_frame(&mut s, max_frame, "store request")? {
         let reply = match handle(table, &req, SERVER_MAX_WAIT) {
@@ -337,43 +386,76 @@ impl TcpStore {
     }
 }
 
+/// Opens an authenticated connection by `deadline`. A server that drops us during the
+/// handshake (busy, or shedding a flood of unauthenticated connections) is tried again until
+/// then; one that refuses our token is not.
 fn open_connection(server: SocketAddr, token: &str, deadline: Instant) -> Result<TcpStream> {
-    let mut stream = loop {
-        match TcpStream::connect_timeout(&server, Duration::from_secs(1)) {
-            Ok(s) => break s,
-            Err(e) if Instant::now() >= deadline => return Err(Error::io(format!("connect to store at {server}"), e)),
-            Err(_) => std::thread::sleep(Duration::from_millis(50)),
+    let mut attempts = 0u32;
+    loop {
+        // Made before connecting: a failing generator ends the attempts at once.
+        let nonce = auth::nonce()?;
+        let last = match TcpStream::connect_timeout(&server, Duration::from_secs(1)) {
+            Ok(s) => {
+                attempts += 1;
+                let by = deadline.min(Instant::now() + HANDSHAKE_TIMEOUT);
+                match client_handshake(&s, token.as_bytes(), &nonce, by) {
+                    Ok(()) => {
+                        s.set_nodelay(true).map_err(|e| Error::io("store socket", e))?;
+                        return Ok(s);
+                    }
+                    Err(e @ Error::Auth(_)) => return Err(e),
+                    Err(e) => e,
+                }
+            }
+            Err(e) => Error::io(format!("connect to store at {server}"), e),
+        };
+        if Instant::now() >= deadline {
+            if attempts == 0 {
+                return Err(last);
+            }
+            return Err(Error::protocol(
+                "store handshake",
+                format!(
+                    "the store at {server} did not admit us in {attempts} attempt(s) before the deadline \
+                     (it drops clients it cannot serve now, and slow handshakes; is it flooded?): {last}"
+                ),
+            ));
         }
-    };
-    stream
-        .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
-        .map_err(|e| Error::io("store socket", e))?;
-    client_handshake(&mut stream, token.as_bytes())?;
-    stream.set_nodelay(true).map_err(|e| Error::io("store socket", e))?;
-    Ok(stream)
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
-fn client_handshake(s: &mut TcpStream, token: &[u8]) -> Result<()> {
-    let io = |e| Error::io("store handshake", e);
+fn client_handshake(s: &TcpStream, token: &[u8], nonce: &[u8; NONCE_BYTES], deadline: Instant) -> Result<()> {
+    let dropped = |e: std::io::Error| Error::io("store handshake", e);
     let mut hello = [0u8; 4 + NONCE_BYTES];
-    s.read_exact(&mut hello).map_err(io)?;
+    read_exact_by(s, &mut hello, deadline).map_err(dropped)?;
     if &hello[..4] != MAGIC {
         return Err(Error::protocol("store handshake", "server is not a ferrocomm store"));
     }
-    let nonce = auth::nonce()?;
     let mut reply = MAGIC.to_vec();
     reply.extend_from_slice(&auth::proof(token, &hello[4..], b"client"));
-    reply.extend_from_slice(&nonce);
-    s.write_all(&reply).map_err(io)?;
-    let mut verdict = [0u8; 1];
-    if s.read_exact(&mut verdict).is_err() || verdict[0] != 1 {
-        return Err(Error::Auth(
-            "the store server rejected our job token (check FERROCOMM_TOKEN)".into(),
-        ));
+    reply.extend_from_slice(nonce);
+    (&*s).write_all(&reply).map_err(dropped)?;
+    let mut answer = [0u8; 1];
+    read_exact_by(s, &mut answer, deadline).map_err(dropped)?;
+    match answer[0] {
+        verdict::ADMITTED => {}
+        verdict::REFUSED => {
+            return Err(Error::Auth(
+                "the store server rejected our job token (check FERROCOMM_TOKEN)".into(),
+            ))
+        }
+        verdict::BUSY => {
+            return Err(Error::io(
+                "store handshake",
+                std::io::Error::other("the store server is busy (it could not start a thread for us)"),
+            ))
+        }
+        v => return Err(Error::protocol("store handshake", format!("unknown verdict {v}"))),
     }
     let mut proof = [0u8; PROOF_BYTES];
-    s.read_exact(&mut proof).map_err(io)?;
-    if !auth::verify(token, &nonce, b"server", &proof) {
+    read_exact_by(s, &mut proof, deadline).map_err(dropped)?;
+    if !auth::verify(token, nonce, b"server", &proof) {
         return Err(Error::Auth("the store server could not prove the job token".into()));
     }
     Ok(())
@@ -448,6 +530,9 @@ impl Store for TcpStore {
     fn local_addr_hint(&self) -> Option<IpAddr> {
         self.local_ip
     }
+    fn derive_secret(&self, label: &str) -> Result<Option<[u8; 32]>> {
+        Ok(Some(auth::derive(self.token.as_bytes(), label)))
+    }
 }
 
 /// Feeds one request frame to the server's decoder and handler, as the fuzz target does.
@@ -460,6 +545,152 @@ pub fn fuzz_one_request(frame: &[u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::Read;
+    use std::sync::atomic::AtomicUsize;
+
+    /// Handler threads that fail to start, as when the process is out of threads or memory.
+    pub(super) static FAIL_SPAWNS: AtomicUsize = AtomicUsize::new(0);
+
+    fn wait_for(what: &str, mut ok: impl FnMut() -> bool) {
+        let t = Instant::now();
+        while !ok() {
+            assert!(t.elapsed() < Duration::from_secs(10), "{what}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// A client that sends a byte at a time is dropped when the whole handshake's deadline
+    /// passes, not kept alive by each byte.
+    #[test]
+    fn a_trickling_client_is_dropped_at_the_handshake_deadline() {
+        let server = TcpStoreServer::bind("127.0.0.1:0", "tok").unwrap();
+        let mut s = TcpStream::connect(server.addr()).unwrap();
+        let mut hello = [0u8; 4 + NONCE_BYTES];
+        s.read_exact(&mut hello).unwrap();
+        let t = Instant::now();
+        let mut sent = 0;
+        while sent < REPLY_BYTES - 1 && s.write_all(&[7]).is_ok() {
+            sent += 1;
+            std::thread::sleep(Duration::from_millis(250));
+            s.set_nonblocking(true).unwrap();
+            let closed = matches!(s.read(&mut [0u8; 8]), Ok(0));
+            s.set_nonblocking(false).unwrap();
+            if closed {
+                break;
+            }
+        }
+        let held = t.elapsed();
+        assert!(
+            held >= HANDSHAKE_TIMEOUT - Duration::from_millis(300) && held < HANDSHAKE_TIMEOUT + Duration::from_secs(2),
+            "held for {held:?} after {sent} bytes"
+        );
+    }
+
+    /// 5000 idle connections, far past the cap on unproven ones, and a rank still joins at
+    /// once: the oldest idle ones make way.
+    #[test]
+    fn an_idle_flood_past_the_cap_does_not_keep_a_rank_out() {
+        let server = TcpStoreServer::bind("127.0.0.1:0", "tok").unwrap();
+        let flood: Vec<TcpStream> = (0..5000)
+            .filter_map(|_| TcpStream::connect(server.addr()).ok())
+            .collect();
+        assert!(flood.len() > 4000, "only {} connections opened", flood.len());
+        let t = Instant::now();
+        let rank = TcpStore::connect(server.addr(), "tok", Duration::from_secs(10)).unwrap();
+        rank.set("k", b"v").unwrap();
+        assert_eq!(rank.get("k", Duration::from_secs(1)).unwrap(), b"v");
+        assert!(t.elapsed() < Duration::from_secs(2), "joined after {:?}", t.elapsed());
+    }
+
+    /// A handler thread that cannot start undoes its connection's entry and tells the client,
+    /// which retries; after churn, every one of 100 simultaneous clients is served and the
+    /// count of connections is that of the clients still open.
+    #[test]
+    fn a_failed_spawn_leaves_no_trace_and_clients_retry() {
+        let server = TcpStoreServer::bind("127.0.0.1:0", "tok").unwrap();
+        FAIL_SPAWNS.store(3, Ordering::Release);
+        let first = TcpStore::connect(server.addr(), "tok", Duration::from_secs(10)).unwrap();
+        first.set("a", b"1").unwrap();
+        assert_eq!(FAIL_SPAWNS.load(Ordering::Acquire), 0);
+        wait_for("one connection", || server.connections() == 1);
+        for _ in 0..100 {
+            drop(TcpStore::connect(server.addr(), "tok", Duration::from_secs(10)).unwrap());
+        }
+        wait_for("churn leaves nothing behind", || server.connections() == 1);
+        let addr = server.addr();
+        let clients: Vec<TcpStore> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..100)
+                .map(|i| {
+                    s.spawn(move || {
+                        let c = TcpStore::connect(addr, "tok", Duration::from_secs(20)).unwrap();
+                        c.set(&format!("c{i}"), b"x").unwrap();
+                        c
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(server.connections(), 101);
+        drop(clients);
+        wait_for("closed clients leave", || server.connections() == 1);
+    }
+
+    /// Out of descriptors, the accept loop sleeps instead of spinning, and takes the waiting
+    /// connection once descriptors free up. Runs in a child process: it lowers the limit on
+    /// open files.
+    #[test]
+    fn accept_errors_back_off_instead_of_spinning() {
+        const CHILD: &str = "FERROCOMM_TEST_EMFILE_CHILD";
+        if std::env::var_os(CHILD).is_none() {
+            let out = std::process::Command::new(std::env::current_exe().unwrap())
+                .args([
+                    "--exact",
+                    "bootstrap::tcp_store::tests::accept_errors_back_off_instead_of_spinning",
+                ])
+                .args(["--nocapture", "--test-threads=1"])
+                .env(CHILD, "1")
+                .output()
+                .unwrap();
+            let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+            assert!(out.status.success() && text.contains("EMFILE-OK"), "{text}");
+            return;
+        }
+        let server = TcpStoreServer::bind("127.0.0.1:0", "tok").unwrap();
+        let limit = rustix::process::Rlimit {
+            current: Some(64),
+            maximum: rustix::process::getrlimit(rustix::process::Resource::Nofile).maximum,
+        };
+        rustix::process::setrlimit(rustix::process::Resource::Nofile, limit).unwrap();
+        // Fill the table, then free one descriptor for the client's socket: the server's
+        // accept has none left.
+        let mut filler: Vec<std::fs::File> = std::iter::from_fn(|| std::fs::File::open("/dev/null").ok()).collect();
+        filler.pop();
+        let mut client = TcpStream::connect(server.addr()).unwrap();
+        let cpu = || {
+            let mut u = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+            // SAFETY: getrusage fills the struct it is given.
+            unsafe { libc::getrusage(libc::RUSAGE_SELF, u.as_mut_ptr()) };
+            // SAFETY: filled above (or left zeroed).
+            let u = unsafe { u.assume_init() };
+            Duration::from_secs((u.ru_utime.tv_sec + u.ru_stime.tv_sec) as u64)
+                + Duration::from_micros((u.ru_utime.tv_usec + u.ru_stime.tv_usec) as u64)
+        };
+        let before = cpu();
+        std::thread::sleep(Duration::from_secs(1));
+        let spent = cpu() - before;
+        assert!(
+            spent < Duration::from_millis(200),
+            "accept loop used {spent:?} of CPU in 1 s"
+        );
+        filler.truncate(filler.len().saturating_sub(8));
+        client.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        let mut hello = [0u8; 4 + NONCE_BYTES];
+        client
+            .read_exact(&mut hello)
+            .expect("greeted once descriptors are free");
+        assert_eq!(&hello[..4], MAGIC);
+        println!("EMFILE-OK: {spent:?} of CPU while out of descriptors");
+    }
 
     /// A client whose OS generator fails cannot join (no predictable nonce is ever sent), and
     /// the server goes on serving the others.

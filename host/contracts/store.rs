@@ -47,4 +47,15 @@ pub trait Store: Send + Sync {
     fn local_addr_hint(&self) -> Option<IpAddr> {
         None
     }
+    /// A 32-byte key for `label` (a [`PrefixStore`](crate::PrefixStore) puts its prefix in
+    /// front), derived (HKDF-SHA256) from a secret that only this job's ranks hold: the job token
+    /// of a TCP store, or of a file store given one, the private random key of an in-memory
+    /// store. Communicators key their links and windows with it, so no secret ever travels or is
+    /// stored as a value. `None` where the store holds no secret (the default): then rank 0
+    /// makes a random key and publishes it as a store value, which is only as private as the
+    /// store's contents. `Err` when the OS generator fails.
+    fn derive_secret(&self, label: &str) -> Result<Option<[u8; 32]>> {
+        let _ = label;
+        Ok(None)
+    }
 }

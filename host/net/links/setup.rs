@@ -179,7 +179,8 @@ fn left(deadline: Instant) -> Duration {
 static SEGMENT_COUNTER: AtomicU64 = AtomicU64::new(0);
 
 /// What a rank publishes about itself, in one store key: its host and process, its segment
-/// (`-`: none), its link listener (`-`: none) and, from rank 0, the communicator's link secret.
+/// (`-`: none), its link listener (`-`: none) and, from rank 0 where the store cannot derive
+/// secrets, the communicator's link secret (`-`: none).
 struct Hello<'a> {
     host: &'a str,
     pid: &'a str,
@@ -241,10 +242,13 @@ pub(crate) fn connect_all(
     } else {
         None
     };
-    let secret = if rank == 0 && size > 1 {
+    // The links' secret: derived from the job's secret where the store holds one, so it never
+    // travels; else rank 0 makes one and publishes it in its record.
+    let derived = if size > 1 { store.derive_secret("links")? } else { None };
+    let secret = if rank == 0 && size > 1 && derived.is_none() {
         bootstrap::random_token()?
     } else {
-        String::new()
+        "-".to_owned()
     };
     let tcp_addr = published_addr(listener.as_ref())?;
     let hello = Hello {
@@ -269,9 +273,13 @@ pub(crate) fn connect_all(
     if expected == 0 {
         listener = None;
     }
-    let secret = hellos[0].secret.as_bytes();
+    let secret: Vec<u8> = match derived {
+        Some(k) => k.to_vec(),
+        None => hellos[0].secret.as_bytes().to_vec(),
+    };
+    let secret = &secret[..];
     let peers = match &own_seg {
-        Some(_) => Some(peer_segments(&hellos, &local, size, opts.shm_ring_bytes)?),
+        Some(_) => Some(peer_segments(&hellos, &local, secret, size, opts.shm_ring_bytes)?),
         None => None,
     };
 
@@ -289,9 +297,10 @@ pub(crate) fn connect_all(
     let stop = AtomicBool::new(false);
     let accepted = std::thread::scope(|s| -> Result<Vec<(usize, TcpStream)>> {
         let stop = &stop;
+        let from: Vec<bool> = (0..size).map(|p| p > rank && !local[p]).collect();
         let acceptor = listener
-            .as_ref()
-            .map(|l| s.spawn(move || accept_authenticated_or_stop(l, expected, secret, size, deadline, stop)));
+            .take()
+            .map(|l| s.spawn(move || accept_authenticated_or_stop(l, rank, &from, secret, deadline, stop)));
         let dialled = dial_lower(rank, &hellos, &local, secret, deadline, &mut links);
         if dialled.is_err() {
             stop.store(true, Ordering::Release);
@@ -305,15 +314,8 @@ pub(crate) fn connect_all(
         dialled?;
         accepted
     })?;
-    drop(listener);
-    let mut remote = vec![false; size];
+    // The acceptor took only ranks above ours on other hosts, each once.
     for (p, stream) in accepted {
-        if p <= rank || local[p] || std::mem::replace(&mut remote[p], true) {
-            return Err(Error::protocol(
-                "transport setup",
-                format!("unexpected link from rank {p}"),
-            ));
-        }
         links[p] = Link::Tcp(TcpLink::new(stream)?);
     }
 
@@ -348,14 +350,19 @@ pub(crate) fn connect_all(
 /// The segments of every rank on this host, from this process's table of them: the first of
 /// its ranks to get here maps them (where another rank of the process has not already: see
 /// `Segment::open_shared`) and opens a liveness watch on each rank of another process; the
-/// others share that. Keyed by the communicator's secret, which is new for each one.
-fn peer_segments(hellos: &[Hello<'_>], local: &[bool], size: usize, ring_bytes: usize) -> Result<Arc<PeerSegments>> {
-    static TABLES: OnceLock<Mutex<HashMap<String, Weak<PeerSegments>>>> = OnceLock::new();
+/// others share that. Keyed by the communicator's link secret, which is its own.
+fn peer_segments(
+    hellos: &[Hello<'_>],
+    local: &[bool],
+    key: &[u8],
+    size: usize,
+    ring_bytes: usize,
+) -> Result<Arc<PeerSegments>> {
+    static TABLES: OnceLock<Mutex<HashMap<Vec<u8>, Weak<PeerSegments>>>> = OnceLock::new();
     let mut tables = TABLES
         .get_or_init(Default::default)
         .lock()
         .unwrap_or_else(|p| p.into_inner());
-    let key = hellos[0].secret;
     if let Some(t) = tables.get(key).and_then(Weak::upgrade) {
         return Ok(t);
     }
@@ -373,7 +380,7 @@ fn peer_segments(hellos: &[Hello<'_>], local: &[bool], size: usize, ring_bytes: 
     }
     let t = Arc::new(PeerSegments { segs, watches });
     tables.retain(|_, w| w.strong_count() > 0);
-    tables.insert(key.to_owned(), Arc::downgrade(&t));
+    tables.insert(key.to_vec(), Arc::downgrade(&t));
     Ok(t)
 }
 

@@ -1,18 +1,14 @@
 //! TCP links between ranks on different hosts: one non-blocking stream per peer pair.
 
+use crate::bootstrap::gate::{read_exact_by, Gate, Judgement, Limits, Reply};
 use crate::bootstrap::{self, NONCE_BYTES, PROOF_BYTES};
 use crate::contracts::error::{Error, Result};
-use rustix::event::{poll, PollFd, PollFlags, Timespec};
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-const LINK_MAGIC: &[u8; 4] = b"FCL1";
-
-fn left(deadline: Instant) -> Duration {
-    deadline.saturating_duration_since(Instant::now())
-}
+const LINK_MAGIC: &[u8; 4] = b"FCL2";
 
 pub(crate) struct TcpLink {
     stream: TcpStream,
@@ -58,110 +54,364 @@ impl TcpLink {
     }
 }
 
-/// Connects to `peer`'s listener at `addr` and proves, as `rank`, that we know `secret`.
+/// The dialler's answer to a listener's greeting: its rank, its proof, its own nonce.
+const HELLO_BYTES: usize = 4 + PROOF_BYTES + NONCE_BYTES;
+
+/// Each handshake, greeting to verdict, ends by this long after the connection was accepted
+/// (on the listener) or made (on the dialler), even when the set-up's deadline is later.
+const HANDSHAKE: Duration = Duration::from_secs(10);
+
+/// How many connections may be proving the secret to one listener at once (and from one
+/// address). A listener expects at most one per peer rank; past the cap the oldest goes, and
+/// a real peer dropped that way dials again.
+const UNPROVEN: Limits = Limits {
+    handshake: HANDSHAKE,
+    pending: 256,
+    per_source: 256,
+};
+
+mod verdict {
+    pub const REFUSED: u8 = 0;
+    pub const ADMITTED: u8 = 1;
+    /// A rank the listener already has a link from, or expects none from.
+    pub const UNEXPECTED: u8 = 2;
+}
+
+/// What each side's proof covers besides the nonce: its role and rank, so a proof made as one
+/// rank, or by the other side, is worth nothing as another.
+fn role(who: &[u8], rank: usize) -> Vec<u8> {
+    let mut r = who.to_vec();
+    r.extend_from_slice(&(rank as u32).to_le_bytes());
+    r
+}
+
+/// Connects to `peer`'s listener at `addr` and proves, as `rank`, that we know `secret`; the
+/// listener proves it in turn (so we never send data to an impostor). A listener that drops us
+/// during the handshake (it sheds floods of unauthenticated connections) is dialled again until
+/// `deadline`, then `Error::Timeout` names `peer`.
 pub(crate) fn dial(rank: usize, peer: usize, addr: SocketAddr, secret: &[u8], deadline: Instant) -> Result<TcpStream> {
-    let ctx = || format!("link to rank {peer} at {addr}");
-    let mut s = loop {
-        match TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
-            Ok(s) => break s,
-            Err(e) if Instant::now() >= deadline => return Err(Error::io(ctx(), e)),
+    const OP: &str = "link handshake";
+    let started = Instant::now();
+    loop {
+        // Made before connecting: a failing generator ends the attempts at once.
+        let nonce = bootstrap::nonce()?;
+        let attempt = match TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
+            Ok(s) => {
+                let by = deadline.min(Instant::now() + HANDSHAKE);
+                dial_handshake(&s, (rank, peer), addr, secret, &nonce, by).map(|()| s)
+            }
+            Err(e) => Err(Error::io(format!("link to rank {peer} at {addr}"), e)),
+        };
+        match attempt {
+            Ok(s) => return Ok(s),
+            Err(e @ (Error::Auth(_) | Error::Protocol { .. })) => return Err(e),
+            Err(e) if Instant::now() >= deadline => {
+                tracing::debug!("{OP} with rank {peer}: {e}");
+                return Err(Error::Timeout {
+                    op: OP,
+                    peer: Some(peer),
+                    after: started.elapsed(),
+                });
+            }
             Err(_) => std::thread::sleep(Duration::from_millis(20)),
         }
-    };
-    s.set_read_timeout(Some(left(deadline).max(Duration::from_millis(1))))
-        .map_err(|e| Error::io(ctx(), e))?;
+    }
+}
+
+fn dial_handshake(
+    s: &TcpStream,
+    (rank, peer): (usize, usize),
+    addr: SocketAddr,
+    secret: &[u8],
+    nonce: &[u8; NONCE_BYTES],
+    by: Instant,
+) -> Result<()> {
+    let ctx = || format!("link to rank {peer} at {addr}");
     let mut challenge = [0u8; 4 + NONCE_BYTES];
-    s.read_exact(&mut challenge).map_err(|e| Error::io(ctx(), e))?;
+    read_exact_by(s, &mut challenge, by).map_err(|e| Error::io(ctx(), e))?;
     if &challenge[..4] != LINK_MAGIC {
         return Err(Error::protocol(
             "link handshake",
-            format!("rank {peer} is not a ferrocomm link"),
+            format!("rank {peer} at {addr} is not a ferrocomm link"),
         ));
     }
     let mut hello = (rank as u32).to_le_bytes().to_vec();
-    hello.extend_from_slice(&bootstrap::proof(secret, &challenge[4..], &(rank as u32).to_le_bytes()));
-    s.write_all(&hello).map_err(|e| Error::io(ctx(), e))?;
-    s.set_read_timeout(None).map_err(|e| Error::io(ctx(), e))?;
-    Ok(s)
+    hello.extend_from_slice(&bootstrap::proof(secret, &challenge[4..], &role(b"dial", rank)));
+    hello.extend_from_slice(nonce);
+    (&*s).write_all(&hello).map_err(|e| Error::io(ctx(), e))?;
+    let mut answer = [0u8; 1];
+    read_exact_by(s, &mut answer, by).map_err(|e| Error::io(ctx(), e))?;
+    match answer[0] {
+        verdict::ADMITTED => {}
+        verdict::REFUSED => {
+            return Err(Error::Auth(format!(
+                "rank {peer} at {addr} refused our proof of the communicator secret"
+            )))
+        }
+        verdict::UNEXPECTED => {
+            return Err(Error::protocol(
+                "link handshake",
+                format!("rank {peer} at {addr} expects no link from rank {rank}, or has one already"),
+            ))
+        }
+        v => {
+            return Err(Error::protocol(
+                "link handshake",
+                format!("unknown verdict {v} from rank {peer}"),
+            ))
+        }
+    }
+    let mut proof = [0u8; PROOF_BYTES];
+    read_exact_by(s, &mut proof, by).map_err(|e| Error::io(ctx(), e))?;
+    if !bootstrap::verify(secret, nonce, &role(b"listen", peer), &proof) {
+        return Err(Error::Auth(format!(
+            "the listener at {addr} could not prove the communicator secret as rank {peer}"
+        )));
+    }
+    Ok(())
 }
 
-/// Accepts `expected` authenticated links; returns (peer rank, stream) pairs.
+/// Accepts one authenticated link from each rank that `from` marks, as rank `rank`; returns
+/// (peer rank, stream) pairs, one per rank. Handshakes run at once, each with its own
+/// deadline, so a silent connection delays no one; a rank not marked, or marked but already
+/// linked, is refused.
 pub(crate) fn accept_authenticated(
-    l: &TcpListener,
-    expected: usize,
+    l: TcpListener,
+    rank: usize,
+    from: &[bool],
     secret: &[u8],
-    size: usize,
     deadline: Instant,
 ) -> Result<Vec<(usize, TcpStream)>> {
-    accept_authenticated_or_stop(l, expected, secret, size, deadline, &AtomicBool::new(false))
+    accept_authenticated_or_stop(l, rank, from, secret, deadline, &AtomicBool::new(false))
 }
 
 /// As [`accept_authenticated`], giving up (`Error::Closed`) once `stop` is set: the caller's
-/// other half of the set-up failed. Waits in `poll` on the listener, so a connection is taken
-/// as soon as it arrives.
+/// other half of the set-up failed. `Error::Timeout` at `deadline` names the first rank that
+/// has not connected.
 pub(crate) fn accept_authenticated_or_stop(
-    l: &TcpListener,
-    expected: usize,
+    l: TcpListener,
+    rank: usize,
+    from: &[bool],
     secret: &[u8],
-    size: usize,
     deadline: Instant,
     stop: &AtomicBool,
 ) -> Result<Vec<(usize, TcpStream)>> {
     const OP: &str = "transport setup (accept links)";
-    l.set_nonblocking(true).map_err(|e| Error::io("link listener", e))?;
     let started = Instant::now();
+    let mut gate = Gate::new(l, *LINK_MAGIC, HELLO_BYTES, UNPROVEN)?;
+    let mut linked = vec![false; from.len()];
     let mut got = Vec::new();
+    let expected = from.iter().filter(|&&f| f).count();
+    let stopped = || stop.load(Ordering::Acquire);
     while got.len() < expected {
-        let mut s = match l.accept() {
-            Ok((s, _)) => s,
-            Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                if stop.load(Ordering::Acquire) {
-                    return Err(Error::Closed {
-                        op: OP,
-                        state: "abandoned: the rest of the set-up failed",
-                    });
-                }
-                let now = Instant::now();
-                if now >= deadline {
-                    return Err(Error::Timeout {
-                        op: OP,
-                        peer: None,
-                        after: started.elapsed(),
-                    });
-                }
-                // Woken by a connection; at least every 20 ms to look at `stop`.
-                let wait = (deadline - now).min(Duration::from_millis(20));
-                let ts = Timespec {
-                    tv_sec: 0,
-                    tv_nsec: wait.as_nanos() as _,
-                };
-                let mut fds = [PollFd::new(l, PollFlags::IN)];
-                let _ = poll(&mut fds, Some(&ts));
-                continue;
+        let mut judge = |r: &Reply<'_>| {
+            let peer = u32::from_le_bytes([r.bytes[0], r.bytes[1], r.bytes[2], r.bytes[3]]) as usize;
+            let (proof, their_nonce) = r.bytes[4..].split_at(PROOF_BYTES);
+            if peer >= from.len() || !bootstrap::verify(secret, r.nonce, &role(b"dial", peer), proof) {
+                return Judgement::Refuse(vec![verdict::REFUSED]);
             }
-            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-            Err(e) => return Err(Error::io("accept link", e)),
+            if !from[peer] || linked[peer] {
+                tracing::warn!("link listener of rank {rank}: refused an unexpected link from rank {peer}");
+                return Judgement::Refuse(vec![verdict::UNEXPECTED]);
+            }
+            linked[peer] = true;
+            let mut answer = vec![verdict::ADMITTED];
+            answer.extend_from_slice(&bootstrap::proof(secret, their_nonce, &role(b"listen", rank)));
+            Judgement::Admit((peer, answer))
         };
-        s.set_nonblocking(false).map_err(|e| Error::io("link socket", e))?;
-        s.set_read_timeout(Some(left(deadline).max(Duration::from_millis(1))))
-            .map_err(|e| Error::io("link socket", e))?;
-        let nonce = bootstrap::nonce()?;
-        let mut challenge = LINK_MAGIC.to_vec();
-        challenge.extend_from_slice(&nonce);
-        if s.write_all(&challenge).is_err() {
-            continue;
+        match gate.next(deadline, &stopped, &mut judge)? {
+            Some((s, (peer, answer))) => {
+                // The dialler waits for this answer; where it cannot be sent, the dialler
+                // reports the failure and dials again.
+                if (&s).write_all(&answer).is_ok() {
+                    got.push((peer, s));
+                } else {
+                    linked[peer] = false;
+                }
+            }
+            None if stopped() => {
+                return Err(Error::Closed {
+                    op: OP,
+                    state: "abandoned: the rest of the set-up failed",
+                })
+            }
+            None => {
+                return Err(Error::Timeout {
+                    op: OP,
+                    peer: (0..from.len()).find(|&p| from[p] && !linked[p]),
+                    after: started.elapsed(),
+                })
+            }
         }
-        let mut hello = [0u8; 4 + PROOF_BYTES];
-        if s.read_exact(&mut hello).is_err() {
-            continue;
-        }
-        let peer = u32::from_le_bytes([hello[0], hello[1], hello[2], hello[3]]) as usize;
-        if peer >= size || !bootstrap::verify(secret, &nonce, &hello[..4], &hello[4..]) {
-            tracing::warn!("link listener: refused a connection that did not prove the communicator secret");
-            continue;
-        }
-        s.set_read_timeout(None).map_err(|e| Error::io("link socket", e))?;
-        got.push((peer, s));
     }
     Ok(got)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Read;
+
+    const SECRET: &[u8] = b"the communicator's secret";
+
+    fn listener() -> (TcpListener, SocketAddr) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = l.local_addr().unwrap();
+        (l, a)
+    }
+
+    /// Rank 0 accepts ranks 1 and 2 on a thread; returns what it got.
+    fn accept_on_thread(
+        l: TcpListener,
+        secret: &'static [u8],
+        within: Duration,
+    ) -> std::thread::JoinHandle<Result<Vec<(usize, TcpStream)>>> {
+        std::thread::spawn(move || accept_authenticated(l, 0, &[false, true, true], secret, Instant::now() + within))
+    }
+
+    /// What an attacker without the secret sends after the greeting: a rank, a proof made with
+    /// a guessed secret, a nonce.
+    fn forged_hello(addr: SocketAddr, rank: u32, secret: &[u8]) -> u8 {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut challenge = [0u8; 4 + NONCE_BYTES];
+        s.read_exact(&mut challenge).unwrap();
+        let mut hello = rank.to_le_bytes().to_vec();
+        hello.extend_from_slice(&bootstrap::proof(
+            secret,
+            &challenge[4..],
+            &role(b"dial", rank as usize),
+        ));
+        hello.extend_from_slice(&[9; NONCE_BYTES]);
+        s.write_all(&hello).unwrap();
+        let mut verdict = [9u8; 1];
+        let _ = s.read_exact(&mut verdict);
+        verdict[0]
+    }
+
+    /// Silent connections, garbage and forged hellos before the real peers: each is refused or
+    /// waits on its own, and the real peers are linked at once.
+    #[test]
+    fn silent_garbage_and_forged_connections_delay_no_real_peer() {
+        let (l, addr) = listener();
+        let acceptor = accept_on_thread(l, SECRET, Duration::from_secs(20));
+        let silent: Vec<TcpStream> = (0..50).map(|_| TcpStream::connect(addr).unwrap()).collect();
+        let mut garbage = TcpStream::connect(addr).unwrap();
+        garbage.write_all(&[0xAB; 200]).unwrap();
+        assert_eq!(forged_hello(addr, 1, b"a guess"), verdict::REFUSED);
+        assert_eq!(forged_hello(addr, 77, SECRET), verdict::REFUSED, "a rank out of range");
+        let t = Instant::now();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let a = dial(1, 0, addr, SECRET, deadline).unwrap();
+        let b = dial(2, 0, addr, SECRET, deadline).unwrap();
+        let mut got = acceptor.join().unwrap().unwrap();
+        assert!(t.elapsed() < Duration::from_secs(2), "linked after {:?}", t.elapsed());
+        got.sort_by_key(|(p, _)| *p);
+        assert_eq!(got.iter().map(|(p, _)| *p).collect::<Vec<_>>(), [1, 2]);
+        // The links carry data both ways.
+        (&a).write_all(b"one").unwrap();
+        let mut buf = [0u8; 3];
+        (&got[0].1).read_exact(&mut buf).unwrap();
+        assert_eq!(&buf, b"one");
+        drop((silent, garbage, b));
+    }
+
+    /// A hello recorded from one handshake is worth nothing in another (the nonce is fresh),
+    /// and a rank that is already linked, or that the listener expects nothing from, is
+    /// refused even with the secret.
+    #[test]
+    fn a_replayed_hello_and_a_duplicate_rank_are_refused() {
+        let (l, addr) = listener();
+        let acceptor = accept_on_thread(l, SECRET, Duration::from_secs(20));
+        // Record a real hello against a listener of our own, then replay it.
+        let (spy, spy_addr) = listener();
+        let recorder = std::thread::spawn(move || {
+            let (mut s, _) = spy.accept().unwrap();
+            let mut challenge = LINK_MAGIC.to_vec();
+            challenge.extend_from_slice(&[3; NONCE_BYTES]);
+            s.write_all(&challenge).unwrap();
+            let mut hello = [0u8; HELLO_BYTES];
+            s.read_exact(&mut hello).unwrap();
+            hello
+        });
+        let e = dial(1, 0, spy_addr, SECRET, Instant::now() + Duration::from_millis(500)).unwrap_err();
+        assert!(matches!(e, Error::Timeout { peer: Some(0), .. }), "{e}");
+        let recorded = recorder.join().unwrap();
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut challenge = [0u8; 4 + NONCE_BYTES];
+        s.read_exact(&mut challenge).unwrap();
+        s.write_all(&recorded).unwrap();
+        let mut v = [9u8; 1];
+        s.read_exact(&mut v).unwrap();
+        assert_eq!(v[0], verdict::REFUSED, "a replayed hello");
+
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let _one = dial(1, 0, addr, SECRET, deadline).unwrap();
+        let again = dial(1, 0, addr, SECRET, deadline).unwrap_err();
+        assert!(
+            matches!(again, Error::Protocol { .. }) && again.to_string().contains("has one already"),
+            "{again}"
+        );
+        let _two = dial(2, 0, addr, SECRET, deadline).unwrap();
+        let got = acceptor.join().unwrap().unwrap();
+        assert_eq!(got.len(), 2);
+    }
+
+    /// The listener proves the secret too: a dialler never links to an impostor. A listener
+    /// that never answers is a timeout naming its rank; so is a peer that never dials.
+    #[test]
+    fn an_impostor_listener_is_refused_and_silence_is_a_timeout_naming_the_peer() {
+        let (l, addr) = listener();
+        std::thread::spawn(move || {
+            let _ = accept_authenticated(
+                l,
+                0,
+                &[false, true],
+                b"another secret",
+                Instant::now() + Duration::from_secs(5),
+            );
+        });
+        let e = dial(1, 0, addr, SECRET, Instant::now() + Duration::from_secs(5)).unwrap_err();
+        assert!(matches!(e, Error::Auth(_)), "{e}");
+
+        let (mute, addr) = listener(); // accepts in the backlog, never greets
+        let t = Instant::now();
+        let e = dial(1, 4, addr, SECRET, Instant::now() + Duration::from_millis(600)).unwrap_err();
+        assert!(matches!(e, Error::Timeout { peer: Some(4), .. }), "{e}");
+        assert!(t.elapsed() < Duration::from_secs(3));
+        drop(mute);
+
+        let (l, _) = listener();
+        let e = accept_authenticated(
+            l,
+            0,
+            &[false, false, true],
+            SECRET,
+            Instant::now() + Duration::from_millis(300),
+        )
+        .unwrap_err();
+        assert!(matches!(e, Error::Timeout { peer: Some(2), .. }), "{e}");
+    }
+
+    /// The impostor test's other half: an impostor that knows the secret of another
+    /// communicator, or answers as another rank, is refused by the dialler.
+    #[test]
+    fn a_listener_proving_another_rank_is_refused() {
+        let (l, addr) = listener();
+        std::thread::spawn(move || {
+            let _ = accept_authenticated(
+                l,
+                3,
+                &[false, true, false, false],
+                SECRET,
+                Instant::now() + Duration::from_secs(5),
+            );
+        });
+        let e = dial(1, 0, addr, SECRET, Instant::now() + Duration::from_secs(5)).unwrap_err();
+        assert!(
+            matches!(e, Error::Auth(_)) && e.to_string().contains("as rank 0"),
+            "{e}"
+        );
+    }
 }

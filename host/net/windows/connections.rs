@@ -37,16 +37,21 @@ pub(crate) fn connect(
         to: (0..size).map(|_| None).collect(),
         from: Vec::new(),
     };
-    // Rank 0 makes the secret when anyone needs it, even if it has no path itself; only
-    // ranks with a path read it.
+    // The window's secret, derived from the job's where the store holds one (it never
+    // travels); else rank 0 makes one when anyone needs it, even if it has no path itself,
+    // and publishes it, and only ranks with a path read it.
+    let derived = store.derive_secret("net")?;
     let any = (0..size).any(|o| (0..size).any(|t| by_net(o, t)));
-    if rank == 0 && any {
+    if rank == 0 && any && derived.is_none() {
         store.set("net/secret", bootstrap::random_token()?.as_bytes())?;
     }
     if serves == 0 && dials.is_empty() {
         return Ok(mesh);
     }
-    let secret = String::from_utf8_lossy(&store.get("net/secret", left())?).into_owned();
+    let secret: Vec<u8> = match derived {
+        Some(k) => k.to_vec(),
+        None => store.get("net/secret", left())?,
+    };
     let listener = if serves > 0 {
         Some(bind_listener(transport, store, "window server")?)
     } else {
@@ -59,29 +64,23 @@ pub(crate) fn connect(
 
     // Accept our origins on a helper thread while we dial our targets: no order deadlocks.
     let acceptor = listener.map(|l| {
-        let secret = secret.clone().into_bytes();
-        std::thread::spawn(move || accept_authenticated(&l, serves, &secret, size, deadline))
+        let secret = secret.clone();
+        let from: Vec<bool> = (0..size).map(|o| by_net(o, rank)).collect();
+        std::thread::spawn(move || accept_authenticated(l, rank, &from, &secret, deadline))
     });
     for t in dials {
         let v = String::from_utf8_lossy(&store.get(&format!("net/addr/{t}"), left())?).into_owned();
         let addr: SocketAddr = v
             .parse()
             .map_err(|_| Error::protocol("window setup", format!("rank {t} runs no window server ({v:?})")))?;
-        mesh.to[t] = Some(dial(rank, t, addr, secret.as_bytes(), deadline)?);
+        mesh.to[t] = Some(dial(rank, t, addr, &secret, deadline)?);
     }
     if let Some(a) = acceptor {
         let accepted = a
             .join()
             .map_err(|_| Error::protocol("window setup", "window server acceptor panicked"))??;
-        for (origin, stream) in accepted {
-            if !by_net(origin, rank) {
-                return Err(Error::protocol(
-                    "window setup",
-                    format!("unexpected window connection from rank {origin}"),
-                ));
-            }
-            mesh.from.push((origin, stream));
-        }
+        // Only origins that reach us over the network, each once.
+        mesh.from = accepted;
     }
     Ok(mesh)
 }
