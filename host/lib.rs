@@ -182,7 +182,9 @@ pub use contracts::inference::{
     CombineRecv, CombineSend, DispatchRecv, DispatchSend, MoeCombine, MoeDispatch, MoeShape, RmsNormFusion, FP8_BLOCK,
 };
 pub use contracts::ops::{Buf, BufMut, DeviceBytes, Location, Op, P2p};
-pub use contracts::options::{default_timeout, AbortOnError, CommOptions, NetTransport, OpOptions, TransportOptions};
+pub use contracts::options::{
+    default_timeout, AbortOnError, CommOptions, Encrypt, NetTransport, OpOptions, TransportOptions,
+};
 pub use contracts::placement::Device;
 pub use contracts::window::{Cmp, Observed, SignalOp, SignalSource, WindowBackend, WindowOptions, WindowSpec};
 pub use inference::{Combine, Dispatch};

@@ -35,6 +35,17 @@ fn every_collective_world_8() {
     world(8);
 }
 
+/// The whole suite over TCP links that seal every record (AES-256-GCM), as links between
+/// machines do by default.
+#[test]
+fn every_collective_over_sealed_tcp_links() {
+    let seed = fresh_seed();
+    let mut o = tcp_options(Duration::from_secs(60));
+    o.transport.encrypt = ferrocomm::Encrypt::On;
+    let checks = run_group(3, "suite-sealed", o, |c| common::suite::run_all(c, seed));
+    assert!(checks.iter().all(|&k| k == checks[0] && k > 0));
+}
+
 /// Small all_reduce, all_gather and barrier between ranks of one host run as shared-memory
 /// rounds that reuse two slots per rank. Ranks drift apart (one sleeps now and then), sizes
 /// and operations change every round, and every result is checked, so a slot rewritten while a

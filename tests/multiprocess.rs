@@ -232,6 +232,11 @@ fn every_collective_three_processes_over_tcp() {
     suite_across_processes(3, &[("FERROCOMM_TRANSPORT", "tcp")]);
 }
 
+#[test]
+fn every_collective_three_processes_over_sealed_tcp() {
+    suite_across_processes(3, &[("FERROCOMM_TRANSPORT", "tcp"), ("FERROCOMM_ENCRYPT", "on")]);
+}
+
 /// Starts `n` ranks directly (no launcher) with the given environment; all must succeed.
 fn spawn_ranks(n: usize, mode: &str, envs: &[(&str, String)]) {
     let children: Vec<Child> = (0..n)

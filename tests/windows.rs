@@ -32,6 +32,16 @@ fn window_contract_over_the_tcp_proxy() {
     assert!(mapped.iter().all(|&m| !m), "peers on 'other hosts' must not be mapped");
 }
 
+/// The same over window connections that seal every record (`FERROCOMM_ENCRYPT=on`).
+#[test]
+fn window_contract_over_sealed_tcp() {
+    let seed = fresh_seed();
+    let mut o = tcp_opts();
+    o.transport.encrypt = ferrocomm::Encrypt::On;
+    let mapped = run_group(3, "win-sealed", o, |c| common::window_suite::run_all(c, seed));
+    assert!(mapped.iter().all(|&m| !m));
+}
+
 /// `FERROCOMM_NET=rdma` between "other hosts": where an RDMA device opens (and the library has
 /// the `rdma` feature) the contract holds over it; elsewhere every rank gets `Unavailable`
 /// saying why, promptly, instead of waiting for peers' endpoints.

@@ -7,6 +7,7 @@ mod auth;
 mod env;
 mod file_store;
 pub(crate) mod gate;
+pub(crate) mod seal;
 mod store;
 mod tcp_store;
 mod wire;

@@ -1,12 +1,16 @@
 //! The TCP store: a server that holds the job's rendezvous keys and a client for each rank.
 //!
 //! Every connection starts with mutual challenge-response on the job token (see auth.rs); a
-//! client that cannot prove it knows the token is refused before any request is read. Requests
-//! and replies are length-prefixed frames with a cap; a malformed or oversized frame closes the
-//! connection of the client that sent it and nothing else.
+//! client that cannot prove it knows the token is refused before any request is read, and the
+//! handshakes of all connections run at once on the accepting thread (gate.rs). After it, every
+//! byte either way is sealed (AES-256-GCM, keys derived from the token and both nonces,
+//! seal.rs): the store's traffic cannot be read or altered on the way. Requests and replies are
+//! length-prefixed frames with a cap; a malformed or oversized frame closes the connection of
+//! the client that sent it and nothing else.
 
 use super::auth::{self, NONCE_BYTES, PROOF_BYTES};
 use super::gate::{read_exact_by, Gate, Judgement, Limits, Reply};
+use super::seal::{session_keys, SealedStream, SessionKeys};
 use super::store::{timeout_err, Table, WaitFail};
 use super::wire::{read_frame, write_frame, Dec, Enc, DEFAULT_MAX_FRAME};
 use crate::contracts::error::{Error, Result};
@@ -18,7 +22,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-const MAGIC: &[u8; 4] = b"FCS2";
+const MAGIC: &[u8; 4] = b"FCS3";
 /// The whole handshake, greeting to verdict, on either side: a deadline, not a per-read timeout,
 /// so a peer sending a byte at a time cannot stretch it.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -93,9 +97,9 @@ impl TcpStoreServer {
                         judge_client(&token, r)
                     });
                     match admitted {
-                        Ok(Some((stream, answer))) => {
+                        Ok(Some((stream, (answer, keys)))) => {
                             next_id += 1;
-                            admit(stream, answer, next_id, &table, &conns2, max_frame);
+                            admit(stream, answer, keys, next_id, &table, &conns2, max_frame);
                         }
                         Ok(None) => {}
                         Err(e) => {
@@ -146,8 +150,9 @@ mod verdict {
     pub const BUSY: u8 = 2;
 }
 
-/// Admits a client that proved the token; the answer carries our proof of it in turn.
-fn judge_client(token: &[u8], r: &Reply<'_>) -> Judgement<Vec<u8>> {
+/// Admits a client that proved the token; the answer carries our proof of it in turn, and the
+/// keys seal everything after it.
+fn judge_client(token: &[u8], r: &Reply<'_>) -> Judgement<(Vec<u8>, SessionKeys)> {
     let (magic, rest) = r.bytes.split_at(4);
     let (proof, client_nonce) = rest.split_at(PROOF_BYTES);
     if magic != MAGIC || !auth::verify(token, r.nonce, b"client", proof) {
@@ -155,13 +160,21 @@ fn judge_client(token: &[u8], r: &Reply<'_>) -> Judgement<Vec<u8>> {
     }
     let mut answer = vec![verdict::ADMITTED];
     answer.extend_from_slice(&auth::proof(token, client_nonce, b"server"));
-    Judgement::Admit(answer)
+    Judgement::Admit((answer, session_keys(token, r.nonce, client_nonce, false)))
 }
 
 /// Serves an admitted client on a thread of its own. The connection is listed while, and only
 /// while, its thread runs: where no thread can be made, it is told the server is busy and
 /// closed, and the list is as before.
-fn admit(stream: TcpStream, answer: Vec<u8>, id: u64, table: &Arc<Table>, conns: &Conns, max_frame: u32) {
+fn admit(
+    stream: TcpStream,
+    answer: Vec<u8>,
+    keys: SessionKeys,
+    id: u64,
+    table: &Arc<Table>,
+    conns: &Conns,
+    max_frame: u32,
+) {
     let Ok(kept) = stream.try_clone() else {
         let _ = (&stream).write_all(&[verdict::BUSY]);
         return;
@@ -172,7 +185,7 @@ fn admit(stream: TcpStream, answer: Vec<u8>, id: u64, table: &Arc<Table>, conns:
         let served = (&stream)
             .write_all(&answer)
             .map_err(|e| Error::io("store handshake", e))
-            .and_then(|()| serve(&stream, &table, max_frame));
+            .and_then(|()| serve(&mut SealedStream::sealed(&stream, &keys), &table, max_frame));
         if let Err(e) = served {
             tracing::debug!("store: client dropped: {e}");
         }
@@ -215,21 +228,20 @@ impl Drop for TcpStoreServer {
     }
 }
 
-fn serve(mut s: &TcpStream, table: &Table, max_frame: u32) -> Result<()> {
-    s.set_nodelay(true).map_err(|e| Error::io("store socket", e))?;
-    while let Some(req) = read_frame(&mut s, max_frame, "store request")? {
+fn serve(s: &mut SealedStream<&TcpStream>, table: &Table, max_frame: u32) -> Result<()> {
+    s.get_ref()
+        .set_nodelay(true)
+        .map_err(|e| Error::io("store socket", e))?;
+    while let Some(req) = read_frame(s, max_frame, "store request")? {
         let reply = match handle(table, &req, SERVER_MAX_WAIT) {
             Ok(r) => r,
             Err(e) => {
                 // Tell the client why, then drop it: its stream may be out of step.
-                let _ = write_frame(
-                    &mut s,
-                    &Enc::default().u8(status::ERROR).bytes(e.to_string().as_bytes()).0,
-                );
+                let _ = write_frame(s, &Enc::default().u8(status::ERROR).bytes(e.to_string().as_bytes()).0);
                 return Err(e);
             }
         };
-        write_frame(&mut s, &reply).map_err(|e| Error::io("store reply", e))?;
+        write_frame(s, &reply).map_err(|e| Error::io("store reply", e))?;
     }
     Ok(())
 }
@@ -315,7 +327,7 @@ fn deadline_after(ms: u64, max_wait: Duration) -> Instant {
 /// A client of a [`TcpStoreServer`]. Each call takes an idle authenticated connection (or
 /// opens one), so a blocking `get` or `wait` never holds up calls from other threads.
 pub struct TcpStore {
-    idle: Mutex<Vec<TcpStream>>,
+    idle: Mutex<Vec<SealedStream<TcpStream>>>,
     server: SocketAddr,
     token: String,
     local_ip: Option<IpAddr>,
@@ -334,7 +346,7 @@ impl TcpStore {
             .first()
             .ok_or_else(|| Error::Config("store address resolves to nothing".into()))?;
         let first = open_connection(server, token, Instant::now() + timeout)?;
-        let local_ip = first.local_addr().ok().map(|a| a.ip());
+        let local_ip = first.get_ref().local_addr().ok().map(|a| a.ip());
         Ok(TcpStore {
             idle: Mutex::new(vec![first]),
             server,
@@ -352,7 +364,9 @@ impl TcpStore {
         };
         let lost = |e: std::io::Error| Error::io(format!("store at {}", self.server), e);
         // The server answers a blocking call when it ends; give it that long plus a margin.
-        s.set_read_timeout(Some(wait + Duration::from_secs(10))).map_err(lost)?;
+        s.get_ref()
+            .set_read_timeout(Some(wait + Duration::from_secs(10)))
+            .map_err(lost)?;
         write_frame(&mut s, req).map_err(lost)?;
         let reply = match read_frame(&mut s, self.max_frame, "store reply")? {
             Some(r) => r,
@@ -389,7 +403,7 @@ impl TcpStore {
 /// Opens an authenticated connection by `deadline`. A server that drops us during the
 /// handshake (busy, or shedding a flood of unauthenticated connections) is tried again until
 /// then; one that refuses our token is not.
-fn open_connection(server: SocketAddr, token: &str, deadline: Instant) -> Result<TcpStream> {
+fn open_connection(server: SocketAddr, token: &str, deadline: Instant) -> Result<SealedStream<TcpStream>> {
     let mut attempts = 0u32;
     loop {
         // Made before connecting: a failing generator ends the attempts at once.
@@ -399,9 +413,9 @@ fn open_connection(server: SocketAddr, token: &str, deadline: Instant) -> Result
                 attempts += 1;
                 let by = deadline.min(Instant::now() + HANDSHAKE_TIMEOUT);
                 match client_handshake(&s, token.as_bytes(), &nonce, by) {
-                    Ok(()) => {
+                    Ok(keys) => {
                         s.set_nodelay(true).map_err(|e| Error::io("store socket", e))?;
-                        return Ok(s);
+                        return Ok(SealedStream::sealed(s, &keys));
                     }
                     Err(e @ Error::Auth(_)) => return Err(e),
                     Err(e) => e,
@@ -425,7 +439,8 @@ fn open_connection(server: SocketAddr, token: &str, deadline: Instant) -> Result
     }
 }
 
-fn client_handshake(s: &TcpStream, token: &[u8], nonce: &[u8; NONCE_BYTES], deadline: Instant) -> Result<()> {
+/// The client's half of the handshake; returns the keys that seal the connection after it.
+fn client_handshake(s: &TcpStream, token: &[u8], nonce: &[u8; NONCE_BYTES], deadline: Instant) -> Result<SessionKeys> {
     let dropped = |e: std::io::Error| Error::io("store handshake", e);
     let mut hello = [0u8; 4 + NONCE_BYTES];
     read_exact_by(s, &mut hello, deadline).map_err(dropped)?;
@@ -458,7 +473,7 @@ fn client_handshake(s: &TcpStream, token: &[u8], nonce: &[u8; NONCE_BYTES], dead
     if !auth::verify(token, nonce, b"server", &proof) {
         return Err(Error::Auth("the store server could not prove the job token".into()));
     }
-    Ok(())
+    Ok(session_keys(token, &hello[4..], nonce, true))
 }
 
 const QUICK: Duration = Duration::from_secs(0);
@@ -557,6 +572,64 @@ mod tests {
             assert!(t.elapsed() < Duration::from_secs(10), "{what}");
             std::thread::sleep(Duration::from_millis(10));
         }
+    }
+
+    /// A client that passed the handshake, as a raw sealed stream, so a test can send frames
+    /// of its own making.
+    fn raw_client(addr: SocketAddr, token: &str) -> SealedStream<TcpStream> {
+        let s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let nonce = auth::nonce().unwrap();
+        let keys = client_handshake(&s, token.as_bytes(), &nonce, Instant::now() + Duration::from_secs(5)).unwrap();
+        SealedStream::sealed(s, &keys)
+    }
+
+    /// The server closes (or resets) this connection; a read that merely times out is not that.
+    fn closed(mut s: impl Read) -> bool {
+        let mut buf = [0u8; 4096];
+        loop {
+            match s.read(&mut buf) {
+                Ok(0) => return true,
+                Err(e) => return !matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut),
+                Ok(_) => continue, // an error frame may come first
+            }
+        }
+    }
+
+    #[test]
+    fn malformed_oversized_and_unsealed_frames_close_only_that_connection() {
+        let server = TcpStoreServer::bind_with_cap("127.0.0.1:0", "tok", 1 << 20).unwrap();
+        let good = TcpStore::connect(server.addr(), "tok", Duration::from_secs(5)).unwrap();
+        good.set("k", b"v").unwrap();
+        let frames: Vec<Vec<u8>> = vec![
+            u32::MAX.to_le_bytes().to_vec(),                              // length far over the cap
+            [5u32.to_le_bytes().to_vec(), vec![99, 0, 0, 0, 0]].concat(), // unknown opcode
+            [3u32.to_le_bytes().to_vec(), vec![1, 200, 0]].concat(),      // SET with a truncated key
+            [9u32.to_le_bytes().to_vec(), vec![6], u64::MAX.to_le_bytes().to_vec()].concat(), // WAIT, absurd count
+            [6u32.to_le_bytes().to_vec(), vec![5, 1, 0, 0, 0, 0xff]].concat(), // key not UTF-8
+        ];
+        for f in frames {
+            let mut s = raw_client(server.addr(), "tok");
+            s.write_all(&f).unwrap();
+            assert!(closed(s), "frame {f:?} should close the connection");
+        }
+        // After the handshake, a frame that is not sealed (or was altered on the way) ends
+        // the connection before it is read as a request.
+        let s = raw_client(server.addr(), "tok");
+        let mut raw = s.get_ref().try_clone().unwrap();
+        raw.write_all(&[5, 0, 0, 0, 1, 1, 0, 0, 0]).unwrap();
+        assert!(closed(s));
+        // Unauthenticated garbage is refused before any request is read.
+        let mut s = TcpStream::connect(server.addr()).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+        s.write_all(&[0xAB; 200]).unwrap();
+        assert!(closed(s));
+        // A value over the cap fails for its sender only.
+        let big = TcpStore::connect(server.addr(), "tok", Duration::from_secs(5)).unwrap();
+        assert!(big.set("big", &vec![0u8; 2 << 20]).is_err());
+        assert_eq!(good.get("k", Duration::from_secs(1)).unwrap(), b"v");
+        good.set("k2", b"still serving").unwrap();
+        assert_eq!(good.get("k2", Duration::from_secs(1)).unwrap(), b"still serving");
     }
 
     /// A client that sends a byte at a time is dropped when the whole handshake's deadline

@@ -21,7 +21,7 @@ use std::time::Duration;
 /// Every `FERROCOMM_*` variable the library, its binaries and its build read. The library's
 /// own are fields of [`Config`]; `FERROCOMM_RUN_GRACE` and `FERROCOMM_RUN_TOLERATE_FAILURES`
 /// belong to the launcher, `FERROCOMM_REQUIRE_*` to the build and the tests.
-pub(crate) const VARIABLES: [&str; 28] = [
+pub(crate) const VARIABLES: [&str; 29] = [
     "FERROCOMM_TIMEOUT",
     "FERROCOMM_ABORT_ON_ERROR",
     "FERROCOMM_CHECK_CALLS",
@@ -34,6 +34,7 @@ pub(crate) const VARIABLES: [&str; 28] = [
     "FERROCOMM_SHM_RING_BYTES",
     "FERROCOMM_SOCKET_ADDR",
     "FERROCOMM_NET",
+    "FERROCOMM_ENCRYPT",
     "FERROCOMM_MULTICAST",
     "FERROCOMM_PROXY_AFFINITY",
     "FERROCOMM_PROXY_POLL_US",
@@ -118,6 +119,8 @@ pub(crate) struct Config {
     pub socket_addr: Option<IpAddr>,
     /// `FERROCOMM_NET` (auto).
     pub net: NetTransport,
+    /// `FERROCOMM_ENCRYPT` (auto).
+    pub encrypt: Encrypt,
     /// `FERROCOMM_MULTICAST=0` turns multicast objects off.
     pub multicast: bool,
     /// `FERROCOMM_PROXY_AFFINITY=0` turns the proxy threads' pinning off.
@@ -193,6 +196,16 @@ impl Config {
                 )))
             }
         };
+        let encrypt = match raw.get("FERROCOMM_ENCRYPT") {
+            Some("auto") | Some("") | None => Encrypt::Auto,
+            Some("1") | Some("on") => Encrypt::On,
+            Some("0") | Some("off") => Encrypt::Off,
+            Some(other) => {
+                return Err(Error::Config(format!(
+                    "FERROCOMM_ENCRYPT={other:?}: expected `auto`, `on` (1) or `off` (0)"
+                )))
+            }
+        };
         let proxy_poll_us = match raw.get("FERROCOMM_PROXY_POLL_US") {
             None => None,
             Some(v) => Some(v.parse::<u64>().map_err(|_| {
@@ -216,6 +229,7 @@ impl Config {
             shm_ring_bytes: raw.parse("FERROCOMM_SHM_RING_BYTES")?.unwrap_or(1 << 20),
             socket_addr: raw.parse("FERROCOMM_SOCKET_ADDR")?,
             net,
+            encrypt,
             multicast: raw.get("FERROCOMM_MULTICAST") != Some("0"),
             proxy_affinity: raw.get("FERROCOMM_PROXY_AFFINITY") != Some("0"),
             proxy_poll_us,
@@ -342,6 +356,31 @@ pub enum NetTransport {
     Tcp,
     /// RDMA verbs or an error saying why not.
     Rdma,
+}
+
+/// Whether TCP links seal their traffic (AES-256-GCM records keyed from each link's handshake;
+/// `FERROCOMM_ENCRYPT`). Every rank must choose the same: a link whose two ends differ fails
+/// at set-up with `Error::Config`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Encrypt {
+    /// Seal links between ranks on different machines, where traffic crosses a network; not
+    /// links within one machine (`FERROCOMM_TRANSPORT=tcp` on one host). The default.
+    Auto,
+    /// Seal every TCP link.
+    On,
+    /// Seal none: for networks the user trusts, at no cost.
+    Off,
+}
+
+impl Encrypt {
+    /// Whether a link between two ranks is sealed, given whether they share a machine.
+    pub(crate) fn seals(self, same_machine: bool) -> bool {
+        match self {
+            Encrypt::Auto => !same_machine,
+            Encrypt::On => true,
+            Encrypt::Off => false,
+        }
+    }
 }
 
 /// What a communicator does when one of its operations fails in communication: `Timeout`,

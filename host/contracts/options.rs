@@ -1,7 +1,7 @@
 //! Options of communicators and of single operations, with their `FERROCOMM_*` defaults.
 
 use crate::contracts::config::Config;
-pub use crate::contracts::config::{AbortOnError, NetTransport};
+pub use crate::contracts::config::{AbortOnError, Encrypt, NetTransport};
 use crate::contracts::error::{Error, Result};
 use crate::contracts::store::Store;
 use std::collections::BTreeMap;
@@ -29,11 +29,15 @@ pub struct TransportOptions {
     /// Address to bind TCP links on (`FERROCOMM_SOCKET_ADDR`); default: the address this host
     /// uses to reach the store.
     pub bind_addr: Option<IpAddr>,
+    /// Which TCP links seal their traffic (`FERROCOMM_ENCRYPT=auto|on|off`, default auto:
+    /// those between machines).
+    pub encrypt: Encrypt,
 }
 
 impl TransportOptions {
     /// The transport settings of a fresh read of the environment (`FERROCOMM_SHM_RING_BYTES`,
-    /// `FERROCOMM_TRANSPORT`, `FERROCOMM_NET`, `FERROCOMM_SOCKET_ADDR`); `Error::Config` when
+    /// `FERROCOMM_TRANSPORT`, `FERROCOMM_NET`, `FERROCOMM_SOCKET_ADDR`, `FERROCOMM_ENCRYPT`);
+    /// `Error::Config` when
     /// any `FERROCOMM_*` variable is malformed.
     pub fn from_env() -> Result<TransportOptions> {
         TransportOptions::from_config(&Config::from_env()?)
@@ -45,6 +49,7 @@ impl TransportOptions {
             force_tcp: c.force_tcp,
             net: c.net,
             bind_addr: c.socket_addr,
+            encrypt: c.encrypt,
         };
         t.validate()?;
         Ok(t)

@@ -13,7 +13,7 @@ use super::liveness::ProcessWatch;
 use super::ring::{unread_at, RingEnd, CTL_BYTES};
 use super::shm::{OwnerState, Segment};
 use super::shm_board::{self as board, Board};
-use super::tcp::{accept_authenticated_or_stop, dial, TcpLink};
+use super::tcp::{accept_authenticated_or_stop, dial, Expect, Handshaken, TcpLink};
 use super::{Link, PeerGone, PeerSegments, ShmLink};
 use crate::bootstrap;
 use crate::contracts::error::{Error, Result};
@@ -166,10 +166,19 @@ pub(crate) fn host_identity(rank: usize, opts: &TransportOptions) -> String {
     });
     if opts.force_tcp {
         // Every rank its own "host": all links go over TCP (tests the multi-host path locally).
-        format!("{id}#rank{rank}")
+        format!("{id}{FORCED}{rank}")
     } else {
         id.clone()
     }
+}
+
+/// What `host_identity` appends where every rank is made a host of its own.
+const FORCED: &str = "#rank";
+
+/// The machine of a host identity: ranks made hosts of their own by `FERROCOMM_TRANSPORT=tcp`
+/// still share it (their traffic never leaves it, so `auto` does not seal it).
+pub(crate) fn machine(host: &str) -> &str {
+    host.split_once(FORCED).map_or(host, |(m, _)| m)
 }
 
 fn left(deadline: Instant) -> Duration {
@@ -295,13 +304,20 @@ pub(crate) fn connect_all(
         })
         .collect();
     let stop = AtomicBool::new(false);
-    let accepted = std::thread::scope(|s| -> Result<Vec<(usize, TcpStream)>> {
+    let accepted = std::thread::scope(|s| -> Result<Vec<(usize, Handshaken)>> {
         let stop = &stop;
         let from: Vec<bool> = (0..size).map(|p| p > rank && !local[p]).collect();
-        let acceptor = listener
-            .take()
-            .map(|l| s.spawn(move || accept_authenticated_or_stop(l, rank, &from, secret, deadline, stop)));
-        let dialled = dial_lower(rank, &hellos, &local, secret, deadline, &mut links);
+        let seal = |p: usize| opts.encrypt.seals(machine(hellos[p].host) == machine(&me));
+        let acceptor = listener.take().map(|l| {
+            s.spawn(move || {
+                let expect = Expect {
+                    from: &from,
+                    seal: &seal,
+                };
+                accept_authenticated_or_stop(l, rank, &expect, secret, deadline, stop)
+            })
+        });
+        let dialled = dial_lower(rank, &hellos, &local, secret, &seal, deadline, &mut links);
         if dialled.is_err() {
             stop.store(true, Ordering::Release);
         }
@@ -315,8 +331,8 @@ pub(crate) fn connect_all(
         accepted
     })?;
     // The acceptor took only ranks above ours on other hosts, each once.
-    for (p, stream) in accepted {
-        links[p] = Link::Tcp(TcpLink::new(stream)?);
+    for (p, conn) in accepted {
+        links[p] = Link::Tcp(TcpLink::new(conn)?);
     }
 
     // Where ranks of other processes share this host, they map our segment by name: once all
@@ -390,6 +406,7 @@ fn dial_lower(
     hellos: &[Hello<'_>],
     local: &[bool],
     secret: &[u8],
+    seal: &dyn Fn(usize) -> bool,
     deadline: Instant,
     links: &mut [Link],
 ) -> Result<()> {
@@ -401,7 +418,7 @@ fn dial_lower(
                 format!("rank {p} published no TCP address ({:?})", h.tcp),
             )
         })?;
-        links[p] = Link::Tcp(TcpLink::new(dial(rank, p, addr, secret, deadline)?)?);
+        links[p] = Link::Tcp(TcpLink::new(dial((rank, p), addr, secret, seal(p), deadline)?)?);
     }
     Ok(())
 }
@@ -472,6 +489,7 @@ mod tests {
             force_tcp: false,
             net: crate::contracts::options::NetTransport::Auto,
             bind_addr: None,
+            encrypt: crate::contracts::options::Encrypt::Auto,
         };
         std::thread::scope(|s| {
             let hs: Vec<_> = (0..n)

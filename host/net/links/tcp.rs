@@ -1,6 +1,8 @@
 //! TCP links between ranks on different hosts: one non-blocking stream per peer pair.
 
+use super::sealed::Sealed;
 use crate::bootstrap::gate::{read_exact_by, Gate, Judgement, Limits, Reply};
+use crate::bootstrap::seal::{session_keys, SessionKeys};
 use crate::bootstrap::{self, NONCE_BYTES, PROOF_BYTES};
 use crate::contracts::error::{Error, Result};
 use std::io::{ErrorKind, Read, Write};
@@ -13,19 +15,31 @@ const LINK_MAGIC: &[u8; 4] = b"FCL2";
 pub(crate) struct TcpLink {
     stream: TcpStream,
     closed: Option<String>,
+    /// Present where the link's traffic is sealed (it leaves the host, or the user asked).
+    sealed: Option<Box<Sealed>>,
 }
 
 impl TcpLink {
-    pub(crate) fn new(stream: TcpStream) -> Result<TcpLink> {
+    /// A link over `stream`, sealed with its handshake's keys where `seal`.
+    pub(crate) fn new(h: Handshaken) -> Result<TcpLink> {
+        let stream = h.stream;
         stream.set_nodelay(true).map_err(|e| Error::io("set TCP_NODELAY", e))?;
         stream
             .set_nonblocking(true)
             .map_err(|e| Error::io("set O_NONBLOCK", e))?;
-        Ok(TcpLink { stream, closed: None })
+        Ok(TcpLink {
+            stream,
+            closed: None,
+            sealed: h.sealed.then(|| Box::new(Sealed::new(&h.keys))),
+        })
     }
 
     /// Bytes written, or the reason the connection is gone.
     pub(crate) fn write(&mut self, src: &[u8]) -> std::result::Result<usize, String> {
+        if let Some(s) = &mut self.sealed {
+            let r = s.write(&self.stream, src);
+            return r.map_err(|why| self.close(why));
+        }
         match self.stream.write(src) {
             Ok(n) => Ok(n),
             Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => Ok(0),
@@ -36,6 +50,10 @@ impl TcpLink {
     pub(crate) fn read(&mut self, dst: &mut [u8]) -> std::result::Result<usize, String> {
         if dst.is_empty() {
             return Ok(0);
+        }
+        if let Some(s) = &mut self.sealed {
+            let r = s.read(&self.stream, dst);
+            return r.map_err(|why| self.close(why));
         }
         match self.stream.read(dst) {
             Ok(0) => Err(self.close("connection closed by peer".into())),
@@ -75,21 +93,43 @@ mod verdict {
     pub const ADMITTED: u8 = 1;
     /// A rank the listener already has a link from, or expects none from.
     pub const UNEXPECTED: u8 = 2;
+    /// The two sides disagree on sealing the link (FERROCOMM_ENCRYPT differs).
+    pub const SEALING_DIFFERS: u8 = 3;
 }
 
-/// What each side's proof covers besides the nonce: its role and rank, so a proof made as one
-/// rank, or by the other side, is worth nothing as another.
-fn role(who: &[u8], rank: usize) -> Vec<u8> {
+/// A connection that passed the handshake: the stream, the keys both sides derived from it,
+/// and whether the two agreed to seal its traffic.
+#[derive(Debug)]
+pub(crate) struct Handshaken {
+    pub stream: TcpStream,
+    pub keys: SessionKeys,
+    pub sealed: bool,
+}
+
+/// The dialler's rank field carries this bit when it will seal the link.
+const SEAL_BIT: u32 = 1 << 31;
+
+/// What each side's proof covers besides the nonce: its role, its rank and whether it seals,
+/// so a proof made as one rank, by the other side, or for the other mode is worth nothing.
+fn role(who: &[u8], rank: usize, seal: bool) -> Vec<u8> {
     let mut r = who.to_vec();
     r.extend_from_slice(&(rank as u32).to_le_bytes());
+    r.push(seal as u8);
     r
 }
 
 /// Connects to `peer`'s listener at `addr` and proves, as `rank`, that we know `secret`; the
 /// listener proves it in turn (so we never send data to an impostor). A listener that drops us
 /// during the handshake (it sheds floods of unauthenticated connections) is dialled again until
-/// `deadline`, then `Error::Timeout` names `peer`.
-pub(crate) fn dial(rank: usize, peer: usize, addr: SocketAddr, secret: &[u8], deadline: Instant) -> Result<TcpStream> {
+/// `deadline`, then `Error::Timeout` names `peer`. `seal` says whether we will seal the link's
+/// traffic; the listener must want the same.
+pub(crate) fn dial(
+    (rank, peer): (usize, usize),
+    addr: SocketAddr,
+    secret: &[u8],
+    seal: bool,
+    deadline: Instant,
+) -> Result<Handshaken> {
     const OP: &str = "link handshake";
     let started = Instant::now();
     loop {
@@ -98,13 +138,17 @@ pub(crate) fn dial(rank: usize, peer: usize, addr: SocketAddr, secret: &[u8], de
         let attempt = match TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
             Ok(s) => {
                 let by = deadline.min(Instant::now() + HANDSHAKE);
-                dial_handshake(&s, (rank, peer), addr, secret, &nonce, by).map(|()| s)
+                dial_handshake(&s, (rank, peer), addr, secret, seal, &nonce, by).map(|keys| Handshaken {
+                    stream: s,
+                    keys,
+                    sealed: seal,
+                })
             }
             Err(e) => Err(Error::io(format!("link to rank {peer} at {addr}"), e)),
         };
         match attempt {
             Ok(s) => return Ok(s),
-            Err(e @ (Error::Auth(_) | Error::Protocol { .. })) => return Err(e),
+            Err(e @ (Error::Auth(_) | Error::Protocol { .. } | Error::Config(_))) => return Err(e),
             Err(e) if Instant::now() >= deadline => {
                 tracing::debug!("{OP} with rank {peer}: {e}");
                 return Err(Error::Timeout {
@@ -123,9 +167,10 @@ fn dial_handshake(
     (rank, peer): (usize, usize),
     addr: SocketAddr,
     secret: &[u8],
+    seal: bool,
     nonce: &[u8; NONCE_BYTES],
     by: Instant,
-) -> Result<()> {
+) -> Result<SessionKeys> {
     let ctx = || format!("link to rank {peer} at {addr}");
     let mut challenge = [0u8; 4 + NONCE_BYTES];
     read_exact_by(s, &mut challenge, by).map_err(|e| Error::io(ctx(), e))?;
@@ -135,8 +180,9 @@ fn dial_handshake(
             format!("rank {peer} at {addr} is not a ferrocomm link"),
         ));
     }
-    let mut hello = (rank as u32).to_le_bytes().to_vec();
-    hello.extend_from_slice(&bootstrap::proof(secret, &challenge[4..], &role(b"dial", rank)));
+    let field = rank as u32 | if seal { SEAL_BIT } else { 0 };
+    let mut hello = field.to_le_bytes().to_vec();
+    hello.extend_from_slice(&bootstrap::proof(secret, &challenge[4..], &role(b"dial", rank, seal)));
     hello.extend_from_slice(nonce);
     (&*s).write_all(&hello).map_err(|e| Error::io(ctx(), e))?;
     let mut answer = [0u8; 1];
@@ -154,6 +200,13 @@ fn dial_handshake(
                 format!("rank {peer} at {addr} expects no link from rank {rank}, or has one already"),
             ))
         }
+        verdict::SEALING_DIFFERS => {
+            return Err(Error::Config(format!(
+            "rank {rank} {} its link to rank {peer} and rank {peer} {}: set FERROCOMM_ENCRYPT the same on every rank",
+            if seal { "seals" } else { "does not seal" },
+            if seal { "does not" } else { "does" },
+        )))
+        }
         v => {
             return Err(Error::protocol(
                 "link handshake",
@@ -163,26 +216,34 @@ fn dial_handshake(
     }
     let mut proof = [0u8; PROOF_BYTES];
     read_exact_by(s, &mut proof, by).map_err(|e| Error::io(ctx(), e))?;
-    if !bootstrap::verify(secret, nonce, &role(b"listen", peer), &proof) {
+    if !bootstrap::verify(secret, nonce, &role(b"listen", peer, seal), &proof) {
         return Err(Error::Auth(format!(
             "the listener at {addr} could not prove the communicator secret as rank {peer}"
         )));
     }
-    Ok(())
+    Ok(session_keys(secret, &challenge[4..], nonce, true))
 }
 
-/// Accepts one authenticated link from each rank that `from` marks, as rank `rank`; returns
-/// (peer rank, stream) pairs, one per rank. Handshakes run at once, each with its own
-/// deadline, so a silent connection delays no one; a rank not marked, or marked but already
-/// linked, is refused.
+/// Who a listener takes links from, and whether it seals each.
+pub(crate) struct Expect<'a> {
+    /// Per rank: a link from it is expected.
+    pub from: &'a [bool],
+    /// Per rank: its link is sealed (the dialler must say the same).
+    pub seal: &'a dyn Fn(usize) -> bool,
+}
+
+/// Accepts one authenticated link from each rank that `expect.from` marks, as rank `rank`;
+/// returns (peer rank, connection) pairs, one per rank. Handshakes run at once, each with its
+/// own deadline, so a silent connection delays no one; a rank not marked, or marked but
+/// already linked, is refused, and so is one that disagrees on sealing.
 pub(crate) fn accept_authenticated(
     l: TcpListener,
     rank: usize,
-    from: &[bool],
+    expect: &Expect<'_>,
     secret: &[u8],
     deadline: Instant,
-) -> Result<Vec<(usize, TcpStream)>> {
-    accept_authenticated_or_stop(l, rank, from, secret, deadline, &AtomicBool::new(false))
+) -> Result<Vec<(usize, Handshaken)>> {
+    accept_authenticated_or_stop(l, rank, expect, secret, deadline, &AtomicBool::new(false))
 }
 
 /// As [`accept_authenticated`], giving up (`Error::Closed`) once `stop` is set: the caller's
@@ -191,11 +252,12 @@ pub(crate) fn accept_authenticated(
 pub(crate) fn accept_authenticated_or_stop(
     l: TcpListener,
     rank: usize,
-    from: &[bool],
+    expect: &Expect<'_>,
     secret: &[u8],
     deadline: Instant,
     stop: &AtomicBool,
-) -> Result<Vec<(usize, TcpStream)>> {
+) -> Result<Vec<(usize, Handshaken)>> {
+    let from = expect.from;
     const OP: &str = "transport setup (accept links)";
     let started = Instant::now();
     let mut gate = Gate::new(l, *LINK_MAGIC, HELLO_BYTES, UNPROVEN)?;
@@ -205,26 +267,31 @@ pub(crate) fn accept_authenticated_or_stop(
     let stopped = || stop.load(Ordering::Acquire);
     while got.len() < expected {
         let mut judge = |r: &Reply<'_>| {
-            let peer = u32::from_le_bytes([r.bytes[0], r.bytes[1], r.bytes[2], r.bytes[3]]) as usize;
+            let field = u32::from_le_bytes([r.bytes[0], r.bytes[1], r.bytes[2], r.bytes[3]]);
+            let (peer, seal) = ((field & !SEAL_BIT) as usize, field & SEAL_BIT != 0);
             let (proof, their_nonce) = r.bytes[4..].split_at(PROOF_BYTES);
-            if peer >= from.len() || !bootstrap::verify(secret, r.nonce, &role(b"dial", peer), proof) {
+            if peer >= from.len() || !bootstrap::verify(secret, r.nonce, &role(b"dial", peer, seal), proof) {
                 return Judgement::Refuse(vec![verdict::REFUSED]);
             }
             if !from[peer] || linked[peer] {
                 tracing::warn!("link listener of rank {rank}: refused an unexpected link from rank {peer}");
                 return Judgement::Refuse(vec![verdict::UNEXPECTED]);
             }
+            if seal != (expect.seal)(peer) {
+                return Judgement::Refuse(vec![verdict::SEALING_DIFFERS]);
+            }
             linked[peer] = true;
             let mut answer = vec![verdict::ADMITTED];
-            answer.extend_from_slice(&bootstrap::proof(secret, their_nonce, &role(b"listen", rank)));
-            Judgement::Admit((peer, answer))
+            answer.extend_from_slice(&bootstrap::proof(secret, their_nonce, &role(b"listen", rank, seal)));
+            let keys = session_keys(secret, r.nonce, their_nonce, false);
+            Judgement::Admit((peer, answer, keys, seal))
         };
         match gate.next(deadline, &stopped, &mut judge)? {
-            Some((s, (peer, answer))) => {
+            Some((stream, (peer, answer, keys, sealed))) => {
                 // The dialler waits for this answer; where it cannot be sent, the dialler
                 // reports the failure and dials again.
-                if (&s).write_all(&answer).is_ok() {
-                    got.push((peer, s));
+                if (&stream).write_all(&answer).is_ok() {
+                    got.push((peer, Handshaken { stream, keys, sealed }));
                 } else {
                     linked[peer] = false;
                 }
@@ -265,8 +332,23 @@ mod tests {
         l: TcpListener,
         secret: &'static [u8],
         within: Duration,
-    ) -> std::thread::JoinHandle<Result<Vec<(usize, TcpStream)>>> {
-        std::thread::spawn(move || accept_authenticated(l, 0, &[false, true, true], secret, Instant::now() + within))
+    ) -> std::thread::JoinHandle<Result<Vec<(usize, Handshaken)>>> {
+        std::thread::spawn(move || accept(l, 0, &[false, true, true], secret, Instant::now() + within))
+    }
+
+    /// Accepts unsealed links from the ranks `from` marks.
+    fn accept(
+        l: TcpListener,
+        rank: usize,
+        from: &[bool],
+        secret: &[u8],
+        deadline: Instant,
+    ) -> Result<Vec<(usize, Handshaken)>> {
+        accept_authenticated(l, rank, &Expect { from, seal: &|_| false }, secret, deadline)
+    }
+
+    fn dial_plain(rank: usize, peer: usize, addr: SocketAddr, secret: &[u8], deadline: Instant) -> Result<TcpStream> {
+        dial((rank, peer), addr, secret, false, deadline).map(|h| h.stream)
     }
 
     /// What an attacker without the secret sends after the greeting: a rank, a proof made with
@@ -280,7 +362,7 @@ mod tests {
         hello.extend_from_slice(&bootstrap::proof(
             secret,
             &challenge[4..],
-            &role(b"dial", rank as usize),
+            &role(b"dial", rank as usize, false),
         ));
         hello.extend_from_slice(&[9; NONCE_BYTES]);
         s.write_all(&hello).unwrap();
@@ -302,8 +384,8 @@ mod tests {
         assert_eq!(forged_hello(addr, 77, SECRET), verdict::REFUSED, "a rank out of range");
         let t = Instant::now();
         let deadline = Instant::now() + Duration::from_secs(20);
-        let a = dial(1, 0, addr, SECRET, deadline).unwrap();
-        let b = dial(2, 0, addr, SECRET, deadline).unwrap();
+        let a = dial_plain(1, 0, addr, SECRET, deadline).unwrap();
+        let b = dial_plain(2, 0, addr, SECRET, deadline).unwrap();
         let mut got = acceptor.join().unwrap().unwrap();
         assert!(t.elapsed() < Duration::from_secs(2), "linked after {:?}", t.elapsed());
         got.sort_by_key(|(p, _)| *p);
@@ -311,7 +393,7 @@ mod tests {
         // The links carry data both ways.
         (&a).write_all(b"one").unwrap();
         let mut buf = [0u8; 3];
-        (&got[0].1).read_exact(&mut buf).unwrap();
+        (&got[0].1.stream).read_exact(&mut buf).unwrap();
         assert_eq!(&buf, b"one");
         drop((silent, garbage, b));
     }
@@ -334,7 +416,7 @@ mod tests {
             s.read_exact(&mut hello).unwrap();
             hello
         });
-        let e = dial(1, 0, spy_addr, SECRET, Instant::now() + Duration::from_millis(500)).unwrap_err();
+        let e = dial_plain(1, 0, spy_addr, SECRET, Instant::now() + Duration::from_millis(500)).unwrap_err();
         assert!(matches!(e, Error::Timeout { peer: Some(0), .. }), "{e}");
         let recorded = recorder.join().unwrap();
         let mut s = TcpStream::connect(addr).unwrap();
@@ -347,13 +429,13 @@ mod tests {
         assert_eq!(v[0], verdict::REFUSED, "a replayed hello");
 
         let deadline = Instant::now() + Duration::from_secs(20);
-        let _one = dial(1, 0, addr, SECRET, deadline).unwrap();
-        let again = dial(1, 0, addr, SECRET, deadline).unwrap_err();
+        let _one = dial_plain(1, 0, addr, SECRET, deadline).unwrap();
+        let again = dial_plain(1, 0, addr, SECRET, deadline).unwrap_err();
         assert!(
             matches!(again, Error::Protocol { .. }) && again.to_string().contains("has one already"),
             "{again}"
         );
-        let _two = dial(2, 0, addr, SECRET, deadline).unwrap();
+        let _two = dial_plain(2, 0, addr, SECRET, deadline).unwrap();
         let got = acceptor.join().unwrap().unwrap();
         assert_eq!(got.len(), 2);
     }
@@ -364,7 +446,7 @@ mod tests {
     fn an_impostor_listener_is_refused_and_silence_is_a_timeout_naming_the_peer() {
         let (l, addr) = listener();
         std::thread::spawn(move || {
-            let _ = accept_authenticated(
+            let _ = accept(
                 l,
                 0,
                 &[false, true],
@@ -372,18 +454,18 @@ mod tests {
                 Instant::now() + Duration::from_secs(5),
             );
         });
-        let e = dial(1, 0, addr, SECRET, Instant::now() + Duration::from_secs(5)).unwrap_err();
+        let e = dial_plain(1, 0, addr, SECRET, Instant::now() + Duration::from_secs(5)).unwrap_err();
         assert!(matches!(e, Error::Auth(_)), "{e}");
 
         let (mute, addr) = listener(); // accepts in the backlog, never greets
         let t = Instant::now();
-        let e = dial(1, 4, addr, SECRET, Instant::now() + Duration::from_millis(600)).unwrap_err();
+        let e = dial_plain(1, 4, addr, SECRET, Instant::now() + Duration::from_millis(600)).unwrap_err();
         assert!(matches!(e, Error::Timeout { peer: Some(4), .. }), "{e}");
         assert!(t.elapsed() < Duration::from_secs(3));
         drop(mute);
 
         let (l, _) = listener();
-        let e = accept_authenticated(
+        let e = accept(
             l,
             0,
             &[false, false, true],
@@ -400,7 +482,7 @@ mod tests {
     fn a_listener_proving_another_rank_is_refused() {
         let (l, addr) = listener();
         std::thread::spawn(move || {
-            let _ = accept_authenticated(
+            let _ = accept(
                 l,
                 3,
                 &[false, true, false, false],
@@ -408,10 +490,49 @@ mod tests {
                 Instant::now() + Duration::from_secs(5),
             );
         });
-        let e = dial(1, 0, addr, SECRET, Instant::now() + Duration::from_secs(5)).unwrap_err();
+        let e = dial_plain(1, 0, addr, SECRET, Instant::now() + Duration::from_secs(5)).unwrap_err();
         assert!(
             matches!(e, Error::Auth(_)) && e.to_string().contains("as rank 0"),
             "{e}"
         );
+    }
+
+    /// A sealed link carries data both ways with nothing in the clear; ends that disagree on
+    /// sealing fail at set-up with a configuration error.
+    #[test]
+    fn a_sealed_link_carries_data_and_a_sealing_mismatch_is_a_config_error() {
+        let (l, addr) = listener();
+        let acceptor = std::thread::spawn(move || {
+            let expect = Expect {
+                from: &[false, true, true],
+                seal: &|p| p == 1,
+            };
+            accept_authenticated(l, 0, &expect, SECRET, Instant::now() + Duration::from_secs(10))
+        });
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let e = dial((2, 0), addr, SECRET, true, deadline).expect_err("rank 2 must not seal");
+        assert!(
+            matches!(e, Error::Config(_)) && e.to_string().contains("FERROCOMM_ENCRYPT"),
+            "{e}"
+        );
+        let mut mine = TcpLink::new(dial((1, 0), addr, SECRET, true, deadline).unwrap()).unwrap();
+        let _plain = dial((2, 0), addr, SECRET, false, deadline).unwrap();
+        let mut got = acceptor.join().unwrap().unwrap();
+        got.sort_by_key(|(p, _)| *p);
+        let (_, h) = got.remove(0);
+        assert!(h.sealed);
+        let spy = h.stream.try_clone().unwrap();
+        let mut theirs = TcpLink::new(h).unwrap();
+        let msg: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
+        let (mut w, mut r) = (0, 0);
+        let mut out = vec![0u8; msg.len()];
+        let t = Instant::now();
+        while r < msg.len() {
+            assert!(t.elapsed() < Duration::from_secs(10));
+            w += mine.write(&msg[w..]).unwrap();
+            r += theirs.read(&mut out[r..]).unwrap();
+        }
+        assert_eq!(out, msg);
+        drop(spy);
     }
 }

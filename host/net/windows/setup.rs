@@ -82,8 +82,12 @@ impl WindowNetwork {
         };
         // From here an error drops `net`, which stops the servers already started.
         for (origin, stream) in mesh.from {
-            net.served
-                .push(stream.try_clone().map_err(|e| Error::io("window server", e))?);
+            net.served.push(
+                stream
+                    .get_ref()
+                    .try_clone()
+                    .map_err(|e| Error::io("window server", e))?,
+            );
             let target = target()?;
             let gone = net.gone.clone();
             net.threads.push(

@@ -10,6 +10,7 @@
 //! asked for. A request the target cannot accept closes the connection.
 
 use super::link::Link;
+use crate::bootstrap::seal::SealedStream;
 use crate::contracts::error::{Error, Result};
 use crate::contracts::window::SignalOp;
 use std::io::{ErrorKind, Read, Write};
@@ -129,15 +130,18 @@ impl Target for Memory {
 }
 
 /// Serves one origin until its connection ends; then marks the origin gone.
-pub(crate) fn serve(mut s: TcpStream, origin: usize, mut mem: impl Target, gone: Arc<Vec<AtomicBool>>) {
+pub(crate) fn serve(mut s: Conn, origin: usize, mut mem: impl Target, gone: Arc<Vec<AtomicBool>>) {
     if let Err(why) = serve_requests(&mut s, origin, &mut mem) {
         tracing::debug!(origin, "window server: connection ended: {why}");
     }
     gone[origin].store(true, Ordering::Release);
-    let _ = s.shutdown(Shutdown::Both);
+    let _ = s.get_ref().shutdown(Shutdown::Both);
 }
 
-fn serve_requests(s: &mut TcpStream, origin: usize, mem: &mut dyn Target) -> std::result::Result<(), String> {
+/// A window connection: sealed where its traffic leaves the machine (FERROCOMM_ENCRYPT).
+pub(crate) type Conn = SealedStream<TcpStream>;
+
+fn serve_requests(s: &mut Conn, origin: usize, mem: &mut dyn Target) -> std::result::Result<(), String> {
     let (bytes, signals) = mem.limits();
     let in_bounds = |offset: u64, len: u64| offset.checked_add(len).is_some_and(|end| end <= bytes as u64);
     let word_ok = |off: u64| in_bounds(off, 8) && off % 8 == 0;
@@ -148,7 +152,7 @@ fn serve_requests(s: &mut TcpStream, origin: usize, mem: &mut dyn Target) -> std
             return Err(format!("{e}"));
         }
         let (a, b, c) = (word(&h[8..16]), word(&h[16..24]), word(&h[24..32]));
-        let reply = |s: &mut TcpStream, v: u64| s.write_all(&v.to_le_bytes()).map_err(|e| e.to_string());
+        let reply = |s: &mut Conn, v: u64| s.write_all(&v.to_le_bytes()).map_err(|e| e.to_string());
         match h[0] {
             PUT if in_bounds(a, b) => {
                 buf.resize(b as usize, 0);
@@ -185,17 +189,18 @@ fn serve_requests(s: &mut TcpStream, origin: usize, mem: &mut dyn Target) -> std
 
 /// An origin's connection to one target's server.
 pub(crate) struct TcpLink {
-    stream: TcpStream,
+    stream: Conn,
     peer: usize,
     timeout: Duration,
 }
 
 impl TcpLink {
-    pub(crate) fn new(stream: TcpStream, peer: usize, timeout: Duration) -> Result<TcpLink> {
+    pub(crate) fn new(stream: Conn, peer: usize, timeout: Duration) -> Result<TcpLink> {
         let io = |e| Error::io("window proxy connection", e);
-        stream.set_nodelay(true).map_err(io)?;
-        stream.set_read_timeout(Some(timeout)).map_err(io)?;
-        stream.set_write_timeout(Some(timeout)).map_err(io)?;
+        let s = stream.get_ref();
+        s.set_nodelay(true).map_err(io)?;
+        s.set_read_timeout(Some(timeout)).map_err(io)?;
+        s.set_write_timeout(Some(timeout)).map_err(io)?;
         Ok(TcpLink { stream, peer, timeout })
     }
 
@@ -283,6 +288,9 @@ pub(crate) fn loopback(origin: usize, data: &mut [u64], pad: &mut [u64]) -> (Tcp
         size: 2,
     };
     let gone = Arc::new(vec![AtomicBool::new(false), AtomicBool::new(false)]);
-    let server = std::thread::spawn(move || serve(served, origin, mem, gone));
-    (TcpLink::new(from, 1 - origin, Duration::from_secs(5)).unwrap(), server)
+    let server = std::thread::spawn(move || serve(SealedStream::plain(served), origin, mem, gone));
+    (
+        TcpLink::new(SealedStream::plain(from), 1 - origin, Duration::from_secs(5)).unwrap(),
+        server,
+    )
 }
