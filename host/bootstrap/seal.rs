@@ -7,8 +7,7 @@
 //! tag; the length is authenticated too.
 
 use crate::contracts::error::{Error, Result};
-use aes_gcm::aead::AeadInPlace;
-use aes_gcm::{Aes256Gcm, KeyInit, Nonce};
+use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM};
 
 /// The most plaintext one record carries: large enough that the per-record cost (a length,
 /// a tag, a nonce) vanishes, small enough to bound the buffers.
@@ -47,15 +46,22 @@ pub(crate) fn session_keys(secret: &[u8], listener_nonce: &[u8], dialler_nonce: 
     }
 }
 
-fn nonce(counter: u64) -> Nonce<aes_gcm::aead::consts::U12> {
+/// Record `counter`'s nonce: each key seals each counter once (keys are per connection and
+/// direction), which is all AES-GCM asks.
+fn nonce(counter: u64) -> Nonce {
     let mut n = [0u8; 12];
     n[4..].copy_from_slice(&counter.to_le_bytes());
-    n.into()
+    Nonce::assume_unique_for_key(n)
+}
+
+fn cipher(key: &[u8; 32]) -> LessSafeKey {
+    // A 32-byte key is what AES-256 takes, so this cannot fail.
+    LessSafeKey::new(UnboundKey::new(&AES_256_GCM, key).unwrap_or_else(|_| unreachable!()))
 }
 
 /// Seals records in one direction.
 pub(crate) struct Sealer {
-    cipher: Aes256Gcm,
+    cipher: LessSafeKey,
     counter: u64,
 }
 
@@ -68,7 +74,7 @@ impl std::fmt::Debug for SessionKeys {
 impl Sealer {
     pub fn new(key: &[u8; 32]) -> Sealer {
         Sealer {
-            cipher: Aes256Gcm::new(key.into()),
+            cipher: cipher(key),
             counter: 0,
         }
     }
@@ -80,27 +86,26 @@ impl Sealer {
         let start = out.len();
         out.extend_from_slice(&len);
         out.extend_from_slice(plain);
-        let (head, body) = out[start..].split_at_mut(LEN_BYTES);
         let tag = self
             .cipher
-            .encrypt_in_place_detached(&nonce(self.counter), head, body)
+            .seal_in_place_separate_tag(nonce(self.counter), Aad::from(len), &mut out[start + LEN_BYTES..])
             .map_err(|_| Error::protocol("sealed stream", "cannot seal a record"))?;
         self.counter += 1;
-        out.extend_from_slice(&tag);
+        out.extend_from_slice(tag.as_ref());
         Ok(())
     }
 }
 
 /// Opens records in one direction, in order.
 pub(crate) struct Opener {
-    cipher: Aes256Gcm,
+    cipher: LessSafeKey,
     counter: u64,
 }
 
 impl Opener {
     pub fn new(key: &[u8; 32]) -> Opener {
         Opener {
-            cipher: Aes256Gcm::new(key.into()),
+            cipher: cipher(key),
             counter: 0,
         }
     }
@@ -125,9 +130,10 @@ impl Opener {
     /// starts at `rec[LEN_BYTES..]`. `Err` when it was altered, replayed or reordered.
     pub fn open<'a>(&mut self, rec: &'a mut [u8]) -> Result<&'a [u8]> {
         let (head, rest) = rec.split_at_mut(LEN_BYTES);
-        let (body, tag) = rest.split_at_mut(rest.len() - TAG_BYTES);
-        self.cipher
-            .decrypt_in_place_detached(&nonce(self.counter), head, body, (&*tag).into())
+        let aad = [head[0], head[1], head[2], head[3]];
+        let body = self
+            .cipher
+            .open_in_place(nonce(self.counter), Aad::from(aad), rest)
             .map_err(|_| {
                 Error::protocol(
                     "sealed stream",
@@ -135,7 +141,7 @@ impl Opener {
                 )
             })?;
         self.counter += 1;
-        Ok(body)
+        Ok(&*body)
     }
 }
 

@@ -375,7 +375,7 @@ impl Engine {
                     *hpos += n;
                     moved |= n > 0;
                     if *hpos < HEADER_BYTES {
-                        return Ok(moved);
+                        return Ok(moved | link.take_progress());
                     }
                 }
                 if *pos < data.len() {
@@ -383,7 +383,7 @@ impl Engine {
                     *pos += n;
                     moved |= n > 0;
                 }
-                Ok(moved)
+                Ok(moved | link.take_progress())
             }
             Xfer::Recv {
                 peer,
@@ -403,7 +403,7 @@ impl Engine {
                     *hpos += n;
                     moved |= n > 0;
                     if *hpos < HEADER_BYTES {
-                        return Ok(moved);
+                        return Ok(moved | link.take_progress());
                     }
                     header::check(op, *peer, hdr, expect).map_err(|e| match e {
                         Error::Mismatch { op, peer, detail } if *earlier => Error::Mismatch {
@@ -426,7 +426,7 @@ impl Engine {
                     *pos += n;
                     moved |= n > 0;
                 }
-                Ok(moved)
+                Ok(moved | link.take_progress())
             }
         }
     }

@@ -73,6 +73,16 @@ impl Link {
         }
     }
 
+    /// Whether the link moved bytes of its own since last asked, though the caller's last
+    /// calls moved none: a sealed link sends and receives records in parts, and a waiter that
+    /// saw no progress would back off while a record is still on its way.
+    pub(crate) fn take_progress(&mut self) -> bool {
+        match self {
+            Link::Tcp(l) => l.take_progress(),
+            _ => false,
+        }
+    }
+
     /// Reads what is available now, up to `dst.len()`.
     pub(crate) fn read(&mut self, dst: &mut [u8]) -> Result<usize, Gone> {
         match self {

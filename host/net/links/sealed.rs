@@ -27,6 +27,8 @@ pub(crate) struct Sealed {
     /// The opened record at `start`: its plaintext not yet read is `buf[at..to]`, and the
     /// record ends at `record_end`.
     opened: Option<Opened>,
+    /// Bytes moved on the socket since the owner last took this (see `Link::take_progress`).
+    pub progressed: bool,
 }
 
 #[derive(Clone, Copy)]
@@ -54,6 +56,7 @@ impl Sealed {
             start: 0,
             end: 0,
             opened: None,
+            progressed: false,
         }
     }
 
@@ -61,7 +64,10 @@ impl Sealed {
     fn flush(&mut self, mut s: &TcpStream) -> std::result::Result<bool, String> {
         while self.out_at < self.out.len() {
             match s.write(&self.out[self.out_at..]) {
-                Ok(n) => self.out_at += n,
+                Ok(n) => {
+                    self.out_at += n;
+                    self.progressed |= n > 0;
+                }
                 Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => return Ok(false),
                 Err(e) => return Err(format!("connection lost while sending: {e}")),
             }
@@ -138,7 +144,10 @@ impl Sealed {
             }
             match s.read(&mut self.buf[self.end..]) {
                 Ok(0) => return Err("connection closed by peer".into()),
-                Ok(n) => self.end += n,
+                Ok(n) => {
+                    self.end += n;
+                    self.progressed = true;
+                }
                 Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => return Ok(0),
                 Err(e) => return Err(format!("connection lost while receiving: {e}")),
             }

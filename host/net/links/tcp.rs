@@ -63,6 +63,11 @@ impl TcpLink {
         }
     }
 
+    /// See [`Link::take_progress`](super::Link::take_progress).
+    pub(crate) fn take_progress(&mut self) -> bool {
+        self.sealed.as_mut().is_some_and(|s| std::mem::take(&mut s.progressed))
+    }
+
     fn close(&mut self, why: String) -> String {
         self.closed.get_or_insert(why).clone()
     }
