@@ -15,7 +15,7 @@
 # into .toolchain-cache/gloo-venv), writes JSON and logs under target/compare/, then the
 # collectives section of docs/results/cpu.md and one plot per transport beside it.
 #
-#   scripts/cpu_compare.sh            the full run (40-60 minutes on 2 cores)
+#   scripts/cpu_compare.sh            the full run (about 40 minutes on 2 cores)
 #   scripts/cpu_compare.sh --quick    a few sizes, one repetition: a smoke test of minutes that
 #                                     writes its report to target/compare/ and leaves docs/ alone
 #   --reps N                          repetitions (default 3; --quick: 1)
@@ -53,7 +53,8 @@ py="$cache/gloo-venv/bin/python"
 torchrun="$cache/gloo-venv/bin/torchrun"
 cargo build --release --quiet -p ferrocomm-bench
 cargo build --release --quiet --bin ferrocomm-run
-bench=target/release/ferrocomm-bench
+bench=${CARGO_TARGET_DIR:-target}/release/ferrocomm-bench
+launcher=${CARGO_TARGET_DIR:-target}/release/ferrocomm-run
 mpicc.mpich -O2 -Wall -o target/peers/mpi_bench_mpich benches/peers/mpi_bench.c
 mpicc.openmpi -O2 -Wall -o target/peers/mpi_bench_openmpi benches/peers/mpi_bench.c
 [ "$(id -u)" = 0 ] && export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -146,7 +147,7 @@ run_ferrocomm() {
       tcp-loopback) FERROCOMM_TRANSPORT=tcp "${limit[@]}" "$bench" "${args[@]}" --world "$n" --json "$file" || return ;;
       tcp-veth)
         port=$((port + 1))
-        local run=(env FERROCOMM_TRANSPORT=tcp FERROCOMM_TOKEN="$token" target/release/ferrocomm-run
+        local run=(env FERROCOMM_TRANSPORT=tcp FERROCOMM_TOKEN="$token" "$launcher"
           -n $((n / 2)) --nnodes 2 --master-addr "$addr_a" --master-port "$port")
         two_hosts ip netns exec "$nsb" "${run[@]}" --node-rank 1 -- "$bench" "${args[@]}" \
           \; ip netns exec "$nsa" "${run[@]}" --node-rank 0 -- "$bench" "${args[@]}" --json "$file" || return
@@ -244,7 +245,7 @@ ompi_is="Open MPI $(ompi_info --parsable | awk -F: '/^ompi:version:full/ {print 
   echo "shm|mpich|\`mpiexec.mpich -n N\` ($mpich_is, defaults)"
   echo "shm|openmpi|\`mpirun.openmpi -n N\` ($ompi_is, defaults: ob1 with the vader BTL)"
   echo "tcp-loopback|ferrocomm|\`FERROCOMM_TRANSPORT=tcp ferrocomm-bench OP --world N\`"
-  echo "tcp-loopback|mpich|\`MPIR_CVAR_NOLOCAL=1 UCX_TLS=tcp UCX_NET_DEVICES=lo mpiexec.mpich -n N\`"
+  echo "tcp-loopback|mpich|\`MPIR_CVAR_NOLOCAL=1 UCX_TLS=tcp UCX_NET_DEVICES=lo mpiexec.mpich -n N\` (NOLOCAL turns off MPICH's own shared memory, UCX_TLS=tcp UCX's, which NOLOCAL alone leaves on; this build has no ch3 or ofi netmod to pick instead)"
   echo "tcp-loopback|openmpi|\`mpirun.openmpi --mca pml ob1 --mca btl tcp,self --mca btl_tcp_if_include lo -n N\`"
   echo "tcp-loopback|gloo|\`GLOO_SOCKET_IFNAME=lo torchrun --standalone --nproc-per-node N\` (torch $("$py" -c 'import torch; print(torch.__version__)'))"
   echo "tcp-veth|ferrocomm|\`FERROCOMM_TRANSPORT=tcp ferrocomm-run -n N/2 --nnodes 2 --node-rank R --master-addr 10.77.0.1 ...\` in each namespace"
