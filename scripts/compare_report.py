@@ -1,46 +1,86 @@
-"""Turns the JSON of scripts/cpu_compare.sh into the collectives section of
-docs/results/cpu.md (between the markers below, replaced on every run), which shows the plot
-PLOT_PNG (`ferrocomm-bench plot` draws it from the same JSON).
+"""Turns the output of scripts/cpu_compare.sh into the collectives section of docs/results/cpu.md
+(between the markers below, replaced on every run), which shows one plot per transport
+(`ferrocomm-bench plot` draws them from the same JSON, beside CPU_MD).
 
-    compare_report.py JSON_DIR CPU_MD PLOT_PNG COMMIT COMMAND
+    compare_report.py OUT_DIR CPU_MD COMMIT COMMAND
+
+OUT_DIR holds one folder of JSON per transport (TOOL-OP-N-rREP[-PART].json: a tool's runs of one
+op at N processes in repetition REP, in parts where the tool took one launch per sweep),
+notes.txt (how each tool ran, "transport|tool|text" per line) and failures.txt.
 """
 import datetime
 import glob
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
+from collections import defaultdict
 
 BEGIN, END = "<!-- collectives:begin -->", "<!-- collectives:end -->"
+TRANSPORTS = ("shm", "tcp-loopback", "tcp-veth")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
+PEERS = ("mpich", "openmpi", "gloo")
+NAMES = {"ferrocomm": "ferrocomm", "mpich": "MPICH", "openmpi": "Open MPI", "gloo": "Gloo"}
+FILE = re.compile(r"(?P<tool>[a-z]+)-(?P<op>[a-z_]+)-(?P<n>\d+)-r(?P<rep>\d+)(?:-\d+)?\.json")
 
 
-def load(d, tool, op, n):
-    """Rows by size; of the repeated runs, each size keeps its fastest mean."""
-    rows = {}
-    for path in glob.glob(os.path.join(d, f"{tool}-{op}-{n}-*-r*.json")):
-        with open(path) as f:
-            for r in json.load(f)["rows"]:
-                if r["bytes"] not in rows or r["time_us"] < rows[r["bytes"]]["time_us"]:
-                    rows[r["bytes"]] = r
-    return rows
+def image(transport):
+    return "cpu-collectives.png" if transport == "shm" else f"cpu-collectives-{transport}.png"
 
 
-def paired_ratios(d, op, n):
-    """ferrocomm / MPICH time per size and repetition, each pair measured back to back. This VM
-    drifts between fast and slow phases that last longer than one tool's sweep, so a ratio of
-    two bests can compare a fast phase with a slow one; a pair shares its phase."""
-    ratios = {}
-    for path in glob.glob(os.path.join(d, f"ferrocomm-{op}-{n}-*-r*.json")):
-        peer = path.replace(f"{os.sep}ferrocomm-", f"{os.sep}mpich-")
-        if not os.path.exists(peer):
-            continue
-        with open(path) as f, open(peer) as g:
-            mine = {r["bytes"]: r["time_us"] for r in json.load(f)["rows"]}
-            theirs = {r["bytes"]: r["time_us"] for r in json.load(g)["rows"]}
-        for b in mine.keys() & theirs.keys():
-            ratios.setdefault(b, []).append(mine[b] / theirs[b])
-    return {b: sorted(v) for b, v in ratios.items()}
+def load(d):
+    """runs[transport][(op, n)][tool][rep][bytes] = row."""
+    runs = defaultdict(lambda: defaultdict(lambda: defaultdict(lambda: defaultdict(dict))))
+    for t in TRANSPORTS:
+        for path in glob.glob(os.path.join(d, t, "*.json")):
+            m = FILE.fullmatch(os.path.basename(path))
+            if not m:
+                continue
+            with open(path) as f:
+                rows = json.load(f)["rows"]
+            for r in rows:
+                runs[t][(m["op"], int(m["n"]))][m["tool"]][int(m["rep"])][r["bytes"]] = r
+    return runs
+
+
+def best(reps, b):
+    """The fastest of a tool's repetitions at `b` bytes, or None."""
+    rows = [rows[b] for rows in reps.values() if b in rows]
+    return min(rows, key=lambda r: r["time_us"]) if rows else None
+
+
+def paired(tools, b, peers=PEERS):
+    """ferrocomm's time / the fastest peer's time of the same repetition, for every repetition
+    where both ran: each pair was measured back to back, so it shares the machine's phase (a
+    shared VM drifts between fast and slow phases longer than one sweep)."""
+    out = []
+    for rep, rows in tools.get("ferrocomm", {}).items():
+        times = [tools[p][rep][b]["time_us"] for p in peers if b in tools.get(p, {}).get(rep, {})]
+        if b in rows and times:
+            out.append(rows[b]["time_us"] / min(times))
+    return sorted(out)
+
+
+def earlier_goals(tools):
+    """The goals of the first comparison: shm, 2 processes, all_reduce against MPICH."""
+    sizes = {b for rows in tools.get("ferrocomm", {}).values() for b in rows if b <= 65536}
+    small = {b: median(paired(tools, b, ("mpich",))) for b in sizes if paired(tools, b, ("mpich",))}
+    big = paired(tools, 64 << 20, ("mpich",))
+    lines = ["Earlier goals (shm, 2 processes, all_reduce, paired against MPICH):", ""]
+    if small:
+        worst = max(small, key=small.get)
+        lines.append(f"- latency, 8 B–64 KiB: worst ratio {small[worst]:.2f} at {worst} B (goal ≤ 1.0): "
+                     f"{'met' if small[worst] <= 1.0 else 'NOT met'}.")
+    else:
+        lines.append("- latency, 8 B–64 KiB: no paired rows.")
+    if big:
+        bw = 1 / median(big)  # same bytes: the busbw ratio is the inverse of the time ratio
+        lines.append(f"- bandwidth, 64 MiB: busbw ratio {bw:.2f} (goal ≥ 0.9): {'met' if bw >= 0.9 else 'NOT met'}.")
+    else:
+        lines.append("- bandwidth, 64 MiB: not run.")
+    return lines
 
 
 def median(v):
@@ -55,59 +95,157 @@ def cpu_model():
         return platform.processor() or "unknown"
 
 
-def main():
-    d, md, png, commit, command = sys.argv[1:6]
-    lines = [BEGIN, "## Collectives against MPICH and Gloo (issue: ferrocomm-bench)", ""]
-    lines += [
-        f"- Machine: {cpu_model()}, {os.cpu_count()} cores, Linux {platform.release()}; no GPU.",
-        f"- Date: {datetime.date.today()}. Commit: `{commit}`. Command: `{command}`.",
-        "- f32, sum. Time = the slowest rank's mean per call, best of the interleaved runs per tool",
-        "  (5 at 2 processes, 3 at 4); busbw uses the nccl-tests factors. \"paired\" = the median over runs",
-        "  of ferrocomm's time / MPICH's time measured right after it (min–max in brackets): the goals use it,",
-        "  since this VM drifts between fast and slow phases that a best-of comparison can straddle.",
-        "  Iterations (up to as many processes as cores): 8 B–64 KiB 2000 (Gloo 200), 256 KiB–64 MiB 20;",
-        "  with more processes than cores: 50 and 5, and every tool is time-sliced. Ratios are ferrocomm / peer:",
-        "  time ratio < 1 and busbw ratio > 1 mean ferrocomm is faster.",
-        "",
+def read_notes(d):
+    notes = defaultdict(dict)
+    path = os.path.join(d, "notes.txt")
+    for line in open(path).read().splitlines() if os.path.exists(path) else []:
+        t, key, text = line.split("|", 2)
+        notes[t][key] = text
+    return notes
+
+
+def sweep_text(spec):
+    """"8:65536:2:2000:100 ..." -> "8 B–64 KiB ×2: 2000 (+100 warm-up); ..."."""
+    parts = []
+    for s in spec.split():
+        lo, hi, f, it, wu = (int(x) for x in s.split(":"))
+        parts.append(f"{size(lo)}–{size(hi)} ×{f}: {it} (+{wu} warm-up)")
+    return "; ".join(parts)
+
+
+def size(b):
+    for unit, shift in (("MiB", 20), ("KiB", 10)):
+        if b >= 1 << shift and b % (1 << shift) == 0:
+            return f"{b >> shift} {unit}"
+    return f"{b} B"
+
+
+def header(notes, transports, commit, command):
+    """Machine, method, iterations, and how each tool ran."""
+    cores = os.cpu_count()
+    lines = [
+        "## Collectives against MPICH, Open MPI and Gloo, over shared memory and TCP (issue: ferrocomm-bench)", "",
+        f"- Machine: {cpu_model()}, {cores} cores, Linux {platform.release()}; no GPU.",
+        f"- Date: {datetime.date.today()}. Commit: `{commit}`. Command: `{command}`"
+        + (" (as root, for the namespaces)." if "tcp-veth" in transports else "."),
+        "- Every op of ferrocomm-bench that the peers have, f32, sum, root 0; sizes as nccl-tests count them (the",
+        "  per-rank buffer of all_reduce, broadcast and send_recv, all ranks' blocks together for all_gather,",
+        "  reduce_scatter and all_to_all). Time = the slowest rank's mean per call; busbw uses the nccl-tests",
+        "  factors. The tables show each tool's best repetition. Calls run back to back with no barrier between",
+        "  them, as in nccl-tests: where a library lets a rank leave before the others have the data (an MPI",
+        "  broadcast of a small message returns at the root once sent, eagerly), consecutive calls overlap and",
+        "  the time per call is a throughput rather than a latency.",
+        f"- Repetitions: {notes['all'].get('reps', '?')}. Each runs every tool of a transport back to back for one op and",
+        "  world size. \"paired\" = the median over repetitions of ferrocomm's time / the fastest peer's time in the",
+        "  same repetition (min–max in brackets): the goal uses it, since a shared VM drifts between fast and slow",
+        "  phases that a comparison of bests can straddle. Below 1 ferrocomm is faster.",
+        "- Transports: **shm** = each library's default between ranks of one host (shared memory; Gloo has none",
+        "  and appears only under TCP); **tcp-loopback** = every link TCP over `lo`; **tcp-veth** = every link TCP,",
+        "  half the ranks in each of two network namespaces (ranks 0..N/2-1 in the first, for every tool) joined",
+        "  by a veth pair.",
     ]
-    header_end = len(lines)
-    verdicts = []
-    for op in ("all_reduce", "all_gather", "all_to_all"):
-        for n in (2, 4):
-            fc, mp, gl = (load(d, t, op, n) for t in ("ferrocomm", "mpich", "gloo"))
-            if not fc:
-                continue
-            lines += [f"### {op}, {n} processes", "",
-                      "| bytes | ferrocomm us | MPICH us | Gloo us | time / MPICH | paired | busbw ferrocomm | busbw MPICH | busbw / MPICH |",
-                      "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-            paired = paired_ratios(d, op, n)
-            for b in sorted(fc):
-                f, m, g = fc[b], mp.get(b), gl.get(b)
-                tr = f["time_us"] / m["time_us"] if m else float("nan")
-                br = f["busbw"] / m["busbw"] if m and m["busbw"] > 0 else float("nan")
-                gt = f'{g["time_us"]:.1f}' if g else "-"
-                mt = f'{m["time_us"]:.2f}' if m else "-"
-                mb = f'{m["busbw"]:.2f}' if m else "-"
-                pr = paired.get(b)
-                pt = f"{median(pr):.2f} [{pr[0]:.2f}–{pr[-1]:.2f}]" if pr else "-"
-                lines.append(f'| {b} | {f["time_us"]:.2f} | {mt} | {gt} | {tr:.2f} | {pt} | {f["busbw"]:.2f} | {mb} | {br:.2f} |')
-            lines.append("")
-            if op == "all_reduce" and n == 2 and mp:
-                small = {b: median(paired[b]) for b in paired if b <= 65536}
-                worst = max(small, key=small.get) if small else None
-                big = paired.get(64 << 20)
-                bw = 1 / median(big) if big else float("nan")  # same bytes: busbw ratio = 1 / time ratio
-                if worst is None:
-                    verdicts.append("- all_reduce latency, 2 processes: no paired runs")
-                else:
-                    verdicts.append(f"- all_reduce latency, 2 processes, 8 B–64 KiB: worst paired time ratio to MPICH "
-                                    f"{small[worst]:.2f} at {worst} B (goal ≤ 1.0): "
-                                    f"{'met' if small[worst] <= 1.0 else 'NOT met'}.")
-                verdicts.append(f"- all_reduce bandwidth, 2 processes, 64 MiB: paired busbw ratio to MPICH "
-                                f"{bw:.2f} (goal ≥ 0.9): {'met' if bw >= 0.9 else 'NOT met'}.")
-    lines[header_end:header_end] = ["Goals:", ""] + verdicts + [""]
-    lines += [f"![latency and bus bandwidth](./{os.path.basename(png)})", "",
-              "Drawn by `ferrocomm-bench plot` from the same JSON (each size's fastest run per tool).", "", END]
+    if "link" in notes["tcp-veth"]:
+        lines.append(f"- tcp-veth link: {notes['tcp-veth']['link']}.")
+    if "all" in notes["tcp-veth"]:
+        lines.append(f"- tcp-veth: {notes['tcp-veth']['all']}.")
+    lines += ["", "Iterations per size:", "", "| transport | 2 processes | 4 processes |", "|---|---|---|"]
+    for t in transports:
+        lines.append(f"| {t} | {sweep_text(notes[t].get('sweeps-2', ''))} | {sweep_text(notes[t].get('sweeps-4', ''))} |")
+    lines += ["", notes["all"]["caps"] + ".", ""] if "caps" in notes["all"] else [""]
+
+    lines += ["### How each tool ran", "", "| transport | tool | command and settings |", "|---|---|---|"]
+    for t in TRANSPORTS:
+        for tool in ("ferrocomm",) + PEERS:
+            if tool in notes[t]:
+                lines.append(f"| {t} | {NAMES[tool]} | {notes[t][tool]} |")
+    if 4 > cores:
+        lines += ["", f"With more ranks than cores (4 processes on this machine's {cores}) every tool is time-sliced, and",
+                  "each ran with its setting for that, where it has one:", ""]
+    else:
+        lines += ["", f"No run had more ranks than this machine's {cores} cores; with more, each tool would have run with:", ""]
+    return lines + [f"- {NAMES[tool]}: {text}" for tool, text in notes["over"].items()]
+
+
+def failures(d):
+    """Runs that failed: those whose rows are missing, and those that wrote their rows first."""
+    path = os.path.join(d, "failures.txt")
+    failed = [l.split("|") for l in open(path).read().splitlines()] if os.path.exists(path) else []
+    lines = []
+    lost = [f for f in failed if f[5] != "kept"]
+    if lost:
+        lines += ["", "Runs that failed, their rows missing (logs in the run's target/compare/logs/):", ""]
+        lines += [f"- {t} {NAMES.get(tool, tool)} {op}, {n} processes, repetition {rep}" for t, tool, op, n, rep, _ in lost]
+    kept = defaultdict(list)
+    for t, tool, op, n, rep, k in failed:
+        if k == "kept":
+            kept[(t, tool)].append(f"{op} n={n} r{rep}")
+    if kept:
+        lines += ["", "Runs that exited with an error after writing their rows, which are kept (mpi_bench leaves with",
+                  "status 3 after 5 s in MPI_Finalize, which MPICH over UCX's TCP transport sometimes never returns",
+                  "from; other causes are in the run's logs):", ""]
+        lines += [f"- {t} {NAMES.get(tool, tool)}: {len(v)} ({', '.join(v)})" for (t, tool), v in kept.items()]
+    return lines
+
+
+def results(runs, transports):
+    """The goal per transport (worst paired ratio, rows lost) and every table with its plot."""
+    summary = ["### Goal: ferrocomm / best peer ≤ 1.0 in every row (paired)", "",
+               "| transport | worst paired ratio | its row | rows lost / rows |", "|---|---:|---|---:|"]
+    lost_lines, tables = [], []
+    for t in transports:
+        worst, lost, total = None, [], 0
+        tables += [f"### {t}", ""]
+        for op in OPS:
+            for n in (2, 4):
+                tools = runs[t].get((op, n))
+                if not tools or "ferrocomm" not in tools:
+                    continue
+                present = [p for p in PEERS if p in tools]
+                cols = [NAMES[p] + " us" for p in present]
+                tables += [f"#### {t}: {op}, {n} processes", "",
+                           "| bytes | ferrocomm us | " + " | ".join(cols) + " | best peer | paired / best peer | busbw ferrocomm | busbw best peer |",
+                           "|---:|---:|" + "---:|" * len(cols) + "---|---:|---:|---:|"]
+                for b in sorted({b for rows in tools["ferrocomm"].values() for b in rows}):
+                    f = best(tools["ferrocomm"], b)
+                    theirs = {p: best(tools[p], b) for p in present}
+                    top = min((p for p in present if theirs[p]), key=lambda p: theirs[p]["time_us"], default=None)
+                    pr = paired(tools, b)
+                    if pr:
+                        total += 1
+                        m = median(pr)
+                        if worst is None or m > worst[0]:
+                            worst = (m, op, n, b, top)
+                        if m > 1.0:
+                            lost.append((op, n, b, m))
+                    cells = [f'{theirs[p]["time_us"]:.2f}' if theirs[p] else "-" for p in present]
+                    pt = f"{median(pr):.2f} [{pr[0]:.2f}–{pr[-1]:.2f}]" if pr else "-"
+                    bb = f'{theirs[top]["busbw"]:.2f}' if top else "-"
+                    tables.append(f'| {b} | {f["time_us"]:.2f} | ' + " | ".join(cells) +
+                                  f' | {NAMES[top] if top else "-"} | {pt} | {f["busbw"]:.2f} | {bb} |')
+                tables.append("")
+        tables += [f"![{t}: latency and bus bandwidth](./{image(t)})", ""]
+        if worst:
+            m, op, n, b, top = worst
+            summary.append(f"| {t} | {m:.2f} ({'met' if m <= 1.0 else 'NOT met'}) | {op}, {n} processes, {b} B"
+                           f" (best peer {NAMES[top]}) | {len(lost)} / {total} |")
+        else:
+            summary.append(f"| {t} | - | no paired rows | 0 / 0 |")
+        by = defaultdict(list)
+        for op, n, b, m in lost:
+            by[(op, n)].append(f"{size(b)} {m:.2f}")
+        lost_lines.append(f"- {t}: " + ("; ".join(f"{op} n={n}: {', '.join(v)}" for (op, n), v in by.items()) or "none"))
+    summary += ["", "Rows where ferrocomm loses (paired ratio > 1.0):", ""] + lost_lines + [""]
+    return summary + earlier_goals(runs["shm"].get(("all_reduce", 2), {})) + [""], tables
+
+
+def main():
+    d, md, commit, command = sys.argv[1:5]
+    runs, notes = load(d), read_notes(d)
+    transports = [t for t in TRANSPORTS if runs.get(t)]
+    summary, tables = results(runs, transports)
+    lines = [BEGIN] + header(notes, transports, commit, command) + failures(d) + [""] + summary + tables
+    lines += ["Plots: drawn by `ferrocomm-bench plot` from the same JSON (each size's fastest run per tool), one",
+              "per transport.", "", END]
     section = "\n".join(lines)
 
     text = open(md).read() if os.path.exists(md) else "# CPU results\n"
