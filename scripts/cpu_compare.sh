@@ -147,7 +147,10 @@ run_ferrocomm() {
       tcp-loopback) FERROCOMM_TRANSPORT=tcp "${limit[@]}" "$bench" "${args[@]}" --world "$n" --json "$file" || return ;;
       tcp-veth)
         port=$((port + 1))
-        local run=(env FERROCOMM_TRANSPORT=tcp FERROCOMM_TOKEN="$token" "$launcher"
+        # The peers do not encrypt, so neither does ferrocomm here: its default seals links
+        # between machines, and the namespaces count as machines (scripts/encrypt_cost.sh
+        # measures what sealing costs).
+        local run=(env FERROCOMM_TRANSPORT=tcp FERROCOMM_ENCRYPT=off FERROCOMM_TOKEN="$token" "$launcher"
           -n $((n / 2)) --nnodes 2 --master-addr "$addr_a" --master-port "$port")
         two_hosts ip netns exec "$nsb" "${run[@]}" --node-rank 1 -- "$bench" "${args[@]}" \
           \; ip netns exec "$nsa" "${run[@]}" --node-rank 0 -- "$bench" "${args[@]}" --json "$file" || return
@@ -248,7 +251,7 @@ ompi_is="Open MPI $(ompi_info --parsable | awk -F: '/^ompi:version:full/ {print 
   echo "tcp-loopback|mpich|\`MPIR_CVAR_NOLOCAL=1 UCX_TLS=tcp UCX_NET_DEVICES=lo mpiexec.mpich -n N\` (NOLOCAL turns off MPICH's own shared memory, UCX_TLS=tcp UCX's, which NOLOCAL alone leaves on; this build has no ch3 or ofi netmod to pick instead)"
   echo "tcp-loopback|openmpi|\`mpirun.openmpi --mca pml ob1 --mca btl tcp,self --mca btl_tcp_if_include lo -n N\`"
   echo "tcp-loopback|gloo|\`GLOO_SOCKET_IFNAME=lo torchrun --standalone --nproc-per-node N\` (torch $("$py" -c 'import torch; print(torch.__version__)'))"
-  echo "tcp-veth|ferrocomm|\`FERROCOMM_TRANSPORT=tcp ferrocomm-run -n N/2 --nnodes 2 --node-rank R --master-addr 10.77.0.1 ...\` in each namespace"
+  echo "tcp-veth|ferrocomm|\`FERROCOMM_TRANSPORT=tcp FERROCOMM_ENCRYPT=off ferrocomm-run -n N/2 --nnodes 2 --node-rank R --master-addr 10.77.0.1 ...\` in each namespace (unsealed, like the peers)"
   echo "tcp-veth|mpich|\`MPIR_CVAR_NOLOCAL=1 UCX_TLS=tcp mpiexec.mpich -launcher ssh -launcher-exec scripts/netns_exec.sh -localhost 10.77.0.1 -hosts 10.77.0.1:N/2,10.77.0.2:N/2 -n N\` in the first namespace"
   echo "tcp-veth|openmpi|\`mpirun.openmpi --mca mpi_yield_when_idle 1 --mca pml ob1 --mca btl tcp,self --mca btl_tcp_if_include 10.77.0.0/24 --mca oob_tcp_if_include 10.77.0.0/24 --mca plm_rsh_agent scripts/netns_exec.sh --host 10.77.0.1:N/2,10.77.0.2:N/2 -n N\` in the first namespace (yield: its launcher daemons share the cores with the ranks)"
   echo "tcp-veth|gloo|\`GLOO_SOCKET_IFNAME=VETH torchrun --nnodes 2 --node-rank R --nproc-per-node N/2 --master-addr 10.77.0.1 ...\` in each namespace"
