@@ -68,6 +68,10 @@ pub(crate) struct Gate {
 /// The longest sleep after an accept error: short enough to take a connection soon after
 /// descriptors free up, long enough that a full descriptor table costs almost no CPU.
 const MAX_BACKOFF: Duration = Duration::from_millis(100);
+/// Connections taken from the listener between two reads of the replies: a flood that never
+/// stops arriving cannot keep a prompt client's reply from being read (and that client from
+/// being dropped as the oldest while it waits).
+const ACCEPT_BATCH: usize = 64;
 /// How often `next` looks at its stop condition when nothing happens.
 const STOP_POLL: Duration = Duration::from_millis(20);
 
@@ -123,9 +127,9 @@ impl Gate {
         }
     }
 
-    /// Takes every connection waiting on the listener and greets it.
+    /// Takes the connections waiting on the listener, at most [`ACCEPT_BATCH`], and greets them.
     fn accept_all(&mut self, now: Instant) -> Result<()> {
-        loop {
+        for _ in 0..ACCEPT_BATCH {
             match self.listener.accept() {
                 Ok((stream, addr)) => {
                     self.backoff = Duration::ZERO;
@@ -147,6 +151,7 @@ impl Gate {
                 }
             }
         }
+        Ok(())
     }
 
     fn greet(&mut self, stream: TcpStream, from: IpAddr, now: Instant) -> Result<()> {

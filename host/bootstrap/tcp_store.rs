@@ -219,11 +219,13 @@ fn spawn_handler(f: impl FnOnce() + Send + 'static) -> std::io::Result<()> {
 impl Drop for TcpStoreServer {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
-        for (_, c) in self.conns.lock().unwrap_or_else(|p| p.into_inner()).drain() {
-            let _ = c.shutdown(Shutdown::Both);
-        }
+        // The accepting thread first (it looks at `stop` every 20 ms), so no client is admitted
+        // after the connections are closed.
         if let Some(h) = self.accept.take() {
             let _ = h.join();
+        }
+        for (_, c) in self.conns.lock().unwrap_or_else(|p| p.into_inner()).drain() {
+            let _ = c.shutdown(Shutdown::Both);
         }
     }
 }
