@@ -65,13 +65,8 @@ pub(crate) mod failing {
 
 /// The key for `label` under the secret `root` (HKDF-SHA256; the salt names this use): ranks
 /// that share `root` derive the same key, and a key reveals nothing of `root` or of any other
-/// label's key.
-pub(crate) fn derive(root: &[u8], label: &str) -> [u8; 32] {
-    derive_bytes(root, label.as_bytes())
-}
-
-/// [`derive`] with a label of any bytes (session keys put nonces in theirs).
-pub(crate) fn derive_bytes(root: &[u8], label: &[u8]) -> [u8; 32] {
+/// label's key. Labels are bytes: session keys put nonces in theirs.
+pub(crate) fn derive(root: &[u8], label: &[u8]) -> [u8; 32] {
     let mut key = [0u8; 32];
     // 32 bytes is far below HKDF's limit (255 hash lengths), so `expand` cannot fail here.
     hkdf::Hkdf::<Sha256>::new(Some(b"ferrocomm derived secret v1"), root)

@@ -154,6 +154,9 @@ impl Store for FileStore {
         Ok(())
     }
     fn derive_secret(&self, label: &str) -> Result<Option<[u8; 32]>> {
-        Ok(self.token.as_ref().map(|t| super::auth::derive(t.as_bytes(), label)))
+        Ok(self
+            .token
+            .as_ref()
+            .map(|t| super::auth::derive(t.as_bytes(), label.as_bytes())))
     }
 }

@@ -308,6 +308,11 @@ mod tests {
         s
     }
 
+    /// Runs the gate for at most `within`, admitting replies that start with "ok".
+    fn run(g: &mut Gate, within: Duration) -> Option<(TcpStream, Vec<u8>)> {
+        g.next(Instant::now() + within, &|| false, &mut admit_all).unwrap()
+    }
+
     fn admit_all(r: &Reply<'_>) -> Judgement<Vec<u8>> {
         if r.bytes.starts_with(b"ok") {
             Judgement::Admit(r.bytes.to_vec())
@@ -324,18 +329,12 @@ mod tests {
         let silent: Vec<TcpStream> = (0..5).map(|_| TcpStream::connect(addr).unwrap()).collect();
         let t = Instant::now();
         let client = std::thread::spawn(move || answer(addr, b"ok123456"));
-        let (_, got) = g
-            .next(Instant::now() + Duration::from_secs(5), &|| false, &mut admit_all)
-            .unwrap()
-            .expect("admitted");
+        let (_, got) = run(&mut g, Duration::from_secs(5)).expect("admitted");
         assert_eq!(got, b"ok123456");
         assert!(t.elapsed() < Duration::from_millis(400), "{:?}", t.elapsed());
         assert_eq!(g.pending(), 5);
         drop(client.join().unwrap());
-        assert!(g
-            .next(Instant::now() + Duration::from_millis(700), &|| false, &mut admit_all)
-            .unwrap()
-            .is_none());
+        assert!(run(&mut g, Duration::from_millis(700)).is_none());
         assert_eq!(g.pending(), 0, "silent connections are dropped at their deadline");
         for mut s in silent {
             s.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
@@ -352,10 +351,7 @@ mod tests {
     fn a_flood_past_the_cap_drops_the_oldest_and_a_wrong_reply_is_refused() {
         let (mut g, addr) = gate(Limits { pending: 4, ..LIMITS });
         let flood: Vec<TcpStream> = (0..10).map(|_| TcpStream::connect(addr).unwrap()).collect();
-        assert!(g
-            .next(Instant::now() + Duration::from_millis(100), &|| false, &mut admit_all)
-            .unwrap()
-            .is_none());
+        assert!(run(&mut g, Duration::from_millis(100)).is_none());
         assert_eq!(g.pending(), 4);
         let bad = std::thread::spawn(move || {
             let mut s = answer(addr, b"no123456");
@@ -364,16 +360,11 @@ mod tests {
             s.read_to_end(&mut v).unwrap();
             v
         });
-        let refused = g
-            .next(Instant::now() + Duration::from_millis(300), &|| false, &mut admit_all)
-            .unwrap();
+        let refused = run(&mut g, Duration::from_millis(300));
         assert!(refused.is_none());
         assert_eq!(bad.join().unwrap(), [0]);
         let good = std::thread::spawn(move || answer(addr, b"ok654321"));
-        let (_, got) = g
-            .next(Instant::now() + Duration::from_secs(5), &|| false, &mut admit_all)
-            .unwrap()
-            .expect("admitted despite the flood");
+        let (_, got) = run(&mut g, Duration::from_secs(5)).expect("admitted despite the flood");
         assert_eq!(got, b"ok654321");
         drop((good.join(), flood));
     }

@@ -30,7 +30,7 @@ pub(crate) fn session_keys(secret: &[u8], listener_nonce: &[u8], dialler_nonce: 
         l.extend_from_slice(listener_nonce);
         l.extend_from_slice(dialler_nonce);
         // Nonces are bytes; the label only has to be unique, not text.
-        super::auth::derive_bytes(secret, &l)
+        super::auth::derive(secret, &l)
     };
     let (to_listener, to_dialler) = (label("to-listener"), label("to-dialler"));
     if dialler {

@@ -296,7 +296,7 @@ impl Store for MemoryStore {
             Some(r) => r,
             None => *root.insert(super::auth::nonce()?),
         };
-        Ok(Some(super::auth::derive(&root, label)))
+        Ok(Some(super::auth::derive(&root, label.as_bytes())))
     }
 }
 

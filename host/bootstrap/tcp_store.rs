@@ -548,7 +548,7 @@ impl Store for TcpStore {
         self.local_ip
     }
     fn derive_secret(&self, label: &str) -> Result<Option<[u8; 32]>> {
-        Ok(Some(auth::derive(self.token.as_bytes(), label)))
+        Ok(Some(auth::derive(self.token.as_bytes(), label.as_bytes())))
     }
 }
 
