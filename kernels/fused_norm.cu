@@ -57,14 +57,20 @@ struct NormArgs {
                    // the call's first launch found one (see the top of the file)
   u64 call_rows;   // rows of the whole call
   u64 launch;      // this launch's index in its call
+  u64 refused;     // 0, or this rank's host refused the call (an argument error): the launch
+                   // only tells the peers (see REFUSED_HEADER)
 };
-static_assert(sizeof(NormArgs) == 88, "NormArgs is mirrored by host/gpu/kernels.rs");
+static_assert(sizeof(NormArgs) == 96, "NormArgs is mirrored by host/gpu/kernels.rs");
 
 FERROCOMM_DEVICE_INLINE constexpr u64 pad16(u64 b) { return (b + 15) / 16 * 16; }
 
 // Per block: row bytes, the launch's rows, the call's rows, then the kernel code (two-shot
 // 0x100) and the eps bits (the high half) in one word.
 constexpr u64 HEADER_BYTES = 32;
+// The last header word of a refused call (no kernel code is 0xffff): its peers then record
+// FERROCOMM_STATUS_REFUSED naming it, as the CPU engine's peers fail at once naming a rank that
+// refused its call, instead of waiting for rows that never come.
+constexpr u64 REFUSED_HEADER = 0xffff;
 
 // Where one launch keeps what in a segment (byte offsets; host/backend/device/collectives/norm.rs
 // computes the same to bound the rows per launch): the blocks' headers, every row of x, the
@@ -98,21 +104,22 @@ FERROCOMM_DEVICE_INLINE void copy_row(Raw* dst, const Raw* src, u64 n) {
 // The first row t >= lo that this block handles (t = blockIdx.x mod gridDim.x).
 FERROCOMM_DEVICE_INLINE u64 first_row(u64 lo) { return lo + (blockIdx.x + gridDim.x - lo % gridDim.x) % gridDim.x; }
 
-// A peer whose header for this block differs from ours: its rank (or -1) and the bytes of x
-// of its call (row bytes times the call's rows).
+// A peer whose header for this block differs from ours: its rank (or -1), the bytes of x of
+// its call (row bytes times the call's rows), and whether it refused its call.
 struct Disagreement {
   i32 peer;
   u64 bytes;
+  bool refused;
 };
 
 FERROCOMM_DEVICE_INLINE Disagreement disagreeing(const Window& w, const u64 (&mine)[4]) {
   for (i32 p = 0; p < w.size(); ++p) {
     const u64* theirs = w.peer_ptr<const u64>(p, HEADER_BYTES * blockIdx.x);
     if (theirs[0] != mine[0] || theirs[1] != mine[1] || theirs[2] != mine[2] || theirs[3] != mine[3]) {
-      return Disagreement{p, theirs[0] * theirs[2]};
+      return Disagreement{p, theirs[0] * theirs[2], theirs[3] == REFUSED_HEADER};
     }
   }
-  return Disagreement{-1, 0};
+  return Disagreement{-1, 0, false};
 }
 
 // Records a mismatched call once every block of the launch has ended its part of the protocol
@@ -127,6 +134,11 @@ FERROCOMM_DEVICE_INLINE void report(const Window& w, const NormArgs& a, Disagree
   // Atomic too: a plain store would race with the other blocks' atomicAdds, which happen
   // before it only in the word's modification order (relaxed), not in program order.
   store_relaxed(blocks, 0);
+  if (d.refused) {
+    record_status(w.handle().status, FERROCOMM_STATUS_REFUSED, FERROCOMM_OP_COLLECTIVE, d.peer, READY_ID + blockIdx.x,
+                  mine, 0);
+    return;
+  }
   record_status(w.handle().status, FERROCOMM_STATUS_MISMATCH, FERROCOMM_OP_COLLECTIVE, d.peer, READY_ID + blockIdx.x,
                 mine, d.bytes != mine ? d.bytes : ~0ull);
 }
@@ -172,8 +184,10 @@ FERROCOMM_DEVICE_INLINE void all_reduce_rmsnorm(const ferrocomm_window_handle& h
   Step s;
   if (!begin(w, counters, s)) return;
   float* scratch = w.local_ptr<float>(l.scratch + blockIdx.x * l.scratch_row);
-  const u64 header[4] = {row_in, a.rows, a.call_rows,
-                         KIND | (two_shot ? 0x100u : 0u) | static_cast<u64>(__float_as_uint(a.eps)) << 32};
+  // A refused call has no rows (a.rows is 0) and a header no call has.
+  const u64 header[4] = {a.refused ? 0 : row_in, a.rows, a.call_rows,
+                         a.refused ? REFUSED_HEADER
+                                   : KIND | (two_shot ? 0x100u : 0u) | static_cast<u64>(__float_as_uint(a.eps)) << 32};
   if (threadIdx.x < 4) w.local_ptr<u64>(HEADER_BYTES * blockIdx.x)[threadIdx.x] = header[threadIdx.x];
   for (u64 t = blockIdx.x; t < a.rows; t += gridDim.x) copy_row(w.local_ptr<In>(l.x + t * row_in), x + t * n, n);
   // Our own rows are read group by group, by other threads than copied them (the exchange
@@ -216,7 +230,8 @@ FERROCOMM_DEVICE_INLINE void all_reduce_rmsnorm(const ferrocomm_window_handle& h
     }
   }
   end(w, counters, s);
-  if (other.peer >= 0) report(w, a, other, row_in * a.call_rows);
+  // A refusing rank's caller has its own error: nothing to record for it.
+  if (other.peer >= 0 && !a.refused) report(w, a, other, row_in * a.call_rows);
 }
 
 }  // namespace fused_norm

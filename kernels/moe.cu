@@ -40,7 +40,11 @@
 // nothing is written to the outputs, and the protocol completes (DONE to every source), so every
 // rank fails the same call with the same error and the next call runs in step. The header is
 // written before the release of READY and read after its acquire (rule 1 / rule 2 of
-// docs/memory-model.md), like the records.
+// docs/memory-model.md), like the records. Before the host replaces the window by a larger
+// one, which the peers must make too, it runs such header-only halves on the old window with
+// `Args::refuse` = OP_GROW and the new shape: ranks that all announce the same shape agree
+// (nothing recorded) and then make the window; a rank whose call has another shape finds the
+// announcement's differs, and the announcer finds theirs, so all fail with OP_SHAPE at once.
 //
 // A sender first waits until every receive block of the destination has signalled DONE for
 // its previous epoch, so no slot is overwritten while it is read (DONE and READY toward a rank
@@ -82,8 +86,13 @@ constexpr u32 OP_REFUSED_EXPERT = 0x4d08;  // peer = source, extra = its experts
 constexpr u32 OP_REFUSED_SRC = 0x4d09;     // peer = source, extra = local expert, expected = row (~0: counts), observed
 constexpr u32 OP_REFUSED_HOST = 0x4d0a;    // peer = source: an argument error found on its host
 constexpr u32 OP_SHAPE = 0x4d0b;           // MISMATCH: peer = source, extra = field, expected = ours, observed = its
+// A header-only call announcing a shape whose staging needs a larger window (`Args::refuse`):
+// ranks that all announce the same shape then make one together; any other rank's call, and
+// an announcement to it, differ in shape (OP_SHAPE; FIELD_WINDOW where only that differs).
+constexpr u32 OP_GROW = 0x4d0c;
 // The shape fields of OP_SHAPE's `extra`.
-constexpr u32 FIELD_EXPERTS = 0, FIELD_TOPK = 1, FIELD_HIDDEN = 2, FIELD_CAPACITY = 3, FIELD_DTYPE = 4;
+constexpr u32 FIELD_EXPERTS = 0, FIELD_TOPK = 1, FIELD_HIDDEN = 2, FIELD_CAPACITY = 3, FIELD_DTYPE = 4,
+              FIELD_WINDOW = 5;
 
 // What the host passes (one layout for the four kernels; unused fields are 0).
 struct Args {
@@ -110,15 +119,17 @@ struct Args {
   u64 outbox;       // sends: this rank's outboxes in its own segment, one per destination, `slot`
                     // bytes apart, where slots for ranks behind the proxy queue are built; 0: none
   u64 elem;         // the element type's code (host DType), which ranks must agree on
-  u64 refuse;       // sends: 0, or the host refused the call (OP_REFUSED_HOST): publish a refusal
-                    // and read nothing; receives on a refusing rank get no output buffers
+  u64 refuse;       // 0, or the host refused the call (OP_REFUSED_HOST) or announces a larger
+                    // shape (OP_GROW): sends publish only a header saying so, and receives
+                    // read nothing and get no output buffers
 };
 
 struct Header {
   u64 rows;                                // records sent (dispatch: tokens, may exceed the slot's `rows`)
   u64 epoch;                               // the sender's epoch of this slot
   u32 experts, topk, hidden, capacity, elem;  // the sender's shape and element type
-  u32 refused;                             // 0, or why the sender refuses: OP_EXPERT, OP_SRC, OP_REFUSED_HOST
+  u32 refused;                             // 0, or why the sender refuses: OP_EXPERT, OP_SRC, OP_REFUSED_HOST,
+                                           // or OP_GROW (an announcement, not a refusal)
   u32 extra;                               // the refusal's record fields (see OP_EXPERT, OP_SRC)
   u32 spare;
   u64 expected, observed;
@@ -222,8 +233,9 @@ FERROCOMM_DEVICE_INLINE bool wait_consumed(const Window& w, u32 done_id, i32 pee
 
 enum class Filled { Yes, Stop, Skip };
 
-// The first difference between a source's shape and ours, recorded (thread 0); false if none.
-FERROCOMM_DEVICE_INLINE bool shape_differs(const Args& a, const Header* h, i32 p) {
+// The first difference between a source's shape and ours, recorded (thread 0) if `record`;
+// false if none.
+FERROCOMM_DEVICE_INLINE bool shape_differs(const Args& a, const Header* h, i32 p, bool record) {
   u32 field = FIELD_EXPERTS;
   u64 ours = a.experts, theirs = h->experts;
   auto next = [&](u32 f, u64 o, u64 t) {
@@ -234,16 +246,42 @@ FERROCOMM_DEVICE_INLINE bool shape_differs(const Args& a, const Header* h, i32 p
   next(FIELD_CAPACITY, a.capacity, h->capacity);
   next(FIELD_DTYPE, a.elem, h->elem);
   if (ours == theirs) return false;
-  if (threadIdx.x == 0) record_status(a.errors, FERROCOMM_STATUS_MISMATCH, OP_SHAPE, p, field, ours, theirs);
+  if (record && threadIdx.x == 0) record_status(a.errors, FERROCOMM_STATUS_MISMATCH, OP_SHAPE, p, field, ours, theirs);
   return true;
 }
 
+// What a source's header means for a receive: read its records; or not, because it agrees
+// with our announcement of a larger window (Agreed), or for a reason that fails the call
+// (Refused: a refusal, another shape, or one side only announcing).
+enum class Verdict { Read, Agreed, Refused };
+
+// Source p's verdict, with the reason recorded (thread 0) unless `quiet` (an earlier source's
+// was) or p is this rank refusing (its send recorded why, or its host has the error).
+FERROCOMM_DEVICE_INLINE Verdict judge(const Args& a, const Header* h, i32 p, i32 me, bool quiet) {
+  const bool we_grow = a.refuse == OP_GROW, they_grow = h->refused == OP_GROW;
+  if (we_grow || they_grow) {
+    if (shape_differs(a, h, p, !quiet)) return Verdict::Refused;
+    if (we_grow == they_grow) return Verdict::Agreed;
+    if (!quiet && threadIdx.x == 0) {
+      record_status(a.errors, FERROCOMM_STATUS_MISMATCH, OP_SHAPE, p, FIELD_WINDOW, we_grow, they_grow);
+    }
+    return Verdict::Refused;
+  }
+  if (h->refused != 0) {
+    if (!quiet && threadIdx.x == 0 && p != me) {
+      const u32 op = h->refused == OP_EXPERT ? OP_REFUSED_EXPERT : h->refused == OP_SRC ? OP_REFUSED_SRC : OP_REFUSED_HOST;
+      invalid(a, op, p, h->expected, h->observed, h->extra);
+    }
+    return Verdict::Refused;
+  }
+  return shape_differs(a, h, p, !quiet) ? Verdict::Refused : Verdict::Read;
+}
+
 // Waits for every source's slot of this epoch. Stop: a slot of another epoch (recorded), or the
-// wait failed; the block gives up. Skip: every slot is there, but a source refused the call or
-// has another shape (the first in rank order recorded, but for our own refusal, which our send
-// recorded): nothing may be read, and the protocol still completes.
+// wait failed; the block gives up. Skip: every slot is there, but nothing may be read (see
+// `judge`; the first failing source in rank order recorded), and the protocol still completes.
 FERROCOMM_DEVICE_INLINE Filled wait_filled(const Window& w, const Args& a, u32 ready_id, u64 epoch) {
-  bool skip = false;
+  bool skip = false, quiet = false;
   for (i32 p = 0; p < w.size(); ++p) {
     if (!w.wait_signal(coop_block(), ready_id, p, Cmp::Ge, epoch).ok) return Filled::Stop;
     // After the acquire (the block synchronised after its leader's), the header is the one
@@ -255,16 +293,9 @@ FERROCOMM_DEVICE_INLINE Filled wait_filled(const Window& w, const Args& a, u32 r
       }
       return Filled::Stop;
     }
-    if (skip) continue;
-    if (h->refused != 0) {
-      skip = true;
-      if (threadIdx.x == 0 && p != w.rank()) {
-        const u32 op = h->refused == OP_EXPERT ? OP_REFUSED_EXPERT : h->refused == OP_SRC ? OP_REFUSED_SRC : OP_REFUSED_HOST;
-        invalid(a, op, p, h->expected, h->observed, h->extra);
-      }
-      continue;
-    }
-    skip = shape_differs(a, h, p);
+    const Verdict v = judge(a, h, p, w.rank(), quiet);
+    skip = skip || v != Verdict::Read;
+    quiet = quiet || v == Verdict::Refused;
   }
   return skip ? Filled::Skip : Filled::Yes;
 }

@@ -38,6 +38,10 @@ fn rust_mirrors_match_the_c_header() {
             "FERROCOMM_STATUS_ABI_MISMATCH",
             ferrocomm::device::abi::STATUS_ABI_MISMATCH as usize,
         ),
+        (
+            "FERROCOMM_STATUS_REFUSED",
+            ferrocomm::device::abi::STATUS_REFUSED as usize,
+        ),
     ] {
         rust.push((name.to_string(), value));
     }

@@ -1248,6 +1248,60 @@ mod with_kernels {
         });
     }
 
+    /// One rank refuses its fused norm on the kernels (an output of the wrong length, found by
+    /// its host's checks): it gets its argument error, every other rank an
+    /// `Error::InvalidArgument` naming it, long before the timeout (the refusing rank launches
+    /// a kernel whose headers say so); whatever the algorithm and however many launches the
+    /// peers' calls take, and the next call computes on every rank.
+    #[test]
+    fn a_fused_rmsnorm_refused_on_one_rank_fails_every_rank_at_once_naming_it() {
+        let seed = fresh_seed();
+        let timeout = Duration::from_secs(10);
+        for world in [2, 3] {
+            let culprit = world - 1;
+            let name = format!("hd-norm-refused{world}");
+            run_group_on_device("device", Device::Host(0), world, &name, options(timeout), |c| {
+                let me = c.rank();
+                // 64 f32 per row: 4096 rows take two launches one-shot and three two-shot.
+                for (algo, tokens) in [("oneshot", 5), ("twoshot", 7), ("oneshot", 4096), ("twoshot", 4096)] {
+                    let case = NormCase {
+                        dtype: DType::F32,
+                        fp8: false,
+                        hidden: 64,
+                        tokens,
+                    };
+                    let (x, mut residual, gamma) = norm_inputs::<f32>(seed, case, me);
+                    let short = if me == culprit { 64 } else { 0 };
+                    let mut out = vec![f32::NAN; x.len() - short];
+                    let comm = c.with_options(OpOptions::new().hint("algorithm", algo));
+                    let t0 = std::time::Instant::now();
+                    let r =
+                        comm.all_reduce_residual_rmsnorm(&x[..], &mut residual[..], &gamma[..], &mut out[..], NORM_EPS);
+                    let took = t0.elapsed();
+                    match r {
+                        Err(e @ Error::SizeMismatch { .. }) if me == culprit => {
+                            assert!(e.to_string().contains("out"), "the culprit, {algo} {tokens}: {e}")
+                        }
+                        Err(Error::InvalidArgument { reason, .. }) => assert!(
+                            reason.contains(&format!("rank {culprit} refused its call")),
+                            "rank {me}, {algo} {tokens}: {reason}"
+                        ),
+                        other => panic!("rank {me}, {algo} {tokens}: {other:?}"),
+                    }
+                    assert!(
+                        out.iter().all(|v| v.is_nan()),
+                        "rank {me}, {algo} {tokens}: a refused call wrote"
+                    );
+                    assert!(took < timeout / 3, "rank {me}, {algo} {tokens}: took {took:?}");
+                    let case = NormCase { tokens: 9, ..case };
+                    let got = run_norm_any(c, seed, case, algo)
+                        .unwrap_or_else(|e| panic!("rank {me} {algo}, the call after: {e}"));
+                    check_norm_any(seed, case, world, &got).unwrap_or_else(|e| panic!("rank {me} {algo}: {e}"));
+                }
+            });
+        }
+    }
+
     #[test]
     fn collectives_on_the_host_device_match_the_reference() {
         let seed = fresh_seed();

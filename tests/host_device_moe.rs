@@ -774,14 +774,15 @@ fn a_wrong_buffer_size_on_one_rank_fails_every_rank_naming_it() {
 }
 
 /// One rank calls with another `topk`, or another number of experts (a shape whose staging
-/// fits the window the first call made): `Error::Mismatch` on every rank, naming the field and
-/// a rank of the other shape, at once; the kernels finish their protocol, so the next call
-/// with one shape works.
+/// fits the window the first call made), or another `hidden` (whose staging needs a larger
+/// window, which that rank announces on the old one before making it): `Error::Mismatch` on
+/// every rank, naming the field and a rank of the other shape, at once; the kernels finish
+/// their protocol and no window is replaced, so the next call with one shape works.
 #[test]
 fn a_shape_that_differs_on_one_rank_is_a_mismatch_on_every_rank() {
     for world in [2, 4] {
         for &hosts in Hosts::of(world) {
-            for field in ["topk", "experts"] {
+            for field in ["topk", "experts", "hidden"] {
                 a_shape_mismatch_on(hosts, world, field);
             }
         }
@@ -801,13 +802,14 @@ fn a_shape_mismatch_on(hosts: Hosts, world: usize, field: &str) {
         let first = run_rank::<bf16>(comm, seed, &c, false, false);
         let odd = match field {
             "topk" => shape(4 * world, 1, 128, 16),
+            "hidden" => shape(4 * world, 2, 512, 16),
             _ => shape(2 * world, 2, 128, 16),
         };
         let s = if comm.rank() == 1 { odd } else { c.shape };
         let local = s.experts / world;
-        let tokens = vec![bf16::ONE; 2 * 128];
+        let tokens = vec![bf16::ONE; 2 * s.hidden];
         let idx: Vec<i32> = (0..2 * s.topk).map(|i| (i % s.experts) as i32).collect();
-        let mut rt = vec![bf16::ZERO; local * s.capacity * 128];
+        let mut rt = vec![bf16::ZERO; local * s.capacity * s.hidden];
         let (mut counts, mut src) = (vec![0i32; local], vec![0i32; local * s.capacity * 3]);
         let t0 = std::time::Instant::now();
         let r = comm.moe_dispatch(s, Dispatch::send(&tokens, &idx).recv(&mut rt, &mut counts, &mut src));
@@ -823,6 +825,47 @@ fn a_shape_mismatch_on(hosts: Hosts, world: usize, field: &str) {
         );
         assert!(*took < Duration::from_secs(10), "rank {rank} waited {took:?}");
         check::<bf16>(seed, &c, rank, next);
+    }
+}
+
+/// The first call, which makes the window, with another `hidden` on one rank (so another
+/// window size): every rank gets `Error::Mismatch` naming a rank of the other size, at once,
+/// and the next call with one shape works.
+#[test]
+fn a_first_call_of_another_shape_is_a_mismatch_on_every_rank() {
+    let world = 2;
+    for &hosts in Hosts::of(world) {
+        let seed = fresh_seed();
+        let c = Case {
+            world,
+            shape: shape(4 * world, 2, 128, 16),
+            tokens: vec![3, 4],
+            routing: Routing::Random,
+            idx64: false,
+        };
+        let res = on_device(hosts, world, "moe-first-shape", |comm| {
+            let s = if comm.rank() == 1 {
+                shape(4 * world, 2, 256, 16)
+            } else {
+                c.shape
+            };
+            let local = s.experts / world;
+            let tokens = vec![bf16::ONE; 2 * s.hidden];
+            let idx: Vec<i32> = (0..2 * s.topk).map(|i| (i % s.experts) as i32).collect();
+            let mut rt = vec![bf16::ZERO; local * s.capacity * s.hidden];
+            let (mut counts, mut src) = (vec![0i32; local], vec![0i32; local * s.capacity * 3]);
+            let t0 = std::time::Instant::now();
+            let r = comm.moe_dispatch(s, Dispatch::send(&tokens, &idx).recv(&mut rt, &mut counts, &mut src));
+            (r, t0.elapsed(), run_rank::<bf16>(comm, seed, &c, false, true))
+        });
+        for (rank, (r, took, next)) in res.iter().enumerate() {
+            assert!(
+                matches!(r, Err(Error::Mismatch { peer, .. }) if *peer == 1 - rank),
+                "rank {rank} ({hosts:?}): {r:?}"
+            );
+            assert!(*took < Duration::from_secs(10), "rank {rank} waited {took:?}");
+            check::<bf16>(seed, &c, rank, next);
+        }
     }
 }
 

@@ -38,6 +38,9 @@ pub const STATUS_INVALID: u32 = 4;
 /// [`DeviceStatus::code`]: the handle was made for another ABI than the kernel was compiled
 /// for (`expected`: the kernel's version, `observed`: the handle's; `op` 0).
 pub const STATUS_ABI_MISMATCH: u32 = 5;
+/// [`DeviceStatus::code`]: a peer refused its call of a collective (an argument error found
+/// on its host; `peer`: that rank), so nothing moved.
+pub const STATUS_REFUSED: u32 = 6;
 /// [`DeviceStatus::op`]: `wait_signal`.
 pub const OP_WAIT_SIGNAL: u32 = 1;
 /// [`DeviceStatus::op`]: the device barrier.

@@ -222,9 +222,11 @@ pub(crate) struct NormArgs {
     pub(crate) mismatches: u64,
     pub(crate) call_rows: u64,
     pub(crate) launch: u64,
+    /// Nonzero: this rank's host refused the call, and the launch only tells the peers.
+    pub(crate) refused: u64,
 }
 
-const _: () = assert!(std::mem::size_of::<NormArgs>() == 88);
+const _: () = assert!(std::mem::size_of::<NormArgs>() == 96);
 
 /// kernels/fused_norm.cu: (handle, args, counters); families by the suffix of (dtype, fp8
 /// out), e.g. `bf16` or `bf16_fp8`.

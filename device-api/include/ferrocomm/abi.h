@@ -30,6 +30,9 @@ typedef int ferrocomm_i32;
 /* The window handle was made for another ABI than the kernel was compiled for
  * (expected: the kernel's FERROCOMM_ABI_VERSION, observed: the handle's abi_version; op 0). */
 #define FERROCOMM_STATUS_ABI_MISMATCH 5u
+/* A peer refused its call of a collective (an argument error found on its host; peer: that
+ * rank): nothing moved. */
+#define FERROCOMM_STATUS_REFUSED 6u
 
 /* The device verb that recorded a status (ferrocomm_status.op). */
 #define FERROCOMM_OP_WAIT_SIGNAL 1u

@@ -413,6 +413,73 @@ impl OwnCollectives {
         }
     }
 
+    /// Whether the fused kernels would run a fused norm like `f` with these hints, as `plan_norm`
+    /// decides it, from what does not depend on the buffers' lengths: the element types, the
+    /// row length and where the buffers are. A rank that refuses its call (`refuse_norm`) asks,
+    /// its lengths being the reason it refuses: the peers' calls have the same row length and
+    /// types, so they took the kernels exactly when this says so.
+    pub(crate) fn takes_norm(&self, f: &RmsNormFusion<'_>, hints: &BTreeMap<String, String>) -> bool {
+        let reachable = self.host_device
+            || (f.x.device_bytes().is_some()
+                && f.gamma.device_bytes().is_some()
+                && f.residual.device_bytes().is_some()
+                && f.out.device_bytes().is_some()
+                && f.scales.as_ref().map_or(true, |s| s.device_bytes().is_some()));
+        if !reachable || norm::suffix(f.x.dtype(), f.quantised()).is_none() {
+            return false;
+        }
+        let hint = hints.get("algorithm").map(String::as_str);
+        let (two_shot, _) = norm::pick(hint, f.x.byte_len(), f.tokens(), self.size, self.two_shot_min);
+        let (in_size, out_size) = (f.x.dtype().size(), f.out.dtype().size());
+        norm::segment_bytes(1, f.hidden, in_size, out_size, self.size, two_shot) <= self.max_bytes
+    }
+
+    /// Takes part in a fused norm this rank refuses (an argument error found on its host), far
+    /// enough for the peers' kernels to fail at once naming this rank (`Backend::refuse`): one
+    /// launch without rows whose headers say "refused" (kernels/fused_norm.cu). The peers' first
+    /// launch finds it and their later ones end at once, so every rank's epochs stay in step.
+    /// This rank records nothing: its caller has its own error.
+    pub(crate) fn refuse_norm(&self, stream: u64, timeout: Duration) -> Result<()> {
+        const OP: &str = norm::OP;
+        // A failure an earlier call's kernels recorded stays for the next call to report (as
+        // `run` would); the kernels' waits would end at once on it anyway.
+        if self.window.failed() {
+            return Err(Error::invalid(OP, "an earlier call failed: not told"));
+        }
+        let f = self
+            .norm
+            .one_shot
+            .get("f32")
+            .ok_or_else(|| Error::invalid(OP, "no fused norm kernel"))?;
+        let mismatches = self.counters.addr() + ((SHOT_COUNTERS + ALL_TO_ALL_COUNTERS) * 8) as u64;
+        let args = kernels::NormArgs {
+            mismatches,
+            refused: 1,
+            ..Default::default()
+        };
+        let (mut handle, window_stream) = self.window.handle_and_stream();
+        let counters = self.counters.addr();
+        match window_stream {
+            Stream::Host(_) => {
+                handle.timeout_ns = timeout.as_nanos().min(u64::MAX as u128) as u64;
+                kernels::RMSNORM_ONESHOT.launch(
+                    f,
+                    window_stream.queue(),
+                    MAX_BLOCKS as u32,
+                    (handle, args, counters),
+                )?;
+                self.window.finish(OP, timeout + Duration::from_secs(1))
+            }
+            Stream::Cuda(_) => {
+                let order = self.order.as_ref().ok_or_else(|| Error::invalid(OP, "no call order"))?;
+                order.run(stream, || {
+                    let q = Queue::Cuda(cuda::stream::raw(stream));
+                    kernels::RMSNORM_ONESHOT.launch(f, q, MAX_BLOCKS as u32, (handle, args, counters))
+                })
+            }
+        }
+    }
+
     /// Reports a kernel's recorded failure.
     pub(crate) fn check(&self, op: &'static str, timeout: Duration) -> Result<()> {
         self.window.take_status(op, timeout)
@@ -676,6 +743,7 @@ impl OwnCollectives {
             // Each launch's own (`NormCall::launches`).
             call_rows: tokens as u64,
             launch: 0,
+            refused: 0,
         };
         let call = norm::NormCall {
             args,

@@ -251,46 +251,67 @@ impl Backend for DeviceBackend {
         }
     }
 
-    /// A refused MoE send half on the own kernels takes part far enough to fail every peer at
-    /// once (`OwnMoe::refuse`: a header flagged refused in every peer's slot); an operation the
-    /// CPU engine would run is refused by the engine, in band, as on the `cpu` backend. The
-    /// fused norm on the own kernels or NCCL is not: there the peers wait until their timeout.
+    /// A refused MoE send half or fused norm on the own kernels takes part far enough to fail
+    /// every peer at once (`OwnMoe::refuse`: a header flagged refused in every peer's slot;
+    /// `OwnCollectives::refuse_norm`: a launch whose headers say refused); an operation the CPU
+    /// engine would run (host buffers, the staged copy) is refused by the engine, in band, as
+    /// on the `cpu` backend. The fused norm's steps apart (an all_reduce by NCCL or the own
+    /// kernels, then the norm) are not: there the peers wait until their timeout, as NCCL's do.
     fn refuse(&self, op: &Op<'_>, reason: &str, opts: &RunOptions) {
         if !op.refused_in_band() {
             return;
         }
         let host_device = self.me.gpu == crate::gpu::target::Gpu::Host;
         let on_gpu = matches!(op.location(), Ok(Some(Location::Cuda(_))));
+        // The own kernels need the GPU's context and a stream they may use.
+        let ready = || {
+            host_device
+                || crate::gpu::cuda::context(self.me.ordinal)
+                    .and_then(|_| self.check_own_stream(op.name(), opts.stream))
+                    .is_ok()
+        };
+        let told = |r: Result<()>| {
+            if let Err(e) = r {
+                tracing::debug!(rank = self.me.rank, error = %e, "the peers could not be told of a refused {}", op.name());
+            }
+        };
         if let Some(moe) = self.moe.as_ref().filter(|m| m.supports(op)) {
             if host_device || on_gpu {
-                let ready = host_device
-                    || crate::gpu::cuda::context(self.me.ordinal)
-                        .and_then(|_| self.check_own_stream(op.name(), opts.stream))
-                        .is_ok();
-                if !ready {
-                    return;
-                }
-                if let Err(e) = moe.refuse(&self.me, op, opts.stream, opts.timeout) {
-                    tracing::debug!(rank = self.me.rank, error = %e, "the peers could not be told of a refused {}", op.name());
+                if ready() {
+                    told(moe.refuse(&self.me, op, opts.stream, opts.timeout));
                 }
                 return;
             }
         }
-        // On the host device the fused norm runs on the engine only where asked to (or without
-        // kernels of its own); MoE shapes the own kernels do not take always do.
-        let engine = if host_device {
-            !matches!(op, Op::AllReduceRmsNorm(_))
-                || route::wants_engine(opts.hints)
-                || (self.own.is_none() && self.norm_pass.is_none())
-        } else {
-            matches!(op.location(), Ok(None | Some(Location::Host)))
-        };
-        if engine {
-            let _ = on_engine(op.name(), opts, |o| {
-                self.me.host.refuse(op, reason, o);
-                Ok(())
+        if let Op::AllReduceRmsNorm(f) = op {
+            // The route `run` would take, from what does not depend on the refused lengths.
+            let own = self.own.as_ref().filter(|k| k.takes_norm(f, opts.hints));
+            let reach = host_device || on_gpu;
+            if self.norm_pass.is_some()
+                && route::norm_route(opts.hints, reach, own.is_some(), self.nccl.is_some()) == NormRoute::Unfused
+            {
+                return;
+            }
+            let kernels = own.filter(|_| {
+                if host_device {
+                    !route::wants_engine(opts.hints)
+                } else {
+                    on_gpu && self.policy.choose(op, opts.hints, true).is_ok_and(|r| r == Route::Own)
+                }
             });
+            if let Some(k) = kernels {
+                if ready() {
+                    told(k.refuse_norm(opts.stream, opts.timeout));
+                }
+                return;
+            }
         }
+        // The CPU engine: host buffers, the host device's engine, or the staged copy of device
+        // buffers (MoE shapes the own kernels do not take, the fused norm without NCCL).
+        told(on_engine(op.name(), opts, |o| {
+            self.me.host.refuse(op, reason, o);
+            Ok(())
+        }));
     }
 
     fn abort(&self) {

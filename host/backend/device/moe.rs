@@ -36,8 +36,10 @@
 //! `Error::InvalidArgument` naming the refusing rank, or `Error::Mismatch` naming a rank of
 //! another shape, writes nothing, and the next call runs in step. Unlike on the CPU engine,
 //! whose send half exchanges the rows, a send half called alone succeeds on the peers: their
-//! receive half reports it. A shape that needs a larger window on some ranks only makes those
-//! ranks make one (collectively), so ranks of different shapes there wait until their timeout.
+//! receive half reports it. A shape that needs a larger window is first announced on the old
+//! one (`OwnMoe::announce_growth`: header-only halves carrying the shape), so ranks that call
+//! with different shapes there get `Error::Mismatch` too, at once, instead of one side making
+//! a window the other never makes.
 
 use super::call_order::CallOrder;
 use super::rank::DeviceRank;
@@ -74,6 +76,7 @@ const OP_REFUSED_EXPERT: u32 = 0x4d08;
 const OP_REFUSED_SRC: u32 = 0x4d09;
 const OP_REFUSED_HOST: u32 = 0x4d0a;
 const OP_SHAPE: u32 = 0x4d0b;
+const OP_GROW: u32 = 0x4d0c;
 /// kernels/moe.cu's `Header` without its per-expert counts: the sender's epoch, shape and refusal.
 const HEADER_FIXED: usize = 64;
 
@@ -169,6 +172,11 @@ struct Live {
 }
 
 impl Live {
+    /// Whether this window's slots hold a shape of layout `need`.
+    fn holds(&self, need: Layout) -> bool {
+        self.dispatch_slot >= need.dispatch_slot && self.combine_slot >= need.combine_slot
+    }
+
     /// Ends this window for a larger one: collective, every rank calls in the same MoE call.
     /// Toward other hosts the last call's DONE signals may still be queued when its kernels
     /// end: every rank's proxy completes them, and only then (a barrier) does any rank stop the
@@ -287,6 +295,9 @@ impl OwnMoe {
         let layout = Layout::of(&shape, self.size, self.outboxes)
             .filter(|l| l.bytes <= WINDOW_MAX)
             .ok_or_else(|| Error::invalid(name, "the shape's staging does not fit the MoE window"))?;
+        if st.live.as_ref().is_some_and(|l| !l.holds(layout)) {
+            self.announce_growth(&st, name, layout, &plan, stream, timeout)?;
+        }
         self.ensure_window(b, &mut st, layout, timeout)?;
         let result = self.launch(&st, name, layout, &plan, stream, timeout, true);
         // The halves ran (their protocol completes even when the data was wrong): a send half
@@ -313,6 +324,65 @@ impl OwnMoe {
     pub(crate) fn refuse(&self, b: &DeviceRank, op: &Op<'_>, stream: u64, timeout: Duration) -> Result<()> {
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         self.run_refusal(b, &mut st, op, stream, timeout)
+    }
+
+    /// Before a window is replaced by a larger one (collectively: the peers must make it too),
+    /// the ranks check on the old window that they all call with this shape: a call of
+    /// header-only send and receive halves whose headers announce it (`OP_GROW`, with the
+    /// shape). Peers that run a call of another shape instead find the announcement's shape
+    /// differs, and this rank theirs: every rank gets `Error::Mismatch` naming a rank of the
+    /// other shape, at once, and the windows stay as they were (in step). Waits for the
+    /// kernels (a larger window is never made inside a CUDA graph capture).
+    fn announce_growth(
+        &self,
+        st: &State,
+        name: &'static str,
+        layout: Layout,
+        plan: &Plan,
+        stream: u64,
+        timeout: Duration,
+    ) -> Result<()> {
+        let live = st.live.as_ref().ok_or_else(|| Error::invalid(name, "no MoE window"))?;
+        if st.dispatch.is_some() || st.combine.is_some() {
+            return Err(Error::invalid(
+                name,
+                "a larger MoE shape while a send half waits for its receive half",
+            ));
+        }
+        let first = plan
+            .launches
+            .first()
+            .ok_or_else(|| Error::invalid(name, "a MoE call without halves"))?;
+        // The shape and element type, without buffers: only headers move.
+        let args = MoeArgs {
+            hidden: first.args.hidden,
+            topk: first.args.topk,
+            experts: first.args.experts,
+            local: first.args.local,
+            capacity: first.args.capacity,
+            elem: first.args.elem,
+            refuse: OP_GROW as u64,
+            ..Default::default()
+        };
+        let (send, recv) = match first.step {
+            Step::DispatchSend | Step::DispatchRecv => (Step::DispatchSend, Step::DispatchRecv),
+            Step::CombineSend | Step::CombineRecv => (Step::CombineSend, Step::CombineRecv),
+        };
+        let announce = Plan {
+            launches: vec![Launch { step: send, args }, Launch { step: recv, args }],
+            sent: None,
+            received: true,
+        };
+        self.launch(st, name, layout, &announce, stream, timeout, true)?;
+        // On a GPU the kernels were enqueued: their verdict is known once they end.
+        if let Some(order) = &live.order {
+            live.window.enter_gpu()?;
+            order.wait_last(timeout + Duration::from_secs(1))?;
+            live.window.take_status(name, timeout)?;
+            live.window.take_proxy_error()?;
+            self.take_errors(live, name)?;
+        }
+        Ok(())
     }
 
     fn run_refusal(&self, b: &DeviceRank, st: &mut State, op: &Op<'_>, stream: u64, timeout: Duration) -> Result<()> {
@@ -454,7 +524,7 @@ impl OwnMoe {
     fn ensure_window(&self, b: &DeviceRank, st: &mut State, need: Layout, timeout: Duration) -> Result<()> {
         let (mut dispatch_slot, mut combine_slot) = (need.dispatch_slot, need.combine_slot);
         if let Some(l) = &st.live {
-            if l.dispatch_slot >= need.dispatch_slot && l.combine_slot >= need.combine_slot {
+            if l.holds(need) {
                 return Ok(());
             }
             // Grown to hold every shape seen so far, where that fits.
@@ -520,6 +590,17 @@ impl OwnMoe {
                     1 => ("topk", s.expected.to_string(), s.observed.to_string()),
                     2 => ("hidden", s.expected.to_string(), s.observed.to_string()),
                     3 => ("capacity", s.expected.to_string(), s.observed.to_string()),
+                    // kernels/moe.cu FIELD_WINDOW: one side announced a larger window.
+                    5 => {
+                        let says = |grows: u64| {
+                            if grows != 0 {
+                                "a larger window"
+                            } else {
+                                "the window there is"
+                            }
+                        };
+                        ("window", says(s.expected).to_string(), says(s.observed).to_string())
+                    }
                     _ => {
                         let name = |c: u64| {
                             u8::try_from(c)

@@ -325,6 +325,11 @@ impl DeviceWindow {
     }
 
     /// Reports and clears the first error a kernel recorded, so the window stays usable.
+    /// Whether a kernel recorded a failure that no call has reported yet (`take_status`).
+    pub(crate) fn failed(&self) -> bool {
+        self.status.read(0).code != abi::STATUS_OK
+    }
+
     pub(crate) fn take_status(&self, op: &'static str, limit: Duration) -> Result<()> {
         let s = self.status.read(0);
         if s.code == abi::STATUS_OK {
@@ -353,6 +358,15 @@ impl DeviceWindow {
                     "window handle ABI version {}, kernel compiled for {}: build the kernel with this \
                      ferrocomm's device-api headers",
                     s.observed, s.expected
+                ),
+            ),
+            // kernels/fused_norm.cu: a peer's host refused its call and told us in band.
+            abi::STATUS_REFUSED => Error::invalid(
+                op,
+                format!(
+                    "rank {} refused its call of {op} (an argument failed that rank's checks; it has the \
+                     error); nothing moved",
+                    s.peer
                 ),
             ),
             abi::STATUS_INVALID if s.op == abi::OP_COLLECTIVE => {
