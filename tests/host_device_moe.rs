@@ -757,6 +757,78 @@ fn a_bad_combine_source_on_one_rank_fails_every_rank_naming_it() {
     });
 }
 
+/// A bad expert id on one rank whose halves are called apart: no rank's receive half succeeds
+/// (nothing is written), the culprit's included; on the device the peers' send halves succeed
+/// (they return while the tokens travel) and their receive halves name the culprit; on the CPU
+/// engine the peers' send halves already fail naming it. The next call runs in step.
+#[test]
+fn a_bad_expert_id_with_the_halves_apart_fails_every_receive() {
+    let world = 2;
+    let culprit = 1;
+    let seed = fresh_seed();
+    let c = Case {
+        world,
+        shape: shape(4 * world, 2, 128, 16),
+        tokens: vec![4, 5],
+        routing: Routing::Random,
+        idx64: false,
+    };
+    let rank_main = |comm: &Comm| {
+        let s = c.shape;
+        let tokens = vec![bf16::ONE; 3 * 128];
+        let idx = [0i32, 1, 2, if comm.rank() == culprit { 99 } else { 3 }, -1, 5];
+        let sent = comm
+            .moe_dispatch(s, Dispatch::send(&tokens, &idx))
+            .map_err(|e| e.to_string());
+        let local = s.experts / world;
+        let mut rt = vec![bf16::from_bits(0x7fcd); local * s.capacity * 128];
+        let (mut counts, mut src) = (vec![-7i32; local], vec![-9i32; local * s.capacity * 3]);
+        let got = comm
+            .moe_dispatch(s, Dispatch::recv_only().recv(&mut rt, &mut counts, &mut src))
+            .map_err(|e| e.to_string());
+        let untouched = rt.iter().all(|x| x.to_bits() == 0x7fcd) && counts.iter().all(|&c| c == -7);
+        (sent, got, untouched, run_rank::<bf16>(comm, seed, &c, false, true))
+    };
+    let cpu = run_group_on_device("cpu", Device::Cpu, world, "moe-apart-cpu", opts(), rank_main);
+    let mut runs = vec![("cpu".to_string(), cpu)];
+    for &hosts in Hosts::of(world) {
+        runs.push((
+            format!("device {hosts:?}"),
+            on_device(hosts, world, "moe-apart", rank_main),
+        ));
+    }
+    for (backend, res) in &runs {
+        for (rank, (sent, got, untouched, next)) in res.iter().enumerate() {
+            let on_cpu = backend == "cpu";
+            if rank == culprit {
+                let e = sent.as_ref().expect_err("the culprit's send half");
+                assert!(e.contains("topk_idx[3] = 99"), "{backend} culprit: {e}");
+            } else if on_cpu {
+                let e = sent.as_ref().expect_err("a peer's send half on the CPU engine");
+                assert!(
+                    e.contains(&format!("rank {culprit} refused its call")),
+                    "{backend} rank {rank}: {e}"
+                );
+            } else {
+                assert!(sent.is_ok(), "{backend} rank {rank}: the send half alone: {sent:?}");
+            }
+            assert!(
+                got.is_err(),
+                "{backend} rank {rank}: the receive half succeeded: {got:?}"
+            );
+            if !on_cpu && rank != culprit {
+                let e = got.as_ref().unwrap_err();
+                assert!(
+                    e.contains(&format!("rank {culprit} refused its call")),
+                    "{backend} rank {rank}: {e}"
+                );
+            }
+            assert!(*untouched, "{backend} rank {rank}: a failed receive wrote");
+            check::<bf16>(seed, &c, rank, next);
+        }
+    }
+}
+
 /// An argument error found on the host (a buffer of the wrong size): the device backend still
 /// takes part (a header flagged refused to every peer), so every rank fails at once.
 #[test]

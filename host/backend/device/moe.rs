@@ -26,8 +26,10 @@
 //! Errors of the data (capacity exceeded, a bad expert id, a bad `src`, a missing row) are
 //! recorded by the kernels in a record of this module and reported as the CPU engine reports
 //! them: on the host device by the call itself, on a GPU by the next MoE call on the
-//! communicator (the kernels run asynchronously). The kernels finish their protocol even then,
-//! so the next call runs normally.
+//! communicator (the kernels run asynchronously), which still runs: such an error may be one
+//! rank's alone, and a rank that skipped the call would leave its peers waiting. The kernels
+//! finish their protocol even then, so the next call runs normally. A receive half whose own
+//! send half failed reads nothing and fails too.
 //!
 //! The ranks agree as on the CPU engine: a send half that finds a bad expert id (dispatch) or a
 //! bad count or source (combine) refuses the call in band (its slot headers say why and carry
@@ -156,6 +158,9 @@ struct State {
     /// The shape and dtype of a send half whose receive half has not run.
     dispatch: Option<(MoeShape, DType)>,
     combine: Option<(MoeShape, DType)>,
+    /// That send half's call returned an error (its kernels refused the call in band).
+    dispatch_failed: bool,
+    combine_failed: bool,
 }
 
 /// A window with its counters and error record.
@@ -269,10 +274,14 @@ impl OwnMoe {
         let name = op.name();
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         // Failures of an earlier call's kernels (on a GPU, they end after their call returned).
+        // A data error is reported by this call, which still runs: the error may be this rank's
+        // alone (a capacity, a stray row), and a rank that skipped the call would leave its
+        // peers waiting for it. A failed wait or a broken proxy link ends the call here.
+        let mut earlier = Ok(());
         if let Some(live) = &st.live {
             live.window.take_status(name, timeout)?;
             live.window.take_proxy_error()?;
-            self.take_errors(live, name)?;
+            earlier = self.take_errors(live, name);
         }
         let hd = self.host_device;
         let planned = match op {
@@ -289,7 +298,7 @@ impl OwnMoe {
                         tracing::debug!(error = %e, "the peers could not be told of this rank's refused {name}");
                     }
                 }
-                return Err(why);
+                return earlier.and(Err(why));
             }
         };
         let layout = Layout::of(&shape, self.size, self.outboxes)
@@ -299,18 +308,30 @@ impl OwnMoe {
             self.announce_growth(&st, name, layout, &plan, stream, timeout)?;
         }
         self.ensure_window(b, &mut st, layout, timeout)?;
-        let result = self.launch(&st, name, layout, &plan, stream, timeout, true);
+        let mut result = self.launch(&st, name, layout, &plan, stream, timeout, true);
         // The halves ran (their protocol completes even when the data was wrong): a send half
         // alone leaves its rows waiting for the receive half.
-        let pending = match op {
-            Op::MoeDispatch(_) => &mut st.dispatch,
-            _ => &mut st.combine,
+        let st = &mut *st;
+        let (pending, failed) = match op {
+            Op::MoeDispatch(_) => (&mut st.dispatch, &mut st.dispatch_failed),
+            _ => (&mut st.combine, &mut st.combine_failed),
         };
-        *pending = plan.sent.filter(|_| !plan.received);
         if plan.received {
+            // A receive half whose own send half failed reads nothing of its own slots (they
+            // say refused): it must not pass for one that received.
+            if pending.is_some() && *failed && result.is_ok() {
+                result = Err(Error::invalid(
+                    name,
+                    "this rank's send half of the call failed (that call returned the error): nothing was received",
+                ));
+            }
             *pending = None;
+            *failed = false;
+        } else {
+            *pending = plan.sent;
+            *failed = result.is_err();
         }
-        result
+        earlier.and(result)
     }
 
     /// Takes part in `op`, which this rank refuses (an argument error found on the host), far
