@@ -478,7 +478,7 @@ fn malformed_command_lines_are_usage_errors() {
             &[("FERROCOMM_RUN_TOLERATE_FAILURES", "2")],
             "below the number of ranks",
         ),
-        // Each node's launcher sees only its own ranks: no job-wide count, so no flag.
+        // The tolerance counts the job's ranks, over every node.
         (
             &[
                 "-n",
@@ -490,11 +490,11 @@ fn malformed_command_lines_are_usage_errors() {
                 "--master-port",
                 "1",
                 "--tolerate-failures",
-                "1",
+                "4",
                 "true",
             ],
             &[("FERROCOMM_TOKEN", "t")],
-            "single node only",
+            "below the number of ranks (-n 2 on 2 node(s))",
         ),
     ] {
         let (code, err) = run(args, envs);
@@ -705,4 +705,105 @@ fn the_store_outlives_a_tolerated_failure() {
         );
     }
     assert!(err.contains("rank 1 failed (exit code 7); tolerated"), "{err}");
+}
+
+/// Two nodes' launchers (`-n 2` each) with `--tolerate-failures 1`, running `script` with
+/// `sh -c`; each one's exit status, stdout and stderr, and how long the job took.
+fn two_nodes_tolerating_one(script: &str, limit: Duration) -> (Vec<(Option<ExitStatus>, String, String)>, Duration) {
+    let (port, token) = (free_port(), ferrocomm::random_token().unwrap());
+    let dir = std::env::temp_dir().join(format!("ferrocomm-tolerate-{}-{port}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let t0 = Instant::now();
+    let nodes: Vec<(Child, std::path::PathBuf)> = [0, 1]
+        .iter()
+        .map(|&r| {
+            let err = dir.join(format!("node{r}.err"));
+            let mut cmd = Command::new(env!("CARGO_BIN_EXE_ferrocomm-run"));
+            cmd.args(["-n", "2", "--nnodes", "2", "--node-rank", &r.to_string()])
+                .args(["--master-addr", "127.0.0.1", "--master-port", &port])
+                .args(["--tolerate-failures", "1", "--grace", "5", "--", "sh", "-c", script]);
+            for k in job_variables(std::env::vars().map(|(k, _)| k)) {
+                cmd.env_remove(k);
+            }
+            let child = cmd
+                .env("FERROCOMM_TOKEN", &token)
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(std::fs::File::create(&err).unwrap())
+                .spawn()
+                .expect("start ferrocomm-run");
+            (child, err)
+        })
+        .collect();
+    let deadline = t0 + limit;
+    let ended: Vec<_> = nodes
+        .into_iter()
+        .map(|(c, err)| {
+            let (status, out, _) = wait_child(c, deadline);
+            (status, out, std::fs::read_to_string(err).unwrap_or_default())
+        })
+        .collect();
+    let took = t0.elapsed();
+    let _ = std::fs::remove_dir_all(&dir);
+    (ended, took)
+}
+
+/// One failure in a job of two nodes is within `--tolerate-failures 1`, counted job-wide:
+/// every other rank finishes and both launchers exit 0.
+#[test]
+fn a_tolerated_failure_on_one_node_lets_every_node_finish() {
+    let script = r#"if [ "$RANK" = 3 ]; then exit 7; fi; sleep 1; echo "rank $RANK finished""#;
+    let (nodes, _) = two_nodes_tolerating_one(script, Duration::from_secs(60));
+    for (node, (status, out, err)) in nodes.iter().enumerate() {
+        assert_eq!(
+            status.and_then(|s| s.code()),
+            Some(0),
+            "node {node}: {status:?}\n{out}\n{err}"
+        );
+        for local in 0..2 {
+            let rank = 2 * node + local;
+            if rank != 3 {
+                let want = format!("[{rank}]: rank {rank} finished");
+                assert!(
+                    out.lines().any(|l| l == want),
+                    "node {node}: {want:?} missing:\n{out}\n{err}"
+                );
+            }
+        }
+        assert!(!err.contains("stopping"), "node {node} stopped its ranks:\n{err}");
+    }
+    assert!(
+        nodes[1]
+            .2
+            .contains("rank 3 failed (exit code 7); tolerated (1 of --tolerate-failures 1 in the job)"),
+        "{}",
+        nodes[1].2
+    );
+}
+
+/// Two failures on two nodes with `--tolerate-failures 1`: the first is tolerated where it
+/// happens, the second (on the other node) is the job's second, so that node stops its ranks
+/// and tells node 0, which stops its own (one of which would sleep for ten minutes).
+#[test]
+fn a_failure_past_the_tolerance_on_another_node_stops_every_node() {
+    let script = r#"case "$RANK" in 1) exit 7;; 2) sleep 0.5; exit 8;; *) exec sleep 600;; esac"#;
+    let (nodes, took) = two_nodes_tolerating_one(script, Duration::from_secs(60));
+    let [(s0, out0, err0), (s1, out1, err1)] = &nodes[..] else {
+        unreachable!()
+    };
+    assert_eq!(s1.and_then(|s| s.code()), Some(8), "node 1: {s1:?}\n{out1}\n{err1}");
+    assert!(
+        err1.contains("rank 2 failed (exit code 8, failure 2 in the job with --tolerate-failures 1); stopping"),
+        "node 1:\n{err1}"
+    );
+    assert_eq!(s0.and_then(|s| s.code()), Some(1), "node 0: {s0:?}\n{out0}\n{err0}");
+    assert!(
+        err0.contains("rank 1 failed (exit code 7); tolerated (1 of"),
+        "node 0:\n{err0}"
+    );
+    assert!(
+        err0.contains("on another node; stopping this node's ranks"),
+        "node 0:\n{err0}"
+    );
+    assert!(took < Duration::from_secs(15), "the job took {took:?} to stop");
 }

@@ -8,7 +8,9 @@
 //! communicator): up to N ranks may fail (exit non-zero or die of a signal) without the launcher
 //! stopping the others; each such failure is reported on stderr, the store stays up for the
 //! survivors, and the launcher exits 0 when every other rank does. The failure after the Nth
-//! stops the job as above. One node only: a launcher sees only its own node's ranks.
+//! stops the job as above. On several nodes the launchers count the job's failures together
+//! in node 0's store, and the one that sees a failure past N makes every node stop
+//! (job_failures.rs).
 //!
 //! The job's TCP store: on one node the launcher hosts it with a fresh token (at
 //! `--master-addr`, default 127.0.0.1, and `--master-port`, default any free port). With
@@ -23,8 +25,11 @@
 //! never outlive it: it reaps every rank before it exits, and on Linux each rank asks the kernel
 //! to SIGKILL it should the launcher die without doing so (itself SIGKILLed).
 
+mod job_failures;
+
 use clap::{CommandFactory, Parser};
 use ferrocomm::Store;
+use job_failures::{JobFailures, Verdict};
 use std::ffi::OsString;
 use std::io::{self, BufRead, BufReader, Write};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
@@ -92,9 +97,9 @@ struct Cli {
     #[arg(long, value_name = "SECONDS", env = "FERROCOMM_RUN_GRACE", default_value = DEFAULT_GRACE,
           value_parser = parse_grace)]
     grace: Duration,
-    /// Ranks that may fail (exit non-zero or die of a signal) while the others go on; the
-    /// launcher then exits 0 if every other rank does. One more failure stops the job. Below -n;
-    /// single-node jobs only.
+    /// Ranks of the job that may fail (exit non-zero or die of a signal) while the others go
+    /// on; the launcher then exits 0 if every other rank does. One more failure stops the job,
+    /// on every node. Below the job's number of ranks; the same on every node.
     #[arg(long, value_name = "N", env = "FERROCOMM_RUN_TOLERATE_FAILURES", default_value = "0",
           allow_negative_numbers = true, value_parser = parse_tolerance)]
     tolerate_failures: usize,
@@ -123,7 +128,7 @@ struct Job {
     /// The job token: fresh on a single node, FERROCOMM_TOKEN's on several.
     token: String,
     grace: Duration,
-    /// Ranks of this node that may fail while the others go on (`--tolerate-failures`).
+    /// Ranks of the job that may fail while the others go on (`--tolerate-failures`).
     tolerate: usize,
     program: Vec<OsString>,
 }
@@ -146,20 +151,12 @@ impl Job {
             )));
         }
         // The value may come from FERROCOMM_RUN_TOLERATE_FAILURES: the messages name both.
-        if cli.tolerate_failures > 0 && cli.nnodes > 1 {
-            // Each launcher sees its own ranks only; a job-wide count would need the launchers
-            // to agree through the store, which they do not (yet).
+        // The count is the job's (over every node), as the launchers keep it.
+        if cli.tolerate_failures >= nproc * cli.nnodes {
             return Err(usage(format!(
-                "--tolerate-failures {} (or FERROCOMM_RUN_TOLERATE_FAILURES) works on a single node only (not with --nnodes {}): each \
-                 node's launcher sees only its own ranks and cannot count the job's failures",
+                "--tolerate-failures {} (or FERROCOMM_RUN_TOLERATE_FAILURES) must be below the number of ranks (-n {nproc} on \
+                 {} node(s)): at least one rank has to finish",
                 cli.tolerate_failures, cli.nnodes
-            )));
-        }
-        if cli.tolerate_failures >= nproc {
-            return Err(usage(format!(
-                "--tolerate-failures {} (or FERROCOMM_RUN_TOLERATE_FAILURES) must be below the number of ranks (-n {nproc}): at least \
-                 one rank has to finish",
-                cli.tolerate_failures
             )));
         }
         if cli.node_rank >= cli.nnodes {
@@ -386,6 +383,8 @@ enum Stop {
     Signal(libc::c_int),
     /// A rank could not be started.
     SpawnFailed,
+    /// Another node's failures went past `--tolerate-failures`.
+    Elsewhere,
 }
 
 /// The running ranks; a rank's slot empties once it has been reaped.
@@ -497,6 +496,9 @@ fn run(job: &Job) -> Result<ExitCode, LaunchError> {
     let mut tolerated: Vec<usize> = Vec::new();
     // When the ranks still running get SIGKILL; unset once they did.
     let mut kill_at: Option<Instant> = None;
+    // On several nodes the job's failures are counted in node 0's store.
+    let mut job_failures = (job.nnodes > 1 && job.tolerate > 0)
+        .then(|| JobFailures::new((job.master_addr.clone(), port), &job.token, REPORT_WAIT, job.tolerate));
     for local in 0..job.nproc {
         // Spawned from this thread, which lives as long as the launcher: see prepare_rank.
         match rank_command(job, local, port, &signals).spawn() {
@@ -525,25 +527,36 @@ fn run(job: &Job) -> Result<ExitCode, LaunchError> {
 
     while ranks.any_left() {
         for (local, status) in ranks.reap() {
-            if !status.success() && stop.is_none() && tolerated.len() < job.tolerate {
+            if status.success() || stop.is_some() {
+                continue;
+            }
+            let verdict = match &mut job_failures {
+                Some(j) => j.failed(),
+                None if tolerated.len() < job.tolerate => Verdict::Tolerated {
+                    count: tolerated.len() as i64 + 1,
+                },
+                None => Verdict::Stop {
+                    count: Some(tolerated.len() as i64 + 1),
+                    why: None,
+                },
+            };
+            let of_job = if job.nnodes > 1 { " in the job" } else { "" };
+            if let Verdict::Tolerated { count } = verdict {
                 tolerated.push(job.rank(local));
                 eprintln!(
-                    "ferrocomm-run: rank {} failed ({}); tolerated ({} of --tolerate-failures {}), \
+                    "ferrocomm-run: rank {} failed ({}); tolerated ({count} of --tolerate-failures {}{of_job}), \
                      the other ranks go on",
                     job.rank(local),
                     describe(status),
-                    tolerated.len(),
                     job.tolerate
                 );
-            } else if !status.success() && stop.is_none() {
-                let beyond = if job.tolerate > 0 {
-                    format!(
-                        ", failure {} with --tolerate-failures {}",
-                        tolerated.len() + 1,
-                        job.tolerate
-                    )
-                } else {
-                    String::new()
+            } else if let Verdict::Stop { count, why } = verdict {
+                let beyond = match (why, count) {
+                    (Some(why), _) => format!("; {why}"),
+                    (None, Some(n)) if job.tolerate > 0 => {
+                        format!(", failure {n}{of_job} with --tolerate-failures {}", job.tolerate)
+                    }
+                    _ => String::new(),
                 };
                 eprintln!(
                     "ferrocomm-run: rank {} failed ({}{beyond}); stopping the other ranks",
@@ -557,6 +570,16 @@ fn run(job: &Job) -> Result<ExitCode, LaunchError> {
         }
         if !ranks.any_left() {
             break;
+        }
+        if stop.is_none() && job_failures.as_mut().is_some_and(JobFailures::stopped_elsewhere) {
+            eprintln!(
+                "ferrocomm-run: the job's failures went past --tolerate-failures {} on another node; \
+                 stopping this node's ranks",
+                job.tolerate
+            );
+            stop = Some(Stop::Elsewhere);
+            ranks.signal(libc::SIGTERM);
+            kill_at = Some(Instant::now() + job.grace);
         }
         if kill_at.is_some_and(|t| Instant::now() >= t) {
             eprintln!(
@@ -598,7 +621,7 @@ fn run(job: &Job) -> Result<ExitCode, LaunchError> {
         Some(Stop::RankFailed(status)) => ExitCode::from(exit_code(status)),
         // As a shell reports a command a signal ended.
         Some(Stop::Signal(sig)) => ExitCode::from(128u8.saturating_add(sig as u8)),
-        Some(Stop::SpawnFailed) => ExitCode::from(1),
+        Some(Stop::SpawnFailed | Stop::Elsewhere) => ExitCode::from(1),
         None => ExitCode::SUCCESS,
     })
 }
