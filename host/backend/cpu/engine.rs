@@ -371,12 +371,14 @@ impl Engine {
             } => {
                 let mut moved = false;
                 if *hpos < HEADER_BYTES {
-                    let n = link.write(&hdr[*hpos..]).map_err(|r| lost(*peer, r))?;
-                    *hpos += n;
-                    moved |= n > 0;
-                    if *hpos < HEADER_BYTES {
-                        return Ok(moved | link.take_progress());
-                    }
+                    // The header and the payload together: one write where the link can.
+                    let n = link
+                        .write_pair(&hdr[*hpos..], &data[*pos..])
+                        .map_err(|r| lost(*peer, r))?;
+                    let of_header = n.min(HEADER_BYTES - *hpos);
+                    *hpos += of_header;
+                    *pos += n - of_header;
+                    return Ok(n > 0 || link.take_progress());
                 }
                 if *pos < data.len() {
                     let n = link.write(&data[*pos..]).map_err(|r| lost(*peer, r))?;

@@ -73,6 +73,19 @@ impl Link {
         }
     }
 
+    /// Writes as much of `a` and then of `b` as the stream takes now (a header and its
+    /// payload: one system call on a plain TCP link); returns the bytes taken from both.
+    pub(crate) fn write_pair(&mut self, a: &[u8], b: &[u8]) -> Result<usize, Gone> {
+        if let Link::Tcp(l) = self {
+            return l.write_pair(a, b);
+        }
+        let n = self.write(a)?;
+        if n < a.len() || b.is_empty() {
+            return Ok(n);
+        }
+        Ok(n + self.write(b)?)
+    }
+
     /// Whether the link moved bytes of its own since last asked, though the caller's last
     /// calls moved none: a sealed link sends and receives records in parts, and a waiter that
     /// saw no progress would back off while a record is still on its way.
