@@ -134,8 +134,13 @@ FERROCOMM_DEVICE_INLINE void report(const Window& w, const NormArgs& a, Disagree
   // Atomic too: a plain store would race with the other blocks' atomicAdds, which happen
   // before it only in the word's modification order (relaxed), not in program order.
   store_relaxed(blocks, 0);
-  if (d.refused) {
-    record_status(w.handle().status, FERROCOMM_STATUS_REFUSED, FERROCOMM_OP_COLLECTIVE, d.peer, READY_ID + blockIdx.x,
+  // A refusal is recorded on every rank that takes part, the refusing one naming itself: on a
+  // GPU a call's status is reported (and the call skipped) by the rank's next call, so every
+  // rank skips the same one. (The host device reports it inside the call: the refusing rank's
+  // host clears its own.)
+  if (a.refused || d.refused) {
+    const i32 who = a.refused ? w.rank() : d.peer;
+    record_status(w.handle().status, FERROCOMM_STATUS_REFUSED, FERROCOMM_OP_COLLECTIVE, who, READY_ID + blockIdx.x,
                   mine, 0);
     return;
   }
@@ -230,8 +235,7 @@ FERROCOMM_DEVICE_INLINE void all_reduce_rmsnorm(const ferrocomm_window_handle& h
     }
   }
   end(w, counters, s);
-  // A refusing rank's caller has its own error: nothing to record for it.
-  if (other.peer >= 0 && !a.refused) report(w, a, other, row_in * a.call_rows);
+  if (other.peer >= 0) report(w, a, other, row_in * a.call_rows);
 }
 
 }  // namespace fused_norm

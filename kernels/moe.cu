@@ -259,18 +259,19 @@ enum class Verdict { Read, Agreed, Refused };
 // was) or p is this rank refusing (its send recorded why, or its host has the error).
 FERROCOMM_DEVICE_INLINE Verdict judge(const Args& a, const Header* h, i32 p, i32 me, bool quiet) {
   const bool we_grow = a.refuse == OP_GROW, they_grow = h->refused == OP_GROW;
+  // A refusal first, even against an announcement: the refusing rank's error is the cause.
+  if (h->refused != 0 && !they_grow) {
+    if (!quiet && threadIdx.x == 0 && p != me) {
+      const u32 op = h->refused == OP_EXPERT ? OP_REFUSED_EXPERT : h->refused == OP_SRC ? OP_REFUSED_SRC : OP_REFUSED_HOST;
+      invalid(a, op, p, h->expected, h->observed, h->extra);
+    }
+    return Verdict::Refused;
+  }
   if (we_grow || they_grow) {
     if (shape_differs(a, h, p, !quiet)) return Verdict::Refused;
     if (we_grow == they_grow) return Verdict::Agreed;
     if (!quiet && threadIdx.x == 0) {
       record_status(a.errors, FERROCOMM_STATUS_MISMATCH, OP_SHAPE, p, FIELD_WINDOW, we_grow, they_grow);
-    }
-    return Verdict::Refused;
-  }
-  if (h->refused != 0) {
-    if (!quiet && threadIdx.x == 0 && p != me) {
-      const u32 op = h->refused == OP_EXPERT ? OP_REFUSED_EXPERT : h->refused == OP_SRC ? OP_REFUSED_SRC : OP_REFUSED_HOST;
-      invalid(a, op, p, h->expected, h->observed, h->extra);
     }
     return Verdict::Refused;
   }

@@ -941,6 +941,51 @@ fn a_first_call_of_another_shape_is_a_mismatch_on_every_rank() {
     }
 }
 
+/// A rank that refuses a call whose shape needs a larger window (a buffer of the wrong size)
+/// while its peers announce that shape: the peers name the refusing rank (not a shape
+/// mismatch), no window is replaced, and the next call of that shape grows it on every rank.
+#[test]
+fn a_refusal_among_ranks_announcing_a_larger_window_names_the_refusing_rank() {
+    let world = 2;
+    let culprit = 1;
+    for &hosts in Hosts::of(world) {
+        let seed = fresh_seed();
+        let case = |hidden| Case {
+            world,
+            shape: shape(4 * world, 2, hidden, 16),
+            tokens: vec![3, 4],
+            routing: Routing::Random,
+            idx64: false,
+        };
+        let (small, big) = (case(128), case(512));
+        let res = on_device(hosts, world, "moe-grow-refused", |comm| {
+            let first = run_rank::<bf16>(comm, seed, &small, false, false);
+            let s = big.shape;
+            let local = s.experts / world;
+            let tokens = vec![bf16::ONE; 2 * s.hidden];
+            let idx: Vec<i32> = (0..if comm.rank() == culprit { 3 } else { 4 }).collect();
+            let mut rt = vec![bf16::ZERO; local * s.capacity * s.hidden];
+            let (mut counts, mut src) = (vec![0i32; local], vec![0i32; local * s.capacity * 3]);
+            let t0 = std::time::Instant::now();
+            let r = comm.moe_dispatch(s, Dispatch::send(&tokens, &idx).recv(&mut rt, &mut counts, &mut src));
+            (first, r, t0.elapsed(), run_rank::<bf16>(comm, seed, &big, false, true))
+        });
+        for (rank, (first, r, took, next)) in res.iter().enumerate() {
+            check::<bf16>(seed, &small, rank, first);
+            match r {
+                Err(e) if rank == culprit => assert!(e.to_string().contains("topk_idx has"), "{hosts:?} culprit: {e}"),
+                Err(Error::InvalidArgument { reason, .. }) => assert!(
+                    reason.contains(&format!("rank {culprit} refused its call")),
+                    "{hosts:?} rank {rank}: {reason}"
+                ),
+                other => panic!("{hosts:?} rank {rank}: {other:?}"),
+            }
+            assert!(*took < Duration::from_secs(10), "rank {rank} waited {took:?}");
+            check::<bf16>(seed, &big, rank, next);
+        }
+    }
+}
+
 /// A combine whose `src` names a token its rank never sent: that rank is told (a stray row, or
 /// the row its token misses), as the CPU engine tells it.
 #[test]

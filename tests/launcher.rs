@@ -710,6 +710,15 @@ fn the_store_outlives_a_tolerated_failure() {
 /// Two nodes' launchers (`-n 2` each) with `--tolerate-failures 1`, running `script` with
 /// `sh -c`; each one's exit status, stdout and stderr, and how long the job took.
 fn two_nodes_tolerating_one(script: &str, limit: Duration) -> (Vec<(Option<ExitStatus>, String, String)>, Duration) {
+    two_nodes_tolerating(["1", "1"], script, limit)
+}
+
+/// As `two_nodes_tolerating_one`, node `r` with `--tolerate-failures tolerate[r]`.
+fn two_nodes_tolerating(
+    tolerate: [&str; 2],
+    script: &str,
+    limit: Duration,
+) -> (Vec<(Option<ExitStatus>, String, String)>, Duration) {
     let (port, token) = (free_port(), ferrocomm::random_token().unwrap());
     let dir = std::env::temp_dir().join(format!("ferrocomm-tolerate-{}-{port}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -721,7 +730,16 @@ fn two_nodes_tolerating_one(script: &str, limit: Duration) -> (Vec<(Option<ExitS
             let mut cmd = Command::new(env!("CARGO_BIN_EXE_ferrocomm-run"));
             cmd.args(["-n", "2", "--nnodes", "2", "--node-rank", &r.to_string()])
                 .args(["--master-addr", "127.0.0.1", "--master-port", &port])
-                .args(["--tolerate-failures", "1", "--grace", "5", "--", "sh", "-c", script]);
+                .args([
+                    "--tolerate-failures",
+                    tolerate[r],
+                    "--grace",
+                    "5",
+                    "--",
+                    "sh",
+                    "-c",
+                    script,
+                ]);
             for k in job_variables(std::env::vars().map(|(k, _)| k)) {
                 cmd.env_remove(k);
             }
@@ -801,9 +819,25 @@ fn a_failure_past_the_tolerance_on_another_node_stops_every_node() {
         err0.contains("rank 1 failed (exit code 7); tolerated (1 of"),
         "node 0:\n{err0}"
     );
-    assert!(
-        err0.contains("on another node; stopping this node's ranks"),
-        "node 0:\n{err0}"
-    );
+    assert!(err0.contains("another node stopped the job"), "node 0:\n{err0}");
+    assert!(took < Duration::from_secs(15), "the job took {took:?} to stop");
+}
+
+/// Nodes given different tolerances: every launcher says so and stops its ranks (one of
+/// which would sleep for ten minutes), rather than each node counting by its own rule.
+#[test]
+fn different_tolerances_on_two_nodes_stop_the_job() {
+    let (nodes, took) = two_nodes_tolerating(["1", "0"], "exec sleep 600", Duration::from_secs(60));
+    for (node, (status, out, err)) in nodes.iter().enumerate() {
+        assert_eq!(
+            status.and_then(|s| s.code()),
+            Some(1),
+            "node {node}: {status:?}\n{out}\n{err}"
+        );
+        assert!(
+            err.contains("every node must be given the same") || err.contains("another node stopped the job"),
+            "node {node}:\n{err}"
+        );
+    }
     assert!(took < Duration::from_secs(15), "the job took {took:?} to stop");
 }

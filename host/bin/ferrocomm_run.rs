@@ -50,6 +50,10 @@ const DRAIN: Duration = Duration::from_secs(2);
 const EXIT_WAIT: Duration = Duration::from_secs(300);
 /// How long a launcher tries to reach node 0's store to report that its ranks ended.
 const REPORT_WAIT: Duration = Duration::from_secs(10);
+/// How long node 0 keeps the store up after the job stopped for a failure, beyond the grace
+/// period: the other launchers see STOP within a fraction of a second, stop their ranks and
+/// report.
+const STOP_WAIT: Duration = Duration::from_secs(10);
 /// The store key each node's launcher adds 1 to when its ranks have ended.
 const NODES_DONE: &str = "ferrocomm-run/nodes-done";
 
@@ -496,9 +500,10 @@ fn run(job: &Job) -> Result<ExitCode, LaunchError> {
     let mut tolerated: Vec<usize> = Vec::new();
     // When the ranks still running get SIGKILL; unset once they did.
     let mut kill_at: Option<Instant> = None;
-    // On several nodes the job's failures are counted in node 0's store.
-    let mut job_failures = (job.nnodes > 1 && job.tolerate > 0)
-        .then(|| JobFailures::new((job.master_addr.clone(), port), &job.token, REPORT_WAIT, job.tolerate));
+    // On several nodes the job's failures are counted in node 0's store, and a node that stops
+    // the job tells the others there.
+    let mut job_failures = (job.nnodes > 1)
+        .then(|| JobFailures::start((job.master_addr.clone(), port), &job.token, REPORT_WAIT, job.tolerate));
     for local in 0..job.nproc {
         // Spawned from this thread, which lives as long as the launcher: see prepare_rank.
         match rank_command(job, local, port, &signals).spawn() {
@@ -571,15 +576,24 @@ fn run(job: &Job) -> Result<ExitCode, LaunchError> {
         if !ranks.any_left() {
             break;
         }
-        if stop.is_none() && job_failures.as_mut().is_some_and(JobFailures::stopped_elsewhere) {
-            eprintln!(
-                "ferrocomm-run: the job's failures went past --tolerate-failures {} on another node; \
-                 stopping this node's ranks",
-                job.tolerate
-            );
-            stop = Some(Stop::Elsewhere);
-            ranks.signal(libc::SIGTERM);
-            kill_at = Some(Instant::now() + job.grace);
+        if let (None, Some(j)) = (&stop, &mut job_failures) {
+            let why = if let Some(why) = j.differs() {
+                j.tell_stop();
+                Some(why)
+            } else if j.stopped_elsewhere() {
+                Some(format!(
+                    "another node stopped the job (a failure past --tolerate-failures {})",
+                    job.tolerate
+                ))
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                eprintln!("ferrocomm-run: {why}; stopping this node's ranks");
+                stop = Some(Stop::Elsewhere);
+                ranks.signal(libc::SIGTERM);
+                kill_at = Some(Instant::now() + job.grace);
+            }
         }
         if kill_at.is_some_and(|t| Instant::now() >= t) {
             eprintln!(
@@ -611,10 +625,16 @@ fn run(job: &Job) -> Result<ExitCode, LaunchError> {
         );
     }
     if job.nnodes > 1 {
-        // A launcher that was told to stop, or whose ranks failed, does not hold the store up
-        // for other nodes: their ranks lose this node's anyway.
-        let wait = stop.is_none();
-        exit_barrier(job, port, server.is_some() && wait, &signals);
+        // Node 0 holds the store up for the other nodes' ranks while they run; after a failure
+        // only while the other launchers learn from it that the job stops (STOP) and stop
+        // their ranks; after a signal not at all (their ranks lose this node's anyway).
+        let hold = match (&stop, server.is_some()) {
+            (_, false) | (Some(Stop::Signal(_) | Stop::SpawnFailed), _) => None,
+            (None, true) => Some(EXIT_WAIT),
+            (Some(Stop::RankFailed(_) | Stop::Elsewhere), true) => Some(job.grace + STOP_WAIT),
+        };
+        drop(job_failures);
+        exit_barrier(job, port, hold, &signals);
     }
     drop(server);
     Ok(match stop {
@@ -626,11 +646,11 @@ fn run(job: &Job) -> Result<ExitCode, LaunchError> {
     })
 }
 
-/// Several nodes, after this node's ranks ended: reports that to node 0's store, and, where
-/// `hold` (node 0, not stopped by a signal), keeps the store up until every node has reported,
-/// `EXIT_WAIT` passes or a signal arrives, because ranks of other nodes may still be using it.
+/// Several nodes, after this node's ranks ended: reports that to node 0's store, and, for at
+/// most `hold` (node 0; see the caller), keeps the store up until every node has reported or a
+/// signal arrives, because ranks or launchers of other nodes may still be using it.
 /// Failures here are reported and otherwise ignored: the ranks' outcome decides the exit code.
-fn exit_barrier(job: &Job, port: u16, hold: bool, signals: &Signals) {
+fn exit_barrier(job: &Job, port: u16, hold: Option<Duration>, signals: &Signals) {
     let report = || -> ferrocomm::Result<(ferrocomm::TcpStore, i64)> {
         let store = ferrocomm::TcpStore::connect((job.master_addr.as_str(), port), &job.token, REPORT_WAIT)?;
         let done = store.add(NODES_DONE, 1)?;
@@ -643,17 +663,17 @@ fn exit_barrier(job: &Job, port: u16, hold: bool, signals: &Signals) {
             return;
         }
     };
-    if !hold || done >= job.nnodes as i64 {
+    let Some(hold) = hold.filter(|_| done < job.nnodes as i64) else {
         return;
-    }
+    };
     let started = Instant::now();
-    let deadline = started + EXIT_WAIT;
+    let deadline = started + hold;
     // Said only when the wait is long enough to be noticed.
     let mut said = false;
     while Instant::now() < deadline {
         if !said && started.elapsed() >= Duration::from_secs(2) {
             eprintln!(
-                "ferrocomm-run: keeping the job's store up until the ranks of the other nodes end (at most {EXIT_WAIT:?})"
+                "ferrocomm-run: keeping the job's store up until the ranks of the other nodes end (at most {hold:?})"
             );
             said = true;
         }
@@ -671,7 +691,7 @@ fn exit_barrier(job: &Job, port: u16, hold: bool, signals: &Signals) {
             }
         }
     }
-    eprintln!("ferrocomm-run: the other nodes' ranks did not end within {EXIT_WAIT:?}; closing the store");
+    eprintln!("ferrocomm-run: the other nodes' ranks did not end within {hold:?}; closing the store");
 }
 
 /// Handles a signal the launcher received: the first one since the job started stopping is

@@ -438,13 +438,22 @@ impl OwnCollectives {
     /// enough for the peers' kernels to fail at once naming this rank (`Backend::refuse`): one
     /// launch without rows whose headers say "refused" (kernels/fused_norm.cu). The peers' first
     /// launch finds it and their later ones end at once, so every rank's epochs stay in step.
-    /// This rank records nothing: its caller has its own error.
-    pub(crate) fn refuse_norm(&self, stream: u64, timeout: Duration) -> Result<()> {
+    /// On a GPU every rank, this one included, reports the refusal from its next call (and
+    /// skips that call, as all do: kernels/fused_norm.cu `report`); on the host device the
+    /// peers report it inside this call.
+    pub(crate) fn refuse_norm(&self, call: &RmsNormFusion<'_>, stream: u64, timeout: Duration) -> Result<()> {
         const OP: &str = norm::OP;
-        // A failure an earlier call's kernels recorded stays for the next call to report (as
-        // `run` would); the kernels' waits would end at once on it anyway.
-        if self.window.failed() {
-            return Err(Error::invalid(OP, "an earlier call failed: not told"));
+        // A failure an earlier call's kernels recorded ends this call before it launches, as
+        // `run` does on every rank that has it (cleared, so that the next call runs, as theirs).
+        if let Err(e) = self.window.take_status(OP, timeout) {
+            return Err(Error::invalid(
+                OP,
+                format!("an earlier call failed ({e}): the peers were not told"),
+            ));
+        }
+        // An empty call launches nothing on the peers (`run`): nothing to tell them.
+        if call.x.byte_len() == 0 {
+            return Ok(());
         }
         let f = self
             .norm
@@ -468,7 +477,12 @@ impl OwnCollectives {
                     MAX_BLOCKS as u32,
                     (handle, args, counters),
                 )?;
-                self.window.finish(OP, timeout + Duration::from_secs(1))
+                // The peers report the refusal inside their calls here: this rank's own record
+                // of it is not reported again.
+                match self.window.finish(OP, timeout + Duration::from_secs(1)) {
+                    Ok(()) | Err(Error::InvalidArgument { .. }) => Ok(()),
+                    Err(e) => Err(e),
+                }
             }
             Stream::Cuda(_) => {
                 let order = self.order.as_ref().ok_or_else(|| Error::invalid(OP, "no call order"))?;

@@ -301,7 +301,7 @@ impl Backend for DeviceBackend {
             });
             if let Some(k) = kernels {
                 if ready() {
-                    told(k.refuse_norm(opts.stream, opts.timeout));
+                    told(k.refuse_norm(f, opts.stream, opts.timeout));
                 }
                 return;
             }

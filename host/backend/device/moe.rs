@@ -298,16 +298,22 @@ impl OwnMoe {
                         tracing::debug!(error = %e, "the peers could not be told of this rank's refused {name}");
                     }
                 }
-                return earlier.and(Err(why));
+                return with_earlier(earlier, Err(why));
             }
         };
         let layout = Layout::of(&shape, self.size, self.outboxes)
             .filter(|l| l.bytes <= WINDOW_MAX)
-            .ok_or_else(|| Error::invalid(name, "the shape's staging does not fit the MoE window"))?;
-        if st.live.as_ref().is_some_and(|l| !l.holds(layout)) {
-            self.announce_growth(&st, name, layout, &plan, stream, timeout)?;
-        }
-        self.ensure_window(b, &mut st, layout, timeout)?;
+            .ok_or_else(|| Error::invalid(name, "the shape's staging does not fit the MoE window"));
+        let made = layout.and_then(|layout| {
+            if st.live.as_ref().is_some_and(|l| !l.holds(layout)) {
+                self.announce_growth(&st, name, layout, &plan, stream, timeout, &mut earlier)?;
+            }
+            self.ensure_window(b, &mut st, layout, timeout).map(|()| layout)
+        });
+        let layout = match made {
+            Ok(layout) => layout,
+            Err(e) => return with_earlier(earlier, Err(e)),
+        };
         let mut result = self.launch(&st, name, layout, &plan, stream, timeout, true);
         // The halves ran (their protocol completes even when the data was wrong): a send half
         // alone leaves its rows waiting for the receive half.
@@ -331,7 +337,7 @@ impl OwnMoe {
             *pending = plan.sent;
             *failed = result.is_err();
         }
-        earlier.and(result)
+        with_earlier(earlier, result)
     }
 
     /// Takes part in `op`, which this rank refuses (an argument error found on the host), far
@@ -353,7 +359,10 @@ impl OwnMoe {
     /// shape). Peers that run a call of another shape instead find the announcement's shape
     /// differs, and this rank theirs: every rank gets `Error::Mismatch` naming a rank of the
     /// other shape, at once, and the windows stay as they were (in step). Waits for the
-    /// kernels (a larger window is never made inside a CUDA graph capture).
+    /// kernels (a larger window is never made inside a CUDA graph capture). On a GPU the last
+    /// call's kernels may still run: they end first, and a data error they record joins
+    /// `earlier` (reported by this call, which goes on), not the announcement's verdict.
+    #[allow(clippy::too_many_arguments)]
     fn announce_growth(
         &self,
         st: &State,
@@ -362,8 +371,17 @@ impl OwnMoe {
         plan: &Plan,
         stream: u64,
         timeout: Duration,
+        earlier: &mut Result<()>,
     ) -> Result<()> {
         let live = st.live.as_ref().ok_or_else(|| Error::invalid(name, "no MoE window"))?;
+        if let Some(order) = &live.order {
+            live.window.enter_gpu()?;
+            order.wait_last(timeout + Duration::from_secs(1))?;
+            live.window.take_status(name, timeout)?;
+            live.window.take_proxy_error()?;
+            let late = self.take_errors(live, name);
+            *earlier = with_earlier(late, std::mem::replace(earlier, Ok(())));
+        }
         if st.dispatch.is_some() || st.combine.is_some() {
             return Err(Error::invalid(
                 name,
@@ -875,6 +893,19 @@ struct Plan {
     sent: Option<(MoeShape, DType)>,
     /// The receive half runs.
     received: bool,
+}
+
+/// A call's outcome with an earlier call's error that this call reports: this call's own error
+/// first (the earlier one is logged), else the earlier one.
+fn with_earlier(earlier: Result<()>, now: Result<()>) -> Result<()> {
+    match (earlier, now) {
+        (Err(old), Err(new)) => {
+            tracing::warn!(error = %old, "an earlier MoE call's error, not returned: this call has its own");
+            Err(new)
+        }
+        (Err(old), Ok(())) => Err(old),
+        (Ok(()), now) => now,
+    }
 }
 
 /// The address kernels use for a buffer: its device memory, or on the host device its host

@@ -325,11 +325,6 @@ impl DeviceWindow {
     }
 
     /// Reports and clears the first error a kernel recorded, so the window stays usable.
-    /// Whether a kernel recorded a failure that no call has reported yet (`take_status`).
-    pub(crate) fn failed(&self) -> bool {
-        self.status.read(0).code != abi::STATUS_OK
-    }
-
     pub(crate) fn take_status(&self, op: &'static str, limit: Duration) -> Result<()> {
         let s = self.status.read(0);
         if s.code == abi::STATUS_OK {
