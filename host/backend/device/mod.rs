@@ -254,9 +254,11 @@ impl Backend for DeviceBackend {
     /// A refused MoE send half or fused norm on the own kernels takes part far enough to fail
     /// every peer at once (`OwnMoe::refuse`: a header flagged refused in every peer's slot;
     /// `OwnCollectives::refuse_norm`: a launch whose headers say refused); an operation the CPU
-    /// engine would run (host buffers, the staged copy) is refused by the engine, in band, as
-    /// on the `cpu` backend. The fused norm's steps apart (an all_reduce by NCCL or the own
-    /// kernels, then the norm) are not: there the peers wait until their timeout, as NCCL's do.
+    /// engine runs on every rank (host buffers, the host device's engine) is refused by the
+    /// engine, in band, as on the `cpu` backend. Not where the peers' route cannot be told
+    /// (a fused norm of an element type it does not take, device buffers the kernels do not
+    /// take) nor the fused norm's steps apart (an all_reduce by NCCL or the own kernels, then
+    /// the norm): there the peers wait until their timeout, as NCCL's do.
     fn refuse(&self, op: &Op<'_>, reason: &str, opts: &RunOptions) {
         if !op.refused_in_band() {
             return;
@@ -284,6 +286,11 @@ impl Backend for DeviceBackend {
             }
         }
         if let Op::AllReduceRmsNorm(f) = op {
+            // An element type the fused norm does not take, often the reason for the refusal,
+            // says nothing of the route the peers' calls took: nothing can be told then.
+            if crate::gpu::kernels::norm_suffix(f.x.dtype(), f.quantised()).is_none() {
+                return;
+            }
             // The route `run` would take, from what does not depend on the refused lengths.
             let own = self.own.as_ref().filter(|k| k.takes_norm(f, opts.hints));
             let reach = host_device || on_gpu;
@@ -306,8 +313,13 @@ impl Backend for DeviceBackend {
                 return;
             }
         }
-        // The CPU engine: host buffers, the host device's engine, or the staged copy of device
-        // buffers (MoE shapes the own kernels do not take, the fused norm without NCCL).
+        // The CPU engine, where the peers' calls surely run there too: on the host device
+        // (MoE shapes the own kernels do not take, the fused norm they cannot run), or on host
+        // buffers. Not device buffers the kernels do not take, whose peers may have taken
+        // the kernels or NCCL (their refusal could leave a message on the engine's links).
+        if !host_device && !matches!(op.location(), Ok(None | Some(Location::Host))) {
+            return;
+        }
         told(on_engine(op.name(), opts, |o| {
             self.me.host.refuse(op, reason, o);
             Ok(())
