@@ -845,6 +845,23 @@ fn a_wrong_buffer_size_on_one_rank_fails_every_rank_naming_it() {
     }
 }
 
+/// A dispatch (both halves) of two tokens of ones routed by `idx`, on this rank: its result and
+/// how long it took.
+fn dispatch_two_tokens(comm: &Comm, s: MoeShape, idx: &[i32]) -> (ferrocomm::Result<()>, Duration) {
+    let local = s.experts / comm.size();
+    let tokens = vec![bf16::ONE; 2 * s.hidden];
+    let mut rt = vec![bf16::ZERO; local * s.capacity * s.hidden];
+    let (mut counts, mut src) = (vec![0i32; local], vec![0i32; local * s.capacity * 3]);
+    let t0 = std::time::Instant::now();
+    let r = comm.moe_dispatch(s, Dispatch::send(&tokens, idx).recv(&mut rt, &mut counts, &mut src));
+    (r, t0.elapsed())
+}
+
+/// Expert ids for two tokens of `s`: 0, 1, 2, ... in turn.
+fn every_expert_in_turn(s: MoeShape) -> Vec<i32> {
+    (0..2 * s.topk).map(|i| (i % s.experts) as i32).collect()
+}
+
 /// One rank calls with another `topk`, or another number of experts (a shape whose staging
 /// fits the window the first call made), or another `hidden` (whose staging needs a larger
 /// window, which that rank announces on the old one before making it): `Error::Mismatch` on
@@ -878,14 +895,7 @@ fn a_shape_mismatch_on(hosts: Hosts, world: usize, field: &str) {
             _ => shape(2 * world, 2, 128, 16),
         };
         let s = if comm.rank() == 1 { odd } else { c.shape };
-        let local = s.experts / world;
-        let tokens = vec![bf16::ONE; 2 * s.hidden];
-        let idx: Vec<i32> = (0..2 * s.topk).map(|i| (i % s.experts) as i32).collect();
-        let mut rt = vec![bf16::ZERO; local * s.capacity * s.hidden];
-        let (mut counts, mut src) = (vec![0i32; local], vec![0i32; local * s.capacity * 3]);
-        let t0 = std::time::Instant::now();
-        let r = comm.moe_dispatch(s, Dispatch::send(&tokens, &idx).recv(&mut rt, &mut counts, &mut src));
-        let took = t0.elapsed();
+        let (r, took) = dispatch_two_tokens(comm, s, &every_expert_in_turn(s));
         (first, r, took, run_rank::<bf16>(comm, seed, &c, false, true))
     });
     for (rank, (first, r, took, next)) in res.iter().enumerate() {
@@ -921,14 +931,8 @@ fn a_first_call_of_another_shape_is_a_mismatch_on_every_rank() {
             } else {
                 c.shape
             };
-            let local = s.experts / world;
-            let tokens = vec![bf16::ONE; 2 * s.hidden];
-            let idx: Vec<i32> = (0..2 * s.topk).map(|i| (i % s.experts) as i32).collect();
-            let mut rt = vec![bf16::ZERO; local * s.capacity * s.hidden];
-            let (mut counts, mut src) = (vec![0i32; local], vec![0i32; local * s.capacity * 3]);
-            let t0 = std::time::Instant::now();
-            let r = comm.moe_dispatch(s, Dispatch::send(&tokens, &idx).recv(&mut rt, &mut counts, &mut src));
-            (r, t0.elapsed(), run_rank::<bf16>(comm, seed, &c, false, true))
+            let (r, took) = dispatch_two_tokens(comm, s, &every_expert_in_turn(s));
+            (r, took, run_rank::<bf16>(comm, seed, &c, false, true))
         });
         for (rank, (r, took, next)) in res.iter().enumerate() {
             assert!(
@@ -960,15 +964,10 @@ fn a_refusal_among_ranks_announcing_a_larger_window_names_the_refusing_rank() {
         let (small, big) = (case(128), case(512));
         let res = on_device(hosts, world, "moe-grow-refused", |comm| {
             let first = run_rank::<bf16>(comm, seed, &small, false, false);
-            let s = big.shape;
-            let local = s.experts / world;
-            let tokens = vec![bf16::ONE; 2 * s.hidden];
+            // The culprit's topk_idx is one id short.
             let idx: Vec<i32> = (0..if comm.rank() == culprit { 3 } else { 4 }).collect();
-            let mut rt = vec![bf16::ZERO; local * s.capacity * s.hidden];
-            let (mut counts, mut src) = (vec![0i32; local], vec![0i32; local * s.capacity * 3]);
-            let t0 = std::time::Instant::now();
-            let r = comm.moe_dispatch(s, Dispatch::send(&tokens, &idx).recv(&mut rt, &mut counts, &mut src));
-            (first, r, t0.elapsed(), run_rank::<bf16>(comm, seed, &big, false, true))
+            let (r, took) = dispatch_two_tokens(comm, big.shape, &idx);
+            (first, r, took, run_rank::<bf16>(comm, seed, &big, false, true))
         });
         for (rank, (first, r, took, next)) in res.iter().enumerate() {
             check::<bf16>(seed, &small, rank, first);

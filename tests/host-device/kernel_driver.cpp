@@ -345,7 +345,11 @@ struct Proxies {
 // READY signals through it too; within a host they store directly. Call 1 (of more than 2, with
 // peers) gives the last rank a bad expert id: it records it, every other rank records its
 // refusal, nothing is written to any output (the combine's counts are then still -1, so every
-// combine send refuses too), and the next call runs normally.
+// combine send refuses too), and the next call runs normally. Calls 2 and 3 (of more than 4,
+// with peers) run the dispatch only, with header-only announcements of a larger shape (hidden
+// 256, OP_GROW, as host/backend/device/moe.rs announces before it grows the window): by the last
+// rank alone (every rank records OP_SHAPE naming one of the other shape), then by every rank
+// (they agree: nothing recorded); nothing is written, and the next call runs normally.
 void check_moe_on(int calls, bool hosts) {
   namespace m = ferrocomm::moe;
   auto up16 = [](u64 x) { return (x + 15) / 16 * 16; };
@@ -362,6 +366,7 @@ void check_moe_on(int calls, bool hosts) {
     memset(errors.data(), 0, sizeof(ferrocomm_status) * size);
     for (int call = 0; call < calls; ++call) {
       const bool bad = call == 1 && calls > 2 && size > 1;
+      const bool grow = (call == 2 || call == 3) && calls > 4 && size > 1;
       auto tokens_of = [](int r) { return u64(5 + r); };
       std::vector<std::vector<u16>> tok(size), rt(size), eo(size), out(size);
       std::vector<std::vector<i32>> idx(size), counts(size), src(size);
@@ -395,11 +400,17 @@ void check_moe_on(int calls, bool hosts) {
         m::Args ds = d;
         ds.tokens = reinterpret_cast<u64>(tok[r].data()), ds.idx = reinterpret_cast<u64>(idx[r].data());
         ds.n_tokens = tokens_of(r);
-        launch(size, 32, [=] { ferrocomm_moe_dispatch_send(h, ds, c); });
         m::Args dr = d;
         dr.tokens = reinterpret_cast<u64>(rt[r].data()), dr.counts = reinterpret_cast<u64>(counts[r].data());
         dr.src = reinterpret_cast<u64>(src[r].data());
+        if (grow && (call == 3 || r == size - 1)) {
+          // An announcement: no buffers, only the shape.
+          ds = d, ds.refuse = m::OP_GROW, ds.hidden = 256;
+          dr = ds;
+        }
+        launch(size, 32, [=] { ferrocomm_moe_dispatch_send(h, ds, c); });
         launch(m::MOE_BLOCKS, 32, [=] { ferrocomm_moe_dispatch_recv(h, dr, c); });
+        if (grow) return;
         // The experts' outputs: the rows themselves.
         eo[r] = rt[r];
         m::Args cm = a;
@@ -429,6 +440,26 @@ void check_moe_on(int calls, bool hosts) {
           }
           for (u16 x : out[r]) {
             if (x != 0xffff) fail("moe refused combine wrote a token", r, x, 0);
+          }
+        }
+        memset(errors.data(), 0, sizeof(ferrocomm_status) * size);
+        continue;
+      }
+      if (grow) {
+        for (int r = 0; r < size; ++r) {
+          const bool last = r == size - 1;
+          const ferrocomm_status& e = errors[r];
+          if (call == 3 && e.code != FERROCOMM_STATUS_OK) fail("moe agreed announcements recorded", r, e.op, e.peer);
+          if (call == 2 && (e.code != FERROCOMM_STATUS_MISMATCH || e.op != m::OP_SHAPE || e.signal_id != m::FIELD_HIDDEN ||
+                            e.peer != (last ? 0 : size - 1) || e.expected != (last ? 256u : 128u) ||
+                            e.observed != (last ? 128u : 256u))) {
+            fail("moe announcement against another shape", r, e.op, e.peer);
+          }
+          for (u16 x : rt[r]) {
+            if (x != 0xffff) fail("moe announcement wrote a row", r, x, call);
+          }
+          for (i32 c : counts[r]) {
+            if (c != -1) fail("moe announcement wrote a count", r, c, call);
           }
         }
         memset(errors.data(), 0, sizeof(ferrocomm_status) * size);
@@ -791,6 +822,7 @@ struct NormShape {
   u64 hidden, tokens;
   unsigned threads;
   u64 skew;  // elements by which x is off 16-byte alignment (0: vectors where hidden allows)
+  bool refused = false;  // the host refused the call: one launch without rows says so
 };
 
 // A value in [-1, 1) with 24 random bits: sums of several of them round in f32.
@@ -840,6 +872,14 @@ void run_norm(NormWindow& w, NormKernel k, const std::vector<NormShape>& shape_o
     const u32 vectors = hidden % group == 0 && (ptrs & 15) == 0;
     const ferrocomm_window_handle h = g.handle(r);
     u64* counters = g.counters[r].data();
+    if (s.refused) {
+      // As collectives.rs `refuse_norm`: the one-shot f32 kernel, no rows, headers saying so.
+      fused_norm::NormArgs a{};
+      a.mismatches = reinterpret_cast<u64>(w.mismatches(r));
+      a.refused = 1;
+      launch(MAX_BLOCKS, s.threads, [=] { ferrocomm_rmsnorm_oneshot_f32(h, a, counters); });
+      return;
+    }
     for (u64 first = 0, launch_index = 0; first < tokens; first += per, ++launch_index) {
       fused_norm::NormArgs a{};
       a.x = reinterpret_cast<u64>(x[r].p + first * hidden);
@@ -966,7 +1006,9 @@ void check_epochs_in_step(Group& g, const char* name) {
 // Calls of f32 rows that differ between even and odd ranks (`shape(r)`): every rank records
 // MISMATCH naming a peer of the other parity and both calls' bytes of x, in the first launch
 // (the later ones of the longer calls end at once, or the wait would run into the timeout),
-// and writes nothing; then the window is used again.
+// and writes nothing; then the window is used again. Where the shape of the last rank says
+// `refused`, every rank records REFUSED naming that rank instead (the last rank too, which
+// reports it on a GPU from its next call, as its peers do).
 void check_norm_mismatch(NormWindow& w, const char* name, const std::function<NormShape(int)>& shape) {
   Group& g = w.g;
   std::vector<NormShape> shape_of;
@@ -990,7 +1032,22 @@ void check_norm_mismatch(NormWindow& w, const char* name, const std::function<No
   // Far below the handle's 20 s timeout, even under a sanitizer on a busy machine.
   const u64 took_ms = (ferrocomm_host::now_ns() - t0) / 1000000;
   if (took_ms > 10000) fail("a mismatched norm waited", static_cast<long long>(took_ms), g.size, 0);
-  for (int r = 0; r < g.size; ++r) {
+  const int refuser = shape_of.back().refused ? g.size - 1 : -1;
+  for (int r = 0; r < g.size && refuser >= 0; ++r) {
+    const ferrocomm_status st = g.status[r];
+    if (st.code != FERROCOMM_STATUS_REFUSED || st.op != FERROCOMM_OP_COLLECTIVE || st.peer != refuser) {
+      fprintf(stderr, "%s\n", name);
+      fail("a refused norm should be recorded naming the refusing rank", r, st.code, st.peer);
+    }
+    g.status[r] = ferrocomm_status{};
+    const NormShape& mine = shape_of[r];
+    for (u64 i = 0; i < mine.hidden * mine.tokens; ++i) {
+      if (out[r].p[i] != 0x7f7f7f7fu || residual[r].p[i] != F32::put(2.0f)) fail("a refused norm wrote", r, i, 0);
+    }
+    if (w.mismatches(r)[0] != 0) fail("the norm's mismatch count was not reset", r, w.mismatches(r)[0], 0);
+    if (w.mismatches(r)[1] != 1) fail("the first launch did not note the refusal", r, w.mismatches(r)[1], 0);
+  }
+  for (int r = 0; r < g.size && refuser < 0; ++r) {
     const ferrocomm_status st = g.status[r];
     if (st.code != FERROCOMM_STATUS_MISMATCH || st.op != FERROCOMM_OP_COLLECTIVE || st.peer < 0 || st.peer >= g.size ||
         st.peer % 2 == r % 2) {
@@ -1023,6 +1080,9 @@ void check_norm_mismatches(NormWindow& w, bool two_shot) {
   // The same first launch, and a second one on the even ranks only.
   const u64 per = norm_per_launch<u32, u32>(w, 129, 1000, two_shot);
   check_norm_mismatch(w, "launches", [&](int r) { return NormShape{two_shot, 129, odd(r) ? per : 2 * per, 32, 0}; });
+  // The last rank refuses; the others' calls take two launches.
+  const int last = w.g.size - 1;
+  check_norm_mismatch(w, "refused", [&](int r) { return NormShape{two_shot, 129, 2 * per, 32, 0, r == last}; });
 }
 
 // Every family of the fused norm, one- and two-shot, on `n` ranks: odd and vector-sized
@@ -1145,7 +1205,7 @@ int main(int argc, char** argv) {
   const int max_ranks = argc > 1 ? atoi(argv[1]) : 4;
   // A second argument `moe` runs the MoE checks alone (the slow sanitizer runs of one kernel).
   if (argc > 2 && strcmp(argv[2], "moe") == 0) {
-    check_moe(3);
+    check_moe(5);
     return 0;
   }
   for (int n = 1; n <= max_ranks; n = n < 4 ? n + 1 : n * 2) {
@@ -1190,7 +1250,7 @@ int main(int argc, char** argv) {
     printf("ok: %d rank%s\n", n, n == 1 ? "" : "s");
     fflush(stdout);
   }
-  check_moe(3);
+  check_moe(5);
   check_norm_passes();
   return 0;
 }

@@ -306,7 +306,13 @@ impl OwnMoe {
             .ok_or_else(|| Error::invalid(name, "the shape's staging does not fit the MoE window"));
         let made = layout.and_then(|layout| {
             if st.live.as_ref().is_some_and(|l| !l.holds(layout)) {
-                self.announce_growth(&st, name, layout, &plan, stream, timeout, &mut earlier)?;
+                let first = plan
+                    .launches
+                    .first()
+                    .ok_or_else(|| Error::invalid(name, "a MoE call without halves"))?;
+                let dispatch = matches!(first.step, Step::DispatchSend | Step::DispatchRecv);
+                let announce = Plan::header_only(&shape, self.size, first.args.elem, dispatch, OP_GROW);
+                self.announce_growth(&st, name, layout, &announce, stream, timeout, &mut earlier)?;
             }
             self.ensure_window(b, &mut st, layout, timeout).map(|()| layout)
         });
@@ -354,9 +360,9 @@ impl OwnMoe {
     }
 
     /// Before a window is replaced by a larger one (collectively: the peers must make it too),
-    /// the ranks check on the old window that they all call with this shape: a call of
-    /// header-only send and receive halves whose headers announce it (`OP_GROW`, with the
-    /// shape). Peers that run a call of another shape instead find the announcement's shape
+    /// the ranks check on the old window that they all call with this shape: `announce`, a
+    /// call of header-only send and receive halves whose headers announce it (`OP_GROW`, with
+    /// the shape). Peers that run a call of another shape instead find the announcement's shape
     /// differs, and this rank theirs: every rank gets `Error::Mismatch` naming a rank of the
     /// other shape, at once, and the windows stay as they were (in step). Waits for the
     /// kernels (a larger window is never made inside a CUDA graph capture). On a GPU the last
@@ -368,7 +374,7 @@ impl OwnMoe {
         st: &State,
         name: &'static str,
         layout: Layout,
-        plan: &Plan,
+        announce: &Plan,
         stream: u64,
         timeout: Duration,
         earlier: &mut Result<()>,
@@ -388,31 +394,7 @@ impl OwnMoe {
                 "a larger MoE shape while a send half waits for its receive half",
             ));
         }
-        let first = plan
-            .launches
-            .first()
-            .ok_or_else(|| Error::invalid(name, "a MoE call without halves"))?;
-        // The shape and element type, without buffers: only headers move.
-        let args = MoeArgs {
-            hidden: first.args.hidden,
-            topk: first.args.topk,
-            experts: first.args.experts,
-            local: first.args.local,
-            capacity: first.args.capacity,
-            elem: first.args.elem,
-            refuse: OP_GROW as u64,
-            ..Default::default()
-        };
-        let (send, recv) = match first.step {
-            Step::DispatchSend | Step::DispatchRecv => (Step::DispatchSend, Step::DispatchRecv),
-            Step::CombineSend | Step::CombineRecv => (Step::CombineSend, Step::CombineRecv),
-        };
-        let announce = Plan {
-            launches: vec![Launch { step: send, args }, Launch { step: recv, args }],
-            sent: None,
-            received: true,
-        };
-        self.launch(st, name, layout, &announce, stream, timeout, true)?;
+        self.launch(st, name, layout, announce, stream, timeout, true)?;
         // On a GPU the kernels were enqueued: their verdict is known once they end.
         if let Some(order) = &live.order {
             live.window.enter_gpu()?;
@@ -443,27 +425,13 @@ impl OwnMoe {
         if st.live.is_none() {
             self.ensure_window(b, st, layout, timeout)?;
         }
-        let local = shape.local_experts(self.size);
-        let args = MoeArgs {
-            hidden: shape.hidden as u64,
-            topk: shape.topk as u64,
-            experts: shape.experts as u64,
-            local: local as u64,
-            capacity: shape.capacity as u64,
-            elem: elem.map_or(0, |d| d as u64),
-            refuse: OP_REFUSED_HOST as u64,
-            ..Default::default()
-        };
-        let (send, recv) = if dispatch {
-            (Step::DispatchSend, Step::DispatchRecv)
-        } else {
-            (Step::CombineSend, Step::CombineRecv)
-        };
-        let plan = Plan {
-            launches: vec![Launch { step: send, args }, Launch { step: recv, args }],
-            sent: None,
-            received: true,
-        };
+        let plan = Plan::header_only(
+            &shape,
+            self.size,
+            elem.map_or(0, |d| d as u64),
+            dispatch,
+            OP_REFUSED_HOST,
+        );
         self.launch(st, name, layout, &plan, stream, timeout, false)
     }
 
@@ -893,6 +861,34 @@ struct Plan {
     sent: Option<(MoeShape, DType)>,
     /// The receive half runs.
     received: bool,
+}
+
+impl Plan {
+    /// Send and receive halves of a dispatch (or a combine) that move only their slot headers,
+    /// which carry `shape`, the element type `elem` and `refuse` (kernels/moe.cu): a refusal,
+    /// or an announcement of a larger shape. No buffers: the receive reads and writes nothing.
+    fn header_only(shape: &MoeShape, world: usize, elem: u64, dispatch: bool, refuse: u32) -> Plan {
+        let args = MoeArgs {
+            hidden: shape.hidden as u64,
+            topk: shape.topk as u64,
+            experts: shape.experts as u64,
+            local: shape.local_experts(world) as u64,
+            capacity: shape.capacity as u64,
+            elem,
+            refuse: refuse.into(),
+            ..Default::default()
+        };
+        let (send, recv) = if dispatch {
+            (Step::DispatchSend, Step::DispatchRecv)
+        } else {
+            (Step::CombineSend, Step::CombineRecv)
+        };
+        Plan {
+            launches: vec![Launch { step: send, args }, Launch { step: recv, args }],
+            sent: None,
+            received: true,
+        }
+    }
 }
 
 /// A call's outcome with an earlier call's error that this call reports: this call's own error

@@ -13,6 +13,7 @@
 mod fault;
 mod link;
 mod liveness;
+mod nonblocking;
 mod ring;
 mod sealed;
 mod setup;

@@ -8,8 +8,9 @@
 //! never held back in a buffer the caller thinks it has handed over: a rank that goes on to
 //! wait on another peer cannot strand its own sends.
 
+use super::nonblocking;
 use crate::bootstrap::seal::{Opener, Sealer, SessionKeys, LEN_BYTES, RECORD_PLAIN_MAX, TAG_BYTES};
-use std::io::{ErrorKind, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
 
 pub(crate) struct Sealed {
@@ -63,14 +64,12 @@ impl Sealed {
     /// Writes as much of the pending record as the socket takes; true once it is all out.
     fn flush(&mut self, mut s: &TcpStream) -> std::result::Result<bool, String> {
         while self.out_at < self.out.len() {
-            match s.write(&self.out[self.out_at..]) {
-                Ok(n) => {
-                    self.out_at += n;
-                    self.progressed |= n > 0;
-                }
-                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => return Ok(false),
-                Err(e) => return Err(format!("connection lost while sending: {e}")),
+            let n = nonblocking::sent(s.write(&self.out[self.out_at..]))?;
+            if n == 0 {
+                return Ok(false);
             }
+            self.out_at += n;
+            self.progressed = true;
         }
         Ok(true)
     }
@@ -142,15 +141,12 @@ impl Sealed {
                 self.buf.copy_within(self.start..self.end, 0);
                 (self.start, self.end) = (0, self.end - self.start);
             }
-            match s.read(&mut self.buf[self.end..]) {
-                Ok(0) => return Err("connection closed by peer".into()),
-                Ok(n) => {
-                    self.end += n;
-                    self.progressed = true;
-                }
-                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => return Ok(0),
-                Err(e) => return Err(format!("connection lost while receiving: {e}")),
+            let n = nonblocking::received(s.read(&mut self.buf[self.end..]))?;
+            if n == 0 {
+                return Ok(0);
             }
+            self.end += n;
+            self.progressed = true;
         }
     }
 }
@@ -159,17 +155,8 @@ impl Sealed {
 mod tests {
     use super::*;
     use crate::bootstrap::seal::session_keys;
-    use std::net::TcpListener;
+    use crate::net::links::nonblocking::loopback_pair as pair;
     use std::time::{Duration, Instant};
-
-    fn pair() -> (TcpStream, TcpStream) {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
-        let (b, _) = l.accept().unwrap();
-        a.set_nonblocking(true).unwrap();
-        b.set_nonblocking(true).unwrap();
-        (a, b)
-    }
 
     /// 8 MiB each way at once, in uneven pieces, over non-blocking sockets whose buffers fill:
     /// every byte arrives in order, and none travels in the clear.

@@ -1,11 +1,12 @@
 //! TCP links between ranks on different hosts: one non-blocking stream per peer pair.
 
+use super::nonblocking;
 use super::sealed::Sealed;
 use crate::bootstrap::gate::{read_exact_by, Gate, Judgement, Limits, Reply};
 use crate::bootstrap::seal::{session_keys, SessionKeys};
 use crate::bootstrap::{self, NONCE_BYTES, PROOF_BYTES};
 use crate::contracts::error::{Error, Result};
-use std::io::{ErrorKind, Read, Write};
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -57,11 +58,7 @@ impl TcpLink {
             };
         }
         let parts = [std::io::IoSlice::new(a), std::io::IoSlice::new(b)];
-        match self.stream.write_vectored(&parts) {
-            Ok(n) => Ok(n),
-            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => Ok(0),
-            Err(e) => Err(self.close(format!("connection lost while sending: {e}"))),
-        }
+        nonblocking::sent(self.stream.write_vectored(&parts)).map_err(|why| self.close(why))
     }
 
     /// Bytes written, or the reason the connection is gone.
@@ -70,11 +67,7 @@ impl TcpLink {
             let r = s.write(&self.stream, src);
             return r.map_err(|why| self.close(why));
         }
-        match self.stream.write(src) {
-            Ok(n) => Ok(n),
-            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => Ok(0),
-            Err(e) => Err(self.close(format!("connection lost while sending: {e}"))),
-        }
+        nonblocking::sent(self.stream.write(src)).map_err(|why| self.close(why))
     }
 
     pub(crate) fn read(&mut self, dst: &mut [u8]) -> std::result::Result<usize, String> {
@@ -85,31 +78,22 @@ impl TcpLink {
             let r = s.read(&self.stream, dst);
             return r.map_err(|why| self.close(why));
         }
-        if self.buffered.is_empty() && dst.len() < READ_BUFFER {
+        if self.buffered.is_empty() {
+            // Long reads go straight into the caller's buffer; short ones fill the read-ahead.
+            if dst.len() >= READ_BUFFER {
+                return nonblocking::received(self.stream.read(dst)).map_err(|why| self.close(why));
+            }
             if self.read_ahead.is_empty() {
                 self.read_ahead = vec![0; READ_BUFFER];
             }
-            let n = match self.stream.read(&mut self.read_ahead) {
-                Ok(0) => return Err(self.close("connection closed by peer".into())),
-                Ok(n) => n,
-                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => return Ok(0),
-                Err(e) => return Err(self.close(format!("connection lost while receiving: {e}"))),
-            };
-            self.buffered = 0..n;
+            let got = nonblocking::received(self.stream.read(&mut self.read_ahead));
+            self.buffered = 0..got.map_err(|why| self.close(why))?;
         }
-        if !self.buffered.is_empty() {
-            let n = dst.len().min(self.buffered.len());
-            let from = self.buffered.start;
-            dst[..n].copy_from_slice(&self.read_ahead[from..from + n]);
-            self.buffered.start += n;
-            return Ok(n);
-        }
-        match self.stream.read(dst) {
-            Ok(0) => Err(self.close("connection closed by peer".into())),
-            Ok(n) => Ok(n),
-            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => Ok(0),
-            Err(e) => Err(self.close(format!("connection lost while receiving: {e}"))),
-        }
+        let n = dst.len().min(self.buffered.len());
+        let from = self.buffered.start;
+        dst[..n].copy_from_slice(&self.read_ahead[from..from + n]);
+        self.buffered.start += n;
+        Ok(n)
     }
 
     /// See [`Link::take_progress`](super::Link::take_progress).
@@ -375,18 +359,13 @@ mod tests {
 
     /// A plain link pair over loopback.
     fn plain_pair() -> (TcpLink, TcpLink) {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
-        let (b, _) = l.accept().unwrap();
-        let link = |stream: TcpStream| {
-            stream.set_nonblocking(true).unwrap();
-            TcpLink {
-                stream,
-                closed: None,
-                sealed: None,
-                read_ahead: Vec::new(),
-                buffered: 0..0,
-            }
+        let (a, b) = nonblocking::loopback_pair();
+        let link = |stream: TcpStream| TcpLink {
+            stream,
+            closed: None,
+            sealed: None,
+            read_ahead: Vec::new(),
+            buffered: 0..0,
         };
         (link(a), link(b))
     }
