@@ -25,6 +25,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
+/// How much of a ring gets memory when its link is made. Small messages, the ones whose latency
+/// counts, then meet no page fault; the rest of the ring is faulted in by the first large
+/// message, once. Populating all of it cost a 1024-thread-rank group 2 GiB zeroed at its first
+/// point-to-point exchange (docs/results/cpu.md, "Communicator creation").
+const WARM_RING_BYTES: usize = 64 << 10;
+
 /// All links of one rank, indexed by peer rank.
 pub(crate) struct Transport {
     /// Reach them through `link`, which makes pending ones.
@@ -55,8 +61,8 @@ impl Transport {
         }
     }
 
-    /// The link to `peer`, made now if it is pending: its two rings are faulted in at once
-    /// (`Segment::populate`) and its ends made.
+    /// The link to `peer`, made now if it is pending: the first `WARM_RING_BYTES` of its two
+    /// rings are faulted in at once (`Segment::populate`) and its ends made.
     pub(crate) fn link(&mut self, peer: usize) -> &mut Link {
         if matches!(self.links[peer], Link::Pending) {
             if let Some(l) = self.make_shm_link(peer) {
@@ -71,8 +77,9 @@ impl Transport {
         let theirs = peers.segs[peer].as_ref()?;
         let stride = ring_stride(self.ring_bytes);
         let (tx_at, rx_at) = (self.rank * stride, peer * stride);
-        theirs.populate(tx_at, CTL_BYTES + self.ring_bytes);
-        own.populate(rx_at, CTL_BYTES + self.ring_bytes);
+        let warm = CTL_BYTES + self.ring_bytes.min(WARM_RING_BYTES);
+        theirs.populate(tx_at, warm);
+        own.populate(rx_at, warm);
         // SAFETY: each segment holds one ring per sender, in rank order, of CTL_BYTES +
         // ring_bytes (a power of two), zeroed at creation and 64-aligned; `peers` keeps both
         // mapped as long as the link lives. Each end is used by exactly one rank: we produce into
