@@ -2,7 +2,7 @@
 
 use crate::backend::registry;
 use crate::bootstrap::{self, MemoryStore, PrefixStore, TcpStoreServer};
-use crate::contracts::backend::BackendInit;
+use crate::contracts::backend::{Backend, BackendInit, LentLinks};
 use crate::contracts::error::{Error, Result};
 use crate::contracts::ops::{Location, Op};
 use crate::contracts::options::{merge_hints, AbortOnError, CommOptions, OpOptions};
@@ -212,7 +212,28 @@ pub fn new_comm(backend: &str, device: Device, name: &str, options: CommOptions)
         }
     };
     let prefix = format!("ferrocomm/{name}/{}", next_generation(name, rank));
-    Comm::create(backend, device, name, rank, size, store, prefix, options, server, None)
+    Comm::create(
+        backend,
+        device,
+        name,
+        rank,
+        size,
+        store,
+        prefix,
+        options,
+        server,
+        Parent::None,
+    )
+}
+
+/// Where a new communicator's backend may come from besides the registry.
+pub(crate) enum Parent<'a> {
+    None,
+    /// `Comm::split`: the parent's backend, which may split natively, and this rank's group
+    /// as parent ranks.
+    Split(&'a dyn Backend, &'a [usize]),
+    /// `Comm::shrink`: the links the replaced communicator's engine handed over.
+    Shrink(&'a Mutex<Option<LentLinks>>),
 }
 
 impl Comm {
@@ -227,7 +248,7 @@ impl Comm {
         prefix: String,
         options: CommOptions,
         server: Option<TcpStoreServer>,
-        split_from: Option<(&dyn crate::contracts::backend::Backend, &[usize])>,
+        parent: Parent<'_>,
     ) -> Result<Comm> {
         if size == 0 || rank >= size {
             return Err(Error::InvalidRank {
@@ -245,8 +266,15 @@ impl Comm {
             name,
             device,
             options: &options,
+            lent_links: match parent {
+                Parent::Shrink(lent) => Some(lent),
+                _ => None,
+            },
         };
-        let native = split_from.and_then(|(parent, group)| parent.split(group, Some(&init)));
+        let native = match parent {
+            Parent::Split(parent, group) => parent.split(group, Some(&init)),
+            _ => None,
+        };
         let b = match native {
             Some(child) => child?.ok_or_else(|| Error::InvalidSplit("the backend made no sub-communicator".into()))?,
             None => factory(&init)?,
@@ -322,7 +350,7 @@ impl Comm {
                     let (store, prefix, options, memory, cause) =
                         (store.clone(), prefix.clone(), options.clone(), &memory, &cause);
                     s.spawn(move || {
-                        match Comm::create(backend, dev, name, rank, n, store, prefix, options, None, None) {
+                        match Comm::create(backend, dev, name, rank, n, store, prefix, options, None, Parent::None) {
                             Ok(c) => Some(c),
                             Err(Error::StoreClosed(_)) => None,
                             Err(e) => {
@@ -405,6 +433,18 @@ impl Comm {
             &i.options,
             i.shrinks.fetch_add(1, Ordering::Relaxed),
         )
+    }
+
+    /// Runs `f` on the backend in issue order, after every operation queued before it (for
+    /// `Comm::shrink`, which asks the backend about its links).
+    pub(crate) fn on_backend<T: Send>(&self, f: impl FnOnce(&dyn Backend) -> T + Send) -> Result<T> {
+        let mut out = None;
+        let slot = &mut out;
+        self.inner.exec.run(Box::new(move |b: &dyn Backend, _| {
+            *slot = Some(f(b));
+            Ok(())
+        }))?;
+        out.ok_or_else(|| Error::invalid("shrink", "the backend task did not run"))
     }
 
     /// Closes this rank's communicator for good once `Comm::shrink` replaced it (or left this
@@ -559,7 +599,7 @@ impl Comm {
             prefix,
             self.inner.options.clone(),
             None,
-            Some((parent, ranks)),
+            Parent::Split(parent, ranks),
         )?;
         Ok(Some(c))
     }

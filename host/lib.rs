@@ -154,6 +154,7 @@ mod objects;
 mod owned;
 mod owned_work;
 mod shrink;
+mod shrink_links;
 mod typed_window;
 mod window;
 mod work;

@@ -1,28 +1,33 @@
 //! Going on after a rank is lost: [`Comm::shrink`] builds a communicator of the ranks still
-//! alive (NCCL's `ncclCommShrink`, torchcomms' shrink), agreed by all of them without the old
-//! communicator's transports, which a lost peer broke.
+//! alive (NCCL's `ncclCommShrink`, torchcomms' shrink), agreed by all of them. It takes over
+//! the old communicator's links where they are whole and in step (a shrink of a healthy
+//! communicator); after a failure, which closes them on purpose, it builds new ones.
 //!
 //! The agreement runs through the job store, which outlives any rank but the one hosting it
 //! (under `ferrocomm-run` the launcher hosts it; in a `new_group` it is in memory). Each
 //! attempt `a` of shrink number `g` has keys under `<comm prefix>/shrink<g>/<a>/`:
 //!
-//! 1. every survivor sets `alive/<rank>`, then waits (at most the timeout, and no longer than
-//!    until a proposal is in) for the `alive` key of every rank it has no reason to think lost;
+//! 1. every survivor sets `alive/<rank>` (with the ledger of its links: see shrink_links.rs),
+//!    then waits (at most the timeout, and no longer than until a proposal is in) for the `alive` key of every rank it has no reason to think lost;
 //! 2. every survivor proposes the ranks whose `alive` key it sees, and the store's
 //!    compare-and-set keeps the first proposal as `members`: one list for everyone, whatever
 //!    each one saw (a rank the list leaves out gets an error saying so);
-//! 3. the members create the new communicator under `<attempt>/comm` and set `ok/<rank>`
-//!    (`1` created, `0` failed); each waits for the members' `ok` keys and proposes `done`
+//! 3. the members create the new communicator: over the links of this one where every
+//!    member's ledger allows it (shrink_links.rs), else fresh under `<attempt>/comm`; then
+//!    each sets `ok/<rank>` (`1` created, `0` failed); each waits for the members' `ok` keys and proposes `done`
 //!    (all created), `failed` (all reported, some could not create: everyone gets the error)
 //!    or a retry without the members whose key never came, and compare-and-set again keeps
 //!    the first `outcome`. On a retry every member drops what it created and starts attempt
 //!    `a + 1` without waiting for anyone left out so far, so a rank that dies during the
 //!    shrink is left out as well.
 
-use crate::comm::Comm;
+use crate::comm::{Comm, Parent};
+use crate::contracts::backend::LinkLedger;
 use crate::contracts::error::{Error, Result};
 use crate::contracts::store::Store;
+use crate::shrink_links::{decide, decode_alive, encode_alive, Handover};
 use std::collections::BTreeSet;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// How long a probe of a key that should already be there may take.
@@ -89,10 +94,10 @@ impl Comm {
         }
         self.check_shrinkable()?;
         // From here on every rank counts this shrink: whatever happens, this communicator
-        // cannot start another one (its generation would no longer match the others').
-        let r = self.agree_and_create(me, size, known_lost);
+        // cannot start another one (its generation would no longer match the others'). And
+        // no operation starts on it any more, so the ledger of its links stays true.
         self.mark_shrunk();
-        r
+        self.agree_and_create(me, size, known_lost)
     }
 
     fn agree_and_create(&self, me: usize, size: usize, mut known_lost: BTreeSet<usize>) -> Result<(Comm, Vec<usize>)> {
@@ -103,7 +108,11 @@ impl Comm {
         // `ok` never came), so `size` attempts suffice.
         for attempt in 0..size {
             let keys = format!("{base}/{attempt}");
-            let members = agree_members(&*store, &keys, me, size, &known_lost, timeout)?;
+            // Asked after every operation queued before the shrink; a communicator that failed,
+            // was aborted, or lent its links to an earlier attempt has no ledger.
+            let ledger = self.on_backend(|b| b.link_ledger())?;
+            let alive = encode_alive(ledger.as_ref());
+            let (members, ledgers) = agree_members(&*store, &keys, me, size, &known_lost, timeout, &alive)?;
             let Some(new_rank) = members.iter().position(|&r| r == me) else {
                 return Err(Error::LeftOut {
                     op: "shrink",
@@ -111,17 +120,35 @@ impl Comm {
                     members,
                 });
             };
-            let created = Comm::create(
-                self.backend_name(),
-                self.device(),
-                self.name(),
-                new_rank,
-                members.len(),
-                store.clone(),
-                format!("{keys}/comm"),
-                options.clone(),
-                None,
-                None,
+            let handover = decide(&members, &ledgers, size);
+            let create = |parent: Parent<'_>| {
+                Comm::create(
+                    self.backend_name(),
+                    self.device(),
+                    self.name(),
+                    new_rank,
+                    members.len(),
+                    store.clone(),
+                    format!("{keys}/comm"),
+                    options.clone(),
+                    None,
+                    parent,
+                )
+            };
+            let created = match handover {
+                Handover::Fresh => create(Parent::None),
+                Handover::Links { keep_board } => self
+                    .on_backend(|b| b.lend_links(&members, keep_board, timeout))
+                    .and_then(|lent| {
+                        let lent = Mutex::new(Some(lent?));
+                        create(Parent::Shrink(&lent))
+                    }),
+            };
+            tracing::debug!(
+                rank = me,
+                attempt,
+                ?handover,
+                "shrink: how the smaller communicator gets its links"
             );
             if let Err(e) = &created {
                 tracing::warn!(rank = me, attempt, error = %e, "shrink: creating the smaller communicator failed");
@@ -177,11 +204,12 @@ fn agree_members(
     size: usize,
     known_lost: &BTreeSet<usize>,
     timeout: Duration,
-) -> Result<Vec<usize>> {
+    mine: &[u8],
+) -> Result<(Vec<usize>, Vec<Option<LinkLedger>>)> {
     let alive = |r: usize| format!("{keys}/alive/{r}");
     let members_key = format!("{keys}/members");
     let deadline = Instant::now() + timeout;
-    patient(deadline, || store.set(&alive(me), b"1"))?;
+    patient(deadline, || store.set(&alive(me), mine))?;
     let mut awaited: Vec<usize> = (0..size).filter(|r| *r != me && !known_lost.contains(r)).collect();
     while !awaited.is_empty() && Instant::now() < deadline && !present(store, &members_key)? {
         let mut still = Vec::new();
@@ -210,7 +238,14 @@ fn agree_members(
             reason: format!("the store holds members {agreed:?}, not ascending ranks below {size}"),
         });
     }
-    Ok(agreed)
+    // Every member's key was set before the members were proposed.
+    let mut ledgers = Vec::with_capacity(agreed.len());
+    for &r in &agreed {
+        let left = (deadline + timeout).saturating_duration_since(Instant::now());
+        let raw = patient(deadline + timeout, || store.get(&alive(r), left.max(PROBE)))?;
+        ledgers.push(decode_alive(&raw, size)?);
+    }
+    Ok((agreed, ledgers))
 }
 
 enum Outcome {

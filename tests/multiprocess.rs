@@ -82,6 +82,52 @@ fn child_entry() {
             }
             println!("child ok: rank {lost} lost, shrunk to {} ranks", small.size());
         }
+        "shrink-healthy" => {
+            let comm = new_comm(
+                "cpu",
+                Device::Cpu,
+                "mp-shrink-healthy",
+                CommOptions::from_env().unwrap(),
+            )
+            .unwrap();
+            let n = comm.size();
+            let mut x = vec![rank as u64 + 1; 1000];
+            comm.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+            assert!(x.iter().all(|&v| v as usize == n * (n + 1) / 2));
+            if rank == 1 {
+                // Leaves without a failure; the others take their links between them over.
+                comm.finalize().unwrap();
+                println!("child ok: left");
+                return;
+            }
+            let before = (shm_mappings(), sockets());
+            let (small, members) = comm.shrink(&[1]).unwrap();
+            assert_eq!(members, (0..n).filter(|&r| r != 1).collect::<Vec<_>>());
+            let (r, k) = (small.rank(), small.size());
+            for step in 0..5u64 {
+                let mut y = vec![r as u64 * 100 + step; 50_000];
+                small.all_reduce(&mut y, ReduceOp::Sum).unwrap();
+                let want = (0..k as u64).map(|q| q * 100 + step).sum::<u64>();
+                assert!(y.iter().all(|&v| v == want), "step {step}");
+            }
+            let (to, from) = ((r + 1) % k, (r + k - 1) % k);
+            let mut got = vec![0u32; 30_000];
+            small
+                .batch()
+                .recv(&mut got[..], from)
+                .send(&vec![members[r] as u32; 30_000][..], to)
+                .issue()
+                .unwrap();
+            assert!(got.iter().all(|&v| v as usize == members[from]));
+            let after = (shm_mappings(), sockets());
+            // A communicator built anew would have mapped new segments (shared memory) or
+            // opened a listener and new connections (TCP), with the old one still held.
+            assert!(
+                after.0 <= before.0 && after.1 <= before.1,
+                "shared-memory mappings and sockets went from {before:?} to {after:?}"
+            );
+            println!("child ok: shrunk to {k} ranks over the old links ({before:?} -> {after:?})");
+        }
         "window-waiter-loses-peer" => {
             let comm = new_comm("cpu", Device::Cpu, "mp-winkill", CommOptions::from_env().unwrap()).unwrap();
             let w = comm.new_window(64).unwrap();
@@ -356,6 +402,38 @@ fn survivors_of_a_sigkill_shrink_and_go_on() {
             );
         }
         let _ = victim.wait();
+    }
+}
+
+/// Shared-memory mappings of this process (segments of communicators and windows).
+fn shm_mappings() -> usize {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    maps.lines().filter(|l| l.contains("/dev/shm/")).count()
+}
+
+/// Open sockets of this process.
+fn sockets() -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|t| t.to_string_lossy().starts_with("socket:"))
+        .count()
+}
+
+/// Rank 1 leaves without a failure; the survivors shrink over the links they had (no new
+/// segment mapped, no new connection), over shared memory (4 processes) and TCP (3).
+#[test]
+fn a_healthy_shrink_of_processes_takes_over_their_links() {
+    for (n, transport) in [(4, "auto"), (3, "tcp")] {
+        let env = [("FERROCOMM_TIMEOUT", "30"), ("FERROCOMM_TRANSPORT", transport)];
+        let (status, out, _) = launch(n, "shrink-healthy", &env);
+        assert!(status.success(), "{transport}: ranks failed:\n{out}");
+        let want = format!("child ok: shrunk to {} ranks over the old links", n - 1);
+        assert_eq!(
+            out.lines().filter(|l| l.contains(&want)).count(),
+            n - 1,
+            "{transport}:\n{out}"
+        );
     }
 }
 

@@ -99,6 +99,87 @@ fn survivors_shrink_over_tcp_links() {
     assert_eq!(out, [4, 0, 4]);
 }
 
+/// What a healthy communicator of `n` ranks does before and after a shrink that leaves out
+/// rank 1 (`Comm::shrink` takes the links over then: shrink_links.rs), every value checked.
+/// Before: traffic on every path, including a broadcast whose root does not wait for the
+/// peers' calls (owed messages, taken in before the hand-over) and a point-to-point pair.
+/// Rank 1 leaves without a failure: it finalizes first (`closes`), so the shared-memory board
+/// can go along, or it stays alive and quiet meanwhile, so the board cannot. After: every
+/// collective, point-to-point between new ranks over links never used before, and a second
+/// shrink of the smaller communicator that keeps everyone.
+fn a_healthy_shrink(backend: &str, device: Device, o: CommOptions, n: usize, closes: bool) -> Vec<usize> {
+    let leaver = 1;
+    let ready = std::sync::Barrier::new(n);
+    let name = format!("shrink-healthy-{backend}-{n}-{closes}-{}", o.transport.force_tcp);
+    run_group_on_device(backend, device, n, &name, o, |c| {
+        let me = c.rank();
+        let mut x = [me as u64 + 1];
+        c.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+        assert_eq!(x[0], (n * (n + 1) / 2) as u64);
+        let mut b = [if me == 0 { 7u32 } else { 0 }; 300];
+        c.broadcast(&mut b[..], 0).unwrap();
+        assert!(b.iter().all(|&v| v == 7));
+        if me == 0 {
+            c.send(&[1.5f32; 10], n - 1).unwrap();
+        } else if me == n - 1 {
+            let mut r = [0f32; 10];
+            c.recv(&mut r, 0).unwrap();
+            assert_eq!(r, [1.5; 10]);
+        }
+        if me == leaver {
+            if closes {
+                c.finalize().unwrap();
+                ready.wait();
+            } else {
+                ready.wait();
+                std::thread::sleep(Duration::from_millis(500));
+            }
+            return 0;
+        }
+        ready.wait();
+        let (s, members) = c.shrink(&[leaver]).unwrap();
+        assert_eq!(members, (0..n).filter(|&r| r != leaver).collect::<Vec<_>>());
+        assert!(matches!(c.barrier(), Err(Error::Closed { .. })), "old comm");
+        let (r, k) = (s.rank(), s.size());
+        let mut x = vec![r as u32 + 1; 70_000];
+        s.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+        assert!(x.iter().all(|&v| v as usize == k * (k + 1) / 2));
+        let mut small = [me as u16];
+        s.all_reduce(&mut small, ReduceOp::Max).unwrap();
+        assert_eq!(small[0] as usize, n - 1);
+        let mut all = vec![0u64; k];
+        s.all_gather(&mut all[..], &[me as u64][..]).unwrap();
+        assert_eq!(all, members.iter().map(|&m| m as u64).collect::<Vec<_>>());
+        let mut b = vec![if r == 1 { 9u8 } else { 0 }; 100_000];
+        s.broadcast(&mut b[..], 1).unwrap();
+        assert!(b.iter().all(|&v| v == 9));
+        // Every new pair, in both directions, 100 KiB: past the part of a ring made ready
+        // when its link is first used.
+        let (to, from) = ((r + 1) % k, (r + k - 1) % k);
+        let out = vec![r as u8; 100_000];
+        let mut got = vec![0u8; 100_000];
+        s.batch().recv(&mut got[..], from).send(&out[..], to).issue().unwrap();
+        assert!(got.iter().all(|&v| v as usize == from));
+        let (t, again) = s.shrink(&[]).unwrap();
+        assert_eq!(again, (0..k).collect::<Vec<_>>());
+        let mut y = [t.rank() as i64];
+        t.all_reduce(&mut y, ReduceOp::Sum).unwrap();
+        assert_eq!(y[0] as usize, k * (k - 1) / 2);
+        t.barrier().unwrap();
+        k
+    })
+}
+
+#[test]
+fn a_healthy_shrink_goes_on_over_the_same_links() {
+    for closes in [true, false] {
+        let out = a_healthy_shrink("cpu", Device::Cpu, options(Duration::from_secs(20)), 4, closes);
+        assert_eq!(out, [3, 0, 3, 3], "closes {closes}");
+        let out = a_healthy_shrink("cpu", Device::Cpu, tcp_options(Duration::from_secs(20)), 3, closes);
+        assert_eq!(out, [2, 0, 2], "tcp, closes {closes}");
+    }
+}
+
 /// A rank that neither calls shrink nor is named lost is waited for until the timeout, then
 /// left out; when it calls shrink later, it is told so.
 #[test]
@@ -272,4 +353,7 @@ fn bad_shrink_arguments_are_refused_on_the_spot() {
 #[test]
 fn the_device_backend_shrinks_on_the_host_device() {
     survivors_finish("device", Device::Host(0), 3, 1);
+    // Healthy: the host engine's links go over; the device side is made anew.
+    let out = a_healthy_shrink("device", Device::Host(0), options(Duration::from_secs(20)), 3, true);
+    assert_eq!(out, [2, 0, 2]);
 }

@@ -10,7 +10,7 @@ use crate::contracts::placement::Device;
 use crate::contracts::store::Store;
 use crate::contracts::window::{WindowBackend, WindowSpec};
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// Everything a backend needs to join a communicator.
@@ -27,7 +27,43 @@ pub struct BackendInit<'a> {
     pub device: Device,
     /// The communicator's options (timeout, hints, transport settings).
     pub options: &'a CommOptions,
+    /// Links that `Comm::shrink` took over from the communicator it replaces, for the first
+    /// host engine that wants them (the built-in backends' CPU engine); `None` otherwise.
+    pub(crate) lent_links: Option<&'a Mutex<Option<LentLinks>>>,
 }
+
+impl BackendInit<'_> {
+    /// The links lent to this communicator, taken (they go to one engine only).
+    pub(crate) fn take_lent_links(&self) -> Option<LentLinks> {
+        self.lent_links?.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+}
+
+/// What the links of a rank's host engine carried, for `Comm::shrink` to tell whether a
+/// smaller communicator can take them over in step ([`Backend::link_ledger`]). Indexed by rank
+/// of the communicator being shrunk.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LinkLedger {
+    /// Framed messages this rank has sent to each rank (complete: it is between operations).
+    pub sent: Vec<u64>,
+    /// Framed messages this rank has taken in from each rank.
+    pub taken: Vec<u64>,
+    /// Messages each rank still owes this rank: calls of collectives in which this rank
+    /// wrote nothing, whose arrival it did not wait for. They are taken in before the links
+    /// are handed over.
+    pub owed: Vec<u64>,
+    /// The next round of the shared-memory board, where the rank has one (every rank of the
+    /// communicator on its host).
+    pub board_round: Option<u64>,
+    /// Ranks seen done with the board for good (closed, aborted, failed, or their process
+    /// gone): a smaller communicator may reuse the board only when every rank it leaves out
+    /// is among them, since a rank still reading a board slot would read it torn.
+    pub quiet: Vec<bool>,
+}
+
+/// A host engine's links handed to the communicator that `Comm::shrink` makes
+/// ([`Backend::lend_links`]); only the built-in engine makes and takes them.
+pub struct LentLinks(pub(crate) Box<dyn std::any::Any + Send>);
 
 /// Per-operation settings, resolved against the communicator's defaults.
 pub struct RunOptions<'a> {
@@ -152,6 +188,24 @@ pub trait Backend: Send + Sync {
     fn split(&self, group: &[usize], init: Option<&BackendInit>) -> Option<Result<Option<Box<dyn Backend>>>> {
         let _ = (group, init);
         None
+    }
+    /// For `Comm::shrink`, in issue order: what this rank's host-memory links carried, or
+    /// `None` when they cannot be handed to a smaller communicator (broken by a failure,
+    /// aborted, in the middle of an operation, or a backend without such links: the default).
+    fn link_ledger(&self) -> Option<LinkLedger> {
+        None
+    }
+    /// For `Comm::shrink`, once every member's ledger showed the links between members in
+    /// step: hands this rank's links to `members` (ranks of this communicator, in the new
+    /// communicator's order) over, after taking in what the members still owe it, and closes
+    /// the rest. `keep_board`: the shared-memory board goes too. This backend's operations
+    /// fail with `Error::Closed` afterwards. The default has nothing to lend.
+    fn lend_links(&self, members: &[usize], keep_board: bool, timeout: Duration) -> Result<LentLinks> {
+        let _ = (members, keep_board, timeout);
+        Err(Error::Unavailable {
+            backend: self.name().into(),
+            reason: "this backend has no links to hand to a smaller communicator".into(),
+        })
     }
     /// Builds this rank's part of a window (collective). Backends without windows say so.
     fn new_window(&self, spec: &WindowSpec) -> Result<Box<dyn WindowBackend>> {

@@ -4,7 +4,10 @@
 //! 8-byte all_reduce has completed on every rank ("first op"), then until a first exchange
 //! with both ring neighbours has ("first p2p": 8 bytes sent right and received from the left;
 //! links made lazily are paid there, where the all_reduce of ranks of one host goes through
-//! shared-memory rounds and needs none), and then its finalize and drop ("teardown").
+//! shared-memory rounds and needs none), then until every rank holds the communicator that a
+//! `shrink(&[])` of the healthy one makes and has run a first 8-byte all_reduce on it
+//! ("shrink": the links are handed over, see the library's shrink_links.rs), and then the
+//! finalize and drop of both ("teardown").
 //!
 //! Processes: before each repetition the ranks meet in a barrier on a control communicator;
 //! each rank times its own calls and the slowest rank counts (an all_reduce(max) on the control
@@ -38,6 +41,8 @@ pub struct InitRow {
     /// Creation until the first exchange with both ring neighbours has returned (slowest
     /// rank), ms.
     pub first_p2p_ms: f64,
+    /// `shrink(&[])` until its first all_reduce has returned (slowest rank), ms.
+    pub shrink_ms: f64,
     /// finalize + drop (slowest rank), ms.
     pub teardown_ms: f64,
     /// Ranks whose rank, size or first all_reduce result was wrong (`--check`).
@@ -92,6 +97,7 @@ struct InitReport<'a> {
     ready_ms: Stats,
     first_op_ms: Stats,
     first_p2p_ms: Stats,
+    shrink_ms: Stats,
 }
 
 fn ms(d: Duration) -> f64 {
@@ -164,6 +170,16 @@ fn first_p2p(c: &Comm) -> ferrocomm::Result<u64> {
     Ok(u64::from(recv[0] != left as u64))
 }
 
+/// `c.shrink(&[])` of a healthy communicator of `world` ranks, and a first all_reduce on the
+/// result (counted in `wrong` if its result or size is wrong): the smaller communicator and
+/// how long both took.
+fn shrink_and_use(c: &Comm, world: usize, wrong: &mut u64) -> ferrocomm::Result<(Comm, Duration)> {
+    let t = Instant::now();
+    let (small, _) = c.shrink(&[])?;
+    *wrong += first_op(&small, world)?;
+    Ok((small, t.elapsed()))
+}
+
 /// This process is one rank (started by the bench itself or by a launcher).
 fn launched(a: &Args) -> Result<(), Failure> {
     let entered = wall_ns();
@@ -196,6 +212,7 @@ fn launched(a: &Args) -> Result<(), Failure> {
         ready_after_last_ms: m[3].saturating_sub(m[2]) as f64 / 1e6,
         first_op_ms: m[1] as f64 / 1e6,
         first_p2p_ms: m[5] as f64 / 1e6,
+        shrink_ms: f64::NAN,
         teardown_ms: f64::NAN,
         wrong: w[0],
     };
@@ -222,9 +239,10 @@ fn launched(a: &Args) -> Result<(), Failure> {
         wrong += first_p2p(&comm)?;
         let p2p = t0.elapsed();
         wrong += u64::from(comm.rank() != control.rank());
+        let (small, shrink) = shrink_and_use(&comm, world, &mut wrong)?;
         let t1 = Instant::now();
-        comm.finalize()?;
-        drop(comm);
+        small.finalize()?;
+        drop((small, comm));
         let teardown = t1.elapsed();
         let mut m = [
             ready.as_nanos() as u64,
@@ -233,6 +251,7 @@ fn launched(a: &Args) -> Result<(), Failure> {
             w0,
             wr,
             p2p.as_nanos() as u64,
+            shrink.as_nanos() as u64,
         ];
         control.all_reduce(&mut m[..], ReduceOp::Max)?;
         let mut w = [wrong];
@@ -243,6 +262,7 @@ fn launched(a: &Args) -> Result<(), Failure> {
             ready_after_last_ms: m[4].saturating_sub(m[3]) as f64 / 1e6,
             first_op_ms: m[1] as f64 / 1e6,
             first_p2p_ms: m[5] as f64 / 1e6,
+            shrink_ms: m[6] as f64 / 1e6,
             teardown_ms: m[2] as f64 / 1e6,
             wrong: w[0],
         };
@@ -277,7 +297,8 @@ fn threads(a: &Args) -> Result<(), Failure> {
         let t0 = Instant::now();
         let comms = Comm::new_group(&a.backend, &vec![Device::Cpu; n], "init", opts.clone())?;
         let ready = t0.elapsed();
-        let done: Vec<ferrocomm::Result<(Instant, Instant, u64)>> = std::thread::scope(|s| {
+        type Done = (Instant, Instant, u64, Comm, Duration);
+        let done: Vec<ferrocomm::Result<Done>> = std::thread::scope(|s| {
             let hs: Vec<_> = comms
                 .iter()
                 .enumerate()
@@ -285,8 +306,10 @@ fn threads(a: &Args) -> Result<(), Failure> {
                     s.spawn(move || {
                         let wrong = first_op(c, n)? + u64::from(c.rank() != r);
                         let first = Instant::now();
-                        let wrong = wrong + first_p2p(c)?;
-                        Ok((first, Instant::now(), wrong))
+                        let mut wrong = wrong + first_p2p(c)?;
+                        let p2p = Instant::now();
+                        let (small, shrink) = shrink_and_use(c, n, &mut wrong)?;
+                        Ok((first, p2p, wrong, small, shrink))
                     })
                 })
                 .collect();
@@ -297,20 +320,23 @@ fn threads(a: &Args) -> Result<(), Failure> {
                 })
                 .collect()
         });
-        let (mut end, mut end_p2p) = (t0, t0);
+        let (mut end, mut end_p2p, mut shrink) = (t0, t0, Duration::ZERO);
         let mut wrong = 0;
+        let mut smaller = Vec::new();
         for d in done {
-            let (e, e2, w) = d?;
+            let (e, e2, w, small, took) = d?;
             end = end.max(e);
             end_p2p = end_p2p.max(e2);
+            shrink = shrink.max(took);
             wrong += w;
+            smaller.push(small);
         }
         let first = end - t0;
         let t1 = Instant::now();
-        for c in &comms {
+        for c in &smaller {
             c.finalize()?;
         }
-        drop(comms);
+        drop((smaller, comms));
         let teardown = t1.elapsed();
         let row = InitRow {
             rep,
@@ -318,6 +344,7 @@ fn threads(a: &Args) -> Result<(), Failure> {
             ready_after_last_ms: ms(ready),
             first_op_ms: ms(first),
             first_p2p_ms: ms(end_p2p - t0),
+            shrink_ms: ms(shrink),
             teardown_ms: ms(teardown),
             wrong,
         };
@@ -355,7 +382,7 @@ impl Header<'_> {
             );
         }
         println!(
-            "#   rep   ready (ms)   ready after last (ms)   first op (ms)  first p2p (ms)   teardown (ms)  #wrong"
+            "#   rep   ready (ms)   ready after last (ms)   first op (ms)  first p2p (ms)     shrink (ms)   teardown (ms)  #wrong"
         );
     }
 
@@ -364,10 +391,22 @@ impl Header<'_> {
         let ready = Stats::of(rows.iter().map(|r| r.ready_ms));
         let first = Stats::of(rows.iter().map(|r| r.first_op_ms));
         let p2p = Stats::of(rows.iter().map(|r| r.first_p2p_ms));
+        let shrink = Stats::of(rows.iter().map(|r| r.shrink_ms));
         println!(
             "# ready (ms): min {:.2} median {:.2} max {:.2}; first op (ms): min {:.2} median {:.2} max {:.2}; \
-             first p2p (ms): min {:.2} median {:.2} max {:.2}",
-            ready.min, ready.median, ready.max, first.min, first.median, first.max, p2p.min, p2p.median, p2p.max
+             first p2p (ms): min {:.2} median {:.2} max {:.2}; shrink (ms): min {:.2} median {:.2} max {:.2}",
+            ready.min,
+            ready.median,
+            ready.max,
+            first.min,
+            first.median,
+            first.max,
+            p2p.min,
+            p2p.median,
+            p2p.max,
+            shrink.min,
+            shrink.median,
+            shrink.max
         );
         let report = InitReport {
             tool: "ferrocomm",
@@ -382,6 +421,7 @@ impl Header<'_> {
             ready_ms: ready,
             first_op_ms: first,
             first_p2p_ms: p2p,
+            shrink_ms: shrink,
         };
         let io = |p: &std::path::Path, e| Error::Io {
             context: format!("write {}", p.display()),
@@ -393,11 +433,11 @@ impl Header<'_> {
         }
         if let Some(p) = &self.a.csv {
             let mut s = String::from(
-                "tool,backend,op,world,mode,transport,rep,ready_ms,ready_after_last_ms,first_op_ms,first_p2p_ms,teardown_ms,wrong\n",
+                "tool,backend,op,world,mode,transport,rep,ready_ms,ready_after_last_ms,first_op_ms,first_p2p_ms,shrink_ms,teardown_ms,wrong\n",
             );
             for r in rows {
                 s += &format!(
-                    "ferrocomm,{},init,{},{},{},{},{:.3},{:.3},{:.3},{:.3},{:.3},{}\n",
+                    "ferrocomm,{},init,{},{},{},{},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{}\n",
                     self.a.backend,
                     self.world,
                     self.mode,
@@ -407,6 +447,7 @@ impl Header<'_> {
                     r.ready_after_last_ms,
                     r.first_op_ms,
                     r.first_p2p_ms,
+                    r.shrink_ms,
                     r.teardown_ms,
                     r.wrong
                 );
@@ -420,13 +461,14 @@ impl Header<'_> {
 /// A repetition's line; warm-up ones are comments.
 fn print_row(r: &InitRow, warmup: bool) {
     println!(
-        "{}{:>6} {:>12.3} {:>23.3} {:>15.3} {:>15.3} {:>15.3} {:>7}",
+        "{}{:>6} {:>12.3} {:>23.3} {:>15.3} {:>15.3} {:>15.3} {:>15.3} {:>7}",
         if warmup { "#" } else { " " },
         r.rep,
         r.ready_ms,
         r.ready_after_last_ms,
         r.first_op_ms,
         r.first_p2p_ms,
+        r.shrink_ms,
         r.teardown_ms,
         r.wrong
     );

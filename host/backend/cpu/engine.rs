@@ -7,6 +7,7 @@
 //! corrupted data.
 
 use super::header::{self, Call, Header, Tag, HEADER_BYTES};
+use crate::contracts::backend::LinkLedger;
 use crate::contracts::error::{Error, Result};
 use crate::net::links::{back_off, Link, Transport};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -232,6 +233,39 @@ impl Engine {
     pub(crate) fn publish_round(&mut self, label: u64, parts: &[&[u8]]) -> u64 {
         let board = self.transport.board.as_mut().expect("callers check for a board");
         board.publish(label, parts, &self.send_seq)
+    }
+
+    /// What our links carried, for `Comm::shrink` (see `LinkLedger`); `None` in the middle
+    /// of a collective.
+    pub(crate) fn ledger(&self) -> Option<LinkLedger> {
+        if self.open.is_some() {
+            return None;
+        }
+        let mut owed = vec![0u64; self.size];
+        for x in &self.deferred {
+            owed[x.peer()] += 1;
+        }
+        // A deferred receive was counted when it was posted.
+        let taken = (0..self.size).map(|p| self.recv_seq[p] - owed[p]).collect();
+        let quiet = (0..self.size)
+            .map(|p| p != self.rank && self.transport.check_peer(p).is_err())
+            .collect();
+        Some(LinkLedger {
+            sent: self.send_seq.clone(),
+            taken,
+            owed,
+            board_round: self.transport.board.as_ref().map(|b| b.next_round()),
+            quiet,
+        })
+    }
+
+    /// Takes in what `members` still owe us (`LinkLedger::owed`: they sent it before their
+    /// shrink) and hands the links to them on (`Transport::hand_over`); the rest are dropped,
+    /// with what the others owed. This engine is left without links.
+    pub(crate) fn hand_over(&mut self, ctx: &OpCtx<'_>, members: &[usize], keep_board: bool) -> Result<Transport> {
+        self.deferred.retain(|x| members.contains(&x.peer()));
+        self.settle_deferred(ctx)?;
+        Ok(self.transport.hand_over(members, keep_board))
     }
 
     /// Framed messages received from `peer` so far.

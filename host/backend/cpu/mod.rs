@@ -10,7 +10,7 @@ mod inference;
 mod oneshot;
 mod window;
 
-use crate::contracts::backend::{Backend, BackendInit, RunOptions};
+use crate::contracts::backend::{Backend, BackendInit, LentLinks, LinkLedger, RunOptions};
 use crate::contracts::config::Config;
 use crate::contracts::dtype::{DType, ReduceOp};
 use crate::contracts::error::{Error, Result};
@@ -142,6 +142,9 @@ enum Wanted {
 #[cfg(test)]
 mod tuning_tests;
 
+/// Why a lent engine's operations are refused.
+const LENT: &str = "shrunk: its links went to the smaller communicator";
+
 struct State {
     engine: Engine,
     scratch: Scratch,
@@ -155,6 +158,9 @@ struct State {
 pub(crate) struct CpuBackend {
     state: Mutex<State>,
     abort: Arc<AtomicBool>,
+    /// Set once `lend_links` handed the links to a smaller communicator: this engine runs
+    /// nothing more and announces nothing on links that are no longer its own.
+    lent: AtomicBool,
     announce: links::Announcer,
     /// The first cause of a failure, shared by every rank (see net/links/fault.rs).
     faults: FaultRecord,
@@ -183,13 +189,24 @@ pub(crate) fn create(init: &BackendInit) -> Result<Box<dyn Backend>> {
 pub(crate) fn create_host(init: &BackendInit) -> Result<CpuBackend> {
     init.options.transport.validate()?;
     let tuning = Tuning::from_config(&init.options.config);
-    let t = links::connect_all(
-        init.rank,
-        init.size,
-        &*init.store,
-        &init.options.transport,
-        init.options.timeout,
-    )?;
+    let t = match init.take_lent_links() {
+        Some(lent) => match lent.0.downcast::<links::Transport>() {
+            Ok(t) if t.size() == init.size => *t,
+            _ => {
+                return Err(Error::invalid(
+                    "new_comm",
+                    format!("the links lent by shrink are not those of {} ranks", init.size),
+                ))
+            }
+        },
+        None => links::connect_all(
+            init.rank,
+            init.size,
+            &*init.store,
+            &init.options.transport,
+            init.options.timeout,
+        )?,
+    };
     let announce = t.announcer();
     Ok(CpuBackend {
         state: Mutex::new(State {
@@ -199,6 +216,7 @@ pub(crate) fn create_host(init: &BackendInit) -> Result<CpuBackend> {
             broken: false,
         }),
         abort: Arc::new(AtomicBool::new(false)),
+        lent: AtomicBool::new(false),
         announce,
         faults: FaultRecord::new(init.store.clone(), init.rank),
         timeout: init.options.timeout,
@@ -244,6 +262,9 @@ impl Backend for CpuBackend {
             ));
         }
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if self.lent.load(Ordering::Acquire) {
+            return Err(Error::Closed { op: name, state: LENT });
+        }
         if self.abort.load(Ordering::Acquire) {
             return Err(Error::Closed {
                 op: name,
@@ -295,7 +316,7 @@ impl Backend for CpuBackend {
         }
         let name = op.name();
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        if st.broken || self.abort.load(Ordering::Acquire) {
+        if st.broken || self.abort.load(Ordering::Acquire) || self.lent.load(Ordering::Acquire) {
             return;
         }
         let ctx = OpCtx {
@@ -314,6 +335,9 @@ impl Backend for CpuBackend {
 
     fn abort(&self) {
         self.abort.store(true, Ordering::Release);
+        if self.lent.load(Ordering::Acquire) {
+            return;
+        }
         self.faults.record(Cause::Lost {
             root: self.rank,
             noticed_by: self.rank,
@@ -323,9 +347,44 @@ impl Backend for CpuBackend {
     }
 
     fn finalize(&self) -> Result<()> {
+        if self.lent.load(Ordering::Acquire) {
+            return Ok(());
+        }
         self.settle_before_close();
         self.announce.announce(OwnerState::Closed);
         Ok(())
+    }
+
+    fn link_ledger(&self) -> Option<LinkLedger> {
+        let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if st.broken || self.abort.load(Ordering::Acquire) || self.lent.load(Ordering::Acquire) {
+            return None;
+        }
+        st.engine.ledger()
+    }
+
+    fn lend_links(&self, members: &[usize], keep_board: bool, timeout: std::time::Duration) -> Result<LentLinks> {
+        let op = "shrink";
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if self.lent.load(Ordering::Acquire) {
+            return Err(Error::Closed { op, state: LENT });
+        }
+        if st.broken || self.abort.load(Ordering::Acquire) {
+            return Err(Error::Closed {
+                op,
+                state: "broken or aborted: its links cannot be handed on",
+            });
+        }
+        let ctx = OpCtx {
+            op,
+            deadline: Instant::now() + timeout,
+            timeout,
+            abort: &self.abort,
+        };
+        // From here on the links are no longer this engine's, whatever happens.
+        self.lent.store(true, Ordering::Release);
+        let t = st.engine.hand_over(&ctx, members, keep_board)?;
+        Ok(LentLinks(Box::new(t)))
     }
 
     fn new_window(&self, spec: &WindowSpec) -> Result<Box<dyn WindowBackend>> {
@@ -373,7 +432,7 @@ impl CpuBackend {
     /// answers with a reset that loses what this rank sent it. Bounded by the timeout; skipped
     /// on an aborted or broken communicator.
     fn settle_before_close(&self) {
-        if self.abort.load(Ordering::Acquire) {
+        if self.abort.load(Ordering::Acquire) || self.lent.load(Ordering::Acquire) {
             return;
         }
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());

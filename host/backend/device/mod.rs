@@ -21,7 +21,7 @@ use super::cpu;
 use super::nccl::NcclBackend;
 use super::norm_pass::NormPass;
 use crate::bootstrap::PrefixStore;
-use crate::contracts::backend::{hint_ignored, Backend, BackendInit, RunOptions};
+use crate::contracts::backend::{hint_ignored, Backend, BackendInit, LentLinks, LinkLedger, RunOptions};
 use crate::contracts::error::{Error, Result};
 use crate::contracts::ops::{Location, Op};
 use crate::contracts::placement::Device;
@@ -332,6 +332,16 @@ impl Backend for DeviceBackend {
             n.abort();
         }
         self.me.host.abort();
+    }
+
+    /// The host engine's links (its control plane and host-memory operations) go to a
+    /// smaller communicator; the device side of that one is made anew.
+    fn link_ledger(&self) -> Option<LinkLedger> {
+        self.me.host.link_ledger()
+    }
+
+    fn lend_links(&self, members: &[usize], keep_board: bool, timeout: std::time::Duration) -> Result<LentLinks> {
+        self.me.host.lend_links(members, keep_board, timeout)
     }
 
     fn finalize(&self) -> Result<()> {

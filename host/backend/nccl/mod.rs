@@ -19,7 +19,7 @@ pub(crate) use calls::reduces;
 
 use super::cpu::{self, CpuBackend};
 use super::norm_pass::NormPass;
-use crate::contracts::backend::{Backend, BackendInit, RunOptions};
+use crate::contracts::backend::{Backend, BackendInit, LentLinks, LinkLedger, RunOptions};
 use crate::contracts::dtype::{DType, ReduceOp};
 use crate::contracts::error::{Error, Result};
 use crate::contracts::fence::Fence;
@@ -306,6 +306,21 @@ impl Backend for NcclBackend {
         self.comm.abort();
         if let Some(h) = &self.host {
             h.abort();
+        }
+    }
+
+    /// Only the host engine's links go to a smaller communicator; NCCL's own comes anew.
+    fn link_ledger(&self) -> Option<LinkLedger> {
+        self.host.as_ref()?.link_ledger()
+    }
+
+    fn lend_links(&self, members: &[usize], keep_board: bool, timeout: Duration) -> Result<LentLinks> {
+        match &self.host {
+            Some(h) => h.lend_links(members, keep_board, timeout),
+            None => Err(Error::Unavailable {
+                backend: "nccl".into(),
+                reason: "it has no host engine whose links could be handed on".into(),
+            }),
         }
     }
 

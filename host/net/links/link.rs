@@ -24,8 +24,9 @@ pub(crate) struct ShmLink {
     pub(crate) tx: RingEnd,
     pub(crate) rx: RingEnd,
     /// The segments the rings lie in (ours holds `rx`, the peer's `tx`), kept mapped while the
-    /// ends live, and the peer's liveness.
-    pub(crate) peers: Arc<PeerSegments>,
+    /// ends live. (The peer's liveness is checked through the transport, which knows where
+    /// the peer's segment is: `Transport::check_peer`.)
+    pub(crate) _segments: Arc<PeerSegments>,
 }
 
 /// The shared-memory segments of a communicator's ranks on this host (`None` for the others),
@@ -37,10 +38,11 @@ pub(crate) struct PeerSegments {
 }
 
 impl PeerSegments {
-    /// Whether `peer` (a rank on this host) is still there, as its segment and process say.
-    pub(crate) fn check(&self, peer: usize) -> Result<(), PeerGone> {
-        match &self.segs[peer] {
-            Some(seg) => check_owner(peer, seg, self.watches[peer].as_ref()),
+    /// Whether the owner of segment `slot` (a rank on this host), which is rank `peer` of the
+    /// communicator asking, is still there, as its segment and process say.
+    pub(crate) fn check(&self, slot: usize, peer: usize) -> Result<(), PeerGone> {
+        match &self.segs[slot] {
+            Some(seg) => check_owner(peer, seg, self.watches[slot].as_ref()),
             None => Ok(()),
         }
     }
@@ -116,14 +118,6 @@ impl Link {
     /// reading; the others say no.
     pub(crate) fn has_unread(&self) -> bool {
         matches!(self, Link::Shm(l) if l.rx.unread() > 0)
-    }
-
-    /// Called only when no progress is being made: is `peer` still there to make it?
-    /// TCP links report loss through read/write errors instead; a pending link is checked by
-    /// its transport (`Transport::check_peer`).
-    pub(crate) fn check_peer(&self, peer: usize) -> Result<(), PeerGone> {
-        let Link::Shm(l) = self else { return Ok(()) };
-        l.peers.check(peer)
     }
 }
 

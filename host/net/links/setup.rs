@@ -40,7 +40,12 @@ pub(crate) struct Transport {
     own_seg: Option<Arc<Segment>>,
     /// The segments of the ranks on this host, when there are any besides us.
     peers: Option<Arc<PeerSegments>>,
-    rank: usize,
+    /// Where each peer's rings and board lie in the segments: its rank in the communicator
+    /// the segments were made for (the same rank, unless `Comm::shrink` handed these links on:
+    /// see `hand_over`).
+    slots: Vec<usize>,
+    /// Our own slot.
+    slot: usize,
     ring_bytes: usize,
 }
 
@@ -74,9 +79,9 @@ impl Transport {
 
     fn make_shm_link(&self, peer: usize) -> Option<ShmLink> {
         let (own, peers) = (self.own_seg.as_ref()?, self.peers.as_ref()?);
-        let theirs = peers.segs[peer].as_ref()?;
+        let theirs = peers.segs[self.slots[peer]].as_ref()?;
         let stride = ring_stride(self.ring_bytes);
-        let (tx_at, rx_at) = (self.rank * stride, peer * stride);
+        let (tx_at, rx_at) = (self.slot * stride, self.slots[peer] * stride);
         let warm = CTL_BYTES + self.ring_bytes.min(WARM_RING_BYTES);
         theirs.populate(tx_at, warm);
         own.populate(rx_at, warm);
@@ -93,15 +98,16 @@ impl Transport {
         Some(ShmLink {
             tx,
             rx,
-            peers: peers.clone(),
+            _segments: peers.clone(),
         })
     }
 
     /// Called only when no progress is being made: is `peer` still there to make it?
+    /// TCP links report loss through read/write errors instead.
     pub(crate) fn check_peer(&self, peer: usize) -> std::result::Result<(), PeerGone> {
         match (&self.links[peer], &self.peers) {
-            (Link::Pending, Some(p)) => p.check(peer),
-            (l, _) => l.check_peer(peer),
+            (Link::Pending | Link::Shm(_), Some(p)) => p.check(self.slots[peer], peer),
+            _ => Ok(()),
         }
     }
 
@@ -112,10 +118,46 @@ impl Transport {
             (Link::Pending, Some(own)) => {
                 // SAFETY: our segment holds the peer's ring to us at this offset (see
                 // `make_shm_link`), mapped as long as `own_seg`.
-                unsafe { unread_at(own.payload().add(peer * ring_stride(self.ring_bytes))) > 0 }
+                unsafe { unread_at(own.payload().add(self.slots[peer] * ring_stride(self.ring_bytes))) > 0 }
             }
             (l, _) => l.has_unread(),
         }
+    }
+}
+
+impl Transport {
+    /// Moves our links to `members` (peer indices, in the order of the smaller communicator
+    /// that takes them over, ours among them) into a transport of their own, for
+    /// `Comm::shrink`; the links to everyone else close, and this transport is left empty
+    /// (it announces nothing when dropped). The caller has checked that no message is in
+    /// flight between members. `keep_board`: the board goes too, its rounds numbered on from
+    /// where they are, so a slot's old round is never taken for a new one; else there is none.
+    pub(crate) fn hand_over(&mut self, members: &[usize], keep_board: bool) -> Transport {
+        let me = members
+            .iter()
+            .position(|&m| matches!(self.links[m], Link::SelfLoop(_)))
+            .expect("the caller is among the members");
+        let links = members
+            .iter()
+            .map(|&m| std::mem::replace(&mut self.links[m], Link::Pending))
+            .collect();
+        let board = self.board.take().filter(|_| keep_board);
+        let handed = Transport {
+            links,
+            board: board.map(|b| b.keep(members, me)),
+            own_seg: self.own_seg.take(),
+            peers: self.peers.take(),
+            slots: members.iter().map(|&m| self.slots[m]).collect(),
+            slot: self.slot,
+            ring_bytes: self.ring_bytes,
+        };
+        self.links.clear();
+        handed
+    }
+
+    /// The number of peers (ourselves included).
+    pub(crate) fn size(&self) -> usize {
+        self.links.len()
     }
 }
 
@@ -365,7 +407,8 @@ pub(crate) fn connect_all(
         board,
         own_seg,
         peers,
-        rank,
+        slots: (0..size).collect(),
+        slot: rank,
         ring_bytes: opts.shm_ring_bytes,
     })
 }

@@ -56,6 +56,8 @@ pub(crate) struct Board {
     rank: usize,
     /// Area start in every rank's segment (ours included), indexed by rank.
     areas: Vec<*mut u8>,
+    /// The number of ranks the areas were laid out for (more than `areas` after a shrink).
+    layout: usize,
     /// Keeps those mappings alive.
     _segments: Arc<PeerSegments>,
     /// The round the next `publish` starts.
@@ -73,15 +75,29 @@ impl Board {
     pub(crate) unsafe fn new(rank: usize, areas: Vec<*mut u8>, segments: Arc<PeerSegments>) -> Board {
         Board {
             rank,
+            layout: areas.len(),
             areas,
             _segments: segments,
             next: 1,
         }
     }
 
+    /// The board of a smaller communicator of `members` (our ranks, in its order), in which we
+    /// are rank `rank`: the same areas and layout, rounds numbered on. The caller knows every
+    /// rank left out is done with the board for good, and every member's next round is ours.
+    pub(crate) fn keep(self, members: &[usize], rank: usize) -> Board {
+        Board {
+            rank,
+            areas: members.iter().map(|&m| self.areas[m]).collect(),
+            layout: self.layout,
+            _segments: self._segments,
+            next: self.next,
+        }
+    }
+
     fn slot(&self, r: usize, epoch: u64) -> *mut u8 {
         // SAFETY: slot (epoch % 2) lies inside rank r's area.
-        unsafe { self.areas[r].add((epoch % 2) as usize * slot_stride(self.areas.len())) }
+        unsafe { self.areas[r].add((epoch % 2) as usize * slot_stride(self.layout)) }
     }
 
     fn slot_ctl(&self, r: usize, epoch: u64) -> &SlotCtl {
@@ -97,7 +113,7 @@ impl Board {
 
     fn slot_data(&self, r: usize, epoch: u64) -> *mut u8 {
         // SAFETY: the data follows the index.
-        unsafe { self.slot(r, epoch).add(LINE + index_bytes(self.areas.len())) }
+        unsafe { self.slot(r, epoch).add(LINE + index_bytes(self.layout)) }
     }
 
     /// The round `publish` will start next.
