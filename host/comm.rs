@@ -447,6 +447,20 @@ impl Comm {
         out.ok_or_else(|| Error::invalid("shrink", "the backend task did not run"))
     }
 
+    /// `f` on the backend if no operation is queued or running, else `None`.
+    pub(crate) fn on_idle_backend<T: Send>(&self, f: impl FnOnce(&dyn Backend) -> T + Send) -> Option<T> {
+        let mut out = None;
+        let slot = &mut out;
+        self.inner
+            .exec
+            .run_if_idle(Box::new(move |b: &dyn Backend, _| {
+                *slot = Some(f(b));
+                Ok(())
+            }))?
+            .ok()?;
+        out
+    }
+
     /// Closes this rank's communicator for good once `Comm::shrink` replaced it (or left this
     /// rank out, or failed after the ranks started counting it): later operations, its
     /// windows' included, fail with `Error::Closed`, and no second shrink starts from it.

@@ -169,6 +169,22 @@ impl Executor {
         done.wait(None).unwrap_or(Ok(()))
     }
 
+    /// Runs `task` here if nothing is queued or running, else returns `None` without running
+    /// it (for a question that must not wait behind a stuck operation).
+    pub(crate) fn run_if_idle(&self, task: Task<'_>) -> Option<Result<()>> {
+        let q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        if q.in_flight > 0 {
+            return None;
+        }
+        let _running = match self.running.try_lock() {
+            Ok(r) => r,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        };
+        drop(q);
+        Some(task(&*self.backend, None))
+    }
+
     /// Queues `task` for the worker thread.
     ///
     /// # Safety

@@ -165,7 +165,7 @@ pub use bootstrap::{
     TcpStore, TcpStoreServer, DEFAULT_MAX_FRAME,
 };
 pub use collectives::{Batch, Collectives, WithOptions};
-pub use contracts::backend::{Backend, BackendFactory, BackendInit, RunOptions};
+pub use contracts::backend::{Backend, BackendFactory, BackendInit, LentLinks, LinkLedger, RunOptions};
 pub use contracts::store::Store;
 
 /// Entry points for the fuzz targets in `fuzz/` (feature `fuzzing`).

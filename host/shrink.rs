@@ -108,9 +108,10 @@ impl Comm {
         // `ok` never came), so `size` attempts suffice.
         for attempt in 0..size {
             let keys = format!("{base}/{attempt}");
-            // Asked after every operation queued before the shrink; a communicator that failed,
-            // was aborted, or lent its links to an earlier attempt has no ledger.
-            let ledger = self.on_backend(|b| b.link_ledger())?;
+            // A communicator that failed, was aborted, lent its links to an earlier attempt or
+            // is busy (an operation still queued or running, perhaps stuck on a lost peer: the
+            // shrink must not wait for it) has no ledger.
+            let ledger = self.on_idle_backend(|b| b.link_ledger()).flatten();
             let alive = encode_alive(ledger.as_ref());
             let (members, ledgers) = agree_members(&*store, &keys, me, size, &known_lost, timeout, &alive)?;
             let Some(new_rank) = members.iter().position(|&r| r == me) else {

@@ -28,8 +28,10 @@ pub struct BackendInit<'a> {
     /// The communicator's options (timeout, hints, transport settings).
     pub options: &'a CommOptions,
     /// Links that `Comm::shrink` took over from the communicator it replaces, for the first
-    /// host engine that wants them (the built-in backends' CPU engine); `None` otherwise.
-    pub(crate) lent_links: Option<&'a Mutex<Option<LentLinks>>>,
+    /// host engine that wants them (the built-in backends' CPU engine); `None` otherwise. A
+    /// backend that wraps a built-in one passes its `BackendInit` on unchanged (or with
+    /// `..*init`), and `link_ledger` / `lend_links` through, to keep them.
+    pub lent_links: Option<&'a Mutex<Option<LentLinks>>>,
 }
 
 impl BackendInit<'_> {

@@ -153,6 +153,9 @@ struct State {
     /// Set by a failure in the middle of a transfer: the streams may be out of step, so later
     /// operations refuse to run rather than read garbage.
     broken: bool,
+    /// Set once `link_ledger` reported what the links carried: nothing more may travel on
+    /// them, or the ledger the shrink decides by would be wrong.
+    frozen: bool,
 }
 
 pub(crate) struct CpuBackend {
@@ -214,6 +217,7 @@ pub(crate) fn create_host(init: &BackendInit) -> Result<CpuBackend> {
             scratch: Scratch::default(),
             pending: Default::default(),
             broken: false,
+            frozen: false,
         }),
         abort: Arc::new(AtomicBool::new(false)),
         lent: AtomicBool::new(false),
@@ -262,7 +266,7 @@ impl Backend for CpuBackend {
             ));
         }
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        if self.lent.load(Ordering::Acquire) {
+        if self.lent.load(Ordering::SeqCst) || st.frozen {
             return Err(Error::Closed { op: name, state: LENT });
         }
         if self.abort.load(Ordering::Acquire) {
@@ -288,6 +292,7 @@ impl Backend for CpuBackend {
             scratch,
             pending,
             broken,
+            ..
         } = &mut *st;
         let r = match op {
             Op::AllReduceRmsNorm(f) => {
@@ -316,7 +321,7 @@ impl Backend for CpuBackend {
         }
         let name = op.name();
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        if st.broken || self.abort.load(Ordering::Acquire) || self.lent.load(Ordering::Acquire) {
+        if st.broken || st.frozen || self.abort.load(Ordering::Acquire) || self.lent.load(Ordering::SeqCst) {
             return;
         }
         let ctx = OpCtx {
@@ -334,8 +339,11 @@ impl Backend for CpuBackend {
     }
 
     fn abort(&self) {
-        self.abort.store(true, Ordering::Release);
-        if self.lent.load(Ordering::Acquire) {
+        // SeqCst with `lend_links`' store of `lent` and load of `abort`: of an abort and a hand
+        // over that race, at least one sees the other, so an abort never announces on links
+        // another communicator took over.
+        self.abort.store(true, Ordering::SeqCst);
+        if self.lent.load(Ordering::SeqCst) {
             return;
         }
         self.faults.record(Cause::Lost {
@@ -347,7 +355,7 @@ impl Backend for CpuBackend {
     }
 
     fn finalize(&self) -> Result<()> {
-        if self.lent.load(Ordering::Acquire) {
+        if self.lent.load(Ordering::SeqCst) {
             return Ok(());
         }
         self.settle_before_close();
@@ -355,24 +363,34 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    /// Busy (an operation holds the engine, such as one stuck on a silent peer) is no ledger:
+    /// the shrink must not wait for it.
     fn link_ledger(&self) -> Option<LinkLedger> {
-        let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        if st.broken || self.abort.load(Ordering::Acquire) || self.lent.load(Ordering::Acquire) {
+        let mut st = match self.state.try_lock() {
+            Ok(st) => st,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        };
+        if st.broken || self.abort.load(Ordering::SeqCst) || self.lent.load(Ordering::SeqCst) {
             return None;
         }
-        st.engine.ledger()
+        let ledger = st.engine.ledger()?;
+        st.frozen = true;
+        Some(ledger)
     }
 
     fn lend_links(&self, members: &[usize], keep_board: bool, timeout: std::time::Duration) -> Result<LentLinks> {
         let op = "shrink";
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        if self.lent.load(Ordering::Acquire) {
+        // From here on the links are no longer this engine's, whatever happens. Stored before
+        // `abort` is looked at: see `abort`.
+        if self.lent.swap(true, Ordering::SeqCst) {
             return Err(Error::Closed { op, state: LENT });
         }
-        if st.broken || self.abort.load(Ordering::Acquire) {
+        if st.broken || !st.frozen || self.abort.load(Ordering::SeqCst) {
             return Err(Error::Closed {
                 op,
-                state: "broken or aborted: its links cannot be handed on",
+                state: "broken, aborted or used since its ledger: its links cannot be handed on",
             });
         }
         let ctx = OpCtx {
@@ -381,8 +399,6 @@ impl Backend for CpuBackend {
             timeout,
             abort: &self.abort,
         };
-        // From here on the links are no longer this engine's, whatever happens.
-        self.lent.store(true, Ordering::Release);
         let t = st.engine.hand_over(&ctx, members, keep_board)?;
         Ok(LentLinks(Box::new(t)))
     }
@@ -432,7 +448,7 @@ impl CpuBackend {
     /// answers with a reset that loses what this rank sent it. Bounded by the timeout; skipped
     /// on an aborted or broken communicator.
     fn settle_before_close(&self) {
-        if self.abort.load(Ordering::Acquire) || self.lent.load(Ordering::Acquire) {
+        if self.abort.load(Ordering::Acquire) || self.lent.load(Ordering::SeqCst) {
             return;
         }
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());

@@ -151,7 +151,16 @@ impl Transport {
             slot: self.slot,
             ring_bytes: self.ring_bytes,
         };
-        self.links.clear();
+        // Ranks left out that still wait on us learn at once that we are gone, over TCP; on
+        // shared memory our segment now belongs to the new communicator, so they wait for
+        // their timeout.
+        for l in self.links.drain(..) {
+            if let Link::Tcp(t) = l {
+                if let Some(s) = t.try_clone_stream() {
+                    let _ = s.shutdown(std::net::Shutdown::Both);
+                }
+            }
+        }
         handed
     }
 
