@@ -8,18 +8,19 @@
 //! attempt `a` of shrink number `g` has keys under `<comm prefix>/shrink<g>/<a>/`:
 //!
 //! 1. every survivor sets `alive/<rank>` (with the ledger of its links: see shrink_links.rs),
-//!    then waits (at most the timeout, and no longer than until a proposal is in) for the `alive` key of every rank it has no reason to think lost;
+//!    then waits (at most the timeout, and no longer than until a proposal is in) for the
+//!    `alive` key of every rank it has no reason to think lost;
 //! 2. every survivor proposes the ranks whose `alive` key it sees, and the store's
 //!    compare-and-set keeps the first proposal as `members`: one list for everyone, whatever
 //!    each one saw (a rank the list leaves out gets an error saying so);
 //! 3. the members create the new communicator: over the links of this one where every
 //!    member's ledger allows it (shrink_links.rs), else fresh under `<attempt>/comm`; then
-//!    each sets `ok/<rank>` (`1` created, `0` failed); each waits for the members' `ok` keys and proposes `done`
-//!    (all created), `failed` (all reported, some could not create: everyone gets the error)
-//!    or a retry without the members whose key never came, and compare-and-set again keeps
-//!    the first `outcome`. On a retry every member drops what it created and starts attempt
-//!    `a + 1` without waiting for anyone left out so far, so a rank that dies during the
-//!    shrink is left out as well.
+//!    each sets `ok/<rank>` (`1` created, `0` failed); each waits for the members' `ok` keys
+//!    and proposes `done` (all created), `failed` (all reported, some could not create:
+//!    everyone gets the error) or a retry without the members whose key never came, and
+//!    compare-and-set again keeps the first `outcome`. On a retry every member drops what it
+//!    created and starts attempt `a + 1` without waiting for anyone left out so far, so a rank
+//!    that dies during the shrink is left out as well.
 
 use crate::comm::{Comm, Parent};
 use crate::contracts::backend::LinkLedger;
