@@ -435,16 +435,10 @@ impl Comm {
         )
     }
 
-    /// Runs `f` on the backend in issue order, after every operation queued before it (for
-    /// `Comm::shrink`, which asks the backend about its links).
-    pub(crate) fn on_backend<T: Send>(&self, f: impl FnOnce(&dyn Backend) -> T + Send) -> Result<T> {
-        let mut out = None;
-        let slot = &mut out;
-        self.inner.exec.run(Box::new(move |b: &dyn Backend, _| {
-            *slot = Some(f(b));
-            Ok(())
-        }))?;
-        out.ok_or_else(|| Error::invalid("shrink", "the backend task did not run"))
+    /// The backend, for `Comm::shrink` to hand its links over: by then its ledger froze the
+    /// engine, so no queued operation can use them (see CpuBackend::link_ledger).
+    pub(crate) fn backend(&self) -> &dyn Backend {
+        self.inner.exec.backend()
     }
 
     /// `f` on the backend if no operation is queued or running, else `None`.

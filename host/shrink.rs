@@ -140,11 +140,9 @@ impl Comm {
             let created = match handover {
                 Handover::Fresh => create(Parent::None),
                 Handover::Links { keep_board } => self
-                    .on_backend(|b| b.lend_links(&members, keep_board, timeout))
-                    .and_then(|lent| {
-                        let lent = Mutex::new(Some(lent?));
-                        create(Parent::Shrink(&lent))
-                    }),
+                    .backend()
+                    .lend_links(&members, keep_board, timeout)
+                    .and_then(|lent| create(Parent::Shrink(&Mutex::new(Some(lent))))),
             };
             tracing::debug!(
                 rank = me,

@@ -191,9 +191,10 @@ pub trait Backend: Send + Sync {
         let _ = (group, init);
         None
     }
-    /// For `Comm::shrink`, in issue order: what this rank's host-memory links carried, or
-    /// `None` when they cannot be handed to a smaller communicator (broken by a failure,
-    /// aborted, in the middle of an operation, or a backend without such links: the default).
+    /// For `Comm::shrink`, called while no operation is queued or running: what this rank's
+    /// host-memory links carried, or `None` when they cannot be handed to a smaller
+    /// communicator (broken by a failure, aborted, busy, or a backend without such links: the
+    /// default). A backend that gives a ledger runs no operation on those links afterwards.
     fn link_ledger(&self) -> Option<LinkLedger> {
         None
     }
