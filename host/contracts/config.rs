@@ -21,7 +21,7 @@ use std::time::Duration;
 /// Every `FERROCOMM_*` variable the library, its binaries and its build read. The library's
 /// own are fields of [`Config`]; `FERROCOMM_RUN_GRACE` and `FERROCOMM_RUN_TOLERATE_FAILURES`
 /// belong to the launcher, `FERROCOMM_REQUIRE_*` to the build and the tests.
-pub(crate) const VARIABLES: [&str; 29] = [
+pub(crate) const VARIABLES: [&str; 30] = [
     "FERROCOMM_TIMEOUT",
     "FERROCOMM_ABORT_ON_ERROR",
     "FERROCOMM_CHECK_CALLS",
@@ -32,6 +32,7 @@ pub(crate) const VARIABLES: [&str; 29] = [
     "FERROCOMM_RUN_TOLERATE_FAILURES",
     "FERROCOMM_TRANSPORT",
     "FERROCOMM_SHM_RING_BYTES",
+    "FERROCOMM_SHM_PULL_BYTES",
     "FERROCOMM_SOCKET_ADDR",
     "FERROCOMM_NET",
     "FERROCOMM_ENCRYPT",
@@ -115,6 +116,8 @@ pub(crate) struct Config {
     pub force_tcp: bool,
     /// `FERROCOMM_SHM_RING_BYTES` (1 MiB; `TransportOptions` checks it is a power of two).
     pub shm_ring_bytes: usize,
+    /// `FERROCOMM_SHM_PULL_BYTES` (64 KiB; 0: never).
+    pub shm_pull_bytes: usize,
     /// `FERROCOMM_SOCKET_ADDR`.
     pub socket_addr: Option<IpAddr>,
     /// `FERROCOMM_NET` (auto).
@@ -227,6 +230,7 @@ impl Config {
             store_external: raw.get("FERROCOMM_STORE_EXTERNAL") == Some("1"),
             force_tcp,
             shm_ring_bytes: raw.parse("FERROCOMM_SHM_RING_BYTES")?.unwrap_or(1 << 20),
+            shm_pull_bytes: raw.parse("FERROCOMM_SHM_PULL_BYTES")?.unwrap_or(64 << 10),
             socket_addr: raw.parse("FERROCOMM_SOCKET_ADDR")?,
             net,
             encrypt,
@@ -532,8 +536,8 @@ mod tests {
         assert!(!c.check_calls && !c.force_tcp && !c.store_external);
         assert!(c.multicast && c.proxy_affinity && c.nccl);
         assert_eq!(
-            (c.shm_ring_bytes, c.cpu_direct_max, c.cpu_chunk),
-            (1 << 20, 64 << 10, 256 << 10)
+            (c.shm_ring_bytes, c.shm_pull_bytes, c.cpu_direct_max, c.cpu_chunk),
+            (1 << 20, 64 << 10, 64 << 10, 256 << 10)
         );
         assert_eq!(
             (c.nccl_threshold, c.device_oneshot_max, c.device_twoshot_min),
@@ -580,6 +584,7 @@ mod tests {
             ("FERROCOMM_TRANSPORT", "carrier-pigeon"),
             ("FERROCOMM_NET", "ib"),
             ("FERROCOMM_SHM_RING_BYTES", "1M"),
+            ("FERROCOMM_SHM_PULL_BYTES", "64K"),
             ("FERROCOMM_SOCKET_ADDR", "here"),
             ("FERROCOMM_PROXY_POLL_US", "2ms"),
             ("FERROCOMM_CPU_CHUNK", "0"),

@@ -22,6 +22,11 @@ pub struct TransportOptions {
     /// Bytes of each shared-memory ring between two ranks (power of two, ≥ 4 KiB).
     /// `FERROCOMM_SHM_RING_BYTES`, default 1 MiB.
     pub shm_ring_bytes: usize,
+    /// Messages between ranks of one host of at least this many bytes go by reference: the
+    /// receiver copies them straight out of the sender's memory (`process_vm_readv`), one copy
+    /// instead of two, where the kernel allows it. `FERROCOMM_SHM_PULL_BYTES`, default 64 KiB;
+    /// 0: never.
+    pub shm_pull_bytes: usize,
     /// Use TCP even between ranks of one host (`FERROCOMM_TRANSPORT=tcp`).
     pub force_tcp: bool,
     /// Window operations toward other hosts (`FERROCOMM_NET=auto|tcp|rdma`, default auto).
@@ -36,7 +41,7 @@ pub struct TransportOptions {
 
 impl TransportOptions {
     /// The transport settings of a fresh read of the environment (`FERROCOMM_SHM_RING_BYTES`,
-    /// `FERROCOMM_TRANSPORT`, `FERROCOMM_NET`, `FERROCOMM_SOCKET_ADDR`, `FERROCOMM_ENCRYPT`);
+    /// `FERROCOMM_SHM_PULL_BYTES`, `FERROCOMM_TRANSPORT`, `FERROCOMM_NET`, `FERROCOMM_SOCKET_ADDR`, `FERROCOMM_ENCRYPT`);
     /// `Error::Config` when
     /// any `FERROCOMM_*` variable is malformed.
     pub fn from_env() -> Result<TransportOptions> {
@@ -46,6 +51,7 @@ impl TransportOptions {
     pub(crate) fn from_config(c: &Config) -> Result<TransportOptions> {
         let t = TransportOptions {
             shm_ring_bytes: c.shm_ring_bytes,
+            shm_pull_bytes: c.shm_pull_bytes,
             force_tcp: c.force_tcp,
             net: c.net,
             bind_addr: c.socket_addr,

@@ -9,7 +9,7 @@
 use super::header::{self, Call, Header, Tag, HEADER_BYTES};
 use crate::contracts::backend::LinkLedger;
 use crate::contracts::error::{Error, Result};
-use crate::net::links::{back_off, Link, Transport};
+use crate::net::links::{self, back_off, Link, Transport, REF_BYTES};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -26,6 +26,12 @@ pub(crate) enum Xfer<'b> {
         pos: usize,
         /// Carries its collective's call (the first message to this peer).
         call: bool,
+        /// Sent by reference (net/links/pull.rs): `pos` stays 0 until the receiver has copied
+        /// the payload.
+        reference: Option<Reference>,
+        /// Never by reference: the payload goes through the stream (a refusal's reason, which
+        /// the peer reads from there; a chained broadcast's chunks, which stream ahead).
+        in_stream: bool,
     },
     Recv {
         peer: usize,
@@ -45,6 +51,15 @@ pub(crate) enum Xfer<'b> {
         /// Deferred from an earlier collective (named in a mismatch), even once waited for.
         earlier: bool,
     },
+}
+
+/// A message sent by reference: the reference, how much of it is in the stream, and the
+/// stream position after it once it is all there (the receiver has copied the payload when it
+/// has read that far).
+pub(crate) struct Reference {
+    raw: [u8; REF_BYTES],
+    rpos: usize,
+    end: Option<u64>,
 }
 
 impl Xfer<'_> {
@@ -351,6 +366,8 @@ impl Engine {
             data,
             pos: 0,
             call: call.is_some(),
+            reference: None,
+            in_stream: false,
         }
     }
 
@@ -383,6 +400,17 @@ impl Engine {
         self.xfer_send(peer, tag, data, call)
     }
 
+    /// As `send`, but the payload always goes through the stream, never by reference
+    /// (net/links/pull.rs): for a sender that should not wait for its receiver to copy, such
+    /// as a chain that streams chunks ahead.
+    pub(crate) fn send_in_stream<'b>(&mut self, peer: usize, tag: Tag, data: &'b [u8]) -> Xfer<'b> {
+        let mut x = self.send(peer, tag, data);
+        if let Xfer::Send { in_stream, .. } = &mut x {
+            *in_stream = true;
+        }
+        x
+    }
+
     /// Expects a message from `peer` of exactly `data.len()` bytes.
     pub(crate) fn recv<'b>(&mut self, peer: usize, tag: Tag, data: &'b mut [u8]) -> Xfer<'b> {
         let (call, gated) = self.first_exchange();
@@ -401,8 +429,27 @@ impl Engine {
                 hpos,
                 data,
                 pos,
+                reference,
+                in_stream,
                 ..
             } => {
+                // Decided before the header leaves.
+                if *hpos == 0 && !*in_stream && reference.is_none() && link.sends_by_reference(data.len()) {
+                    header::mark_by_reference(hdr);
+                    *reference = Some(Reference {
+                        raw: links::reference(data),
+                        rpos: 0,
+                        end: None,
+                    });
+                }
+                if let Some(r) = reference {
+                    let mut copied = false;
+                    let moved = Self::step_reference(link, hdr, hpos, r, &mut copied).map_err(|g| lost(*peer, g))?;
+                    if copied {
+                        *pos = data.len();
+                    }
+                    return Ok(moved);
+                }
                 let mut moved = false;
                 if *hpos < HEADER_BYTES {
                     // The header and the payload together: one write where the link can.
@@ -458,11 +505,46 @@ impl Engine {
                     }
                 }
                 if *pos < data.len() && (*calls_pending == 0 || !*gated) {
-                    let n = link.read(&mut data[*pos..]).map_err(|r| lost(*peer, r))?;
-                    *pos += n;
-                    moved |= n > 0;
+                    if header::by_reference(hdr) {
+                        if link.pull(&mut data[*pos..]).map_err(|r| lost(*peer, r))? {
+                            *pos = data.len();
+                            moved = true;
+                        }
+                    } else {
+                        let n = link.read(&mut data[*pos..]).map_err(|r| lost(*peer, r))?;
+                        *pos += n;
+                        moved |= n > 0;
+                    }
                 }
                 Ok(moved | link.take_progress())
+            }
+        }
+    }
+
+    /// Advances a message sent by reference: its header and reference into the stream, then
+    /// the wait until the receiver has read past them, which it does once it has copied the
+    /// payload. Returns whether anything moved; `*copied` once the receiver has the payload.
+    fn step_reference(
+        link: &mut Link,
+        hdr: &[u8; HEADER_BYTES],
+        hpos: &mut usize,
+        r: &mut Reference,
+        copied: &mut bool,
+    ) -> std::result::Result<bool, links::Gone> {
+        match r.end {
+            None => {
+                let n = link.write_pair(&hdr[*hpos..], &r.raw[r.rpos..])?;
+                let of_header = n.min(HEADER_BYTES - *hpos);
+                *hpos += of_header;
+                r.rpos += n - of_header;
+                if *hpos == HEADER_BYTES && r.rpos == REF_BYTES {
+                    r.end = Some(link.written());
+                }
+                Ok(n > 0)
+            }
+            Some(end) => {
+                *copied = link.taken(end);
+                Ok(*copied)
             }
         }
     }
@@ -635,7 +717,7 @@ impl Engine {
                 pending |= match x {
                     Xfer::Send { .. } => !x.done(),
                     Xfer::Recv { hdr, hpos, pos, .. } => {
-                        *hpos < HEADER_BYTES || header::announced_len(hdr).is_some_and(|n| (*pos as u64) < n)
+                        *hpos < HEADER_BYTES || header::stream_len(hdr).is_some_and(|n| (*pos as u64) < n)
                     }
                 };
             }
@@ -690,6 +772,8 @@ impl Engine {
                 data: reason,
                 pos: 0,
                 call: true,
+                reference: None,
+                in_stream: true,
             });
             xfers.push(self.xfer_recv(p, tag, Default::default(), Some(call), true));
         }
@@ -699,7 +783,7 @@ impl Engine {
             let complete = match x {
                 Xfer::Send { .. } => x.done(),
                 Xfer::Recv { hdr, hpos, pos, .. } => {
-                    *hpos == HEADER_BYTES && header::announced_len(hdr) == Some(*pos as u64)
+                    *hpos == HEADER_BYTES && header::stream_len(hdr) == Some(*pos as u64)
                 }
             };
             if !complete {
@@ -838,7 +922,7 @@ fn drain_one(
             return Ok(moved);
         }
     }
-    let left = header::announced_len(hdr).unwrap_or(0).saturating_sub(*pos as u64);
+    let left = header::stream_len(hdr).unwrap_or(0).saturating_sub(*pos as u64);
     if left > 0 {
         let take = left.min(sink.len() as u64) as usize;
         let n = link.read(&mut sink[..take])?;

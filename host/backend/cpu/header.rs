@@ -8,11 +8,16 @@
 //! the ranks called different operations, or the same one with different arguments, and
 //! becomes `Error::Mismatch` naming the field, both values and the peer.
 //!
+//! A large message between ranks of one host may carry, instead of its payload, a reference to
+//! the sender's buffer (flag `BY_REFERENCE`; net/links/pull.rs): the receiver copies the payload
+//! from there.
+//!
 //! A rank that refuses its call (an argument that fails its own checks) still sends each peer
 //! the first message of the collective, flagged `REFUSED` and carrying the reason: the peer
 //! stops there, with an error that names the rank (see `Engine::refuse`).
 
 use crate::contracts::error::Error;
+use crate::net::links::REF_BYTES;
 
 const MAGIC: u32 = 0xFE44_0C02;
 pub(crate) const HEADER_BYTES: usize = 48;
@@ -20,6 +25,9 @@ pub(crate) const HEADER_BYTES: usize = 48;
 const CALL: u8 = 1;
 /// Flag, with `CALL`: the sender refuses the call; the payload says why.
 const REFUSED: u8 = 2;
+/// Flag: the payload is not in the stream: a reference to the sender's buffer is, and the
+/// receiver copies the payload from there (net/links/pull.rs).
+const BY_REFERENCE: u8 = 4;
 /// A call's element count where ranks legitimately differ (all_to_all_v).
 pub(crate) const ANY_COUNT: u64 = u64::MAX;
 
@@ -274,9 +282,26 @@ pub(crate) fn is_refusal(raw: &[u8; HEADER_BYTES]) -> bool {
     decode(raw).is_some_and(|h| h.refused)
 }
 
-/// The payload length a received header announces, if it is a header at all.
-pub(crate) fn announced_len(raw: &[u8; HEADER_BYTES]) -> Option<u64> {
-    decode(raw).map(|h| h.tag.nbytes)
+/// The bytes that follow a received header in the stream, if it is a header at all: its
+/// payload, or the reference to it.
+pub(crate) fn stream_len(raw: &[u8; HEADER_BYTES]) -> Option<u64> {
+    decode(raw).map(|h| {
+        if by_reference(raw) {
+            REF_BYTES as u64
+        } else {
+            h.tag.nbytes
+        }
+    })
+}
+
+/// Marks a header whose payload goes by reference.
+pub(crate) fn mark_by_reference(raw: &mut [u8; HEADER_BYTES]) {
+    raw[7] |= BY_REFERENCE;
+}
+
+/// Whether a header's payload comes by reference.
+pub(crate) fn by_reference(raw: &[u8; HEADER_BYTES]) -> bool {
+    raw[7] & BY_REFERENCE != 0
 }
 
 #[cfg(test)]

@@ -2,6 +2,7 @@
 //! connection, or a loop to itself), and how a peer is found gone.
 
 use super::liveness::ProcessWatch;
+use super::pull::{self, REF_BYTES};
 use super::ring::RingEnd;
 use super::shm::{OwnerState, Segment};
 use super::tcp::TcpLink;
@@ -23,10 +24,16 @@ pub(crate) enum Link {
 pub(crate) struct ShmLink {
     pub(crate) tx: RingEnd,
     pub(crate) rx: RingEnd,
+    /// The peer's process, when we may copy straight out of its memory (pull.rs).
+    pub(crate) pull_from: Option<u32>,
+    /// The peer's segment among `segments`.
+    pub(crate) peer_slot: usize,
+    /// Messages of at least this many bytes go by reference when the peer takes them.
+    pub(crate) pull_bytes: usize,
     /// The segments the rings lie in (ours holds `rx`, the peer's `tx`), kept mapped while the
-    /// ends live. (The peer's liveness is checked through the transport, which knows where
-    /// the peer's segment is: `Transport::check_peer`.)
-    pub(crate) _segments: Arc<PeerSegments>,
+    /// ends live. (A stalled wait checks the peer's liveness through the transport,
+    /// `Transport::check_peer`; `pull` looks at the peer's segment itself.)
+    pub(crate) segments: Arc<PeerSegments>,
 }
 
 /// The shared-memory segments of a communicator's ranks on this host (`None` for the others),
@@ -35,6 +42,8 @@ pub(crate) struct ShmLink {
 pub(crate) struct PeerSegments {
     pub(crate) segs: Vec<Option<Arc<Segment>>>,
     pub(crate) watches: Vec<Option<ProcessWatch>>,
+    /// The owner's process, where we may read its memory (pull.rs).
+    pub(crate) readable: Vec<Option<u32>>,
 }
 
 impl PeerSegments {
@@ -112,6 +121,54 @@ impl Link {
                 Ok(n)
             }
         }
+    }
+
+    /// Whether a message of `len` bytes goes by reference: a shared-memory link whose peer
+    /// takes references, for a message at least the link's threshold (pull.rs).
+    pub(crate) fn sends_by_reference(&self, len: usize) -> bool {
+        matches!(self, Link::Shm(l) if len >= l.pull_bytes && l.tx.peer_pulls())
+    }
+
+    /// The stream position after everything written so far (shared memory only; 0 elsewhere).
+    pub(crate) fn written(&self) -> u64 {
+        match self {
+            Link::Shm(l) => l.tx.written(),
+            _ => 0,
+        }
+    }
+
+    /// Whether the peer has read everything up to `position` of what we wrote (shared memory;
+    /// elsewhere always). A reference read that far has been copied in.
+    pub(crate) fn taken(&self, position: u64) -> bool {
+        match self {
+            Link::Shm(l) => l.tx.taken() >= position,
+            _ => true,
+        }
+    }
+
+    /// Takes in a message sent by reference: its reference from the stream, then its bytes
+    /// from the sender's memory into `dst`, and only then consumes the reference, which frees
+    /// the sender's buffer. `Ok(false)`: the reference has not fully arrived yet.
+    pub(crate) fn pull(&mut self, dst: &mut [u8]) -> Result<bool, Gone> {
+        let Link::Shm(l) = self else {
+            return Err("a message by reference arrived on a link that cannot take one".into());
+        };
+        let Some(pid) = l.pull_from else {
+            return Err("a message by reference arrived, but this rank cannot read the peer's memory".into());
+        };
+        let mut r = [0u8; REF_BYTES];
+        if !l.rx.peek_exact(&mut r) {
+            return Ok(false);
+        }
+        pull::copy_in(pid, &r, dst)?;
+        // The bytes count only if the sender still waited for them (pull.rs).
+        if let Some(seg) = &l.segments.segs[l.peer_slot] {
+            if seg.state() != OwnerState::Live {
+                return Err("it gave up its message (its operation failed) while this rank copied it".into());
+            }
+        }
+        l.rx.skip(REF_BYTES);
+        Ok(true)
     }
 
     /// Has the peer sent bytes we have not read? Only shared-memory links can tell without

@@ -5,6 +5,8 @@
 //! - other hosts: a TCP connection;
 //! - a rank to itself: an in-memory queue.
 //!
+//! Large messages between ranks of one host may go by reference instead (pull.rs).
+//!
 //! Also here: the board (shm_board.rs), liveness of peer processes, passing descriptors
 //! between processes, and the fault record (the first cause of a failure).
 //!
@@ -14,6 +16,7 @@ mod fault;
 mod link;
 mod liveness;
 mod nonblocking;
+mod pull;
 mod ring;
 mod sealed;
 mod setup;
@@ -24,6 +27,7 @@ mod tcp;
 pub(crate) use fault::{Cause, FaultRecord};
 pub(crate) use link::{back_off, check_owner, Gone, Link, PeerGone, PeerSegments, ShmLink};
 pub(crate) use liveness::ProcessWatch;
+pub(crate) use pull::{reference, REF_BYTES};
 pub(crate) use setup::{bind_listener, connect_all, host_identity, machine, published_addr, Announcer, Transport};
 pub(crate) use shm::{OwnerState, Segment};
 pub(crate) use tcp::{accept_authenticated, dial, Expect, Handshaken};

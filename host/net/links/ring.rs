@@ -8,13 +8,15 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// The control block at the start of every ring. `tail` and `head` sit on separate cache lines
-/// so producer and consumer do not bounce one line between them.
+/// so producer and consumer do not bounce one line between them. `pulls`, on the consumer's
+/// line: 1 once the consumer can copy messages straight out of the producer's memory (pull.rs).
 #[repr(C, align(64))]
 pub(crate) struct RingCtl {
     tail: AtomicU64,
     _pad0: [u8; 56],
     head: AtomicU64,
-    _pad1: [u8; 56],
+    pulls: AtomicU64,
+    _pad1: [u8; 48],
 }
 
 pub(crate) const CTL_BYTES: usize = std::mem::size_of::<RingCtl>();
@@ -84,6 +86,50 @@ impl RingEnd {
         self.pos += n as u64;
         self.ctl().tail.store(self.pos, Ordering::Release);
         n
+    }
+
+    /// Consumer: tells the producer that messages may come by reference (pull.rs). Release:
+    /// a producer that sees it sees a consumer ready for them.
+    pub(crate) fn offer_pulls(&self) {
+        self.ctl().pulls.store(1, Ordering::Release);
+    }
+
+    /// Producer: whether the consumer takes messages by reference.
+    pub(crate) fn peer_pulls(&self) -> bool {
+        self.ctl().pulls.load(Ordering::Acquire) == 1
+    }
+
+    /// Producer: the stream position after the last byte written.
+    pub(crate) fn written(&self) -> u64 {
+        self.pos
+    }
+
+    /// Producer: the stream position up to which the consumer has read. Acquire: whatever the
+    /// consumer did before it got there (a copy out of our memory) is done.
+    pub(crate) fn taken(&self) -> u64 {
+        self.ctl().head.load(Ordering::Acquire)
+    }
+
+    /// Consumer: copies the next `dst.len()` bytes without consuming them, if all are there.
+    pub(crate) fn peek_exact(&self, dst: &mut [u8]) -> bool {
+        let tail = self.ctl().tail.load(Ordering::Acquire);
+        if tail - self.pos < dst.len() as u64 {
+            return false;
+        }
+        for (i, d) in dst.iter_mut().enumerate() {
+            let at = ((self.pos + i as u64) & (self.cap - 1)) as usize;
+            // SAFETY: published bytes (tail acquired above) that the producer leaves alone
+            // until we move `head` past them.
+            *d = unsafe { *self.data.add(at) };
+        }
+        true
+    }
+
+    /// Consumer: consumes `n` bytes already looked at with `peek_exact`. Release: the producer
+    /// that sees the new `head` sees everything we did before (pull.rs: the copy is done).
+    pub(crate) fn skip(&mut self, n: usize) {
+        self.pos += n as u64;
+        self.ctl().head.store(self.pos, Ordering::Release);
     }
 
     /// Bytes the producer has published that we have not read yet.

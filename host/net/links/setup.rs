@@ -47,6 +47,9 @@ pub(crate) struct Transport {
     /// Our own slot.
     slot: usize,
     ring_bytes: usize,
+    /// Messages of at least this many bytes go by reference to peers that take them (pull.rs);
+    /// `usize::MAX`: never.
+    pull_bytes: usize,
 }
 
 impl Transport {
@@ -95,10 +98,18 @@ impl Transport {
                 RingEnd::new(own.payload().add(rx_at), self.ring_bytes, false),
             )
         };
+        // The peer may send us messages by reference once we know we can read its memory.
+        let pull_from = peers.readable[self.slots[peer]];
+        if pull_from.is_some() {
+            rx.offer_pulls();
+        }
         Some(ShmLink {
             tx,
             rx,
-            _segments: peers.clone(),
+            pull_from,
+            peer_slot: self.slots[peer],
+            pull_bytes: self.pull_bytes,
+            segments: peers.clone(),
         })
     }
 
@@ -150,6 +161,7 @@ impl Transport {
             slots: members.iter().map(|&m| self.slots[m]).collect(),
             slot: self.slot,
             ring_bytes: self.ring_bytes,
+            pull_bytes: self.pull_bytes,
         };
         // Ranks left out that still wait on us learn at once that we are gone, over TCP; on
         // shared memory our segment now belongs to the new communicator, so they wait for
@@ -419,6 +431,10 @@ pub(crate) fn connect_all(
         slots: (0..size).collect(),
         slot: rank,
         ring_bytes: opts.shm_ring_bytes,
+        pull_bytes: match opts.shm_pull_bytes {
+            0 => usize::MAX,
+            n => n,
+        },
     })
 }
 
@@ -444,6 +460,9 @@ fn peer_segments(
     let len = payload_bytes(size, ring_bytes);
     let mut segs = Vec::with_capacity(size);
     let mut watches = Vec::with_capacity(size);
+    let mut readable = Vec::with_capacity(size);
+    // Asked once per process: whether we may read its memory (pull.rs).
+    let mut asked: HashMap<u32, bool> = HashMap::new();
     for (h, &here) in hellos.iter().zip(local) {
         let seg = if here {
             Some(Segment::open_shared(h.shm, len)?)
@@ -451,9 +470,17 @@ fn peer_segments(
             None
         };
         watches.push(seg.as_ref().and_then(|s| ProcessWatch::open(s.owner_pid())));
+        readable.push(seg.as_ref().and_then(|s| {
+            let pid = s.owner_pid();
+            (*asked.entry(pid).or_insert_with(|| s.owner_readable())).then_some(pid)
+        }));
         segs.push(seg);
     }
-    let t = Arc::new(PeerSegments { segs, watches });
+    let t = Arc::new(PeerSegments {
+        segs,
+        watches,
+        readable,
+    });
     tables.retain(|_, w| w.strong_count() > 0);
     tables.insert(key.to_vec(), Arc::downgrade(&t));
     Ok(t)
@@ -542,9 +569,14 @@ mod tests {
     use crate::bootstrap::MemoryStore;
 
     fn connect_threads(n: usize) -> Vec<Transport> {
+        connect_threads_with(n, 64 << 10)
+    }
+
+    fn connect_threads_with(n: usize, shm_pull_bytes: usize) -> Vec<Transport> {
         let store = MemoryStore::new();
         let opts = TransportOptions {
             shm_ring_bytes: 1 << 16,
+            shm_pull_bytes,
             force_tcp: false,
             net: crate::contracts::options::NetTransport::Auto,
             bind_addr: None,
@@ -599,5 +631,48 @@ mod tests {
         let gone = t[2].check_peer(3).expect_err("a pending link sees its peer leave");
         assert_eq!(gone.rank, 3);
         assert!(gone.reason.contains("closed"), "{}", gone.reason);
+    }
+
+    /// A large message goes by reference once the receiver has made its link (it offers to
+    /// copy), comes out whole, and frees the sender only when copied; a sender that gave up
+    /// (its segment says it failed) makes the copy an error; a small one, or any with the
+    /// threshold at 0, stays in the ring.
+    #[test]
+    fn large_messages_between_ranks_of_one_host_go_by_reference() {
+        let mut t = connect_threads(2);
+        if t[0].peers.as_ref().unwrap().readable[1].is_none() {
+            println!("SKIPPED: process_vm_readv is not allowed here");
+            return;
+        }
+        let big: Vec<u8> = (0..300_000u32).map(|i| (i * 31 % 253) as u8).collect();
+        assert!(
+            !t[0].link(1).sends_by_reference(big.len()),
+            "the receiver has not offered yet"
+        );
+        t[1].link(0);
+        assert!(t[0].link(1).sends_by_reference(big.len()));
+        assert!(
+            !t[0].link(1).sends_by_reference(1000),
+            "small messages stay in the ring"
+        );
+        let r = super::super::reference(&big);
+        assert_eq!(t[0].link(1).write(&r).unwrap(), r.len());
+        let end = t[0].link(1).written();
+        assert!(!t[0].link(1).taken(end), "not copied yet");
+        let mut got = vec![0u8; big.len()];
+        assert!(t[1].link(0).pull(&mut got).unwrap());
+        assert_eq!(got, big);
+        assert!(t[0].link(1).taken(end), "copied: the sender's buffer is free");
+
+        // The sender gave up: the copy is not trusted.
+        assert_eq!(t[0].link(1).write(&r).unwrap(), r.len());
+        t[0].announcer().announce(OwnerState::Aborted);
+        let e = t[1].link(0).pull(&mut got).expect_err("the sender gave up");
+        assert!(e.contains("gave up its message"), "{e}");
+
+        // Off: nothing goes by reference.
+        let mut off = connect_threads_with(2, 0);
+        off[1].link(0);
+        assert!(!off[0].link(1).sends_by_reference(big.len()));
     }
 }

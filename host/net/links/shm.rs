@@ -52,6 +52,9 @@ struct SegHeader {
     payload_len: u64,
     pid: u64,
     state: AtomicU64,
+    /// Where the owner mapped the segment: a peer that reads the magic there through
+    /// `process_vm_readv` may copy messages straight out of the owner's memory (pull.rs).
+    addr: u64,
 }
 
 /// A mapping of one segment (ours or a peer's).
@@ -123,6 +126,7 @@ impl Segment {
             let h = unsafe { &mut *(s.base as *mut SegHeader) };
             h.payload_len = payload_len as u64;
             h.pid = std::process::id() as u64;
+            h.addr = s.base as u64;
             h.state.store(OwnerState::Live.encode(), Ordering::Relaxed);
             // Release: a peer that sees the magic sees the fields above.
             // SAFETY: `magic` is an aligned u64 inside the mapping, so it may be viewed as an
@@ -216,6 +220,12 @@ impl Segment {
 
     pub(crate) fn owner_pid(&self) -> u32 {
         self.header().pid as u32
+    }
+
+    /// Whether this process may copy straight out of the owner's memory (pull.rs): asked once,
+    /// by reading the segment's magic where the owner has it.
+    pub(crate) fn owner_readable(&self) -> bool {
+        super::pull::probe(self.owner_pid(), self.header().addr, MAGIC)
     }
 
     pub(crate) fn state(&self) -> OwnerState {

@@ -1,0 +1,109 @@
+//! Single-copy messages between ranks of one host. A large message over a shared-memory link
+//! would otherwise be copied twice, into the ring and out of it; instead its sender writes
+//! only a reference (the address and length of its buffer) into the ring and waits, and the
+//! receiver copies the bytes straight out of the sender's memory with `process_vm_readv`, then
+//! consumes the reference, which tells the sender its buffer is free again.
+//!
+//! Whether a receiver may read a sender's memory is the kernel's call (same user, ptrace
+//! policy, seccomp): each rank asks once per peer process at set-up (`probe`), by reading a
+//! word whose value it knows. Only a receiver whose probe succeeded tells its senders to send
+//! references (`RingEnd::offer_pulls`); everywhere else messages go through the rings as
+//! before. The system call is used between threads of one process too: it copies through the
+//! kernel, so an address that is no longer mapped is an error, never a fault.
+//!
+//! A sender whose operation fails (timeout, abort, a lost peer) stops waiting and its caller
+//! may free the buffer; it marks its segment first (`CpuBackend::failed`). So the receiver
+//! looks at the sender's segment after each copy and keeps the bytes only if the sender was
+//! still waiting for them.
+
+/// Bytes of a reference in the ring: the sender's address and the message's length.
+pub(crate) const REF_BYTES: usize = 16;
+
+/// A reference to `data`, for the ring.
+pub(crate) fn reference(data: &[u8]) -> [u8; REF_BYTES] {
+    let mut r = [0u8; REF_BYTES];
+    r[..8].copy_from_slice(&(data.as_ptr() as u64).to_le_bytes());
+    r[8..].copy_from_slice(&(data.len() as u64).to_le_bytes());
+    r
+}
+
+/// Copies `dst.len()` bytes from address `addr` of process `pid` into `dst`, the length the
+/// reference `raw` must name. Errors say why, for the caller to name the peer.
+pub(crate) fn copy_in(pid: u32, raw: &[u8; REF_BYTES], dst: &mut [u8]) -> Result<(), String> {
+    let addr = u64::from_le_bytes(raw[..8].try_into().unwrap_or_default());
+    let len = u64::from_le_bytes(raw[8..].try_into().unwrap_or_default());
+    if len != dst.len() as u64 {
+        return Err(format!(
+            "its message by reference names {len} bytes where {} were announced",
+            dst.len()
+        ));
+    }
+    let mut done = 0usize;
+    while done < dst.len() {
+        let n = read_process(pid, addr + done as u64, &mut dst[done..])
+            .map_err(|e| format!("reading its message of {} bytes from process {pid}: {e}", dst.len()))?;
+        if n == 0 {
+            return Err(format!("process {pid} gave no bytes of its message"));
+        }
+        done += n;
+    }
+    Ok(())
+}
+
+/// Whether this process may read process `pid`'s memory: the 8 bytes at `addr` there must
+/// read as `expect`.
+pub(crate) fn probe(pid: u32, addr: u64, expect: u64) -> bool {
+    let mut word = [0u8; 8];
+    matches!(read_process(pid, addr, &mut word), Ok(8)) && u64::from_le_bytes(word) == expect
+}
+
+/// One `process_vm_readv` call: the bytes it copied.
+fn read_process(pid: u32, addr: u64, dst: &mut [u8]) -> std::io::Result<usize> {
+    let local = libc::iovec {
+        iov_base: dst.as_mut_ptr().cast(),
+        iov_len: dst.len(),
+    };
+    let remote = libc::iovec {
+        iov_base: addr as usize as *mut libc::c_void,
+        iov_len: dst.len(),
+    };
+    // SAFETY: the kernel writes at most `dst.len()` bytes into `dst`, which we borrow mutably;
+    // the remote range is only read, in the other address space, by the kernel, which reports
+    // an unmapped or forbidden range as an error.
+    let n = unsafe { libc::process_vm_readv(pid as libc::pid_t, &local, 1, &remote, 1, 0) };
+    if n < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(n as usize)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reference_is_copied_in_and_its_length_checked() {
+        let src: Vec<u8> = (0..100_000u32).map(|i| (i * 13 % 251) as u8).collect();
+        let me = std::process::id();
+        let mut dst = vec![0u8; src.len()];
+        match copy_in(me, &reference(&src), &mut dst) {
+            Ok(()) => assert_eq!(dst, src),
+            // A sandbox that forbids the call (seccomp): the probe says no there too.
+            Err(e) => {
+                assert!(!probe(me, src.as_ptr() as u64, 0), "{e}");
+                println!("SKIPPED: process_vm_readv is not allowed here: {e}");
+                return;
+            }
+        }
+        let mut short = vec![0u8; 10];
+        let e = copy_in(me, &reference(&src), &mut short).unwrap_err();
+        assert!(e.contains("names 100000 bytes where 10 were announced"), "{e}");
+        // An address nothing is mapped at is an error, not a fault.
+        let bad = [0u8; REF_BYTES];
+        let mut one = [0u8; 1];
+        let mut r = bad;
+        r[8] = 1;
+        assert!(copy_in(me, &r, &mut one).is_err());
+    }
+}
