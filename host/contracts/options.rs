@@ -68,6 +68,13 @@ impl TransportOptions {
                 "shm ring size {r} must be a power of two of at least 4096"
             )));
         }
+        // A reference takes 24 bytes of the stream: a smaller message is never worth one.
+        let p = self.shm_pull_bytes;
+        if p != 0 && p < 4096 {
+            return Err(Error::Config(format!(
+                "FERROCOMM_SHM_PULL_BYTES={p}: 0 (never) or at least 4096"
+            )));
+        }
         Ok(())
     }
 }
@@ -250,6 +257,19 @@ impl OpOptions {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_pull_threshold_below_a_page_is_refused() {
+        let mut t = TransportOptions::from_config(&Config::from_lookup(|_| None).unwrap()).unwrap();
+        for (p, ok) in [(0, true), (100, false), (4095, false), (4096, true), (1 << 20, true)] {
+            t.shm_pull_bytes = p;
+            match t.validate() {
+                Ok(()) => assert!(ok, "{p} passed"),
+                Err(Error::Config(m)) => assert!(!ok && m.contains("FERROCOMM_SHM_PULL_BYTES"), "{p}: {m}"),
+                Err(e) => panic!("{p}: {e}"),
+            }
+        }
+    }
 
     #[test]
     fn operation_hints_override_the_communicators_key_by_key() {

@@ -95,7 +95,10 @@ fn ring_reduce_scatter(
     for s in 0..n - 1 {
         let (send_b, recv_b) = ((me + 2 * n - s - 1) % n, (me + 2 * n - s - 2) % n);
         let incoming = &mut tmp[..parts[recv_b].len()];
-        let mut x = [e.send(right, tag, parts[send_b]), e.recv(left, tag, incoming)];
+        // Through the rings, not by reference: each rank reduces between steps, and a sender
+        // that waited for its neighbour to copy would wait out that reduction too (measured:
+        // by reference, all_reduce of 256 KiB took 1.2-1.4x as long, docs/results/cpu.md).
+        let mut x = [e.send_in_stream(right, tag, parts[send_b]), e.recv(left, tag, incoming)];
         e.exchange(ctx, &mut x)?;
         reduce_into(dtype, op, parts[recv_b], incoming);
     }
@@ -105,7 +108,14 @@ fn ring_reduce_scatter(
 /// Ring all-gather: every rank starts with its own `parts[rank]` (or, given `own`, with that,
 /// copied into `parts[rank]` only once the first step has checked every peer's call) and ends
 /// with all of them.
-fn ring_all_gather(e: &mut Engine, ctx: &OpCtx, tag: Tag, parts: &mut [&mut [u8]], own: Option<&[u8]>) -> Result<()> {
+fn ring_all_gather(
+    e: &mut Engine,
+    ctx: &OpCtx,
+    tag: Tag,
+    parts: &mut [&mut [u8]],
+    own: Option<&[u8]>,
+    in_stream: bool,
+) -> Result<()> {
     let (n, me) = (e.size, e.rank);
     let (right, left) = ((me + 1) % n, (me + n - 1) % n);
     for s in 0..n - 1 {
@@ -115,7 +125,12 @@ fn ring_all_gather(e: &mut Engine, ctx: &OpCtx, tag: Tag, parts: &mut [&mut [u8]
             Some(own) if s == 0 => own,
             _ => out,
         };
-        let mut x = [e.send(right, tag, out), e.recv(left, tag, inc)];
+        let send = if in_stream {
+            e.send_in_stream(right, tag, out)
+        } else {
+            e.send(right, tag, out)
+        };
+        let mut x = [send, e.recv(left, tag, inc)];
         e.exchange(ctx, &mut x)?;
         if let (Some(own), 0) = (own, s) {
             parts[me].copy_from_slice(own);
@@ -189,7 +204,9 @@ pub(crate) fn all_reduce(
                 };
                 let mut parts = parts_of(work, lens);
                 ring_reduce_scatter(e, ctx, tag, &mut parts, dtype, op, tmp)?;
-                ring_all_gather(e, ctx, tag, &mut parts, None)?;
+                // In the stream as well: by reference, this phase too made all_reduce of 256 KiB-1 MiB
+                // slower (1.1-1.2x), though all_gather's ring gained (docs/results/cpu.md).
+                ring_all_gather(e, ctx, tag, &mut parts, None, true)?;
                 if premul {
                     buf.copy_from_slice(scaled);
                 }
@@ -332,7 +349,7 @@ pub(crate) fn all_gather(
     match algo {
         _ if e.size == 1 => {}
         Algo::Direct => direct_all_to_all_same(e, ctx, tag, input, outputs)?,
-        Algo::Ring => return ring_all_gather(e, ctx, tag, outputs, Some(input)),
+        Algo::Ring => return ring_all_gather(e, ctx, tag, outputs, Some(input), false),
     }
     outputs[e.rank].copy_from_slice(input);
     Ok(())

@@ -92,6 +92,11 @@ impl Xfer<'_> {
         matches!(self, Xfer::Recv { gated: true, hpos, pos, data, .. } if *hpos == HEADER_BYTES && *pos < data.len())
     }
 
+    /// A message by reference all in the stream, waiting for its receiver to copy it.
+    fn awaits_copy(&self) -> bool {
+        matches!(self, Xfer::Send { reference: Some(Reference { end: Some(_), .. }), .. } if !self.done())
+    }
+
     /// Must be done before its exchange is.
     fn needed(&self) -> bool {
         !matches!(self, Xfer::Recv { later: true, .. })
@@ -437,7 +442,7 @@ impl Engine {
                 if *hpos == 0 && !*in_stream && reference.is_none() && link.sends_by_reference(data.len()) {
                     header::mark_by_reference(hdr);
                     *reference = Some(Reference {
-                        raw: links::reference(data),
+                        raw: link.reference_to(data),
                         rpos: 0,
                         end: None,
                     });
@@ -584,6 +589,32 @@ impl Engine {
 
     /// Runs every message to completion, or fails with the reason and the peer.
     pub(crate) fn exchange<'b>(&mut self, ctx: &OpCtx<'_>, xfers: &mut [Xfer<'b>]) -> Result<()> {
+        let r = self.exchange_all(ctx, xfers);
+        if r.is_err() {
+            self.withdraw_references(xfers);
+        }
+        r
+    }
+
+    /// On the way out of a failed exchange, whose buffers its caller may free next: takes back
+    /// every reference a receiver has not copied yet (net/links/pull.rs), so that a late copy
+    /// is an error on the receiver rather than data.
+    fn withdraw_references(&mut self, xfers: &[Xfer<'_>]) {
+        for x in xfers {
+            if let Xfer::Send {
+                peer,
+                reference: Some(_),
+                ..
+            } = x
+            {
+                if !x.done() {
+                    self.transport.link(*peer).withdraw();
+                }
+            }
+        }
+    }
+
+    fn exchange_all<'b>(&mut self, ctx: &OpCtx<'_>, xfers: &mut [Xfer<'b>]) -> Result<()> {
         let preamble = match self.open.take() {
             Some(mut o) if o.first_pending => {
                 o.first_pending = false;
@@ -844,12 +875,16 @@ impl Engine {
         // The peers this exchange still needs something from. A receive whose header has been
         // checked and whose payload only waits for the gate (another peer's call) does not
         // count: its bytes are in the stream already, and the peer may well have gone since.
+        // A message by reference that only waits to be copied comes last: its receiver may be
+        // held by its own gate, waiting for the same late peer as we are.
         let waiting = |pre: &[Xfer<'_>], xfers: &[Xfer<'_>]| -> Vec<usize> {
             let gate_closed = pre.iter().chain(xfers.iter()).any(Xfer::call_pending);
-            (pre.iter().chain(xfers.iter()))
+            let mut peers: Vec<(bool, usize)> = (pre.iter().chain(xfers.iter()))
                 .filter(|x| x.needed() && !x.done() && !(gate_closed && x.held_by_gate()))
-                .map(|x| x.peer())
-                .collect()
+                .map(|x| (x.awaits_copy(), x.peer()))
+                .collect();
+            peers.sort_by_key(|&(copy, _)| copy);
+            peers.into_iter().map(|(_, p)| p).collect()
         };
         let pending = waiting(pre, xfers);
         ctx.check(now, || pending.first().copied())?;

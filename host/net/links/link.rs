@@ -146,6 +146,24 @@ impl Link {
         }
     }
 
+    /// The reference to `data` for this link's stream (shared memory only: `sends_by_reference`
+    /// said yes).
+    pub(crate) fn reference_to(&self, data: &[u8]) -> [u8; REF_BYTES] {
+        let withdrawals = match self {
+            Link::Shm(l) => l.tx.withdrawals(),
+            _ => 0,
+        };
+        pull::Reference::to(data, withdrawals).encode()
+    }
+
+    /// Takes back every reference we wrote that the peer has not copied yet: their buffers
+    /// are about to be freed (pull.rs).
+    pub(crate) fn withdraw(&self) {
+        if let Link::Shm(l) = self {
+            l.tx.withdraw();
+        }
+    }
+
     /// Takes in a message sent by reference: its reference from the stream, then its bytes
     /// from the sender's memory into `dst`, and only then consumes the reference, which frees
     /// the sender's buffer. `Ok(false)`: the reference has not fully arrived yet.
@@ -156,15 +174,19 @@ impl Link {
         let Some(pid) = l.pull_from else {
             return Err("a message by reference arrived, but this rank cannot read the peer's memory".into());
         };
-        let mut r = [0u8; REF_BYTES];
-        if !l.rx.peek_exact(&mut r) {
+        let mut raw = [0u8; REF_BYTES];
+        if !l.rx.peek_exact(&mut raw) {
             return Ok(false);
         }
+        let r = pull::Reference::decode(&raw);
         pull::copy_in(pid, &r, dst)?;
         // The bytes count only if the sender still waited for them (pull.rs).
-        if let Some(seg) = &l.segments.segs[l.peer_slot] {
-            if seg.state() != OwnerState::Live {
-                return Err("it gave up its message (its operation failed) while this rank copied it".into());
+        if l.rx.withdrawn_since(r.withdrawals) {
+            return Err("it withdrew its message (its operation failed) while this rank copied it".into());
+        }
+        if let Some(w) = &l.segments.watches[l.peer_slot] {
+            if !w.is_alive() {
+                return Err(format!("process {} exited while this rank copied its message", w.pid()));
             }
         }
         l.rx.skip(REF_BYTES);

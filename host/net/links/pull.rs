@@ -11,36 +11,66 @@
 //! before. The system call is used between threads of one process too: it copies through the
 //! kernel, so an address that is no longer mapped is an error, never a fault.
 //!
-//! A sender whose operation fails (timeout, abort, a lost peer) stops waiting and its caller
-//! may free the buffer; it marks its segment first (`CpuBackend::failed`). So the receiver
-//! looks at the sender's segment after each copy and keeps the bytes only if the sender was
-//! still waiting for them.
+//! A sender whose operation fails (timeout, abort, a lost peer, a mismatch) stops waiting, and
+//! its caller may free the buffer: before it returns, it takes back every reference not yet
+//! copied (`RingEnd::withdraw`, a count in the ring). A reference carries the count of when it
+//! was written, and the receiver compares after each copy: a copy that may have met a freed
+//! buffer is an error, never data. A sender process that is gone altogether is an error of
+//! the copy itself, or of the liveness check after it (pidfd, so a reused pid cannot pass).
 
-/// Bytes of a reference in the ring: the sender's address and the message's length.
-pub(crate) const REF_BYTES: usize = 16;
+/// Bytes of a reference in the ring: the sender's address, the message's length, and the
+/// sender's withdrawal count when it wrote the reference (`RingEnd::withdraw`).
+pub(crate) const REF_BYTES: usize = 24;
 
-/// A reference to `data`, for the ring.
-pub(crate) fn reference(data: &[u8]) -> [u8; REF_BYTES] {
-    let mut r = [0u8; REF_BYTES];
-    r[..8].copy_from_slice(&(data.as_ptr() as u64).to_le_bytes());
-    r[8..].copy_from_slice(&(data.len() as u64).to_le_bytes());
-    r
+/// A message's place in its sender's memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Reference {
+    pub addr: u64,
+    pub len: u64,
+    pub withdrawals: u64,
 }
 
-/// Copies `dst.len()` bytes from address `addr` of process `pid` into `dst`, the length the
-/// reference `raw` must name. Errors say why, for the caller to name the peer.
-pub(crate) fn copy_in(pid: u32, raw: &[u8; REF_BYTES], dst: &mut [u8]) -> Result<(), String> {
-    let addr = u64::from_le_bytes(raw[..8].try_into().unwrap_or_default());
-    let len = u64::from_le_bytes(raw[8..].try_into().unwrap_or_default());
-    if len != dst.len() as u64 {
+impl Reference {
+    /// The reference to `data`, written at withdrawal count `withdrawals`.
+    pub(crate) fn to(data: &[u8], withdrawals: u64) -> Reference {
+        Reference {
+            addr: data.as_ptr() as u64,
+            len: data.len() as u64,
+            withdrawals,
+        }
+    }
+
+    pub(crate) fn encode(&self) -> [u8; REF_BYTES] {
+        let mut r = [0u8; REF_BYTES];
+        r[..8].copy_from_slice(&self.addr.to_le_bytes());
+        r[8..16].copy_from_slice(&self.len.to_le_bytes());
+        r[16..].copy_from_slice(&self.withdrawals.to_le_bytes());
+        r
+    }
+
+    pub(crate) fn decode(raw: &[u8; REF_BYTES]) -> Reference {
+        let word = |i: usize| u64::from_le_bytes(raw[i..i + 8].try_into().unwrap_or_default());
+        Reference {
+            addr: word(0),
+            len: word(8),
+            withdrawals: word(16),
+        }
+    }
+}
+
+/// Copies the message `r` names from process `pid` into `dst`, whose length it must name.
+/// Errors say why, for the caller to name the peer.
+pub(crate) fn copy_in(pid: u32, r: &Reference, dst: &mut [u8]) -> Result<(), String> {
+    if r.len != dst.len() as u64 {
         return Err(format!(
-            "its message by reference names {len} bytes where {} were announced",
+            "its message by reference names {} bytes where {} were announced",
+            r.len,
             dst.len()
         ));
     }
     let mut done = 0usize;
     while done < dst.len() {
-        let n = read_process(pid, addr + done as u64, &mut dst[done..])
+        let n = read_process(pid, r.addr + done as u64, &mut dst[done..])
             .map_err(|e| format!("reading its message of {} bytes from process {pid}: {e}", dst.len()))?;
         if n == 0 {
             return Err(format!("process {pid} gave no bytes of its message"));
@@ -86,8 +116,10 @@ mod tests {
     fn a_reference_is_copied_in_and_its_length_checked() {
         let src: Vec<u8> = (0..100_000u32).map(|i| (i * 13 % 251) as u8).collect();
         let me = std::process::id();
+        let r = Reference::to(&src, 7);
+        assert_eq!(Reference::decode(&r.encode()), r);
         let mut dst = vec![0u8; src.len()];
-        match copy_in(me, &reference(&src), &mut dst) {
+        match copy_in(me, &r, &mut dst) {
             Ok(()) => assert_eq!(dst, src),
             // A sandbox that forbids the call (seccomp): the probe says no there too.
             Err(e) => {
@@ -97,13 +129,14 @@ mod tests {
             }
         }
         let mut short = vec![0u8; 10];
-        let e = copy_in(me, &reference(&src), &mut short).unwrap_err();
+        let e = copy_in(me, &r, &mut short).unwrap_err();
         assert!(e.contains("names 100000 bytes where 10 were announced"), "{e}");
         // An address nothing is mapped at is an error, not a fault.
-        let bad = [0u8; REF_BYTES];
-        let mut one = [0u8; 1];
-        let mut r = bad;
-        r[8] = 1;
-        assert!(copy_in(me, &r, &mut one).is_err());
+        let nowhere = Reference {
+            addr: 0,
+            len: 1,
+            withdrawals: 0,
+        };
+        assert!(copy_in(me, &nowhere, &mut [0u8; 1]).is_err());
     }
 }

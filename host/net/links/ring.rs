@@ -8,12 +8,15 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// The control block at the start of every ring. `tail` and `head` sit on separate cache lines
-/// so producer and consumer do not bounce one line between them. `pulls`, on the consumer's
-/// line: 1 once the consumer can copy messages straight out of the producer's memory (pull.rs).
+/// so producer and consumer do not bounce one line between them. For messages by reference
+/// (pull.rs): `withdrawn`, on the producer's line, counts the references it took back;
+/// `pulls`, on the consumer's, is 1 once the consumer can copy straight out of the producer's
+/// memory.
 #[repr(C, align(64))]
 pub(crate) struct RingCtl {
     tail: AtomicU64,
-    _pad0: [u8; 56],
+    withdrawn: AtomicU64,
+    _pad0: [u8; 48],
     head: AtomicU64,
     pulls: AtomicU64,
     _pad1: [u8; 48],
@@ -97,6 +100,28 @@ impl RingEnd {
     /// Producer: whether the consumer takes messages by reference.
     pub(crate) fn peer_pulls(&self) -> bool {
         self.ctl().pulls.load(Ordering::Acquire) == 1
+    }
+
+    /// Producer: how many references it has taken back so far; a reference carries the count
+    /// of when it was written.
+    pub(crate) fn withdrawals(&self) -> u64 {
+        self.ctl().withdrawn.load(Ordering::Relaxed)
+    }
+
+    /// Producer: takes back every reference in the ring not copied yet; its buffer is about to
+    /// be freed. SeqCst, then a fence: a consumer whose copy overlapped the freeing sees the new
+    /// count after its copy (the pattern of `withdrawn_since`).
+    pub(crate) fn withdraw(&self) {
+        let w = &self.ctl().withdrawn;
+        w.store(w.load(Ordering::Relaxed) + 1, Ordering::SeqCst);
+        std::sync::atomic::fence(Ordering::SeqCst);
+    }
+
+    /// Consumer, after copying out of a reference written at withdrawal count `count`: whether
+    /// the producer has taken it back since (then the bytes may be garbage).
+    pub(crate) fn withdrawn_since(&self, count: u64) -> bool {
+        std::sync::atomic::fence(Ordering::SeqCst);
+        self.ctl().withdrawn.load(Ordering::SeqCst) != count
     }
 
     /// Producer: the stream position after the last byte written.

@@ -567,6 +567,7 @@ pub(crate) fn published_addr(listener: Option<&TcpListener>) -> Result<String> {
 mod tests {
     use super::*;
     use crate::bootstrap::MemoryStore;
+    use crate::net::links::REF_BYTES;
 
     fn connect_threads(n: usize) -> Vec<Transport> {
         connect_threads_with(n, 64 << 10)
@@ -634,9 +635,9 @@ mod tests {
     }
 
     /// A large message goes by reference once the receiver has made its link (it offers to
-    /// copy), comes out whole, and frees the sender only when copied; a sender that gave up
-    /// (its segment says it failed) makes the copy an error; a small one, or any with the
-    /// threshold at 0, stays in the ring.
+    /// copy), comes out whole, and frees the sender only when copied; a reference the sender
+    /// took back makes the copy an error; a small message, or any with the threshold at 0,
+    /// stays in the ring.
     #[test]
     fn large_messages_between_ranks_of_one_host_go_by_reference() {
         let mut t = connect_threads(2);
@@ -655,7 +656,7 @@ mod tests {
             !t[0].link(1).sends_by_reference(1000),
             "small messages stay in the ring"
         );
-        let r = super::super::reference(&big);
+        let r = t[0].link(1).reference_to(&big);
         assert_eq!(t[0].link(1).write(&r).unwrap(), r.len());
         let end = t[0].link(1).written();
         assert!(!t[0].link(1).taken(end), "not copied yet");
@@ -664,11 +665,21 @@ mod tests {
         assert_eq!(got, big);
         assert!(t[0].link(1).taken(end), "copied: the sender's buffer is free");
 
-        // The sender gave up: the copy is not trusted.
+        // The sender took its reference back (its operation failed): the copy is not trusted,
+        // and the next reference is.
         assert_eq!(t[0].link(1).write(&r).unwrap(), r.len());
-        t[0].announcer().announce(OwnerState::Aborted);
-        let e = t[1].link(0).pull(&mut got).expect_err("the sender gave up");
-        assert!(e.contains("gave up its message"), "{e}");
+        t[0].link(1).withdraw();
+        let e = t[1].link(0).pull(&mut got).expect_err("the sender withdrew");
+        assert!(e.contains("withdrew its message"), "{e}");
+        let mut fresh = big.clone();
+        fresh[0] ^= 1;
+        let r = t[0].link(1).reference_to(&fresh);
+        // The stream after a withdrawn reference is the peers' to resync: here only the link.
+        let mut stale = [0u8; REF_BYTES];
+        let _ = t[1].link(0).read(&mut stale);
+        assert_eq!(t[0].link(1).write(&r).unwrap(), r.len());
+        assert!(t[1].link(0).pull(&mut got).unwrap());
+        assert_eq!(got, fresh);
 
         // Off: nothing goes by reference.
         let mut off = connect_threads_with(2, 0);
