@@ -542,7 +542,13 @@ impl CpuBackend {
                 let (d, o) = (output.dtype(), *op);
                 let ins: Vec<&[u8]> = inputs.iter().map(|i| i.host_bytes()).collect();
                 let total = ins.iter().map(|i| i.len()).sum();
-                let (t, a) = (tag(5, d, Some(o)), algo(total)?);
+                let t = tag(5, d, Some(o));
+                if self.tuning.use_board(ctx.op, total, opts, oneshot::fits(e, total))? {
+                    e.settle_deferred(ctx)?;
+                    e.count_call();
+                    return oneshot::reduce_scatter(e, ctx, t, &ins, output.host_bytes_mut(), d, o);
+                }
+                let a = algo(total)?;
                 begin(e, t, elems(total, d), 0, a, true, true);
                 algorithms::reduce_scatter(e, s, ctx, t, &ins, output.host_bytes_mut(), d, o, a)
             }

@@ -149,6 +149,74 @@ pub(crate) fn barrier(e: &mut Engine, ctx: &OpCtx, tag: Tag) -> Result<()> {
 /// only to each rank itself, so a rank whose blocks do not fit publishes a declined round;
 /// every rank reads every label, and if any declined, all return `false` alike and the caller
 /// runs the message algorithm instead.
+/// Every rank publishes all its blocks; each folds block `rank` of every rank, in rank order
+/// (bit-identical to the direct algorithm), into `output`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn reduce_scatter(
+    e: &mut Engine,
+    ctx: &OpCtx,
+    tag: Tag,
+    inputs: &[&[u8]],
+    output: &mut [u8],
+    dtype: DType,
+    op: ReduceOp,
+) -> Result<()> {
+    let (n, me) = (e.size, e.rank);
+    let total: usize = inputs.iter().map(|i| i.len()).sum();
+    // premul_sum scales a copy, as all_reduce does.
+    let round = if matches!(op, ReduceOp::PremulSum(_)) {
+        let mut words = vec![0u64; total.div_ceil(8)];
+        // SAFETY: u64 storage viewed as bytes, within the allocation (aligned for every dtype).
+        let scaled = unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), total) };
+        let mut at = 0;
+        for i in inputs {
+            scaled[at..at + i.len()].copy_from_slice(i);
+            at += i.len();
+        }
+        prologue(dtype, op, scaled);
+        let mut parts: Vec<&[u8]> = Vec::with_capacity(n);
+        let mut rest: &[u8] = scaled;
+        for i in inputs {
+            let (a, b) = rest.split_at(i.len());
+            parts.push(a);
+            rest = b;
+        }
+        e.publish_round(tag.label(), &parts)
+    } else {
+        e.publish_round(tag.label(), inputs)
+    };
+    for r in (0..n).filter(|&r| r != me) {
+        await_peer(e, ctx, r, round, tag, Some(total))?;
+    }
+    // Every block for us is checked before anything lands in `output`.
+    for r in 0..n {
+        match board(e).part(r, round, me) {
+            Some(block) if block.len() == output.len() => {}
+            got => {
+                return Err(Error::Mismatch {
+                    op: ctx.op,
+                    peer: r,
+                    detail: format!(
+                        "its block for this rank has {} bytes, this rank expected {}",
+                        got.map_or(0, <[u8]>::len),
+                        output.len()
+                    ),
+                })
+            }
+        }
+    }
+    for r in 0..n {
+        let block = board(e).part(r, round, me).expect("checked above");
+        if r == 0 {
+            output.copy_from_slice(block);
+        } else {
+            reduce_into(dtype, op, output, block);
+        }
+    }
+    epilogue(dtype, op, n, output);
+    Ok(())
+}
+
 pub(crate) fn all_to_all(
     e: &mut Engine,
     ctx: &OpCtx,
