@@ -161,8 +161,8 @@ mod work;
 
 pub use backend::registry::{backend_factory, backend_names, register_backend};
 pub use bootstrap::{
-    discover, random_token, store_addr, store_from_env, FileStore, MemoryStore, PrefixStore, RankInfo, StoreAddr,
-    TcpStore, TcpStoreServer, DEFAULT_MAX_FRAME,
+    bind_to_core, cores_for_ranks, discover, random_token, store_addr, store_from_env, FileStore, MemoryStore,
+    PrefixStore, RankInfo, StoreAddr, TcpStore, TcpStoreServer, DEFAULT_MAX_FRAME,
 };
 pub use collectives::{Batch, Collectives, WithOptions};
 pub use contracts::backend::{Backend, BackendFactory, BackendInit, LentLinks, LinkLedger, RunOptions};

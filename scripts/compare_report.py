@@ -158,6 +158,8 @@ def header(notes, transports, commit, command):
         for tool in ("ferrocomm",) + PEERS:
             if tool in notes[t]:
                 lines.append(f"| {t} | {NAMES[tool]} | {notes[t][tool]} |")
+    if "all" in notes["bind"]:
+        lines += ["", notes["bind"]["all"] + "."]
     if 4 > cores:
         lines += ["", f"With more ranks than cores (4 processes on this machine's {cores}) every tool is time-sliced, and",
                   "each ran with its setting for that, where it has one:", ""]

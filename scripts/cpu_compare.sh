@@ -135,16 +135,27 @@ two_hosts() {
   wait "$peer"
 }
 
+# With no more ranks than cores, every tool runs one rank per core on one host, as Open MPI
+# does by default (unbound, two ranks may share a core for a whole run: 8-byte send/recv over
+# TCP took 3.4-4.0 us bound and up to 11.9 us unbound). Across the namespaces ferrocomm-run
+# and hydra would bind each namespace's ranks to the same first cores, so there none binds.
+bind_ferrocomm() { [ "$1" -le "$cores" ] && echo --bind-to core || true; }
+bind_mpich() { [ "$1" -le "$cores" ] && echo -bind-to core || true; }
+
 run_ferrocomm() {
   local t=$1 n=$2 op=$3 json=$4 s lo hi f it wu
   shift 4
+  local bind
+  read -ra bind <<<"$(bind_ferrocomm "$n")"
   # The bench takes one sweep per launch: one launch per sweep, JSON merged by the report.
   for s in "$@"; do
     IFS=: read -r lo hi f it wu <<<"$s"
     local args=("$op" -b "$lo" -e "$hi" -f "$f" -n "$it" -w "$wu") file=${json%.json}-$lo.json
     case $t in
-      shm) "${limit[@]}" "$bench" "${args[@]}" --world "$n" --json "$file" || return ;;
-      tcp-loopback) FERROCOMM_TRANSPORT=tcp "${limit[@]}" "$bench" "${args[@]}" --world "$n" --json "$file" || return ;;
+      shm) "${limit[@]}" "$bench" "${args[@]}" --world "$n" "${bind[@]}" --json "$file" || return ;;
+      tcp-loopback)
+        FERROCOMM_TRANSPORT=tcp "${limit[@]}" "$bench" "${args[@]}" --world "$n" "${bind[@]}" --json "$file" || return
+        ;;
       tcp-veth)
         port=$((port + 1))
         # The peers do not encrypt, so neither does ferrocomm here: its default seals links
@@ -179,11 +190,12 @@ run_mpich() {
   local t=$1 n=$2 op=$3 json=$4 sweeps
   shift 4
   if [ "$n" -gt "$cores" ]; then mapfile -t sweeps < <(capped 50 5 "$@"); else sweeps=("$@"); fi
-  local prog=(target/peers/mpi_bench_mpich "$op" "$json" "${sweeps[@]}")
+  local prog=(target/peers/mpi_bench_mpich "$op" "$json" "${sweeps[@]}") bind
+  read -ra bind <<<"$(bind_mpich "$n")"
   case $t in
-    shm) "${limit[@]}" mpiexec.mpich -n "$n" "${prog[@]}" ;;
+    shm) "${limit[@]}" mpiexec.mpich "${bind[@]}" -n "$n" "${prog[@]}" ;;
     tcp-loopback)
-      MPIR_CVAR_NOLOCAL=1 UCX_TLS=tcp UCX_NET_DEVICES=lo "${limit[@]}" mpiexec.mpich -n "$n" "${prog[@]}"
+      MPIR_CVAR_NOLOCAL=1 UCX_TLS=tcp UCX_NET_DEVICES=lo "${limit[@]}" mpiexec.mpich "${bind[@]}" -n "$n" "${prog[@]}"
       ;;
     tcp-veth)
       # hydra starts its proxy on the other "host" through netns_exec.sh (an ssh stand-in),
@@ -244,17 +256,18 @@ tools_of() { [ "$1" = shm ] && echo "ferrocomm mpich openmpi" || echo "ferrocomm
 mpich_is="MPICH $(mpichversion | awk '/Version:/ {print $3}'), $(mpichversion | awk '/Device:/ {print $3}')"
 ompi_is="Open MPI $(ompi_info --parsable | awk -F: '/^ompi:version:full/ {print $4}')"
 {
-  echo "shm|ferrocomm|\`ferrocomm-bench OP --world N\` (shared memory)"
-  echo "shm|mpich|\`mpiexec.mpich -n N\` ($mpich_is, defaults)"
+  echo "shm|ferrocomm|\`ferrocomm-bench OP --world N [--bind-to core]\` (shared memory)"
+  echo "shm|mpich|\`mpiexec.mpich [-bind-to core] -n N\` ($mpich_is, defaults)"
   echo "shm|openmpi|\`mpirun.openmpi -n N\` ($ompi_is, defaults: ob1 with the vader BTL)"
-  echo "tcp-loopback|ferrocomm|\`FERROCOMM_TRANSPORT=tcp ferrocomm-bench OP --world N\`"
-  echo "tcp-loopback|mpich|\`MPIR_CVAR_NOLOCAL=1 UCX_TLS=tcp UCX_NET_DEVICES=lo mpiexec.mpich -n N\` (NOLOCAL turns off MPICH's own shared memory, UCX_TLS=tcp UCX's, which NOLOCAL alone leaves on; this build has no ch3 or ofi netmod to pick instead)"
+  echo "tcp-loopback|ferrocomm|\`FERROCOMM_TRANSPORT=tcp ferrocomm-bench OP --world N [--bind-to core]\`"
+  echo "tcp-loopback|mpich|\`MPIR_CVAR_NOLOCAL=1 UCX_TLS=tcp UCX_NET_DEVICES=lo mpiexec.mpich [-bind-to core] -n N\` (NOLOCAL turns off MPICH's own shared memory, UCX_TLS=tcp UCX's, which NOLOCAL alone leaves on; this build has no ch3 or ofi netmod to pick instead)"
   echo "tcp-loopback|openmpi|\`mpirun.openmpi --mca pml ob1 --mca btl tcp,self --mca btl_tcp_if_include lo -n N\`"
   echo "tcp-loopback|gloo|\`GLOO_SOCKET_IFNAME=lo torchrun --standalone --nproc-per-node N\` (torch $("$py" -c 'import torch; print(torch.__version__)'))"
   echo "tcp-veth|ferrocomm|\`FERROCOMM_TRANSPORT=tcp FERROCOMM_ENCRYPT=off ferrocomm-run -n N/2 --nnodes 2 --node-rank R --master-addr 10.77.0.1 ...\` in each namespace (unsealed, like the peers)"
   echo "tcp-veth|mpich|\`MPIR_CVAR_NOLOCAL=1 UCX_TLS=tcp mpiexec.mpich -launcher ssh -launcher-exec scripts/netns_exec.sh -localhost 10.77.0.1 -hosts 10.77.0.1:N/2,10.77.0.2:N/2 -n N\` in the first namespace"
   echo "tcp-veth|openmpi|\`mpirun.openmpi --mca mpi_yield_when_idle 1 --mca pml ob1 --mca btl tcp,self --mca btl_tcp_if_include 10.77.0.0/24 --mca oob_tcp_if_include 10.77.0.0/24 --mca plm_rsh_agent scripts/netns_exec.sh --host 10.77.0.1:N/2,10.77.0.2:N/2 -n N\` in the first namespace (yield: its launcher daemons share the cores with the ranks)"
   echo "tcp-veth|gloo|\`GLOO_SOCKET_IFNAME=VETH torchrun --nnodes 2 --node-rank R --nproc-per-node N/2 --master-addr 10.77.0.1 ...\` in each namespace"
+  echo "bind|all|With no more ranks than cores (2 processes here), on one host every tool runs one rank per core: ferrocomm with \`--bind-to core\`, MPICH with \`-bind-to core\`, Open MPI by default (it binds to cores at 2 ranks); Gloo (torchrun) has no such setting. Unbound, two ranks may share one core for a whole run (8-byte send/recv over TCP: 3.4–4.0 µs bound, up to 11.9 µs unbound, docs/results/cpu.md). Across the namespaces neither ferrocomm nor MPICH binds: each namespace's launcher would pick the same first cores"
   echo "over|ferrocomm|no setting: its waits spin briefly, then yield, then sleep"
   echo "over|mpich|none exists in $mpich_is: MPIR_CVAR_POLLS_BEFORE_YIELD is read by ch3:nemesis only, and MPIR_CVAR_DEFAULT_THREAD_LEVEL=MPI_THREAD_MULTIPLE (whose lock yields in some builds) did not change the time either; it busy-polls through its time slice"
   echo "over|openmpi|\`--oversubscribe --mca mpi_yield_when_idle 1\`"

@@ -20,6 +20,8 @@
 //! until every node's launcher reports its ranks ended (or `EXIT_WAIT` passes), since ranks on
 //! other nodes may still use it.
 //!
+//! `--bind-to core` puts each rank on a core of its own, where they fit.
+//!
 //! SIGINT and SIGTERM sent to the launcher are forwarded to every rank; whatever is left after
 //! the grace period is SIGKILLed, and the launcher exits with 128 + the signal's number. Ranks
 //! never outlive it: it reaps every rank before it exits, and on Linux each rank asks the kernel
@@ -107,6 +109,11 @@ struct Cli {
     #[arg(long, value_name = "N", env = "FERROCOMM_RUN_TOLERATE_FAILURES", default_value = "0",
           allow_negative_numbers = true, value_parser = parse_tolerance)]
     tolerate_failures: usize,
+    /// `core`: each rank of this node on a core of its own (the first N cores this launcher may
+    /// use), as Open MPI binds two ranks by default; with more ranks than cores the launcher
+    /// says so and binds none. Leave it at `none` for ranks that run threads beside them.
+    #[arg(long, value_name = "WHAT", default_value = "none")]
+    bind_to: BindTo,
     /// Prints a completion script for SHELL and exits.
     #[arg(long, value_name = "SHELL", hide = true, exclusive = true)]
     completions: Option<clap_complete::Shell>,
@@ -118,6 +125,13 @@ struct Cli {
         required_unless_present = "completions"
     )]
     program: Vec<OsString>,
+}
+
+/// What `--bind-to` binds each rank to.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum BindTo {
+    None,
+    Core,
 }
 
 /// What this launcher runs, its command line checked.
@@ -134,6 +148,8 @@ struct Job {
     grace: Duration,
     /// Ranks of the job that may fail while the others go on (`--tolerate-failures`).
     tolerate: usize,
+    /// The core of each local rank (`--bind-to core`, where they fit).
+    cores: Option<Vec<usize>>,
     program: Vec<OsString>,
 }
 
@@ -205,7 +221,23 @@ impl Job {
             }
             (addr, port, token)
         };
+        let cores = match cli.bind_to {
+            BindTo::None => None,
+            BindTo::Core => {
+                let cores = ferrocomm::cores_for_ranks(nproc).map_err(|e| {
+                    clap::Error::raw(
+                        clap::error::ErrorKind::Io,
+                        format!("ferrocomm-run: --bind-to core: {e}\n"),
+                    )
+                })?;
+                if cores.is_none() {
+                    eprintln!("ferrocomm-run: --bind-to core: {nproc} ranks outnumber this node's cores; binding none");
+                }
+                cores
+            }
+        };
         Ok(Job {
+            cores,
             nproc,
             nnodes: cli.nnodes,
             node_rank: cli.node_rank,
@@ -462,8 +494,15 @@ fn rank_command(job: &Job, local: usize, port: u16, signals: &Signals) -> Comman
         .process_group(0);
     let blocked = signals.set;
     let launcher = std::process::id() as libc::pid_t;
-    // SAFETY: prepare_rank only makes async-signal-safe calls and does not allocate.
-    unsafe { cmd.pre_exec(move || prepare_rank(&blocked, launcher)) };
+    let core = job.cores.as_ref().map(|c| c[local]);
+    // SAFETY: prepare_rank and bind_to_core only make async-signal-safe calls and do not
+    // allocate.
+    unsafe {
+        cmd.pre_exec(move || {
+            prepare_rank(&blocked, launcher)?;
+            core.map_or(Ok(()), ferrocomm::bind_to_core)
+        })
+    };
     cmd
 }
 

@@ -1,9 +1,11 @@
-//! Bootstrap: the rendezvous store and discovery of this process's place in the job.
+//! Bootstrap: the rendezvous store, discovery of this process's place in the job, and the
+//! core binding launchers may give ranks.
 //!
 //! May import: the contracts.
 
 pub(crate) mod accept;
 mod auth;
+mod binding;
 mod env;
 mod file_store;
 pub(crate) mod gate;
@@ -13,6 +15,7 @@ mod tcp_store;
 mod wire;
 
 pub use auth::random_token;
+pub use binding::{bind_to_core, cores_for_ranks};
 pub use env::{discover, store_addr, RankInfo, StoreAddr};
 pub use file_store::FileStore;
 pub(crate) use store::{all_gather, all_gather_records};

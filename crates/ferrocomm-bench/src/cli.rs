@@ -147,6 +147,10 @@ pub struct Args {
     /// Start the ranks as threads of this process rather than as processes.
     #[arg(long)]
     pub threads: bool,
+    /// `core`: each rank process this bench starts runs on a core of its own (as
+    /// `ferrocomm-run --bind-to core`), where they fit; `none` leaves them to the scheduler.
+    #[arg(long, value_name = "WHAT", default_value = "none", value_parser = ["none", "core"])]
+    pub bind_to: String,
     /// The backend's `algorithm` hint for collectives (cpu: oneshot, direct, ring; device:
     /// oneshot, twoshot, multimem).
     #[arg(long, value_name = "NAME")]

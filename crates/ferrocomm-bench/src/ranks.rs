@@ -6,6 +6,7 @@ use crate::sweep;
 use crate::Failure;
 use ferrocomm::prelude::*;
 use ferrocomm::Error;
+use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 
 /// Runs the sweep in the ranks the environment and `a` call for.
@@ -69,9 +70,27 @@ pub fn spawn(a: &Args) -> Result<(), Failure> {
         context: "find this program (current_exe)".into(),
         source: e,
     })?;
+    let cores = match a.bind_to.as_str() {
+        "core" => {
+            let cores = ferrocomm::cores_for_ranks(a.world)?;
+            if cores.is_none() {
+                eprintln!(
+                    "ferrocomm-bench: --bind-to core: {} ranks outnumber the cores; binding none",
+                    a.world
+                );
+            }
+            cores
+        }
+        _ => None,
+    };
     let mut children = Vec::with_capacity(a.world);
     for r in 0..a.world {
-        let c = Command::new(&exe)
+        let mut cmd = Command::new(&exe);
+        if let Some(core) = cores.as_ref().map(|c| c[r]) {
+            // SAFETY: bind_to_core makes one system call and allocates nothing.
+            unsafe { cmd.pre_exec(move || ferrocomm::bind_to_core(core)) };
+        }
+        let c = cmd
             .args(std::env::args_os().skip(1))
             .envs([
                 ("RANK", r.to_string()),
