@@ -394,9 +394,9 @@ pub trait Collectives<'a>: Sized {
     }
 
     /// Sends `buf` to `peer`, which must call `recv` (or a batch recv) for it. It may return
-    /// only once the peer has taken the message (a large one between ranks of one host always
-    /// waits for that, as it goes by reference): two ranks that send to each other put both
-    /// sends and receives in one `batch()`.
+    /// only once the peer has taken the message (a large one between ranks of one host waits
+    /// for that where it goes by reference, `FERROCOMM_SHM_PULL_BYTES`): two ranks that send to
+    /// each other put both sends and receives in one `batch()`.
     fn send<I: InputBuffer<'a>>(&self, buf: I, peer: usize) -> Result<Self::Output> {
         self.call(Op::Batch(vec![P2p::Send {
             buf: buf.into_buf(),

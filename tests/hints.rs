@@ -202,6 +202,15 @@ fn the_oneshot_hint_over_tcp_runs_with_the_default_choice() {
             let mut out = vec![u32::poison(); 3 * 5];
             one.all_gather(&mut out, &[c.rank() as u32; 5]).unwrap();
             assert_eq!(out, (0..3u32).flat_map(|r| [r; 5]).collect::<Vec<_>>());
+            // reduce_scatter has shared-memory rounds too: one event, naming the host.
+            events.clear();
+            let mut block = [u32::poison(); 2];
+            one.reduce_scatter(&mut block, &[c.rank() as u32 + 1; 6], ReduceOp::Sum)
+                .unwrap();
+            assert_eq!(block, [6, 6]);
+            let ignored = events.matching(&["hint ignored", "op=reduce_scatter", "hint=algorithm=oneshot"]);
+            assert_eq!(ignored.len(), 1, "{:?}", events.0);
+            assert!(ignored[0].contains("this host"), "{ignored:?}");
         },
     );
 }

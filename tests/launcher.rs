@@ -842,10 +842,23 @@ fn different_tolerances_on_two_nodes_stop_the_job() {
     assert!(took < Duration::from_secs(15), "the job took {took:?} to stop");
 }
 
-/// `--bind-to core`: each rank runs on a core of its own, the launcher's first cores in order,
-/// while the ranks fit; with one rank more than cores, none is bound and the launcher says so.
+/// `--bind-to core`: each rank runs on a core of its own (every CPU of it), the launcher's
+/// first cores in order, while the ranks fit; with one rank more than cores, none is bound and
+/// the launcher says so.
 #[test]
 fn bind_to_core_gives_each_rank_a_core_of_its_own_while_they_fit() {
+    // The kernel's list form: "0-1,4".
+    let cpus_of = |list: &str| -> Vec<usize> {
+        let mut v: Vec<usize> = list
+            .split(',')
+            .flat_map(|part| {
+                let (a, b) = part.split_once('-').unwrap_or((part, part));
+                a.trim().parse::<usize>().unwrap()..=b.trim().parse::<usize>().unwrap()
+            })
+            .collect();
+        v.sort_unstable();
+        v
+    };
     let cores = (1..=4096)
         .take_while(|&n| ferrocomm::cores_for_ranks(n).unwrap().is_some())
         .count();
@@ -857,11 +870,11 @@ fn bind_to_core_gives_each_rank_a_core_of_its_own_while_they_fit() {
             .expect("run ferrocomm-run");
         assert!(out.status.success(), "{out:?}");
         let text = String::from_utf8_lossy(&out.stdout).into_owned();
-        let mut lists: Vec<(usize, String)> = text
+        let mut lists: Vec<(usize, Vec<usize>)> = text
             .lines()
             .filter_map(|l| {
                 let (rank, rest) = l.strip_prefix('[')?.split_once("]: Cpus_allowed_list:")?;
-                Some((rank.parse().ok()?, rest.trim().to_owned()))
+                Some((rank.parse().ok()?, cpus_of(rest.trim())))
             })
             .collect();
         lists.sort();
@@ -871,17 +884,17 @@ fn bind_to_core_gives_each_rank_a_core_of_its_own_while_they_fit() {
     let n = cores.min(4);
     let want = ferrocomm::cores_for_ranks(n).unwrap().unwrap();
     let (lists, _) = allowed(n);
-    for (rank, list) in &lists {
-        assert_eq!(list, &want[*rank].to_string(), "rank {rank}: {lists:?}");
+    for (rank, cpus) in &lists {
+        assert_eq!(cpus, &want[*rank], "rank {rank}: {lists:?}");
     }
     let (lists, err) = allowed(cores + 1);
     assert!(err.contains("binding none"), "{err}");
     let own = std::fs::read_to_string("/proc/self/status").unwrap();
-    let own = own
-        .lines()
-        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
-        .unwrap()
-        .trim()
-        .to_owned();
-    assert!(lists.iter().all(|(_, l)| *l == own), "{lists:?} against {own}");
+    let own = cpus_of(
+        own.lines()
+            .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+            .unwrap()
+            .trim(),
+    );
+    assert!(lists.iter().all(|(_, l)| *l == own), "{lists:?} against {own:?}");
 }

@@ -109,9 +109,10 @@ struct Cli {
     #[arg(long, value_name = "N", env = "FERROCOMM_RUN_TOLERATE_FAILURES", default_value = "0",
           allow_negative_numbers = true, value_parser = parse_tolerance)]
     tolerate_failures: usize,
-    /// `core`: each rank of this node on a core of its own (the first N cores this launcher may
-    /// use), as Open MPI binds two ranks by default; with more ranks than cores the launcher
-    /// says so and binds none. Leave it at `none` for ranks that run threads beside them.
+    /// `core`: each rank of this node on a physical core of its own (every CPU of it this
+    /// launcher may use; the first N cores), as Open MPI binds two ranks by default; with more
+    /// ranks than cores the launcher says so and binds none. Leave it at `none` for ranks that
+    /// run threads beside them.
     #[arg(long, value_name = "WHAT", default_value = "none")]
     bind_to: BindTo,
     /// Prints a completion script for SHELL and exits.
@@ -148,8 +149,8 @@ struct Job {
     grace: Duration,
     /// Ranks of the job that may fail while the others go on (`--tolerate-failures`).
     tolerate: usize,
-    /// The core of each local rank (`--bind-to core`, where they fit).
-    cores: Option<Vec<usize>>,
+    /// The CPUs of each local rank's core (`--bind-to core`, where they fit).
+    cores: Option<Vec<Vec<usize>>>,
     program: Vec<OsString>,
 }
 
@@ -494,13 +495,14 @@ fn rank_command(job: &Job, local: usize, port: u16, signals: &Signals) -> Comman
         .process_group(0);
     let blocked = signals.set;
     let launcher = std::process::id() as libc::pid_t;
-    let core = job.cores.as_ref().map(|c| c[local]);
+    // Cloned here, before the fork: the child only reads it.
+    let core = job.cores.as_ref().map(|c| c[local].clone());
     // SAFETY: prepare_rank and bind_to_core only make async-signal-safe calls and do not
     // allocate.
     unsafe {
         cmd.pre_exec(move || {
             prepare_rank(&blocked, launcher)?;
-            core.map_or(Ok(()), ferrocomm::bind_to_core)
+            core.as_deref().map_or(Ok(()), ferrocomm::bind_to_core)
         })
     };
     cmd

@@ -25,7 +25,7 @@ pub struct TransportOptions {
     /// Messages between ranks of one host of at least this many bytes go by reference: the
     /// receiver copies them straight out of the sender's memory (`process_vm_readv`), one copy
     /// instead of two, where the kernel allows it. `FERROCOMM_SHM_PULL_BYTES`, default 64 KiB;
-    /// 0: never.
+    /// 0: never; else at least 4096.
     pub shm_pull_bytes: usize,
     /// Use TCP even between ranks of one host (`FERROCOMM_TRANSPORT=tcp`).
     pub force_tcp: bool,
@@ -41,9 +41,9 @@ pub struct TransportOptions {
 
 impl TransportOptions {
     /// The transport settings of a fresh read of the environment (`FERROCOMM_SHM_RING_BYTES`,
-    /// `FERROCOMM_SHM_PULL_BYTES`, `FERROCOMM_TRANSPORT`, `FERROCOMM_NET`, `FERROCOMM_SOCKET_ADDR`, `FERROCOMM_ENCRYPT`);
-    /// `Error::Config` when
-    /// any `FERROCOMM_*` variable is malformed.
+    /// `FERROCOMM_SHM_PULL_BYTES`, `FERROCOMM_TRANSPORT`, `FERROCOMM_NET`,
+    /// `FERROCOMM_SOCKET_ADDR`, `FERROCOMM_ENCRYPT`); `Error::Config` when any `FERROCOMM_*`
+    /// variable is malformed.
     pub fn from_env() -> Result<TransportOptions> {
         TransportOptions::from_config(&Config::from_env()?)
     }

@@ -86,9 +86,10 @@ pub fn spawn(a: &Args) -> Result<(), Failure> {
     let mut children = Vec::with_capacity(a.world);
     for r in 0..a.world {
         let mut cmd = Command::new(&exe);
-        if let Some(core) = cores.as_ref().map(|c| c[r]) {
-            // SAFETY: bind_to_core makes one system call and allocates nothing.
-            unsafe { cmd.pre_exec(move || ferrocomm::bind_to_core(core)) };
+        if let Some(core) = cores.as_ref().map(|c| c[r].clone()) {
+            // SAFETY: bind_to_core makes one system call and allocates nothing; `core` was
+            // allocated before the fork, and the child only reads it.
+            unsafe { cmd.pre_exec(move || ferrocomm::bind_to_core(&core)) };
         }
         let c = cmd
             .args(std::env::args_os().skip(1))

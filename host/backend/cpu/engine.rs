@@ -28,9 +28,10 @@ pub(crate) enum Xfer<'b> {
         call: bool,
         /// Sent by reference (net/links/pull.rs): `pos` stays 0 until the receiver has copied
         /// the payload.
-        reference: Option<Reference>,
+        reference: Option<SentByReference>,
         /// Never by reference: the payload goes through the stream (a refusal's reason, which
-        /// the peer reads from there; a chained broadcast's chunks, which stream ahead).
+        /// the peer reads from there; a chained broadcast's chunks, which stream ahead; the
+        /// ring steps of all_reduce and reduce_scatter, which reduce between steps).
         in_stream: bool,
     },
     Recv {
@@ -56,7 +57,7 @@ pub(crate) enum Xfer<'b> {
 /// A message sent by reference: the reference, how much of it is in the stream, and the
 /// stream position after it once it is all there (the receiver has copied the payload when it
 /// has read that far).
-pub(crate) struct Reference {
+pub(crate) struct SentByReference {
     raw: [u8; REF_BYTES],
     rpos: usize,
     end: Option<u64>,
@@ -94,7 +95,7 @@ impl Xfer<'_> {
 
     /// A message by reference all in the stream, waiting for its receiver to copy it.
     fn awaits_copy(&self) -> bool {
-        matches!(self, Xfer::Send { reference: Some(Reference { end: Some(_), .. }), .. } if !self.done())
+        matches!(self, Xfer::Send { reference: Some(SentByReference { end: Some(_), .. }), .. } if !self.done())
     }
 
     /// Must be done before its exchange is.
@@ -441,7 +442,7 @@ impl Engine {
                 // Decided before the header leaves.
                 if *hpos == 0 && !*in_stream && reference.is_none() && link.sends_by_reference(data.len()) {
                     header::mark_by_reference(hdr);
-                    *reference = Some(Reference {
+                    *reference = Some(SentByReference {
                         raw: link.reference_to(data),
                         rpos: 0,
                         end: None,
@@ -533,7 +534,7 @@ impl Engine {
         link: &mut Link,
         hdr: &[u8; HEADER_BYTES],
         hpos: &mut usize,
-        r: &mut Reference,
+        r: &mut SentByReference,
         copied: &mut bool,
     ) -> std::result::Result<bool, links::Gone> {
         match r.end {
@@ -914,8 +915,8 @@ impl Engine {
                 return Err(Error::Mismatch {
                     op: ctx.op,
                     peer,
-                    detail: "it entered a shared-memory collective (all_reduce, all_gather, all_to_all \
-                             or barrier of a small size) while this rank waits for its message"
+                    detail: "it entered a shared-memory collective (all_reduce, all_gather, \
+                             reduce_scatter, all_to_all or barrier of a small size) while this rank waits for its message"
                         .into(),
                 });
             }

@@ -46,7 +46,7 @@ impl Tuning {
     }
 
     /// The operations that may run as shared-memory rounds: `use_board` decides for them first.
-    const BOARD_OPS: [&'static str; 3] = ["all_reduce", "all_gather", "all_to_all"];
+    const BOARD_OPS: [&'static str; 4] = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all"];
 
     /// The algorithm of every operation but the shared-memory rounds: the hint's, else by size.
     fn choose(&self, op: &'static str, bytes: usize, opts: &RunOptions) -> Result<Algo> {
@@ -62,7 +62,7 @@ impl Tuning {
                         op,
                         "algorithm",
                         "oneshot",
-                        "shared-memory rounds serve all_reduce, all_gather and all_to_all only",
+                        "shared-memory rounds serve all_reduce, all_gather, reduce_scatter and all_to_all only",
                     );
                 }
                 self.by_size(bytes)
@@ -80,7 +80,8 @@ impl Tuning {
         }
     }
 
-    /// Does this all_reduce, all_gather or all_to_all go through the board (oneshot.rs)?
+    /// Does this all_reduce, all_gather, reduce_scatter or all_to_all go through the board
+    /// (oneshot.rs)?
     /// `available`: every rank shares this host and a contribution fits a slot (alike on every
     /// rank, so ranks that ignore the hint all do).
     fn use_board(&self, op: &'static str, bytes: usize, opts: &RunOptions, available: bool) -> Result<bool> {

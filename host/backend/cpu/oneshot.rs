@@ -145,10 +145,6 @@ pub(crate) fn barrier(e: &mut Engine, ctx: &OpCtx, tag: Tag) -> Result<()> {
     Ok(())
 }
 
-/// all_to_all in one round when every rank's blocks fit its slot. Whether they do is known
-/// only to each rank itself, so a rank whose blocks do not fit publishes a declined round;
-/// every rank reads every label, and if any declined, all return `false` alike and the caller
-/// runs the message algorithm instead.
 /// Every rank publishes all its blocks; each folds block `rank` of every rank, in rank order
 /// (bit-identical to the direct algorithm), into `output`.
 #[allow(clippy::too_many_arguments)]
@@ -217,6 +213,10 @@ pub(crate) fn reduce_scatter(
     Ok(())
 }
 
+/// all_to_all in one round when every rank's blocks fit its slot. Whether they do is known
+/// only to each rank itself, so a rank whose blocks do not fit publishes a declined round;
+/// every rank reads every label, and if any declined, all return `false` alike and the caller
+/// runs the message algorithm instead.
 pub(crate) fn all_to_all(
     e: &mut Engine,
     ctx: &OpCtx,

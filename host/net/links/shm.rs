@@ -52,9 +52,12 @@ struct SegHeader {
     payload_len: u64,
     pid: u64,
     state: AtomicU64,
-    /// Where the owner mapped the segment: a peer that reads the magic there through
-    /// `process_vm_readv` may copy messages straight out of the owner's memory (pull.rs).
+    /// Where the owner mapped the segment, and a random word of it: a peer that reads that word
+    /// there through `process_vm_readv` has reached the owner's memory, and may copy messages
+    /// straight out of it (pull.rs). Random, so that another process that happens to have the
+    /// owner's pid (in another pid namespace) does not pass; 0 (no randomness): none may.
     addr: u64,
+    probe: u64,
 }
 
 /// A mapping of one segment (ours or a peer's).
@@ -127,6 +130,8 @@ impl Segment {
             h.payload_len = payload_len as u64;
             h.pid = std::process::id() as u64;
             h.addr = s.base as u64;
+            let mut word = [0u8; 8];
+            h.probe = getrandom::getrandom(&mut word).map_or(0, |()| u64::from_le_bytes(word));
             h.state.store(OwnerState::Live.encode(), Ordering::Relaxed);
             // Release: a peer that sees the magic sees the fields above.
             // SAFETY: `magic` is an aligned u64 inside the mapping, so it may be viewed as an
@@ -223,9 +228,11 @@ impl Segment {
     }
 
     /// Whether this process may copy straight out of the owner's memory (pull.rs): asked once,
-    /// by reading the segment's magic where the owner has it.
+    /// by reading the segment's random word where the owner has it.
     pub(crate) fn owner_readable(&self) -> bool {
-        super::pull::probe(self.owner_pid(), self.header().addr, MAGIC)
+        let h = self.header();
+        let at = h.addr + std::mem::offset_of!(SegHeader, probe) as u64;
+        h.probe != 0 && super::pull::probe(self.owner_pid(), at, h.probe)
     }
 
     pub(crate) fn state(&self) -> OwnerState {
