@@ -179,6 +179,13 @@ impl Drop for GpuTarget {
         // It ends on its server thread, which may never have made the context current; the
         // stream and pinned memory are released right after this, under it.
         let _ = self.seg.gpu.enter();
+        // `signal` queues its kernel without waiting, and the window's memory may be unmapped
+        // as soon as its server has stopped (DeviceWindow::drop): a signal still queued then
+        // would write into unmapped memory (seen on the host device: a SIGSEGV in
+        // `ferrocomm_signal_from` at the end of a MoE test over TCP).
+        if let Err(e) = self.wait("window server close") {
+            tracing::warn!(error = %e, "a window server's last signals did not finish before it closed");
+        }
     }
 }
 
