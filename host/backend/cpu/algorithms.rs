@@ -60,6 +60,17 @@ fn parts_of(buf: &mut [u8], lens: impl IntoIterator<Item = usize>) -> Vec<&mut [
         .collect()
 }
 
+/// `inputs` copied into consecutive parts of `work` (their total length), each scaled for
+/// premul_sum: a reduce_scatter's contributions, which must not scale the caller's buffers.
+pub(crate) fn scaled_parts<'w>(work: &'w mut [u8], inputs: &[&[u8]], dtype: DType, op: ReduceOp) -> Vec<&'w mut [u8]> {
+    let mut parts = parts_of(work, inputs.iter().map(|i| i.len()));
+    for (p, i) in parts.iter_mut().zip(inputs) {
+        p.copy_from_slice(i);
+        prologue(dtype, op, p);
+    }
+    parts
+}
+
 /// Byte lengths of `n` balanced blocks of `count` elements.
 fn block_lens(count: usize, n: usize, esize: usize) -> Vec<usize> {
     (0..n)
@@ -379,11 +390,7 @@ pub(crate) fn reduce_scatter(
             largest
         },
     );
-    let mut parts = parts_of(work, inputs.iter().map(|i| i.len()));
-    for (p, i) in parts.iter_mut().zip(inputs) {
-        p.copy_from_slice(i);
-        prologue(dtype, op, p);
-    }
+    let mut parts = scaled_parts(work, inputs, dtype, op);
     match algo {
         Algo::Direct => {
             let mut slots = parts_of(tmp, std::iter::repeat(output.len()).take(n));

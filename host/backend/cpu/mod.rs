@@ -547,7 +547,7 @@ impl CpuBackend {
                 if self.tuning.use_board(ctx.op, total, opts, oneshot::fits(e, total))? {
                     e.settle_deferred(ctx)?;
                     e.count_call();
-                    return oneshot::reduce_scatter(e, ctx, t, &ins, output.host_bytes_mut(), d, o);
+                    return oneshot::reduce_scatter(e, s, ctx, t, &ins, output.host_bytes_mut(), d, o);
                 }
                 let a = algo(total)?;
                 begin(e, t, elems(total, d), 0, a, true, true);

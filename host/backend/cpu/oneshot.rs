@@ -4,6 +4,7 @@
 //! algorithm does, so every rank computes bit-identical results. Every round reads every
 //! peer's contribution, which the board's slot reuse relies on.
 
+use super::algorithms::{scaled_parts, Scratch};
 use super::engine::{Engine, OpCtx, Pacer};
 use super::header::Tag;
 use crate::contracts::dtype::{DType, ReduceOp};
@@ -150,6 +151,7 @@ pub(crate) fn barrier(e: &mut Engine, ctx: &OpCtx, tag: Tag) -> Result<()> {
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn reduce_scatter(
     e: &mut Engine,
+    s: &mut Scratch,
     ctx: &OpCtx,
     tag: Tag,
     inputs: &[&[u8]],
@@ -159,24 +161,11 @@ pub(crate) fn reduce_scatter(
 ) -> Result<()> {
     let (n, me) = (e.size, e.rank);
     let total: usize = inputs.iter().map(|i| i.len()).sum();
-    // premul_sum scales a copy, as all_reduce does.
+    // premul_sum scales a copy, as the direct algorithm does.
     let round = if matches!(op, ReduceOp::PremulSum(_)) {
-        let mut words = vec![0u64; total.div_ceil(8)];
-        // SAFETY: u64 storage viewed as bytes, within the allocation (aligned for every dtype).
-        let scaled = unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), total) };
-        let mut at = 0;
-        for i in inputs {
-            scaled[at..at + i.len()].copy_from_slice(i);
-            at += i.len();
-        }
-        prologue(dtype, op, scaled);
-        let mut parts: Vec<&[u8]> = Vec::with_capacity(n);
-        let mut rest: &[u8] = scaled;
-        for i in inputs {
-            let (a, b) = rest.split_at(i.len());
-            parts.push(a);
-            rest = b;
-        }
+        let (work, _) = s.two(total, 0);
+        let parts = scaled_parts(work, inputs, dtype, op);
+        let parts: Vec<&[u8]> = parts.iter().map(|p| &**p).collect();
         e.publish_round(tag.label(), &parts)
     } else {
         e.publish_round(tag.label(), inputs)
@@ -184,23 +173,7 @@ pub(crate) fn reduce_scatter(
     for r in (0..n).filter(|&r| r != me) {
         await_peer(e, ctx, r, round, tag, Some(total))?;
     }
-    // Every block for us is checked before anything lands in `output`.
-    for r in 0..n {
-        match board(e).part(r, round, me) {
-            Some(block) if block.len() == output.len() => {}
-            got => {
-                return Err(Error::Mismatch {
-                    op: ctx.op,
-                    peer: r,
-                    detail: format!(
-                        "its block for this rank has {} bytes, this rank expected {}",
-                        got.map_or(0, <[u8]>::len),
-                        output.len()
-                    ),
-                })
-            }
-        }
-    }
+    check_blocks_for_us(e, ctx, round, (0..n).map(|r| (r, output.len())))?;
     for r in 0..n {
         let block = board(e).part(r, round, me).expect("checked above");
         if r == 0 {
@@ -210,6 +183,27 @@ pub(crate) fn reduce_scatter(
         }
     }
     epilogue(dtype, op, n, output);
+    Ok(())
+}
+
+/// Checks, before anything lands in an output, that each rank's block for us in `round` has
+/// the length we expect of it: `want` gives (rank, bytes).
+fn check_blocks_for_us(e: &Engine, ctx: &OpCtx, round: u64, want: impl Iterator<Item = (usize, usize)>) -> Result<()> {
+    for (r, len) in want {
+        match board(e).part(r, round, e.rank) {
+            Some(block) if block.len() == len => {}
+            got => {
+                return Err(Error::Mismatch {
+                    op: ctx.op,
+                    peer: r,
+                    detail: format!(
+                        "it sent {} bytes to this rank, which expected {len}",
+                        got.map_or(0, <[u8]>::len)
+                    ),
+                })
+            }
+        }
+    }
     Ok(())
 }
 
@@ -238,23 +232,8 @@ pub(crate) fn all_to_all(
     if declined {
         return Ok(false);
     }
-    // Every block's length is checked before anything lands in `outputs`.
-    for (r, out) in outputs.iter().enumerate().filter(|(r, _)| *r != me) {
-        match board(e).part(r, round, me) {
-            Some(block) if block.len() == out.len() => {}
-            got => {
-                return Err(Error::Mismatch {
-                    op: ctx.op,
-                    peer: r,
-                    detail: format!(
-                        "it sent {} bytes to this rank, which expected {}",
-                        got.map_or(0, <[u8]>::len),
-                        out.len()
-                    ),
-                })
-            }
-        }
-    }
+    let want = outputs.iter().map(|o| o.len()).enumerate().filter(|(r, _)| *r != me);
+    check_blocks_for_us(e, ctx, round, want)?;
     for (r, out) in outputs.iter_mut().enumerate() {
         let block = if r == me {
             inputs[me]
