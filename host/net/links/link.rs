@@ -85,10 +85,13 @@ impl Link {
     }
 
     /// Writes as much of `a` and then of `b` as the stream takes now (a header and its
-    /// payload: one system call on a plain TCP link); returns the bytes taken from both.
+    /// payload: one system call on a plain TCP link, one publication in a ring); returns the
+    /// bytes taken from both.
     pub(crate) fn write_pair(&mut self, a: &[u8], b: &[u8]) -> Result<usize, Gone> {
-        if let Link::Tcp(l) = self {
-            return l.write_pair(a, b);
+        match self {
+            Link::Tcp(l) => return l.write_pair(a, b),
+            Link::Shm(l) => return Ok(l.tx.write_pair(a, b)),
+            _ => {}
         }
         let n = self.write(a)?;
         if n < a.len() || b.is_empty() {

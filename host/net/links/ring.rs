@@ -33,6 +33,11 @@ pub(crate) struct RingEnd {
     cap: u64,
     /// Our own counter (tail for a producer, head for a consumer): only we write it.
     pos: u64,
+    /// The peer's counter as we last loaded it (head for a producer, tail for a consumer).
+    /// It only lags the real one, so it understates the room or the bytes there are; we load
+    /// the real one only when it says too little. Loading it on every call would pull the
+    /// peer's cache line across cores each time, though it changed nothing we need.
+    seen: u64,
 }
 
 // SAFETY: the ring memory is shared on purpose; all cross-rank access goes through the atomic
@@ -49,11 +54,12 @@ impl RingEnd {
         let ctl = base as *const RingCtl;
         // SAFETY: the caller's contract: `base` points to live, 64-aligned, initialised ring
         // memory, which starts with the control block; its counters are atomics.
-        let pos = unsafe {
+        let (pos, seen) = unsafe {
             if producer {
-                (*ctl).tail.load(Ordering::Relaxed)
+                ((*ctl).tail.load(Ordering::Relaxed), (*ctl).head.load(Ordering::Acquire))
             } else {
-                (*ctl).head.load(Ordering::Relaxed)
+                let head = (*ctl).head.load(Ordering::Relaxed);
+                (head, head)
             }
         };
         RingEnd {
@@ -62,6 +68,7 @@ impl RingEnd {
             data: unsafe { base.add(CTL_BYTES) },
             cap: cap as u64,
             pos,
+            seen,
         }
     }
 
@@ -72,23 +79,42 @@ impl RingEnd {
 
     /// Copies as much of `src` as fits; returns the number of bytes written.
     pub(crate) fn write(&mut self, src: &[u8]) -> usize {
-        let head = self.ctl().head.load(Ordering::Acquire);
-        let free = self.cap - (self.pos - head);
-        let n = (src.len() as u64).min(free) as usize;
-        if n == 0 {
+        self.write_pair(src, &[])
+    }
+
+    /// Copies as much of `a` and then of `b` as fits (a header and its payload), published
+    /// together: the consumer never wakes for a header whose payload is still being copied.
+    /// Returns the bytes taken from both.
+    pub(crate) fn write_pair(&mut self, a: &[u8], b: &[u8]) -> usize {
+        let want = (a.len() + b.len()) as u64;
+        if self.cap - (self.pos - self.seen) < want {
+            self.seen = self.ctl().head.load(Ordering::Acquire);
+        }
+        let free = (self.cap - (self.pos - self.seen)) as usize;
+        let na = a.len().min(free);
+        let nb = if na == a.len() { b.len().min(free - na) } else { 0 };
+        if na + nb == 0 {
             return 0;
         }
-        let start = (self.pos & (self.cap - 1)) as usize;
-        let first = n.min(self.cap as usize - start);
-        // SAFETY: [start, start+first) and [0, n-first) are inside the data region, and the
-        // consumer does not read them until `tail` is published below.
+        self.copy_to(self.pos, &a[..na]);
+        self.copy_to(self.pos + na as u64, &b[..nb]);
+        self.pos += (na + nb) as u64;
+        self.ctl().tail.store(self.pos, Ordering::Release);
+        na + nb
+    }
+
+    /// Producer: copies `src` to stream position `at`, within the room `seen` allows.
+    fn copy_to(&self, at: u64, src: &[u8]) {
+        let start = (at & (self.cap - 1)) as usize;
+        let first = src.len().min(self.cap as usize - start);
+        // SAFETY: [start, start+first) and [0, len-first) are inside the data region; the
+        // caller keeps `at + len` within `seen + cap`, so the consumer has read these bytes
+        // already (head acquired), and it does not read the new ones until `tail` is
+        // published.
         unsafe {
             std::ptr::copy_nonoverlapping(src.as_ptr(), self.data.add(start), first);
-            std::ptr::copy_nonoverlapping(src.as_ptr().add(first), self.data, n - first);
+            std::ptr::copy_nonoverlapping(src.as_ptr().add(first), self.data, src.len() - first);
         }
-        self.pos += n as u64;
-        self.ctl().tail.store(self.pos, Ordering::Release);
-        n
     }
 
     /// Consumer: tells the producer that messages may come by reference (pull.rs). Release:
@@ -164,15 +190,18 @@ impl RingEnd {
 
     /// Copies up to `dst.len()` available bytes; returns the number of bytes read.
     pub(crate) fn read(&mut self, dst: &mut [u8]) -> usize {
-        let tail = self.ctl().tail.load(Ordering::Acquire);
-        let n = (dst.len() as u64).min(tail - self.pos) as usize;
+        // `seen` may trail `pos` after a `skip` past bytes `peek_exact` saw.
+        if self.seen.saturating_sub(self.pos) < dst.len() as u64 {
+            self.seen = self.ctl().tail.load(Ordering::Acquire);
+        }
+        let n = (dst.len() as u64).min(self.seen.saturating_sub(self.pos)) as usize;
         if n == 0 {
             return 0;
         }
         let start = (self.pos & (self.cap - 1)) as usize;
         let first = n.min(self.cap as usize - start);
-        // SAFETY: the producer published these bytes with `tail` (acquired above) and will not
-        // overwrite them until we publish `head`.
+        // SAFETY: the producer published these bytes with `tail` (acquired into `seen`) and
+        // will not overwrite them until we publish `head`.
         unsafe {
             std::ptr::copy_nonoverlapping(self.data.add(start), dst.as_mut_ptr(), first);
             std::ptr::copy_nonoverlapping(self.data, dst.as_mut_ptr().add(first), n - first);
@@ -216,5 +245,37 @@ mod tests {
             r += rx.read(&mut out[r..(r + 23).min(src.len())]);
         }
         assert_eq!(out, src);
+    }
+
+    #[test]
+    fn a_pair_takes_its_second_part_only_after_the_first_and_never_more_than_the_room() {
+        #[repr(C, align(64))]
+        struct Mem([u8; CTL_BYTES + 64]);
+        let mut mem = Box::new(Mem([0; CTL_BYTES + 64]));
+        // SAFETY: as in the test above.
+        let (mut tx, mut rx) = unsafe {
+            let base = mem.0.as_mut_ptr();
+            (RingEnd::new(base, 64, true), RingEnd::new(base, 64, false))
+        };
+        // 50 of 64 bytes used: the header-sized part fits, the payload only in part.
+        assert_eq!(tx.write(&[1; 50]), 50);
+        assert_eq!(tx.write_pair(&[2; 10], &[3; 10]), 14);
+        // Full: the producer's view of the consumer is stale, and the real one says full too.
+        assert_eq!(tx.write_pair(&[4; 1], &[]), 0);
+        let mut got = [0u8; 64];
+        assert_eq!(rx.read(&mut got), 64);
+        assert_eq!(&got[50..60], &[2; 10]);
+        assert_eq!(&got[60..64], &[3; 4]);
+        // Room again, seen only after the producer loads the consumer's counter anew; the
+        // pair now wraps around the end of the ring.
+        assert_eq!(tx.write_pair(&[5; 8], &[6; 6]), 14);
+        assert_eq!(rx.read(&mut got[..14]), 14);
+        assert_eq!(&got[..14], &[5, 5, 5, 5, 5, 5, 5, 5, 6, 6, 6, 6, 6, 6]);
+        assert_eq!(rx.read(&mut got), 0);
+        // Where the first part does not fit whole, nothing of the second goes.
+        assert_eq!(tx.write(&[0; 60]), 60);
+        assert_eq!(tx.write_pair(&[7; 8], &[8; 8]), 4);
+        assert_eq!(rx.read(&mut got), 64);
+        assert_eq!(&got[60..], &[7; 4]);
     }
 }
