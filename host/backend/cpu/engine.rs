@@ -154,14 +154,20 @@ struct OpenCall {
 /// look at deadlines, abort flags and peers.
 pub(crate) struct Pacer {
     idle: u32,
-    next_check: Instant,
+    /// Rounds to spin before yielding (`back_off`).
+    spin: u32,
+    /// When the next stall check is due; set when the wait first stalls, so that a wait that
+    /// never does (most small messages) reads no clock.
+    next_check: Option<Instant>,
 }
 
 impl Pacer {
-    pub(crate) fn new() -> Pacer {
+    /// A pacer for a wait on `transport`'s peers.
+    pub(crate) fn new(transport: &Transport) -> Pacer {
         Pacer {
             idle: 0,
-            next_check: Instant::now() + CHECK_EVERY,
+            spin: transport.spin_rounds(),
+            next_check: None,
         }
     }
 
@@ -172,16 +178,22 @@ impl Pacer {
     /// Backs off once; returns the time when a stall check is due.
     pub(crate) fn stalled(&mut self) -> Option<Instant> {
         self.idle = self.idle.saturating_add(1);
-        back_off(self.idle);
+        back_off(self.idle, self.spin);
         if self.idle < 64 {
             return None;
         }
         let now = Instant::now();
-        if now < self.next_check {
-            return None;
+        match self.next_check {
+            Some(due) if now < due => None,
+            Some(_) => {
+                self.next_check = Some(now + CHECK_EVERY);
+                Some(now)
+            }
+            None => {
+                self.next_check = Some(now + CHECK_EVERY);
+                None
+            }
         }
-        self.next_check = now + CHECK_EVERY;
-        Some(now)
     }
 }
 
@@ -680,7 +692,7 @@ impl Engine {
     }
 
     fn run<'b>(&mut self, ctx: &OpCtx<'_>, pre: &mut [Xfer<'b>], xfers: &mut [Xfer<'b>]) -> Result<()> {
-        let mut pace = Pacer::new();
+        let mut pace = Pacer::new(&self.transport);
         loop {
             let (done, moved) = self.sweep(ctx, pre, xfers)?;
             if done {
@@ -711,7 +723,7 @@ impl Engine {
         xfers: &mut [Xfer<'b>],
     ) -> Vec<(usize, u8, Vec<u8>)> {
         let mut sink = [0u8; 4096];
-        let mut pace = Pacer::new();
+        let mut pace = Pacer::new(&self.transport);
         let mut refusals: Vec<Option<(u8, Vec<u8>)>> = vec![None; self.size];
         // Peers that sent no call to wait for: gone, or in a shared-memory round instead.
         let mut moved_on = vec![false; self.size];

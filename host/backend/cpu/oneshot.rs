@@ -34,7 +34,7 @@ fn board(e: &Engine) -> &Board {
 /// flag and the peer's liveness checked as the engine checks them.
 fn wait_for(e: &Engine, ctx: &OpCtx, peer: usize, ready: impl Fn(&Board) -> bool) -> Result<()> {
     let b = board(e);
-    let mut pace = Pacer::new();
+    let mut pace = Pacer::new(&e.transport);
     while !ready(b) {
         let Some(now) = pace.stalled() else { continue };
         ctx.check(now, || Some(peer))?;

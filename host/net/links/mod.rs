@@ -7,11 +7,13 @@
 //!
 //! Large messages between ranks of one host may go by reference instead (pull.rs).
 //!
-//! Also here: the board (shm_board.rs), liveness of peer processes, passing descriptors
+//! Also here: the board (shm_board.rs), how waits pace themselves (crowding.rs), liveness of peer
+//! processes, passing descriptors
 //! between processes, and the fault record (the first cause of a failure).
 //!
 //! May import: the contracts and bootstrap.
 
+mod crowding;
 mod fault;
 mod link;
 mod liveness;
@@ -24,6 +26,7 @@ mod shm;
 pub(crate) mod shm_board;
 mod tcp;
 
+pub(crate) use crowding::SPIN_ROUNDS;
 pub(crate) use fault::{Cause, FaultRecord};
 pub(crate) use link::{back_off, check_owner, Gone, Link, PeerGone, PeerSegments, ShmLink};
 pub(crate) use liveness::ProcessWatch;

@@ -9,6 +9,7 @@
 //! rings get memory and their ends are made only when a link is first used (`Link::Pending`);
 //! TCP links are accepted on a second thread while this one dials.
 
+use super::crowding;
 use super::liveness::ProcessWatch;
 use super::ring::{unread_at, RingEnd, CTL_BYTES};
 use super::shm::{OwnerState, Segment};
@@ -50,6 +51,8 @@ pub(crate) struct Transport {
     /// Messages of at least this many bytes go by reference to peers that take them (pull.rs);
     /// `usize::MAX`: never.
     pull_bytes: usize,
+    /// The ranks on this kernel outnumber their CPUs (crowding.rs).
+    crowded: bool,
 }
 
 impl Transport {
@@ -162,6 +165,7 @@ impl Transport {
             slot: self.slot,
             ring_bytes: self.ring_bytes,
             pull_bytes: self.pull_bytes,
+            crowded: self.crowded,
         };
         // Ranks left out that still wait on us learn at once that we are gone, over TCP; on
         // shared memory our segment now belongs to the new communicator, so they wait for
@@ -179,6 +183,11 @@ impl Transport {
     /// The number of peers (ourselves included).
     pub(crate) fn size(&self) -> usize {
         self.links.len()
+    }
+
+    /// How many rounds a wait for a peer spins before it yields (crowding.rs).
+    pub(crate) fn spin_rounds(&self) -> u32 {
+        crowding::spin_rounds(self.crowded)
     }
 }
 
@@ -251,18 +260,26 @@ pub(crate) fn machine(host: &str) -> &str {
     host.split_once(FORCED).map_or(host, |(m, _)| m)
 }
 
+/// The kernel of a host identity (its boot id): ranks in other namespaces of one machine,
+/// which count as other hosts, still share its CPUs (crowding.rs). Read from the right, as
+/// the fields after the host name hold no `/`.
+pub(crate) fn kernel(host: &str) -> &str {
+    machine(host).rsplit('/').nth(2).unwrap_or("")
+}
+
 fn left(deadline: Instant) -> Duration {
     deadline.saturating_duration_since(Instant::now())
 }
 
 static SEGMENT_COUNTER: AtomicU64 = AtomicU64::new(0);
 
-/// What a rank publishes about itself, in one store key: its host and process, its segment
-/// (`-`: none), its link listener (`-`: none) and, from rank 0 where the store cannot derive
-/// secrets, the communicator's link secret (`-`: none).
+/// What a rank publishes about itself, in one store key: its host and process, the CPUs it may
+/// run on (crowding.rs), its segment (`-`: none), its link listener (`-`: none) and, from
+/// rank 0 where the store cannot derive secrets, the communicator's link secret (`-`: none).
 struct Hello<'a> {
     host: &'a str,
     pid: &'a str,
+    cpus: &'a str,
     shm: &'a str,
     tcp: &'a str,
     secret: &'a str,
@@ -271,19 +288,20 @@ struct Hello<'a> {
 impl<'a> Hello<'a> {
     fn encode(&self) -> String {
         format!(
-            "{}\n{}\n{}\n{}\n{}",
-            self.host, self.pid, self.shm, self.tcp, self.secret
+            "{}\n{}\n{}\n{}\n{}\n{}",
+            self.host, self.pid, self.cpus, self.shm, self.tcp, self.secret
         )
     }
 
     fn decode(rank: usize, raw: &'a [u8]) -> Result<Hello<'a>> {
         let bad = || Error::protocol("transport setup", format!("malformed set-up record of rank {rank}"));
         let text = std::str::from_utf8(raw).map_err(|_| bad())?;
-        let mut f = text.splitn(5, '\n');
+        let mut f = text.splitn(6, '\n');
         let mut next = || f.next().ok_or_else(bad);
         Ok(Hello {
             host: next()?,
             pid: next()?,
+            cpus: next()?,
             shm: next()?,
             tcp: next()?,
             secret: next()?,
@@ -330,9 +348,11 @@ pub(crate) fn connect_all(
         "-".to_owned()
     };
     let tcp_addr = published_addr(listener.as_ref())?;
+    let cpus = crowding::own_cpus();
     let hello = Hello {
         host: &me,
         pid: &pid,
+        cpus: &cpus,
         shm: own_seg.as_ref().map_or("-", |s| s.name()),
         tcp: &tcp_addr,
         secret: &secret,
@@ -347,6 +367,7 @@ pub(crate) fn connect_all(
         .map(|(r, v)| Hello::decode(r, v))
         .collect::<Result<Vec<_>>>()?;
     let local: Vec<bool> = hellos.iter().map(|h| h.host == me).collect();
+    let crowded = crowding::crowded(&me, hellos.iter().map(|h| (h.host, h.cpus)))?;
     let own_seg = own_seg.filter(|_| (0..size).any(|p| p != rank && local[p]));
     let expected = (rank + 1..size).filter(|&p| !local[p]).count();
     if expected == 0 {
@@ -435,6 +456,7 @@ pub(crate) fn connect_all(
             0 => usize::MAX,
             n => n,
         },
+        crowded,
     })
 }
 

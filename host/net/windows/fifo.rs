@@ -7,7 +7,7 @@
 use super::descriptor::{parity, PARITY_BIT};
 use crate::contracts::config;
 use crate::contracts::error::{Error, Result};
-use crate::net::links::back_off;
+use crate::net::links::{back_off, SPIN_ROUNDS};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -249,7 +249,7 @@ fn bounded_wait(
                 after: timeout,
             });
         }
-        back_off(round);
+        back_off(round, SPIN_ROUNDS);
         round = round.saturating_add(1);
     }
     Ok(())
