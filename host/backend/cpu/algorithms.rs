@@ -116,6 +116,61 @@ fn ring_reduce_scatter(
     Ok(())
 }
 
+/// As `ring_reduce_scatter`, for contributions `inputs` (one block per rank) that stay as they
+/// are, into `output`: a block is copied only where it is reduced. The first step sends our
+/// contribution straight from `inputs` (scaled in `acc` for premul_sum); each step reduces our
+/// contribution and the incoming block into `acc`, which the next sends, and the last into
+/// `output`. Same order of operations as `ring_reduce_scatter`, so the same bits; measured
+/// against copying every contribution first, docs/results/cpu.md.
+#[allow(clippy::too_many_arguments)]
+fn ring_reduce_scatter_from(
+    e: &mut Engine,
+    ctx: &OpCtx,
+    tag: Tag,
+    inputs: &[&[u8]],
+    output: &mut [u8],
+    dtype: DType,
+    op: ReduceOp,
+    acc: &mut [u8],
+    tmp: &mut [u8],
+) -> Result<()> {
+    let (n, me) = (e.size, e.rank);
+    let (right, left) = ((me + 1) % n, (me + n - 1) % n);
+    let premul = matches!(op, ReduceOp::PremulSum(_));
+    let mut acc_len = 0;
+    for s in 0..n - 1 {
+        let (send_b, recv_b) = ((me + 2 * n - s - 1) % n, (me + 2 * n - s - 2) % n);
+        if s == 0 && premul {
+            acc_len = inputs[send_b].len();
+            acc[..acc_len].copy_from_slice(inputs[send_b]);
+            prologue(dtype, op, &mut acc[..acc_len]);
+        }
+        let incoming = &mut tmp[..inputs[recv_b].len()];
+        {
+            let out: &[u8] = if s == 0 && !premul {
+                inputs[send_b]
+            } else {
+                &acc[..acc_len]
+            };
+            // In the stream, as in `ring_reduce_scatter`.
+            let mut x = [e.send_in_stream(right, tag, out), e.recv(left, tag, incoming)];
+            e.exchange(ctx, &mut x)?;
+        }
+        // The last step's block is ours (recv_b == me): it lands in `output`, after the first
+        // exchange has checked every peer's call.
+        let target: &mut [u8] = if s == n - 2 {
+            &mut *output
+        } else {
+            acc_len = inputs[recv_b].len();
+            &mut acc[..acc_len]
+        };
+        target.copy_from_slice(inputs[recv_b]);
+        prologue(dtype, op, target);
+        reduce_into(dtype, op, target, incoming);
+    }
+    Ok(())
+}
+
 /// Ring all-gather: every rank starts with its own `parts[rank]` (or, given `own`, with that,
 /// copied into `parts[rank]` only once the first step has checked every peer's call) and ends
 /// with all of them.
@@ -381,18 +436,18 @@ pub(crate) fn reduce_scatter(
     let (n, me) = (e.size, e.rank);
     let total: usize = inputs.iter().map(|i| i.len()).sum();
     let largest = inputs.iter().map(|i| i.len()).max().unwrap_or(0);
-    // Our contributions, scaled for premul_sum, in one work area.
-    let (work, tmp) = s.two(
-        total,
-        if algo == Algo::Direct {
-            output.len() * n
-        } else {
-            largest
-        },
-    );
-    let mut parts = scaled_parts(work, inputs, dtype, op);
+    let premul = matches!(op, ReduceOp::PremulSum(_));
     match algo {
         Algo::Direct => {
+            // Our contributions, scaled for premul_sum in one work area; as they are otherwise.
+            let (work, tmp) = s.two(if premul { total } else { 0 }, output.len() * n);
+            let scaled;
+            let parts: Vec<&[u8]> = if premul {
+                scaled = scaled_parts(work, inputs, dtype, op);
+                scaled.iter().map(|p| &**p).collect()
+            } else {
+                inputs.to_vec()
+            };
             let mut slots = parts_of(tmp, std::iter::repeat(output.len()).take(n));
             slots[me].copy_from_slice(parts[me]);
             let mut x: Vec<Xfer> = Vec::with_capacity(2 * n);
@@ -404,11 +459,13 @@ pub(crate) fn reduce_scatter(
             drop(x);
             fold_in_rank_order(dtype, op, output, &slots);
         }
+        Algo::Ring if n == 1 => {
+            output.copy_from_slice(inputs[0]);
+            prologue(dtype, op, output);
+        }
         Algo::Ring => {
-            if n > 1 {
-                ring_reduce_scatter(e, ctx, tag, &mut parts, dtype, op, tmp)?;
-            }
-            output.copy_from_slice(parts[me]);
+            let (acc, tmp) = s.two(largest, largest);
+            ring_reduce_scatter_from(e, ctx, tag, inputs, output, dtype, op, acc, tmp)?;
         }
     }
     epilogue(dtype, op, n, output);
