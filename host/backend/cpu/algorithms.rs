@@ -26,11 +26,12 @@ impl Algo {
     }
 }
 
-/// Two independent aligned scratch areas, reused across operations.
+/// Independent aligned scratch areas, reused across operations.
 #[derive(Default)]
 pub(crate) struct Scratch {
     a: Vec<u64>,
     b: Vec<u64>,
+    c: Vec<u64>,
 }
 
 fn area(v: &mut Vec<u64>, bytes: usize) -> &mut [u8] {
@@ -45,6 +46,10 @@ fn area(v: &mut Vec<u64>, bytes: usize) -> &mut [u8] {
 impl Scratch {
     pub(crate) fn two(&mut self, a: usize, b: usize) -> (&mut [u8], &mut [u8]) {
         (area(&mut self.a, a), area(&mut self.b, b))
+    }
+
+    pub(crate) fn three(&mut self, a: usize, b: usize, c: usize) -> (&mut [u8], &mut [u8], &mut [u8]) {
+        (area(&mut self.a, a), area(&mut self.b, b), area(&mut self.c, c))
     }
 }
 
@@ -89,6 +94,54 @@ fn pair<'p>(parts: &'p mut [&mut [u8]], a: usize, b: usize) -> (&'p [u8], &'p mu
     }
 }
 
+/// A reducing ring step moves its block in pieces of this many bytes, and each piece is
+/// reduced as soon as it is here, while it is still in cache (measured: docs/results/cpu.md).
+const RING_PIECE: usize = 256 << 10;
+
+/// Piece `i` of a block of `len` bytes.
+fn piece(len: usize, i: usize) -> Range<usize> {
+    (i * RING_PIECE).min(len)..((i + 1) * RING_PIECE).min(len)
+}
+
+/// One step of a reducing ring: sends `out` to `right` and takes a block of `in_len` bytes from
+/// `left`, both in pieces (at least one message each way, so an empty block still carries the
+/// call); `reduce(range, bytes)` folds each incoming piece in. `tmp` holds a piece.
+#[allow(clippy::too_many_arguments)]
+fn reducing_step(
+    e: &mut Engine,
+    ctx: &OpCtx,
+    tag: Tag,
+    (right, left): (usize, usize),
+    out: &[u8],
+    in_len: usize,
+    tmp: &mut [u8],
+    mut reduce: impl FnMut(Range<usize>, &[u8]),
+) -> Result<()> {
+    let count = |len: usize| len.div_ceil(RING_PIECE).max(1);
+    let (sends, recvs) = (count(out.len()), count(in_len));
+    for i in 0..sends.max(recvs) {
+        let r = piece(in_len, i);
+        {
+            let mut x: Vec<Xfer> = Vec::with_capacity(2);
+            // Through the rings, not by reference: each rank reduces between pieces, and a
+            // sender that waited for its neighbour to copy would wait out that reduction too
+            // (measured: by reference, all_reduce of 256 KiB took 1.2-1.4x as long,
+            // docs/results/cpu.md).
+            if i < sends {
+                x.push(e.send_in_stream(right, tag, &out[piece(out.len(), i)]));
+            }
+            if i < recvs {
+                x.push(e.recv(left, tag, &mut tmp[..r.len()]));
+            }
+            e.exchange(ctx, &mut x)?;
+        }
+        if i < recvs {
+            reduce(r.clone(), &tmp[..r.len()]);
+        }
+    }
+    Ok(())
+}
+
 /// Ring reduce-scatter over `parts` (one per rank): afterwards `parts[rank]` holds the
 /// reduction of every rank's `parts[rank]`. Step s sends block (rank-s-1) to the right and
 /// reduces block (rank-s-2) from the left into ours.
@@ -102,26 +155,25 @@ fn ring_reduce_scatter(
     tmp: &mut [u8],
 ) -> Result<()> {
     let (n, me) = (e.size, e.rank);
-    let (right, left) = ((me + 1) % n, (me + n - 1) % n);
+    let sides = ((me + 1) % n, (me + n - 1) % n);
     for s in 0..n - 1 {
         let (send_b, recv_b) = ((me + 2 * n - s - 1) % n, (me + 2 * n - s - 2) % n);
-        let incoming = &mut tmp[..parts[recv_b].len()];
-        // Through the rings, not by reference: each rank reduces between steps, and a sender
-        // that waited for its neighbour to copy would wait out that reduction too (measured:
-        // by reference, all_reduce of 256 KiB took 1.2-1.4x as long, docs/results/cpu.md).
-        let mut x = [e.send_in_stream(right, tag, parts[send_b]), e.recv(left, tag, incoming)];
-        e.exchange(ctx, &mut x)?;
-        reduce_into(dtype, op, parts[recv_b], incoming);
+        let (out, target) = pair(parts, send_b, recv_b);
+        let in_len = target.len();
+        reducing_step(e, ctx, tag, sides, out, in_len, tmp, |r, inc| {
+            reduce_into(dtype, op, &mut target[r], inc)
+        })?;
     }
     Ok(())
 }
 
 /// As `ring_reduce_scatter`, for contributions `inputs` (one block per rank) that stay as they
 /// are, into `output`: a block is copied only where it is reduced. The first step sends our
-/// contribution straight from `inputs` (scaled in `acc` for premul_sum); each step reduces our
-/// contribution and the incoming block into `acc`, which the next sends, and the last into
-/// `output`. Same order of operations as `ring_reduce_scatter`, so the same bits; measured
-/// against copying every contribution first, docs/results/cpu.md.
+/// contribution straight from `inputs` (scaled in `accs.0` for premul_sum); each step reduces
+/// our contribution and the incoming block into one of `accs`, which the next step sends while
+/// it reduces into the other, and the last step into `output`. Same order of operations as
+/// `ring_reduce_scatter`, so the same bits; measured against copying every contribution
+/// first, docs/results/cpu.md.
 #[allow(clippy::too_many_arguments)]
 fn ring_reduce_scatter_from(
     e: &mut Engine,
@@ -131,42 +183,44 @@ fn ring_reduce_scatter_from(
     output: &mut [u8],
     dtype: DType,
     op: ReduceOp,
-    acc: &mut [u8],
+    accs: (&mut [u8], &mut [u8]),
     tmp: &mut [u8],
 ) -> Result<()> {
     let (n, me) = (e.size, e.rank);
-    let (right, left) = ((me + 1) % n, (me + n - 1) % n);
+    let sides = ((me + 1) % n, (me + n - 1) % n);
     let premul = matches!(op, ReduceOp::PremulSum(_));
-    let mut acc_len = 0;
+    let (acc_a, acc_b) = accs;
     for s in 0..n - 1 {
         let (send_b, recv_b) = ((me + 2 * n - s - 1) % n, (me + 2 * n - s - 2) % n);
+        let (cur, next) = if s % 2 == 0 {
+            (&mut *acc_a, &mut *acc_b)
+        } else {
+            (&mut *acc_b, &mut *acc_a)
+        };
+        let out_len = inputs[send_b].len();
         if s == 0 && premul {
-            acc_len = inputs[send_b].len();
-            acc[..acc_len].copy_from_slice(inputs[send_b]);
-            prologue(dtype, op, &mut acc[..acc_len]);
+            cur[..out_len].copy_from_slice(inputs[send_b]);
+            prologue(dtype, op, &mut cur[..out_len]);
         }
-        let incoming = &mut tmp[..inputs[recv_b].len()];
-        {
-            let out: &[u8] = if s == 0 && !premul {
-                inputs[send_b]
-            } else {
-                &acc[..acc_len]
-            };
-            // In the stream, as in `ring_reduce_scatter`.
-            let mut x = [e.send_in_stream(right, tag, out), e.recv(left, tag, incoming)];
-            e.exchange(ctx, &mut x)?;
-        }
+        let out: &[u8] = if s == 0 && !premul {
+            inputs[send_b]
+        } else {
+            &cur[..out_len]
+        };
+        let own = inputs[recv_b];
         // The last step's block is ours (recv_b == me): it lands in `output`, after the first
         // exchange has checked every peer's call.
         let target: &mut [u8] = if s == n - 2 {
             &mut *output
         } else {
-            acc_len = inputs[recv_b].len();
-            &mut acc[..acc_len]
+            &mut next[..own.len()]
         };
-        target.copy_from_slice(inputs[recv_b]);
-        prologue(dtype, op, target);
-        reduce_into(dtype, op, target, incoming);
+        reducing_step(e, ctx, tag, sides, out, own.len(), tmp, |r, inc| {
+            let t = &mut target[r.clone()];
+            t.copy_from_slice(&own[r]);
+            prologue(dtype, op, t);
+            reduce_into(dtype, op, t, inc);
+        })?;
     }
     Ok(())
 }
@@ -260,7 +314,7 @@ pub(crate) fn all_reduce(
             }
             Algo::Ring => {
                 let lens = block_lens(buf.len() / dtype.size(), n, dtype.size());
-                let (tmp, scaled) = s.two(lens[0], if premul { buf.len() } else { 0 });
+                let (tmp, scaled) = s.two(lens[0].min(RING_PIECE), if premul { buf.len() } else { 0 });
                 let work: &mut [u8] = if premul {
                     scaled.copy_from_slice(buf);
                     prologue(dtype, op, scaled);
@@ -464,8 +518,14 @@ pub(crate) fn reduce_scatter(
             prologue(dtype, op, output);
         }
         Algo::Ring => {
-            let (acc, tmp) = s.two(largest, largest);
-            ring_reduce_scatter_from(e, ctx, tag, inputs, output, dtype, op, acc, tmp)?;
+            // Accumulators where a block is reduced before it is sent on: none at 2 ranks
+            // but premul_sum's first, scaled block.
+            let (acc_a, acc_b, tmp) = s.three(
+                if n > 2 || premul { largest } else { 0 },
+                if n > 2 { largest } else { 0 },
+                largest.min(RING_PIECE),
+            );
+            ring_reduce_scatter_from(e, ctx, tag, inputs, output, dtype, op, (acc_a, acc_b), tmp)?;
         }
     }
     epilogue(dtype, op, n, output);

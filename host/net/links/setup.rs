@@ -26,11 +26,18 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
-/// How much of a ring gets memory when its link is made. Small messages, the ones whose latency
-/// counts, then meet no page fault; the rest of the ring is faulted in by the first large
-/// message, once. Populating all of it cost a 1024-thread-rank group 2 GiB zeroed at its first
-/// point-to-point exchange (docs/results/cpu.md, "Communicator creation").
+/// How much of a ring gets memory when its link is made, where the rings of all its peers would
+/// take more than `WARM_BUDGET`. Small messages, the ones whose latency counts, then meet no
+/// page fault; the rest of the ring is faulted in by the first large message, or a page at a
+/// time as small ones walk the ring. Populating all of it cost a 1024-thread-rank group 2 GiB
+/// zeroed at its first point-to-point exchange (docs/results/cpu.md, "Communicator creation").
 const WARM_RING_BYTES: usize = 64 << 10;
+
+/// Where a rank's rings from all its peers take at most this much, a ring gets all its memory
+/// when its link is made (with 1 MiB rings, communicators of up to 65 ranks): else small
+/// messages walking the ring meet a page fault every 4 KiB of the first pass, about a
+/// microsecond each (measured: docs/results/cpu.md, "Rings warmed whole").
+const WARM_BUDGET: usize = 64 << 20;
 
 /// All links of one rank, indexed by peer rank.
 pub(crate) struct Transport {
@@ -72,8 +79,9 @@ impl Transport {
         }
     }
 
-    /// The link to `peer`, made now if it is pending: the first `WARM_RING_BYTES` of its two
-    /// rings are faulted in at once (`Segment::populate`) and its ends made.
+    /// The link to `peer`, made now if it is pending: its two rings are faulted in at once
+    /// (`Segment::populate`; the first `WARM_RING_BYTES` of each past `WARM_BUDGET`) and its
+    /// ends made.
     pub(crate) fn link(&mut self, peer: usize) -> &mut Link {
         if matches!(self.links[peer], Link::Pending) {
             if let Some(l) = self.make_shm_link(peer) {
@@ -88,7 +96,13 @@ impl Transport {
         let theirs = peers.segs[self.slots[peer]].as_ref()?;
         let stride = ring_stride(self.ring_bytes);
         let (tx_at, rx_at) = (self.slot * stride, self.slots[peer] * stride);
-        let warm = CTL_BYTES + self.ring_bytes.min(WARM_RING_BYTES);
+        let whole = self.ring_bytes.saturating_mul(self.links.len().saturating_sub(1)) <= WARM_BUDGET;
+        let warm = CTL_BYTES
+            + if whole {
+                self.ring_bytes
+            } else {
+                self.ring_bytes.min(WARM_RING_BYTES)
+            };
         theirs.populate(tx_at, warm);
         own.populate(rx_at, warm);
         // SAFETY: each segment holds one ring per sender, in rank order, of CTL_BYTES +
