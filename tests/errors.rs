@@ -215,13 +215,17 @@ fn different_operations_in_shared_memory_rounds_are_a_mismatch_without_waiting_f
         }
     });
     assert!(r.iter().all(|x| matches!(x, Err(Error::Mismatch { .. }))), "{r:?}");
-    // One rank in a round, the other sending framed messages (a small broadcast from rank 1).
+    // One rank in a round, the other sending framed messages (a small broadcast from rank 1,
+    // kept off the board by its hint).
+    let direct = OpOptions::new().hint("algorithm", "direct");
     let r = run_group(2, "mm-board-msg", options(timeout), |c| {
         let mut x = vec![1.0f32; 8];
         if c.rank() == 0 {
             c.all_reduce(&mut x, ReduceOp::Sum)
         } else {
-            c.broadcast(&mut x, 1).and_then(|_| c.all_reduce(&mut x, ReduceOp::Sum))
+            c.with_options(direct.clone())
+                .broadcast(&mut x, 1)
+                .and_then(|_| c.all_reduce(&mut x, ReduceOp::Sum))
         }
     });
     assert!(
@@ -239,7 +243,7 @@ fn different_operations_in_shared_memory_rounds_are_a_mismatch_without_waiting_f
     let r = run_group(2, "mm-msg-board", options(timeout), |c| {
         let mut x = vec![1.0f32; 8];
         if c.rank() == 0 {
-            c.broadcast(&mut x, 1)
+            c.with_options(direct.clone()).broadcast(&mut x, 1)
         } else {
             c.barrier()
         }
@@ -271,8 +275,9 @@ fn the_oneshot_hint_is_ignored_where_it_cannot_run_and_a_bad_value_is_refused() 
         let too_big = one
             .all_reduce(&mut big, ReduceOp::Sum)
             .map(|_| big.iter().all(|&x| x == 2.0));
+        // Reduce has no rounds: 5 and 6 at root 0, the other's buffer as it was.
         let mut root = vec![c.rank() as f32 + 5.0; 4];
-        let other_op = one.broadcast(&mut root, 0).map(|_| root[3]);
+        let other_op = one.reduce(&mut root, ReduceOp::Max, 0).map(|_| root[3]);
         let bad = c
             .with_options(OpOptions::new().hint("algorithm", "banana"))
             .all_reduce(&mut small, ReduceOp::Sum);
@@ -281,7 +286,7 @@ fn the_oneshot_hint_is_ignored_where_it_cannot_run_and_a_bad_value_is_refused() 
     for (ok, too_big, other_op, bad) in r {
         assert_eq!(ok.unwrap(), 2.0);
         assert!(too_big.unwrap());
-        assert_eq!(other_op.unwrap(), 5.0);
+        assert_eq!(other_op.unwrap(), 6.0);
         assert!(
             matches!(bad, Err(Error::InvalidArgument { op: "all_reduce", .. })),
             "{bad:?}"

@@ -149,11 +149,20 @@ fn a_hint_that_cannot_be_honoured_is_ignored_with_a_debug_event() {
         options(TIMEOUT).with_hint("algorithm", "oneshot"),
         |c| {
             let (events, _guard) = Events::capture();
-            // Broadcast has no shared-memory rounds.
-            check_broadcast(c, seed, 1000, 1).unwrap();
-            let ignored = events.matching(&["hint ignored", "op=broadcast", "hint=algorithm=oneshot"]);
+            // Reduce has no shared-memory rounds.
+            let mut x = [c.rank() as f64 + 1.0; 4];
+            c.reduce(&mut x[..], ReduceOp::Sum, 1).unwrap();
+            if c.rank() == 1 {
+                assert_eq!(x, [6.0; 4]);
+            }
+            let ignored = events.matching(&["hint ignored", "op=reduce", "hint=algorithm=oneshot"]);
             assert_eq!(ignored.len(), 1, "{:?}", events.0);
             assert!(ignored[0].contains("reason="), "{ignored:?}");
+            // Broadcast has: a round, whose data every rank checks.
+            events.clear();
+            check_broadcast(c, seed, 1000, 1).unwrap();
+            assert!(events.matching(&["hint ignored"]).is_empty(), "{:?}", events.0);
+            assert_eq!(events.matching(&["cpu algorithm: oneshot"]).len(), 1, "{:?}", events.0);
             // Too large for a shared-memory round: the size rule (ring) instead.
             events.clear();
             check_all_reduce(c, seed, 100_000).unwrap();

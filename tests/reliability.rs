@@ -453,16 +453,23 @@ fn a_sender_that_closes_at_once_still_serves_a_late_rank_over_tcp() {
     closing_right_after_sending(true);
 }
 
-/// Rank 2 never calls. Rank 0 broadcasts (and does not wait for the others' calls), then waits
-/// for rank 2; rank 1 waits for rank 2, then broadcasts. The timeout must name rank 2, the rank
-/// awaited, not the rank whose call to the broadcast has not arrived yet.
+/// Rank 2 never calls. Rank 0 broadcasts (streamed: it does not wait for the others' calls),
+/// then waits for rank 2; rank 1 waits for rank 2, then broadcasts. The timeout must name rank
+/// 2, the rank awaited, not the rank whose call to the broadcast has not arrived yet. (A small
+/// broadcast on one host is a shared-memory round, whose root waits for every rank: the hint
+/// keeps it streamed.)
 #[test]
 fn a_timeout_names_the_rank_that_was_awaited() {
     let done = std::sync::Barrier::new(3);
     let r = run_group(3, "timeout-names", options(Duration::from_millis(700)), |c| {
+        let streamed = c.with_options(OpOptions::new().hint("algorithm", "direct"));
         let r = match c.rank() {
-            0 => c.broadcast(&mut [1.0f32; 4], 0).and_then(|_| c.recv(&mut [0u8; 4], 2)),
-            1 => c.recv(&mut [0u8; 4], 2).and_then(|_| c.broadcast(&mut [0.0f32; 4], 0)),
+            0 => streamed
+                .broadcast(&mut [1.0f32; 4], 0)
+                .and_then(|_| c.recv(&mut [0u8; 4], 2)),
+            1 => c
+                .recv(&mut [0u8; 4], 2)
+                .and_then(|_| streamed.broadcast(&mut [0.0f32; 4], 0)),
             _ => Ok(()),
         };
         done.wait();

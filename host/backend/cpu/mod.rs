@@ -46,7 +46,7 @@ impl Tuning {
     }
 
     /// The operations that may run as shared-memory rounds: `use_board` decides for them first.
-    const BOARD_OPS: [&'static str; 4] = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all"];
+    const BOARD_OPS: [&'static str; 5] = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"];
 
     /// The algorithm of every operation but the shared-memory rounds: the hint's, else by size.
     fn choose(&self, op: &'static str, bytes: usize, opts: &RunOptions) -> Result<Algo> {
@@ -62,7 +62,7 @@ impl Tuning {
                         op,
                         "algorithm",
                         "oneshot",
-                        "shared-memory rounds serve all_reduce, all_gather, reduce_scatter and all_to_all only",
+                        "shared-memory rounds serve all_reduce, all_gather, reduce_scatter, all_to_all and broadcast only",
                     );
                 }
                 self.by_size(bytes)
@@ -80,11 +80,24 @@ impl Tuning {
         }
     }
 
-    /// Does this all_reduce, all_gather, reduce_scatter or all_to_all go through the board
-    /// (oneshot.rs)?
+    /// Does this all_reduce, all_gather, reduce_scatter, all_to_all or broadcast go through the
+    /// board (oneshot.rs)?
     /// `available`: every rank shares this host and a contribution fits a slot (alike on every
     /// rank, so ranks that ignore the hint all do).
     fn use_board(&self, op: &'static str, bytes: usize, opts: &RunOptions, available: bool) -> Result<bool> {
+        self.use_board_up_to(op, bytes, opts, available, self.direct_max)
+    }
+
+    /// As `use_board`, with `limit` instead of `FERROCOMM_CPU_DIRECT_MAX` as the largest
+    /// `bytes` that go through the board without a hint.
+    fn use_board_up_to(
+        &self,
+        op: &'static str,
+        bytes: usize,
+        opts: &RunOptions,
+        available: bool,
+        limit: usize,
+    ) -> Result<bool> {
         let board = match Self::wanted(op, opts.hints, true)? {
             Some(Wanted::OneShot) if available => true,
             Some(Wanted::OneShot) => {
@@ -96,7 +109,7 @@ impl Tuning {
                 false
             }
             Some(_) => false,
-            None => available && bytes <= self.direct_max,
+            None => available && bytes <= limit,
         };
         if board {
             tracing::trace!(op, bytes, "cpu algorithm: oneshot");
@@ -518,7 +531,17 @@ impl CpuBackend {
             }
             Op::Broadcast { buf, root } => {
                 let (d, bytes) = (buf.dtype(), buf.host_bytes().len());
-                let (t, a) = (tag(3, d, None), algo(bytes)?);
+                let t = tag(3, d, None);
+                let limit = oneshot::broadcast_round_max(e).min(self.tuning.direct_max);
+                if self
+                    .tuning
+                    .use_board_up_to(ctx.op, bytes, opts, oneshot::fits(e, bytes), limit)?
+                {
+                    e.settle_deferred(ctx)?;
+                    e.count_call();
+                    return oneshot::broadcast(e, ctx, t, buf.host_bytes_mut(), *root);
+                }
+                let a = algo(bytes)?;
                 // The chain's first exchange is not symmetric (rank k forwards to k + 1 a step after
                 // k + 1 first receives from it): header-only call messages go first.
                 begin(e, t, elems(bytes, d), *root, a, a == Algo::Direct, e.rank != *root);

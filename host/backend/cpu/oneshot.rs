@@ -26,6 +26,18 @@ pub(crate) fn fits(e: &Engine, bytes: usize) -> bool {
     e.transport.board.is_some() && bytes <= SLOT_BYTES
 }
 
+/// The largest broadcast that runs as a round without a hint. Where every rank has a CPU of
+/// its own, the streamed broadcast, whose root runs ahead, is faster from 4 KiB (2 processes:
+/// 0.66 us against 0.73 at 4 KiB, 1.18 against 1.80 at 16 KiB; docs/results/cpu.md); where
+/// ranks outnumber CPUs the round wins at every size it takes (crowding.rs).
+pub(crate) fn broadcast_round_max(e: &Engine) -> usize {
+    if e.transport.crowded() {
+        SLOT_BYTES
+    } else {
+        2 << 10
+    }
+}
+
 fn board(e: &Engine) -> &Board {
     e.transport.board.as_ref().expect("callers check `fits` first")
 }
@@ -134,6 +146,57 @@ pub(crate) fn all_gather(e: &mut Engine, ctx: &OpCtx, tag: Tag, input: &[u8], ou
         } else {
             out.copy_from_slice(board(e).data(r, round, out.len()));
         }
+    }
+    Ok(())
+}
+
+/// A broadcast as one round: the root publishes `buf`, every other rank its length (8 bytes),
+/// and the others copy the root's contribution once every peer's call has been checked. The
+/// root rides in the label, so ranks that name different roots disagree there; each rank
+/// checks every peer's length against its own, so a receiver with another count is a
+/// mismatch on every rank. Unlike the streamed broadcast, whose root runs ahead, the root
+/// waits for every peer's round; small messages still gain, as no rank sends a message per
+/// peer (measured: docs/results/cpu.md).
+pub(crate) fn broadcast(e: &mut Engine, ctx: &OpCtx, tag: Tag, buf: &mut [u8], root: usize) -> Result<()> {
+    let (n, me, len) = (e.size, e.rank, buf.len());
+    let label = tag.label() | (root as u64) << ARG_SHIFT;
+    let own_len = (len as u64).to_le_bytes();
+    let round = if me == root {
+        e.publish_round(label, &[buf])
+    } else {
+        e.publish_round(label, &[&own_len])
+    };
+    for p in (0..n).filter(|&p| p != me) {
+        let (got, nbytes) = await_round(e, ctx, p, round)?;
+        let peer_len = match (got == label, p == root) {
+            (false, _) => None,
+            (true, true) => Some(nbytes),
+            (true, false) if nbytes == 8 => {
+                let raw: [u8; 8] = board(e).data(p, round, 8).try_into().expect("8 bytes");
+                Some(u64::from_le_bytes(raw))
+            }
+            (true, false) => None,
+        };
+        if peer_len != Some(len as u64) {
+            // Named by field where only one differs, as the call headers do (header.rs).
+            let same_call = got & ((1 << ARG_SHIFT) - 1) == tag.label();
+            return Err(Error::Mismatch {
+                op: ctx.op,
+                peer: p,
+                detail: match peer_len {
+                    Some(l) => format!("bytes: this rank has {len}, rank {p} has {l}"),
+                    None if same_call => format!("root: this rank has {root}, rank {p} has {}", got >> ARG_SHIFT),
+                    None => format!(
+                        "it called {}, this rank {} with root {root}",
+                        Tag::from_label(got, nbytes).describe(),
+                        Tag::from_label(label, len as u64).describe()
+                    ),
+                },
+            });
+        }
+    }
+    if me != root {
+        buf.copy_from_slice(board(e).data(root, round, len));
     }
     Ok(())
 }

@@ -54,7 +54,7 @@ fn oneshot_where_it_cannot_run_is_ignored_for_the_default_choice() {
     assert_eq!(choose("all_reduce", 8, &one).unwrap(), Algo::Direct);
     assert_eq!(choose("all_reduce", 4096, &one).unwrap(), Algo::Ring);
     // Operations that have no shared-memory rounds run as without the hint.
-    assert_eq!(choose("broadcast", 8, &one).unwrap(), Algo::Direct);
+    assert_eq!(choose("gather", 8, &one).unwrap(), Algo::Direct);
     assert_eq!(choose("reduce", 1 << 20, &one).unwrap(), Algo::Ring);
     // reduce_scatter has rounds: the board decides first, as for all_reduce.
     assert!(board("reduce_scatter", 4096, &one, true).unwrap());

@@ -203,6 +203,12 @@ impl Transport {
     pub(crate) fn spin_rounds(&self) -> u32 {
         crowding::spin_rounds(self.crowded)
     }
+
+    /// Whether the ranks on this kernel outnumber their CPUs (crowding.rs); alike on every
+    /// rank where all share one host.
+    pub(crate) fn crowded(&self) -> bool {
+        self.crowded
+    }
 }
 
 impl Drop for Transport {
