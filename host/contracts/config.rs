@@ -116,8 +116,9 @@ pub(crate) struct Config {
     pub force_tcp: bool,
     /// `FERROCOMM_SHM_RING_BYTES` (1 MiB; `TransportOptions` checks it is a power of two).
     pub shm_ring_bytes: usize,
-    /// `FERROCOMM_SHM_PULL_BYTES` (64 KiB; 0: never).
-    pub shm_pull_bytes: usize,
+    /// `FERROCOMM_SHM_PULL_BYTES` (0: never); unset: 16 KiB, 64 KiB where a host's ranks
+    /// outnumber its CPUs.
+    pub shm_pull_bytes: Option<usize>,
     /// `FERROCOMM_SOCKET_ADDR`.
     pub socket_addr: Option<IpAddr>,
     /// `FERROCOMM_NET` (auto).
@@ -230,7 +231,7 @@ impl Config {
             store_external: raw.get("FERROCOMM_STORE_EXTERNAL") == Some("1"),
             force_tcp,
             shm_ring_bytes: raw.parse("FERROCOMM_SHM_RING_BYTES")?.unwrap_or(1 << 20),
-            shm_pull_bytes: raw.parse("FERROCOMM_SHM_PULL_BYTES")?.unwrap_or(64 << 10),
+            shm_pull_bytes: raw.parse("FERROCOMM_SHM_PULL_BYTES")?,
             socket_addr: raw.parse("FERROCOMM_SOCKET_ADDR")?,
             net,
             encrypt,
@@ -537,7 +538,7 @@ mod tests {
         assert!(c.multicast && c.proxy_affinity && c.nccl);
         assert_eq!(
             (c.shm_ring_bytes, c.shm_pull_bytes, c.cpu_direct_max, c.cpu_chunk),
-            (1 << 20, 64 << 10, 64 << 10, 256 << 10)
+            (1 << 20, None, 64 << 10, 256 << 10)
         );
         assert_eq!(
             (c.nccl_threshold, c.device_oneshot_max, c.device_twoshot_min),

@@ -24,9 +24,10 @@ pub struct TransportOptions {
     pub shm_ring_bytes: usize,
     /// Messages between ranks of one host of at least this many bytes go by reference: the
     /// receiver copies them straight out of the sender's memory (`process_vm_readv`), one copy
-    /// instead of two, where the kernel allows it. `FERROCOMM_SHM_PULL_BYTES`, default 64 KiB;
-    /// 0: never; else at least 4096.
-    pub shm_pull_bytes: usize,
+    /// instead of two, where the kernel allows it. `FERROCOMM_SHM_PULL_BYTES`; 0: never; else
+    /// at least 4096. `None`: 16 KiB, or 64 KiB where the ranks on the host outnumber its CPUs
+    /// (a sender waits for its receiver to copy, and there the receiver is often not running).
+    pub shm_pull_bytes: Option<usize>,
     /// Use TCP even between ranks of one host (`FERROCOMM_TRANSPORT=tcp`).
     pub force_tcp: bool,
     /// Window operations toward other hosts (`FERROCOMM_NET=auto|tcp|rdma`, default auto).
@@ -69,7 +70,7 @@ impl TransportOptions {
             )));
         }
         // A reference takes 24 bytes of the stream: a smaller message is never worth one.
-        let p = self.shm_pull_bytes;
+        let p = self.shm_pull_bytes.unwrap_or(0);
         if p != 0 && p < 4096 {
             return Err(Error::Config(format!(
                 "FERROCOMM_SHM_PULL_BYTES={p}: 0 (never) or at least 4096"
@@ -262,7 +263,7 @@ mod tests {
     fn a_pull_threshold_below_a_page_is_refused() {
         let mut t = TransportOptions::from_config(&Config::from_lookup(|_| None).unwrap()).unwrap();
         for (p, ok) in [(0, true), (100, false), (4095, false), (4096, true), (1 << 20, true)] {
-            t.shm_pull_bytes = p;
+            t.shm_pull_bytes = Some(p);
             match t.validate() {
                 Ok(()) => assert!(ok, "{p} passed"),
                 Err(Error::Config(m)) => assert!(!ok && m.contains("FERROCOMM_SHM_PULL_BYTES"), "{p}: {m}"),

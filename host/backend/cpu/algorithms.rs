@@ -416,7 +416,13 @@ pub(crate) fn broadcast(
     }
     if algo == Algo::Direct {
         if me == root {
-            let mut x: Vec<Xfer> = (0..n).filter(|&p| p != me).map(|p| e.send(p, tag, buf)).collect();
+            // In the stream: the root runs ahead of its receivers instead of waiting for each
+            // to copy (measured: by reference, 16 KiB at 2 processes took 2.2 us against 1.2,
+            // docs/results/cpu.md).
+            let mut x: Vec<Xfer> = (0..n)
+                .filter(|&p| p != me)
+                .map(|p| e.send_in_stream(p, tag, buf))
+                .collect();
             return e.exchange(ctx, &mut x);
         }
         return {

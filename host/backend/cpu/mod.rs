@@ -497,6 +497,8 @@ impl CpuBackend {
             Tuning::wanted(ctx.op, opts.hints, true)?;
         }
         let algo = |bytes: usize| self.tuning.choose(ctx.op, bytes, opts);
+        // The largest operation that runs as a shared-memory round without a hint.
+        let round_max = |e: &Engine| oneshot::round_max(e, false).min(self.tuning.direct_max);
         // Opens the collective's call (header.rs) right before its algorithm runs.
         // `writes`: this rank writes a user buffer (else it checks peers' calls as they come).
         let begin = |e: &mut Engine, t: Tag, count: usize, root: usize, a: Algo, symmetric: bool, writes: bool| {
@@ -513,12 +515,25 @@ impl CpuBackend {
             Op::AllReduce { buf, op } => {
                 let (d, o, bytes) = (buf.dtype(), *op, buf.host_bytes().len());
                 let t = tag(1, d, Some(o));
-                if self.tuning.use_board(ctx.op, bytes, opts, oneshot::fits(e, bytes))? {
+                if self
+                    .tuning
+                    .use_board_up_to(ctx.op, bytes, opts, oneshot::fits(e, bytes), round_max(e))?
+                {
                     e.settle_deferred(ctx)?;
                     e.count_call();
                     return oneshot::all_reduce(e, ctx, t, buf.host_bytes_mut(), d, o);
                 }
-                let a = algo(bytes)?;
+                let mut a = algo(bytes)?;
+                // Past the rounds on one host, where every rank has a CPU, the ring beats
+                // sending the whole buffer to every peer (2 processes, 16 KiB: 3.6 us against
+                // 5.7, and the round's 4.4; docs/results/cpu.md).
+                if a == Algo::Direct
+                    && oneshot::fits(e, bytes)
+                    && bytes > round_max(e)
+                    && Tuning::wanted(ctx.op, opts.hints, false)?.is_none()
+                {
+                    a = Algo::Ring;
+                }
                 begin(e, t, elems(bytes, d), 0, a, true, true);
                 algorithms::all_reduce(e, s, ctx, t, buf.host_bytes_mut(), d, o, a)
             }
@@ -532,11 +547,13 @@ impl CpuBackend {
             Op::Broadcast { buf, root } => {
                 let (d, bytes) = (buf.dtype(), buf.host_bytes().len());
                 let t = tag(3, d, None);
-                let limit = oneshot::broadcast_round_max(e).min(self.tuning.direct_max);
-                if self
-                    .tuning
-                    .use_board_up_to(ctx.op, bytes, opts, oneshot::fits(e, bytes), limit)?
-                {
+                if self.tuning.use_board_up_to(
+                    ctx.op,
+                    bytes,
+                    opts,
+                    oneshot::fits(e, bytes),
+                    oneshot::round_max(e, true).min(self.tuning.direct_max),
+                )? {
                     e.settle_deferred(ctx)?;
                     e.count_call();
                     return oneshot::broadcast(e, ctx, t, buf.host_bytes_mut(), *root);
@@ -553,7 +570,10 @@ impl CpuBackend {
                 // Decided on what every rank knows alike (all_gather_v: counts differ by rank).
                 let total = outs.iter().map(|o| o.len()).sum();
                 let largest = outs.iter().map(|o| o.len()).max().unwrap_or(0);
-                if self.tuning.use_board(ctx.op, total, opts, oneshot::fits(e, largest))? {
+                if self
+                    .tuning
+                    .use_board_up_to(ctx.op, total, opts, oneshot::fits(e, largest), round_max(e))?
+                {
                     e.settle_deferred(ctx)?;
                     e.count_call();
                     return oneshot::all_gather(e, ctx, t, input.host_bytes(), &mut outs);
@@ -567,7 +587,10 @@ impl CpuBackend {
                 let ins: Vec<&[u8]> = inputs.iter().map(|i| i.host_bytes()).collect();
                 let total = ins.iter().map(|i| i.len()).sum();
                 let t = tag(5, d, Some(o));
-                if self.tuning.use_board(ctx.op, total, opts, oneshot::fits(e, total))? {
+                if self
+                    .tuning
+                    .use_board_up_to(ctx.op, total, opts, oneshot::fits(e, total), round_max(e))?
+                {
                     e.settle_deferred(ctx)?;
                     e.count_call();
                     return oneshot::reduce_scatter(e, s, ctx, t, &ins, output.host_bytes_mut(), d, o);

@@ -26,15 +26,18 @@ pub(crate) fn fits(e: &Engine, bytes: usize) -> bool {
     e.transport.board.is_some() && bytes <= SLOT_BYTES
 }
 
-/// The largest broadcast that runs as a round without a hint. Where every rank has a CPU of
-/// its own, the streamed broadcast, whose root runs ahead, is faster from 4 KiB (2 processes:
-/// 0.66 us against 0.73 at 4 KiB, 1.18 against 1.80 at 16 KiB; docs/results/cpu.md); where
-/// ranks outnumber CPUs the round wins at every size it takes (crowding.rs).
-pub(crate) fn broadcast_round_max(e: &Engine) -> usize {
-    if e.transport.crowded() {
-        SLOT_BYTES
-    } else {
-        2 << 10
+/// The largest contribution that runs as a round without a hint (`broadcast`: its root's
+/// buffer; else the operation's bytes, as `Tuning::use_board` counts them). Where every rank
+/// has a CPU of its own, the framed algorithms are faster above a few KiB: the streamed
+/// broadcast, whose root runs ahead, from 4 KiB (2 processes: 0.66 us against 0.73 at 4 KiB,
+/// 1.18 against 1.80 at 16 KiB), the others from 16 KiB, where their messages go by
+/// reference (all_gather of 64 KiB: 3.9 us against 6.4; docs/results/cpu.md). Where ranks
+/// outnumber CPUs the round wins at every size it takes (crowding.rs).
+pub(crate) fn round_max(e: &Engine, broadcast: bool) -> usize {
+    match (e.transport.crowded(), broadcast) {
+        (true, _) => usize::MAX,
+        (false, true) => 2 << 10,
+        (false, false) => 8 << 10,
     }
 }
 

@@ -473,8 +473,14 @@ pub(crate) fn connect_all(
         slot: rank,
         ring_bytes: opts.shm_ring_bytes,
         pull_bytes: match opts.shm_pull_bytes {
-            0 => usize::MAX,
-            n => n,
+            Some(0) => usize::MAX,
+            Some(n) => n,
+            // Measured (docs/results/cpu.md, "Rounds and references by crowding"): where every
+            // rank has a CPU, 16-32 KiB by reference took 0.70-0.78 of the time through the
+            // rings; with 4 ranks on 2 CPUs 16 KiB took 1.7x, the sender waiting for a receiver
+            // that was not running.
+            None if crowded => 64 << 10,
+            None => 16 << 10,
         },
         crowded,
     })
@@ -612,10 +618,10 @@ mod tests {
     use crate::net::links::REF_BYTES;
 
     fn connect_threads(n: usize) -> Vec<Transport> {
-        connect_threads_with(n, 64 << 10)
+        connect_threads_with(n, Some(64 << 10))
     }
 
-    fn connect_threads_with(n: usize, shm_pull_bytes: usize) -> Vec<Transport> {
+    fn connect_threads_with(n: usize, shm_pull_bytes: Option<usize>) -> Vec<Transport> {
         let store = MemoryStore::new();
         let opts = TransportOptions {
             shm_ring_bytes: 1 << 16,
@@ -724,7 +730,7 @@ mod tests {
         assert_eq!(got, fresh);
 
         // Off: nothing goes by reference.
-        let mut off = connect_threads_with(2, 0);
+        let mut off = connect_threads_with(2, Some(0));
         off[1].link(0);
         assert!(!off[0].link(1).sends_by_reference(big.len()));
     }
