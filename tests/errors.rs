@@ -198,6 +198,56 @@ fn different_operations_or_dtypes_across_ranks_are_a_mismatch() {
     );
 }
 
+/// reduce_scatter_v and all_gather_v whose ranks split the same total into different blocks:
+/// the ring moves a step's block in pieces, and the first piece of each side has the same
+/// length, so only the call itself can tell before anything lands. Every rank fails with
+/// `Mismatch` naming the block lengths, its output untouched.
+#[test]
+fn blocks_that_differ_under_the_same_total_are_a_mismatch_before_any_byte_lands() {
+    // 620 KB in all, above the direct algorithm's limit: the ring, 256 KiB pieces.
+    let split = |rank: usize| {
+        if rank == 0 {
+            [75_000usize, 80_000]
+        } else {
+            [80_000, 75_000]
+        }
+    };
+    let r = run_group(2, "mm-blocks", options(Duration::from_secs(10)), |c| {
+        let counts = split(c.rank());
+        let input = vec![1.0f32; counts.iter().sum()];
+        let mut out = vec![-1.0f32; counts[c.rank()]];
+        let rs = c.reduce_scatter_v(&mut out, &input, &counts, ReduceOp::Sum);
+        (rs, out.iter().all(|&x| x == -1.0))
+    });
+    for (rank, (rs, untouched)) in r.into_iter().enumerate() {
+        assert!(
+            matches!(&rs, Err(Error::Mismatch { detail, .. }) if detail.contains("block lengths")),
+            "rank {rank}: {rs:?}"
+        );
+        assert!(
+            untouched,
+            "rank {rank}: reduce_scatter_v wrote its output before the mismatch"
+        );
+    }
+    let r = run_group(2, "mm-blocks-ag", options(Duration::from_secs(10)), |c| {
+        let counts = split(c.rank());
+        let input = vec![1.0f32; counts[c.rank()]];
+        let mut out = vec![-1.0f32; counts.iter().sum()];
+        let ag = c.all_gather_v(&mut out, &input, &counts);
+        (ag, out.iter().all(|&x| x == -1.0))
+    });
+    for (rank, (ag, untouched)) in r.into_iter().enumerate() {
+        assert!(
+            matches!(&ag, Err(Error::Mismatch { detail, .. }) if detail.contains("block lengths")),
+            "rank {rank}: {ag:?}"
+        );
+        assert!(
+            untouched,
+            "rank {rank}: all_gather_v wrote its output before the mismatch"
+        );
+    }
+}
+
 /// Small all_reduce, all_gather and barrier between ranks of one host go through shared-memory
 /// rounds (the board), not framed messages: calls that differ there must still be mismatches,
 /// found at once rather than at the timeout.

@@ -30,8 +30,8 @@ pub(crate) enum Xfer<'b> {
         /// the payload.
         reference: Option<SentByReference>,
         /// Never by reference: the payload goes through the stream (a refusal's reason, which
-        /// the peer reads from there; a chained broadcast's chunks, which stream ahead; the
-        /// ring steps of all_reduce and reduce_scatter, which reduce between steps).
+        /// the peer reads from there; a broadcast's messages, which stream ahead; the ring
+        /// steps of all_reduce and reduce_scatter, which reduce between pieces).
         in_stream: bool,
     },
     Recv {
@@ -928,7 +928,8 @@ impl Engine {
                     op: ctx.op,
                     peer,
                     detail: "it entered a shared-memory collective (all_reduce, all_gather, \
-                             reduce_scatter, all_to_all or barrier of a small size) while this rank waits for its message"
+                             reduce_scatter, all_to_all, broadcast or barrier of a small size) while this rank \
+                             waits for its message"
                         .into(),
                 });
             }

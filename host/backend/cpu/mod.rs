@@ -257,6 +257,14 @@ fn any_count_call(root: usize) -> Call {
     }
 }
 
+/// FNV-1a over block lengths: equal on ranks that agree on every block.
+fn block_digest(lens: impl Iterator<Item = usize>) -> u32 {
+    lens.flat_map(|l| (l as u64).to_le_bytes())
+        .fold(0x811c_9dc5u32, |h, byte| {
+            (h ^ u32::from(byte)).wrapping_mul(0x0100_0193)
+        })
+}
+
 fn tag(code: u8, dtype: DType, op: Option<ReduceOp>) -> Tag {
     Tag {
         op: code,
@@ -579,7 +587,10 @@ impl CpuBackend {
                     return oneshot::all_gather(e, ctx, t, input.host_bytes(), &mut outs);
                 }
                 let a = algo(total)?;
-                begin(e, t, elems(total, d), 0, a, true, true);
+                // Blocks that differ between ranks (all_gather_v) must show in the call, before
+                // a ring step lands one: see reduce_scatter below.
+                let digest = block_digest(outs.iter().map(|o| o.len()));
+                begin(e, t, elems(total, d), digest as usize, a, true, true);
                 algorithms::all_gather(e, ctx, t, input.host_bytes(), &mut outs, a)
             }
             Op::ReduceScatter { inputs, output, op } => {
@@ -596,7 +607,14 @@ impl CpuBackend {
                     return oneshot::reduce_scatter(e, s, ctx, t, &ins, output.host_bytes_mut(), d, o);
                 }
                 let a = algo(total)?;
-                begin(e, t, elems(total, d), 0, a, true, true);
+                // The ring reduces its last step straight into `output`, piece by piece, and
+                // each piece is checked as a message of its own; an earlier ring step of
+                // all_gather lands whole blocks. So blocks that differ between ranks
+                // (reduce_scatter_v, all_gather_v) must show in the call itself, before any
+                // byte lands: a digest of the block lengths rides in the root field, which
+                // neither operation has a use for.
+                let digest = block_digest(ins.iter().map(|i| i.len()));
+                begin(e, t, elems(total, d), digest as usize, a, true, true);
                 algorithms::reduce_scatter(e, s, ctx, t, &ins, output.host_bytes_mut(), d, o, a)
             }
             Op::AllToAll { inputs, outputs } => {
@@ -604,11 +622,16 @@ impl CpuBackend {
                 let ins: Vec<&[u8]> = inputs.iter().map(|i| i.host_bytes()).collect();
                 let mut outs: Vec<&mut [u8]> = outputs.iter_mut().map(|o| o.host_bytes_mut()).collect();
                 // Whether the blocks fit is settled inside the round (all_to_all_v: sizes differ
-                // by rank), so here only the board and the hint count.
+                // by rank), so here only the board and the hint count; the hint lifts the limit
+                // of a round without one.
                 if self.tuning.use_board(ctx.op, 0, opts, oneshot::fits(e, 0))? {
+                    let limit = match Tuning::wanted(ctx.op, opts.hints, false)? {
+                        Some(Wanted::OneShot) => usize::MAX,
+                        _ => oneshot::round_max(e, false),
+                    };
                     e.settle_deferred(ctx)?;
                     e.count_call();
-                    if oneshot::all_to_all(e, ctx, t, &ins, &mut outs)? {
+                    if oneshot::all_to_all(e, ctx, t, &ins, &mut outs, limit)? {
                         return Ok(());
                     }
                 }

@@ -30,8 +30,9 @@ pub(crate) fn fits(e: &Engine, bytes: usize) -> bool {
 /// buffer; else the operation's bytes, as `Tuning::use_board` counts them). Where every rank
 /// has a CPU of its own, the framed algorithms are faster above a few KiB: the streamed
 /// broadcast, whose root runs ahead, from 4 KiB (2 processes: 0.66 us against 0.73 at 4 KiB,
-/// 1.18 against 1.80 at 16 KiB), the others from 16 KiB, where their messages go by
-/// reference (all_gather of 64 KiB: 3.9 us against 6.4; docs/results/cpu.md). Where ranks
+/// 1.18 against 1.80 at 16 KiB), the others from 16 KiB (all_gather: 1.96 us against 2.05;
+/// 64 KiB: 3.9 against 6.4, its messages by reference; docs/results/cpu.md), and at 8-16 KiB
+/// they are level (1.29 against 1.37 for all_gather at 8 KiB, the round ahead). Where ranks
 /// outnumber CPUs the round wins at every size it takes (crowding.rs).
 pub(crate) fn round_max(e: &Engine, broadcast: bool) -> usize {
     match (e.transport.crowded(), broadcast) {
@@ -174,10 +175,7 @@ pub(crate) fn broadcast(e: &mut Engine, ctx: &OpCtx, tag: Tag, buf: &mut [u8], r
         let peer_len = match (got == label, p == root) {
             (false, _) => None,
             (true, true) => Some(nbytes),
-            (true, false) if nbytes == 8 => {
-                let raw: [u8; 8] = board(e).data(p, round, 8).try_into().expect("8 bytes");
-                Some(u64::from_le_bytes(raw))
-            }
+            (true, false) if nbytes == 8 => Some(their_bytes(e, p, round, nbytes, false)),
             (true, false) => None,
         };
         if peer_len != Some(len as u64) {
@@ -191,7 +189,7 @@ pub(crate) fn broadcast(e: &mut Engine, ctx: &OpCtx, tag: Tag, buf: &mut [u8], r
                     None if same_call => format!("root: this rank has {root}, rank {p} has {}", got >> ARG_SHIFT),
                     None => format!(
                         "it called {}, this rank {} with root {root}",
-                        Tag::from_label(got, nbytes).describe(),
+                        Tag::from_label(got, their_bytes(e, p, round, nbytes, p == root)).describe(),
                         Tag::from_label(label, len as u64).describe()
                     ),
                 },
@@ -202,6 +200,16 @@ pub(crate) fn broadcast(e: &mut Engine, ctx: &OpCtx, tag: Tag, buf: &mut [u8], r
         buf.copy_from_slice(board(e).data(root, round, len));
     }
     Ok(())
+}
+
+/// The buffer length of `peer` in broadcast round `round`, for an error: the root's
+/// contribution is its buffer, a receiver's its 8-byte length record.
+fn their_bytes(e: &Engine, peer: usize, round: u64, nbytes: u64, root: bool) -> u64 {
+    if root || nbytes != 8 {
+        return nbytes;
+    }
+    let raw: [u8; 8] = board(e).data(peer, round, 8).try_into().expect("8 bytes");
+    u64::from_le_bytes(raw)
 }
 
 pub(crate) fn barrier(e: &mut Engine, ctx: &OpCtx, tag: Tag) -> Result<()> {
@@ -273,8 +281,9 @@ fn check_blocks_for_us(e: &Engine, ctx: &OpCtx, round: u64, want: impl Iterator<
     Ok(())
 }
 
-/// all_to_all in one round when every rank's blocks fit its slot. Whether they do is known
-/// only to each rank itself, so a rank whose blocks do not fit publishes a declined round;
+/// all_to_all in one round when every rank's blocks fit its slot and `limit` (`round_max`, or
+/// none where the hint asks for rounds). Whether they do is known only to each rank itself, so
+/// a rank whose blocks do not fit publishes a declined round;
 /// every rank reads every label, and if any declined, all return `false` alike and the caller
 /// runs the message algorithm instead.
 pub(crate) fn all_to_all(
@@ -283,9 +292,11 @@ pub(crate) fn all_to_all(
     tag: Tag,
     inputs: &[&[u8]],
     outputs: &mut [&mut [u8]],
+    limit: usize,
 ) -> Result<bool> {
     let me = e.rank;
-    let fits = inputs.iter().map(|i| i.len()).sum::<usize>() <= SLOT_BYTES;
+    let total = inputs.iter().map(|i| i.len()).sum::<usize>();
+    let fits = total <= SLOT_BYTES && total <= limit;
     let round = if fits {
         e.publish_round(tag.label(), inputs)
     } else {

@@ -94,6 +94,13 @@ mod tests {
     }
 
     #[test]
+    fn machines_whose_boot_id_was_not_read_are_not_taken_for_one() {
+        let (one, two) = ("node1//mnt:[1]/pid:[2]", "node2//mnt:[1]/pid:[2]");
+        assert!(!crowded(one, [(one, "0"), (two, "0")].into_iter()).unwrap());
+        assert!(crowded(one, [(one, "0"), (one, "0")].into_iter()).unwrap());
+    }
+
+    #[test]
     fn this_thread_has_a_cpu_list() {
         let own = own_cpus();
         assert!(

@@ -219,8 +219,8 @@ pub(crate) fn check_owner(peer: usize, seg: &Segment, watch: Option<&ProcessWatc
 }
 
 /// How a host thread waits for a peer: spin `spin` rounds, then yield, then sleep, because
-/// ranks often outnumber cores (tests, one GPU shared); where they do, `spin` is 0
-/// (crowding.rs). `idle` counts the rounds waited so far.
+/// ranks often outnumber cores (tests, one GPU shared). The collectives' waits spin none where
+/// they do (crowding.rs); others pass `SPIN_ROUNDS`. `idle` counts the rounds waited so far.
 pub(crate) fn back_off(idle: u32, spin: u32) {
     if idle < spin {
         std::hint::spin_loop();

@@ -266,13 +266,13 @@ mod tests {
         assert_eq!(rx.read(&mut got), 64);
         assert_eq!(&got[50..60], &[2; 10]);
         assert_eq!(&got[60..64], &[3; 4]);
-        // Room again, seen only after the producer loads the consumer's counter anew; the
-        // pair now wraps around the end of the ring.
+        // Room again, seen only after the producer loads the consumer's counter anew.
         assert_eq!(tx.write_pair(&[5; 8], &[6; 6]), 14);
         assert_eq!(rx.read(&mut got[..14]), 14);
         assert_eq!(&got[..14], &[5, 5, 5, 5, 5, 5, 5, 5, 6, 6, 6, 6, 6, 6]);
         assert_eq!(rx.read(&mut got), 0);
-        // Where the first part does not fit whole, nothing of the second goes.
+        // Where the first part does not fit whole, nothing of the second goes; this pair
+        // wraps around the end of the ring.
         assert_eq!(tx.write(&[0; 60]), 60);
         assert_eq!(tx.write_pair(&[7; 8], &[8; 8]), 4);
         assert_eq!(rx.read(&mut got), 64);

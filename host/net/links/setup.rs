@@ -284,7 +284,11 @@ pub(crate) fn machine(host: &str) -> &str {
 /// which count as other hosts, still share its CPUs (crowding.rs). Read from the right, as
 /// the fields after the host name hold no `/`.
 pub(crate) fn kernel(host: &str) -> &str {
-    machine(host).rsplit('/').nth(2).unwrap_or("")
+    match machine(host).rsplit('/').nth(2) {
+        Some(boot) if !boot.is_empty() => boot,
+        // No boot id read: the machine as a whole, so that two machines never count as one.
+        _ => machine(host),
+    }
 }
 
 fn left(deadline: Instant) -> Duration {
