@@ -16,6 +16,11 @@ use std::time::{Duration, Instant};
 /// How often a stalled engine looks at deadlines, abort flags and peer liveness.
 const CHECK_EVERY: Duration = Duration::from_millis(5);
 
+/// How long a rank whose shared-memory link failed under a message waits for the peer to say
+/// whether it lost another rank first (`Engine::lost_at_root`); a peer announces that as soon
+/// as its own operation has failed.
+const ROOT_CAUSE_WAIT: Duration = Duration::from_millis(200);
+
 /// One pending message.
 pub(crate) enum Xfer<'b> {
     Send {
@@ -587,7 +592,11 @@ impl Engine {
                 continue; // an earlier message to/from this peer is still in flight
             }
             *stamp = self.sweep;
-            moved |= Self::step(self.transport.link(peer), x, ctx.op, &mut calls_pending)?;
+            moved |= match Self::step(self.transport.link(peer), x, ctx.op, &mut calls_pending) {
+                Ok(m) => m,
+                Err(Error::PeerLost { op, peer, reason }) => return Err(self.lost_at_root(op, peer, reason)),
+                Err(e) => return Err(e),
+            };
             if !x.done() {
                 continue;
             }
@@ -598,6 +607,31 @@ impl Engine {
             }
         }
         Ok((all_done, moved))
+    }
+
+    /// The error for a link to `peer` that failed under a message: over shared memory, a peer
+    /// that gave up its own operation because it lost another rank (and so withdrew the
+    /// message we were copying, pull.rs) says so in its segment right after, and then that rank
+    /// is the one named, as every survivor names it. Waits up to `ROOT_CAUSE_WAIT` for the
+    /// peer's word while the peer still looks alive.
+    fn lost_at_root(&mut self, op: &'static str, peer: usize, reason: String) -> Error {
+        if !matches!(self.transport.link(peer), Link::Shm(_)) {
+            return Error::PeerLost { op, peer, reason };
+        }
+        let until = Instant::now() + ROOT_CAUSE_WAIT;
+        loop {
+            match self.transport.check_peer(peer) {
+                Err(g) if g.rank != peer => {
+                    return Error::PeerLost {
+                        op,
+                        peer: g.rank,
+                        reason: g.reason,
+                    }
+                }
+                Ok(()) if Instant::now() < until => std::thread::sleep(Duration::from_millis(1)),
+                _ => return Error::PeerLost { op, peer, reason },
+            }
+        }
     }
 
     /// Runs every message to completion, or fails with the reason and the peer.
@@ -979,4 +1013,78 @@ fn drain_one(
         moved |= n > 0;
     }
     Ok(moved)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bootstrap::MemoryStore;
+    use crate::contracts::dtype::DType;
+    use crate::contracts::options::{Encrypt, NetTransport, TransportOptions};
+    use crate::net::links::{connect_all, OwnerState};
+
+    fn engines(n: usize) -> Vec<Engine> {
+        let store = MemoryStore::new();
+        let opts = TransportOptions {
+            shm_ring_bytes: 1 << 16,
+            shm_pull_bytes: Some(4096),
+            force_tcp: false,
+            net: NetTransport::Auto,
+            bind_addr: None,
+            encrypt: Encrypt::Auto,
+        };
+        std::thread::scope(|s| {
+            let hs: Vec<_> = (0..n)
+                .map(|r| {
+                    let (store, opts) = (&store, &opts);
+                    s.spawn(move || connect_all(r, n, store, opts, Duration::from_secs(30)).unwrap())
+                })
+                .collect();
+            let ts: Vec<Transport> = hs.into_iter().map(|h| h.join().unwrap()).collect();
+            ts.into_iter().enumerate().map(|(r, t)| Engine::new(r, n, t)).collect()
+        })
+    }
+
+    fn ctx(abort: &AtomicBool, after: Duration) -> OpCtx<'_> {
+        OpCtx {
+            op: "send/recv",
+            deadline: Instant::now() + after,
+            timeout: after,
+            abort,
+        }
+    }
+
+    /// Rank 2 sends rank 0 a message by reference, gives up (its operation failed because it
+    /// lost rank 1), takes the message back and says so in its segment. Rank 0, copying it,
+    /// must name rank 1, the rank at the root, as every survivor does, not rank 2.
+    #[test]
+    fn a_withdrawn_message_names_the_rank_its_sender_lost() {
+        let mut e = engines(3);
+        let abort = AtomicBool::new(false);
+        let tag = super::super::tag(10, DType::U8, None);
+        let data = vec![7u8; 1 << 16];
+        let mut into = vec![0u8; 1 << 16];
+        // Rank 0 makes its link first, so that it offers to copy; rank 2 then sends by
+        // reference and, with nobody copying yet, times out and withdraws it.
+        let _ = e[0].transport.link(2);
+        let sent = {
+            let mut x = [e[2].send(0, tag, &data)];
+            e[2].exchange(&ctx(&abort, Duration::from_millis(50)), &mut x)
+        };
+        assert!(matches!(sent, Err(Error::Timeout { .. })), "{sent:?}");
+        let announcer = e[2].transport.announcer();
+        let late = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            announcer.announce(OwnerState::Lost(1));
+        });
+        let got = {
+            let mut x = [e[0].recv(2, tag, &mut into)];
+            e[0].exchange(&ctx(&abort, Duration::from_secs(5)), &mut x)
+        };
+        late.join().unwrap();
+        assert!(
+            matches!(&got, Err(Error::PeerLost { peer: 1, .. })),
+            "wanted the rank at the root: {got:?}"
+        );
+    }
 }

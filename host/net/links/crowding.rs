@@ -13,7 +13,6 @@
 //! affinity masks, which each rank publishes at set-up: ranks bound one to a core each are not
 //! crowded, though each of them may run on one CPU only.
 
-use super::setup::kernel;
 use crate::contracts::error::{Error, Result};
 use rustix::thread::{sched_getaffinity, CpuSet};
 use std::collections::BTreeSet;
@@ -38,12 +37,12 @@ pub(crate) fn own_cpus() -> String {
     }
 }
 
-/// Whether the ranks whose host identities and CPU lists are `ranks` that share `me`'s kernel
-/// outnumber the CPUs they may run on together. `Err`: a CPU list that is not one.
-pub(crate) fn crowded<'a>(me: &str, ranks: impl Iterator<Item = (&'a str, &'a str)>) -> Result<bool> {
-    let mine = kernel(me);
+/// Whether the ranks of `ranks` (each its kernel, as `setup::kernel` reads it from its host
+/// identity, and its CPU list) that share our kernel `mine` outnumber the CPUs they may run on
+/// together. `Err`: a CPU list that is not one.
+pub(crate) fn crowded<'a>(mine: &str, ranks: impl Iterator<Item = (&'a str, &'a str)>) -> Result<bool> {
     let (mut count, mut cpus) = (0usize, BTreeSet::new());
-    for (_, list) in ranks.filter(|(host, _)| kernel(host) == mine) {
+    for (_, list) in ranks.filter(|(kernel, _)| *kernel == mine) {
         count += 1;
         if list == "-" {
             continue;
@@ -71,15 +70,14 @@ pub(crate) fn spin_rounds(crowded: bool) -> u32 {
 mod tests {
     use super::*;
 
-    const A: &str = "node/boot-a/mnt:[1]/pid:[2]";
-    const A_OTHER_NS: &str = "node/boot-a/mnt:[7]/pid:[8]#rank3";
-    const B: &str = "node/boot-b/mnt:[1]/pid:[2]";
+    const A: &str = "boot-a";
+    const B: &str = "boot-b";
 
     #[test]
     fn ranks_bound_one_to_a_cpu_are_not_crowded_but_four_on_two_cpus_are() {
         let bound = [(A, "0"), (A, "1")];
         assert!(!crowded(A, bound.into_iter()).unwrap());
-        let four = [(A, "0,1"), (A, "0,1"), (A_OTHER_NS, "0,1"), (A_OTHER_NS, "0,1")];
+        let four = [(A, "0,1"), (A, "0,1"), (A, "0,1"), (A, "0,1")];
         assert!(crowded(A, four.into_iter()).unwrap());
         // Ranks of another kernel run on CPUs of their own.
         let two_hosts = [(A, "0,1"), (A, "0,1"), (B, "0,1"), (B, "0,1")];
@@ -91,13 +89,6 @@ mod tests {
         assert!(crowded(A, [(A, "0,x")].into_iter()).is_err());
         assert!(crowded(A, [(A, "-"), (A, "-")].into_iter()).unwrap());
         assert!(!crowded(A, [(A, "-")].into_iter()).unwrap());
-    }
-
-    #[test]
-    fn machines_whose_boot_id_was_not_read_are_not_taken_for_one() {
-        let (one, two) = ("node1//mnt:[1]/pid:[2]", "node2//mnt:[1]/pid:[2]");
-        assert!(!crowded(one, [(one, "0"), (two, "0")].into_iter()).unwrap());
-        assert!(crowded(one, [(one, "0"), (one, "0")].into_iter()).unwrap());
     }
 
     #[test]

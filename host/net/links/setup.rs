@@ -391,7 +391,7 @@ pub(crate) fn connect_all(
         .map(|(r, v)| Hello::decode(r, v))
         .collect::<Result<Vec<_>>>()?;
     let local: Vec<bool> = hellos.iter().map(|h| h.host == me).collect();
-    let crowded = crowding::crowded(&me, hellos.iter().map(|h| (h.host, h.cpus)))?;
+    let crowded = crowding::crowded(kernel(&me), hellos.iter().map(|h| (kernel(h.host), h.cpus)))?;
     let own_seg = own_seg.filter(|_| (0..size).any(|p| p != rank && local[p]));
     let expected = (rank + 1..size).filter(|&p| !local[p]).count();
     if expected == 0 {
@@ -618,6 +618,15 @@ pub(crate) fn published_addr(listener: Option<&TcpListener>) -> Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_kernel_is_the_boot_id_and_other_namespaces_share_it_but_an_unread_one_is_the_machine() {
+        assert_eq!(kernel("node/boot-a/mnt:[1]/pid:[2]"), "boot-a");
+        assert_eq!(kernel("node/boot-a/mnt:[7]/pid:[8]#rank3"), "boot-a");
+        // Two machines whose boot ids could not be read are not one kernel.
+        let (one, two) = ("node1//mnt:[1]/pid:[2]", "node2//mnt:[1]/pid:[2]");
+        assert_ne!(kernel(one), kernel(two));
+    }
     use crate::bootstrap::MemoryStore;
     use crate::net::links::REF_BYTES;
 
