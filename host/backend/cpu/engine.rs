@@ -1018,31 +1018,12 @@ fn drain_one(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bootstrap::MemoryStore;
     use crate::contracts::dtype::DType;
-    use crate::contracts::options::{Encrypt, NetTransport, TransportOptions};
-    use crate::net::links::{connect_all, OwnerState};
+    use crate::net::links::{connect_threads_with, OwnerState};
 
     fn engines(n: usize) -> Vec<Engine> {
-        let store = MemoryStore::new();
-        let opts = TransportOptions {
-            shm_ring_bytes: 1 << 16,
-            shm_pull_bytes: Some(4096),
-            force_tcp: false,
-            net: NetTransport::Auto,
-            bind_addr: None,
-            encrypt: Encrypt::Auto,
-        };
-        std::thread::scope(|s| {
-            let hs: Vec<_> = (0..n)
-                .map(|r| {
-                    let (store, opts) = (&store, &opts);
-                    s.spawn(move || connect_all(r, n, store, opts, Duration::from_secs(30)).unwrap())
-                })
-                .collect();
-            let ts: Vec<Transport> = hs.into_iter().map(|h| h.join().unwrap()).collect();
-            ts.into_iter().enumerate().map(|(r, t)| Engine::new(r, n, t)).collect()
-        })
+        let ts = connect_threads_with(n, Some(4096));
+        ts.into_iter().enumerate().map(|(r, t)| Engine::new(r, n, t)).collect()
     }
 
     fn ctx(abort: &AtomicBool, after: Duration) -> OpCtx<'_> {

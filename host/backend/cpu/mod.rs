@@ -505,8 +505,9 @@ impl CpuBackend {
             Tuning::wanted(ctx.op, opts.hints, true)?;
         }
         let algo = |bytes: usize| self.tuning.choose(ctx.op, bytes, opts);
-        // The largest operation that runs as a shared-memory round without a hint.
-        let round_max = |e: &Engine| oneshot::round_max(e, false).min(self.tuning.direct_max);
+        // The largest operation (`broadcast`: the largest broadcast) that runs as a
+        // shared-memory round without a hint.
+        let round_max = |e: &Engine, broadcast: bool| oneshot::round_max(e, broadcast).min(self.tuning.direct_max);
         // Opens the collective's call (header.rs) right before its algorithm runs.
         // `writes`: this rank writes a user buffer (else it checks peers' calls as they come).
         let begin = |e: &mut Engine, t: Tag, count: usize, root: usize, a: Algo, symmetric: bool, writes: bool| {
@@ -525,7 +526,7 @@ impl CpuBackend {
                 let t = tag(1, d, Some(o));
                 if self
                     .tuning
-                    .use_board_up_to(ctx.op, bytes, opts, oneshot::fits(e, bytes), round_max(e))?
+                    .use_board_up_to(ctx.op, bytes, opts, oneshot::fits(e, bytes), round_max(e, false))?
                 {
                     e.settle_deferred(ctx)?;
                     e.count_call();
@@ -537,7 +538,7 @@ impl CpuBackend {
                 // 5.7, and the round's 4.4; docs/results/cpu.md).
                 if a == Algo::Direct
                     && oneshot::fits(e, bytes)
-                    && bytes > round_max(e)
+                    && bytes > round_max(e, false)
                     && Tuning::wanted(ctx.op, opts.hints, false)?.is_none()
                 {
                     a = Algo::Ring;
@@ -555,13 +556,10 @@ impl CpuBackend {
             Op::Broadcast { buf, root } => {
                 let (d, bytes) = (buf.dtype(), buf.host_bytes().len());
                 let t = tag(3, d, None);
-                if self.tuning.use_board_up_to(
-                    ctx.op,
-                    bytes,
-                    opts,
-                    oneshot::fits(e, bytes),
-                    oneshot::round_max(e, true).min(self.tuning.direct_max),
-                )? {
+                if self
+                    .tuning
+                    .use_board_up_to(ctx.op, bytes, opts, oneshot::fits(e, bytes), round_max(e, true))?
+                {
                     e.settle_deferred(ctx)?;
                     e.count_call();
                     return oneshot::broadcast(e, ctx, t, buf.host_bytes_mut(), *root);
@@ -580,7 +578,7 @@ impl CpuBackend {
                 let largest = outs.iter().map(|o| o.len()).max().unwrap_or(0);
                 if self
                     .tuning
-                    .use_board_up_to(ctx.op, total, opts, oneshot::fits(e, largest), round_max(e))?
+                    .use_board_up_to(ctx.op, total, opts, oneshot::fits(e, largest), round_max(e, false))?
                 {
                     e.settle_deferred(ctx)?;
                     e.count_call();
@@ -600,7 +598,7 @@ impl CpuBackend {
                 let t = tag(5, d, Some(o));
                 if self
                     .tuning
-                    .use_board_up_to(ctx.op, total, opts, oneshot::fits(e, total), round_max(e))?
+                    .use_board_up_to(ctx.op, total, opts, oneshot::fits(e, total), round_max(e, false))?
                 {
                     e.settle_deferred(ctx)?;
                     e.count_call();

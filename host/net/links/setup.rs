@@ -615,9 +615,34 @@ pub(crate) fn published_addr(listener: Option<&TcpListener>) -> Result<String> {
     }
 }
 
+/// Transports of `n` ranks as threads of this process, over an in-memory store (64 KiB rings),
+/// for tests of the links and of the engine above them.
+#[cfg(test)]
+pub(crate) fn connect_threads_with(n: usize, shm_pull_bytes: Option<usize>) -> Vec<Transport> {
+    let store = crate::bootstrap::MemoryStore::new();
+    let opts = TransportOptions {
+        shm_ring_bytes: 1 << 16,
+        shm_pull_bytes,
+        force_tcp: false,
+        net: crate::contracts::options::NetTransport::Auto,
+        bind_addr: None,
+        encrypt: crate::contracts::options::Encrypt::Auto,
+    };
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|r| {
+                let (store, opts) = (&store, &opts);
+                s.spawn(move || connect_all(r, n, store, opts, Duration::from_secs(30)).unwrap())
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::net::links::REF_BYTES;
 
     #[test]
     fn a_kernel_is_the_boot_id_and_other_namespaces_share_it_but_an_unread_one_is_the_machine() {
@@ -627,32 +652,9 @@ mod tests {
         let (one, two) = ("node1//mnt:[1]/pid:[2]", "node2//mnt:[1]/pid:[2]");
         assert_ne!(kernel(one), kernel(two));
     }
-    use crate::bootstrap::MemoryStore;
-    use crate::net::links::REF_BYTES;
 
     fn connect_threads(n: usize) -> Vec<Transport> {
         connect_threads_with(n, Some(64 << 10))
-    }
-
-    fn connect_threads_with(n: usize, shm_pull_bytes: Option<usize>) -> Vec<Transport> {
-        let store = MemoryStore::new();
-        let opts = TransportOptions {
-            shm_ring_bytes: 1 << 16,
-            shm_pull_bytes,
-            force_tcp: false,
-            net: crate::contracts::options::NetTransport::Auto,
-            bind_addr: None,
-            encrypt: crate::contracts::options::Encrypt::Auto,
-        };
-        std::thread::scope(|s| {
-            let hs: Vec<_> = (0..n)
-                .map(|r| {
-                    let (store, opts) = (&store, &opts);
-                    s.spawn(move || connect_all(r, n, store, opts, Duration::from_secs(30)).unwrap())
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
-        })
     }
 
     /// Ranks of one process share one mapping of each segment, whose names are gone at once;
