@@ -8,6 +8,7 @@ use crate::contracts::error::{Error, Result};
 use crate::contracts::fence::FenceSlot;
 use crate::contracts::ops::Op;
 use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
@@ -137,6 +138,9 @@ pub(crate) struct Executor {
     wake: Condvar,
     /// Held while an operation runs: the backend sees one operation at a time.
     running: Mutex<()>,
+    /// `Queue::in_flight`, readable without the queue's lock (written under it), so that a
+    /// synchronous call with nothing queued takes one lock, not two.
+    in_flight: AtomicUsize,
 }
 
 impl Executor {
@@ -146,6 +150,7 @@ impl Executor {
             queue: Mutex::default(),
             wake: Condvar::new(),
             running: Mutex::new(()),
+            in_flight: AtomicUsize::new(0),
         })
     }
 
@@ -155,15 +160,20 @@ impl Executor {
 
     /// Runs `task` to completion in issue order.
     pub(crate) fn run(self: &Arc<Self>, task: Task<'_>) -> Result<()> {
-        let q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
-        if q.in_flight == 0 {
-            // Nothing queued: run here. The worker takes `running` only for a job it dequeued,
-            // and in_flight == 0 means there is none, so this cannot wait on the worker.
-            let _running = self.running.lock().unwrap_or_else(|p| p.into_inner());
-            drop(q);
-            return task(&*self.backend, None);
+        // Nothing queued: run here. This thread's own earlier submissions show in `in_flight`
+        // (it counted them before `submit` returned), and it is looked at again once `running`
+        // is held: a job queued by another thread meanwhile is not ordered against this call,
+        // but one the worker has taken waits for `running`, so the backend still sees one
+        // operation at a time.
+        if self.in_flight.load(Ordering::Acquire) == 0 {
+            let running = self.running.lock().unwrap_or_else(|p| p.into_inner());
+            if self.in_flight.load(Ordering::Acquire) == 0 {
+                let r = task(&*self.backend, None);
+                drop(running);
+                return r;
+            }
+            drop(running);
         }
-        drop(q);
         // SAFETY: we block below until the job has completed, so the task's borrows outlive it.
         let done = unsafe { self.submit(task, "queued operation") }?;
         done.wait(None).unwrap_or(Ok(()))
@@ -213,6 +223,7 @@ impl Executor {
             done: done.clone(),
         });
         q.in_flight += 1;
+        self.in_flight.store(q.in_flight, Ordering::Release);
         self.wake.notify_all();
         Ok(done)
     }
@@ -247,7 +258,11 @@ impl Executor {
                         })
                     })
             };
-            self.queue.lock().unwrap_or_else(|p| p.into_inner()).in_flight -= 1;
+            {
+                let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+                q.in_flight -= 1;
+                self.in_flight.store(q.in_flight, Ordering::Release);
+            }
             self.wake.notify_all();
             done.finish(r);
         }

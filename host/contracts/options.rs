@@ -92,7 +92,9 @@ pub(crate) fn merge_hints(comm: &BTreeMap<String, String>, op: &BTreeMap<String,
 #[derive(Clone)]
 pub struct CommOptions {
     /// Default timeout of every operation (`FERROCOMM_TIMEOUT`, default 600 s); `OpOptions`
-    /// overrides it per operation.
+    /// overrides it per operation. On the CPU engine it runs from the operation's first stall
+    /// (a wait in which nothing moved for a few microseconds), not from the call: an operation
+    /// that never stalls reads no clock.
     ///
     /// An operation that times out returns `Error::Timeout` (naming the operation and, where
     /// known, the rank it waited for). What the communicator is afterwards depends on the

@@ -24,7 +24,6 @@ use engine::{Engine, OpCtx, Xfer};
 use header::{Call, Tag, ANY_COUNT};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
 
 /// Algorithm choice. `FERROCOMM_CPU_DIRECT_MAX` (bytes per rank, default 64 KiB): at or below,
 /// direct exchanges; above, ring or chain. `FERROCOMM_CPU_CHUNK` (default 256 KiB): the
@@ -303,12 +302,7 @@ impl Backend for CpuBackend {
                 state: "broken by an earlier failed operation",
             });
         }
-        let ctx = OpCtx {
-            op: name,
-            deadline: Instant::now() + opts.timeout,
-            timeout: opts.timeout,
-            abort: &self.abort,
-        };
+        let ctx = OpCtx::new(name, opts.timeout, &self.abort);
         let State {
             engine,
             scratch,
@@ -346,12 +340,7 @@ impl Backend for CpuBackend {
         if st.broken || st.frozen || self.abort.load(Ordering::Acquire) || self.lent.load(Ordering::SeqCst) {
             return;
         }
-        let ctx = OpCtx {
-            op: name,
-            deadline: Instant::now() + opts.timeout,
-            timeout: opts.timeout,
-            abort: &self.abort,
-        };
+        let ctx = OpCtx::new(name, opts.timeout, &self.abort);
         let r = inference::refuse_op(&mut st.engine, &ctx, op, opts, self.tuning.direct_max, reason);
         st.engine.end_call();
         if let Err(e) = r {
@@ -415,12 +404,7 @@ impl Backend for CpuBackend {
                 state: "broken, aborted or used since its ledger: its links cannot be handed on",
             });
         }
-        let ctx = OpCtx {
-            op,
-            deadline: Instant::now() + timeout,
-            timeout,
-            abort: &self.abort,
-        };
+        let ctx = OpCtx::new(op, timeout, &self.abort);
         let t = st.engine.hand_over(&ctx, members, keep_board)?;
         Ok(LentLinks(Box::new(t)))
     }
@@ -477,12 +461,7 @@ impl CpuBackend {
         if st.broken {
             return;
         }
-        let ctx = OpCtx {
-            op: "finalize",
-            deadline: Instant::now() + self.timeout,
-            timeout: self.timeout,
-            abort: &self.abort,
-        };
+        let ctx = OpCtx::new("finalize", self.timeout, &self.abort);
         if let Err(e) = st.engine.settle_deferred(&ctx) {
             tracing::debug!(rank = self.rank, error = %e, "closing: peers' calls did not all arrive");
             st.broken = true;

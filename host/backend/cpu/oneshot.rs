@@ -52,7 +52,7 @@ fn wait_for(e: &Engine, ctx: &OpCtx, peer: usize, ready: impl Fn(&Board) -> bool
     let b = board(e);
     let mut pace = Pacer::new(&e.transport);
     while !ready(b) {
-        let Some(now) = pace.stalled() else { continue };
+        let Some(now) = pace.stalled(ctx) else { continue };
         ctx.check(now, || Some(peer))?;
         // The peer updates the board before it leaves or moves on, so look once more first.
         if let Err(g) = e.transport.check_peer(peer) {
