@@ -1,7 +1,8 @@
 //! Issue order: operations of one communicator run one at a time in issue order. A synchronous
 //! call runs on the caller's thread when nothing is queued (no hand-off latency); otherwise it
 //! queues behind the asynchronous ones, which run on the communicator's worker thread. Every
-//! operation ends by itself within its timeout, so every wait here is bounded too.
+//! operation ends by itself (its timeout bounds every stall; on the CPU engine it runs from the
+//! first one), so every wait here is bounded too.
 
 use crate::contracts::backend::{Backend, RunOptions};
 use crate::contracts::error::{Error, Result};

@@ -25,7 +25,7 @@ pub struct ScopedWork<'scope> {
 }
 
 impl ScopedWork<'_> {
-    /// Blocks until the operation ends (it ends by itself within its timeout).
+    /// Blocks until the operation ends (it ends by itself: its timeout bounds every stall).
     /// An operation a GPU backend left running on its own stream is then ordered before later
     /// work on the calling thread's current stream (the host does not wait for the GPU).
     pub fn wait(self) -> Result<()> {
