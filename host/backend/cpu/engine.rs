@@ -209,8 +209,8 @@ impl Pacer {
 ///
 /// The deadline runs from the operation's first stall, not from its start: most small
 /// operations never stall, and a clock read per operation was 15% of a world-1 broadcast's
-/// cost of 0.13 us (docs/results/cpu.md, "Calls with nothing queued"). An operation that stalls waits at most its
-/// timeout (and one `CHECK_EVERY`) from then on; one that never stalls is moving.
+/// 0.13 us (docs/results/cpu.md, "Calls with nothing queued"). An operation that stalls waits
+/// at most its timeout (and one `CHECK_EVERY`) from then on; one that never stalls is moving.
 pub(crate) struct OpCtx<'a> {
     pub op: &'static str,
     pub timeout: Duration,
