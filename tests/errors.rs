@@ -219,16 +219,7 @@ fn blocks_that_differ_under_the_same_total_are_a_mismatch_before_any_byte_lands(
         let rs = c.reduce_scatter_v(&mut out, &input, &counts, ReduceOp::Sum);
         (rs, out.iter().all(|&x| x == -1.0))
     });
-    for (rank, (rs, untouched)) in r.into_iter().enumerate() {
-        assert!(
-            matches!(&rs, Err(Error::Mismatch { detail, .. }) if detail.contains("block lengths")),
-            "rank {rank}: {rs:?}"
-        );
-        assert!(
-            untouched,
-            "rank {rank}: reduce_scatter_v wrote its output before the mismatch"
-        );
-    }
+    every_rank_names_the_block_lengths("reduce_scatter_v", r);
     let r = run_group(2, "mm-blocks-ag", options(Duration::from_secs(10)), |c| {
         let counts = split(c.rank());
         let input = vec![1.0f32; counts[c.rank()]];
@@ -236,15 +227,18 @@ fn blocks_that_differ_under_the_same_total_are_a_mismatch_before_any_byte_lands(
         let ag = c.all_gather_v(&mut out, &input, &counts);
         (ag, out.iter().all(|&x| x == -1.0))
     });
-    for (rank, (ag, untouched)) in r.into_iter().enumerate() {
+    every_rank_names_the_block_lengths("all_gather_v", r);
+}
+
+/// Each rank's (result, output untouched) of `op`: `Mismatch` naming the block lengths, and
+/// nothing written.
+fn every_rank_names_the_block_lengths(op: &str, results: Vec<(Result<(), Error>, bool)>) {
+    for (rank, (r, untouched)) in results.into_iter().enumerate() {
         assert!(
-            matches!(&ag, Err(Error::Mismatch { detail, .. }) if detail.contains("block lengths")),
-            "rank {rank}: {ag:?}"
+            matches!(&r, Err(Error::Mismatch { detail, .. }) if detail.contains("block lengths")),
+            "rank {rank}, {op}: {r:?}"
         );
-        assert!(
-            untouched,
-            "rank {rank}: all_gather_v wrote its output before the mismatch"
-        );
+        assert!(untouched, "rank {rank}: {op} wrote its output before the mismatch");
     }
 }
 

@@ -604,7 +604,7 @@ impl CpuBackend {
                 if self.tuning.use_board(ctx.op, 0, opts, oneshot::fits(e, 0))? {
                     let limit = match Tuning::wanted(ctx.op, opts.hints, false)? {
                         Some(Wanted::OneShot) => usize::MAX,
-                        _ => oneshot::round_max(e, false),
+                        _ => round_max(e, false),
                     };
                     e.settle_deferred(ctx)?;
                     e.count_call();
