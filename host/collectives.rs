@@ -490,6 +490,10 @@ impl<'a, C: Collectives<'a>> Collectives<'a> for WithOptions<'_, C> {
     fn op_options(&self) -> OpOptions {
         self.opts.clone()
     }
+    fn call(&self, op: Op<'a>) -> Result<C::Output> {
+        // Borrowed, not cloned per call.
+        self.inner.issue(op, &self.opts)
+    }
 }
 
 impl<'a> Collectives<'a> for Comm {
@@ -499,6 +503,14 @@ impl<'a> Collectives<'a> for Comm {
     }
     fn issue(&self, op: Op<'a>, opts: &OpOptions) -> Result<()> {
         self.run(op, opts)
+    }
+    fn call(&self, op: Op<'a>) -> Result<()> {
+        // The default options, without building (and dropping) a value of them per call.
+        static DEFAULT: OpOptions = OpOptions {
+            timeout: None,
+            hints: std::collections::BTreeMap::new(),
+        };
+        self.run(op, &DEFAULT)
     }
 }
 

@@ -4,12 +4,13 @@ use crate::backend::registry;
 use crate::bootstrap::{self, MemoryStore, PrefixStore, TcpStoreServer};
 use crate::contracts::backend::{Backend, BackendInit, LentLinks};
 use crate::contracts::error::{Error, Result};
+use crate::contracts::fence::FenceSlot;
 use crate::contracts::ops::{Location, Op};
 use crate::contracts::options::{merge_hints, AbortOnError, CommOptions, OpOptions};
 use crate::contracts::placement::Device;
 use crate::contracts::store::Store;
 use crate::contracts::window::{WindowBackend, WindowOptions, WindowSpec};
-use crate::executor::{op_task, refusal_task, Executor, Task};
+use crate::executor::{Executor, OpRun, Task};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -462,13 +463,17 @@ impl Comm {
         self.inner.state.store(SHRUNK, Ordering::Release);
     }
 
-    /// Checks `op` and makes its task; shared by the synchronous and asynchronous paths, so
-    /// every operation's result passes through the one place that applies `abort_on_error`.
-    pub(crate) fn prepare<'a>(&self, op: Op<'a>, opts: &OpOptions) -> Result<Task<'a>> {
+    /// Checks `op` and makes what it runs with; shared by the synchronous and asynchronous
+    /// paths, as is `finish`. A failed check is refused to the peers here.
+    fn prepare_run(&self, op: &Op<'_>, opts: &OpOptions) -> Result<OpRun> {
         let options = &self.inner.options;
         let timeout = opts.timeout.unwrap_or(options.timeout);
-        let hints = merge_hints(&options.hints, &opts.hints);
-        if let Err(e) = self.validate(&op) {
+        // Most calls have no hints: no map is built (or dropped) for them.
+        let hints =
+            (!options.hints.is_empty() || !opts.hints.is_empty()).then(|| merge_hints(&options.hints, &opts.hints));
+        let check = options.check_calls.then_some((self.inner.rank, self.inner.size));
+        let run = OpRun::new(timeout, hints, check);
+        if let Err(e) = self.validate(op) {
             // The peers of a collective that every rank exchanges with every rank would wait
             // for this rank until their timeout: the backend may tell them, in issue order.
             if op.refused_in_band() && self.inner.size > 1 && !matches!(e, Error::Closed { .. }) {
@@ -477,28 +482,41 @@ impl Comm {
                     other => other.to_string(),
                 };
                 // Its own failure is the backend's to record; the caller gets `e`.
-                let _ = self.inner.exec.run(refusal_task(op, reason, timeout, hints));
+                let _ = self.inner.exec.run(|b: &dyn Backend, _: Option<&FenceSlot>| {
+                    run.refuse(b, op, &reason);
+                    Ok(())
+                });
             }
             return Err(e);
         }
-        let check = options.check_calls.then_some((self.inner.rank, self.inner.size));
-        let task = op_task(op, timeout, hints, check);
-        let mode = options.abort_on_error;
-        if mode == AbortOnError::Off {
-            return Ok(task);
-        }
-        // Inside the task, so that asynchronous operations (which fail on the worker thread,
-        // long before anyone waits for their Work) abort as promptly as synchronous ones.
-        let state = self.inner.state.clone();
-        let (rank, name) = (self.inner.rank, self.inner.name.clone());
-        Ok(Box::new(move |b: &dyn crate::contracts::backend::Backend, fence| {
-            let r = task(b, fence);
-            if let Err(e) = &r {
-                if mode.acts_on(e) {
-                    abort_after_failure(mode, e, &state, b, rank, &name);
-                }
+        Ok(run)
+    }
+
+    /// Applies `abort_on_error` to an operation's result: the one place every result passes
+    /// through, on the thread that ran it, so that asynchronous operations (which fail on the
+    /// worker thread, long before anyone waits for their Work) abort as promptly as
+    /// synchronous ones.
+    fn finish(on_error: &OnError, b: &dyn Backend, r: Result<()>) -> Result<()> {
+        if let (Err(e), Some((mode, state, rank, name))) = (&r, on_error) {
+            if mode.acts_on(e) {
+                abort_after_failure(*mode, e, state, b, *rank, name);
             }
-            r
+        }
+        r
+    }
+
+    /// What `finish` needs, taken only where `abort_on_error` is on.
+    fn on_error(&self) -> OnError {
+        let mode = self.inner.options.abort_on_error;
+        (mode != AbortOnError::Off).then(|| (mode, self.inner.state.clone(), self.inner.rank, self.inner.name.clone()))
+    }
+
+    /// Checks `op` and makes its task, for the asynchronous paths.
+    pub(crate) fn prepare<'a>(&self, mut op: Op<'a>, opts: &OpOptions) -> Result<Task<'a>> {
+        let run = self.prepare_run(&op, opts)?;
+        let on_error = self.on_error();
+        Ok(Box::new(move |b: &dyn Backend, fence: Option<&FenceSlot>| {
+            Self::finish(&on_error, b, run.run(b, &mut op, fence))
         }))
     }
 
@@ -521,8 +539,13 @@ impl Comm {
 
     /// Runs `op` synchronously with `opts`: what every [`Collectives`](crate::Collectives)
     /// call of a `Comm` ends in, for callers that build an [`Op`] themselves.
-    pub fn run(&self, op: Op<'_>, opts: &OpOptions) -> Result<()> {
-        self.inner.exec.run(self.prepare(op, opts)?)
+    pub fn run(&self, mut op: Op<'_>, opts: &OpOptions) -> Result<()> {
+        let run = self.prepare_run(&op, opts)?;
+        let on_error = self.on_error();
+        // The operation stays where it is, borrowed: no task to move it into.
+        self.inner
+            .exec
+            .run(|b: &dyn Backend, fence: Option<&FenceSlot>| Self::finish(&on_error, b, run.run(b, &mut op, fence)))
     }
 
     pub(crate) fn executor(&self) -> &Arc<Executor> {
@@ -658,6 +681,9 @@ fn abort_rank(state: &AtomicU8, backend: &dyn crate::contracts::backend::Backend
     state.store(ABORTED, Ordering::Release);
     backend.abort();
 }
+
+/// `abort_on_error`'s mode, the communicator's state, rank and name (see `Comm::finish`).
+type OnError = Option<(AbortOnError, Arc<AtomicU8>, usize, String)>;
 
 /// `AbortOnError::Comm` and `Process` after an operation failed with `e`: the communicator
 /// aborts first either way, so peers learn at once even when the process then exits.

@@ -72,56 +72,63 @@ struct Job {
     done: Arc<Completion>,
 }
 
-/// The task that runs one operation with its timeout and hints (the communicator's defaults
-/// merged with the operation's own); `check` (this rank, the world size) first checks the call
-/// against the other ranks' (see `call_check`).
-/// The stream is the issuing thread's current one, read now: the task may run on the worker.
-pub(crate) fn op_task<'a>(
-    mut op: Op<'a>,
+/// No hints at all, neither the communicator's nor the operation's: most calls.
+static NO_HINTS: BTreeMap<String, String> = BTreeMap::new();
+
+/// Everything an operation runs with but the operation itself: its timeout and hints (the
+/// communicator's defaults merged with the operation's own; `None`: there are none), the call
+/// check, and the issuing thread's current stream, read when the operation is issued (it may
+/// run on the worker). Kept apart from the operation so that a synchronous call runs its
+/// operation where it lies, borrowed, instead of moving it into a task.
+pub(crate) struct OpRun {
     timeout: Duration,
-    hints: BTreeMap<String, String>,
+    hints: Option<BTreeMap<String, String>>,
+    /// (this rank, the world size): check the call against the other ranks' first (see
+    /// `call_check`).
     check: Option<(usize, usize)>,
-) -> Task<'a> {
-    let stream = crate::gpu::cuda::stream::current();
-    Box::new(move |b: &dyn Backend, fence: Option<&FenceSlot>| {
-        // A world of one cannot disagree with itself.
-        if let Some((rank, size @ 2..)) = check {
-            crate::call_check::check(b, &op, rank, size, timeout)?;
+    stream: u64,
+}
+
+impl OpRun {
+    pub(crate) fn new(
+        timeout: Duration,
+        hints: Option<BTreeMap<String, String>>,
+        check: Option<(usize, usize)>,
+    ) -> OpRun {
+        OpRun {
+            timeout,
+            hints,
+            check,
+            stream: crate::gpu::cuda::stream::current(),
         }
-        let r = b.run(
-            &mut op,
-            &RunOptions {
-                timeout,
-                hints: &hints,
-                stream,
-                fence,
-            },
-        );
+    }
+
+    fn options<'a>(&'a self, fence: Option<&'a FenceSlot>) -> RunOptions<'a> {
+        RunOptions {
+            timeout: self.timeout,
+            hints: self.hints.as_ref().unwrap_or(&NO_HINTS),
+            stream: self.stream,
+            fence,
+        }
+    }
+
+    /// Runs `op` on `b`.
+    pub(crate) fn run(&self, b: &dyn Backend, op: &mut Op<'_>, fence: Option<&FenceSlot>) -> Result<()> {
+        // A world of one cannot disagree with itself.
+        if let Some((rank, size @ 2..)) = self.check {
+            crate::call_check::check(b, op, rank, size, self.timeout)?;
+        }
+        let r = b.run(op, &self.options(fence));
         // Before the caller can read its outputs again, also after a failure that left some
         // bytes written: a peer's bytes must not become invalid `bool`s.
         op.normalise_outputs();
         r
-    })
-}
+    }
 
-/// The task that runs `Backend::refuse` for `op`, which failed this rank's checks (`reason`).
-pub(crate) fn refusal_task<'a>(
-    op: Op<'a>,
-    reason: String,
-    timeout: Duration,
-    hints: BTreeMap<String, String>,
-) -> Task<'a> {
-    let stream = crate::gpu::cuda::stream::current();
-    Box::new(move |b: &dyn Backend, fence: Option<&FenceSlot>| {
-        let opts = RunOptions {
-            timeout,
-            hints: &hints,
-            stream,
-            fence,
-        };
-        b.refuse(&op, &reason, &opts);
-        Ok(())
-    })
+    /// Runs `Backend::refuse` for `op`, which failed this rank's checks (`reason`).
+    pub(crate) fn refuse(&self, b: &dyn Backend, op: &Op<'_>, reason: &str) {
+        b.refuse(op, reason, &self.options(None));
+    }
 }
 
 #[derive(Default)]
@@ -159,8 +166,12 @@ impl Executor {
         &*self.backend
     }
 
-    /// Runs `task` to completion in issue order.
-    pub(crate) fn run(self: &Arc<Self>, task: Task<'_>) -> Result<()> {
+    /// Runs `task` to completion in issue order. Generic, so that a call that runs in place
+    /// (the common case) moves no task into a box.
+    pub(crate) fn run<'a>(
+        self: &Arc<Self>,
+        task: impl FnOnce(&dyn Backend, Option<&FenceSlot>) -> Result<()> + Send + 'a,
+    ) -> Result<()> {
         // Nothing queued: run here. This thread's own earlier submissions show in `in_flight`
         // (it counted them before `submit` returned), and it is looked at again once `running`
         // is held: a job queued by another thread meanwhile is not ordered against this call,
@@ -176,7 +187,7 @@ impl Executor {
             drop(running);
         }
         // SAFETY: we block below until the job has completed, so the task's borrows outlive it.
-        let done = unsafe { self.submit(task, "queued operation") }?;
+        let done = unsafe { self.submit(Box::new(task), "queued operation") }?;
         done.wait(None).unwrap_or(Ok(()))
     }
 

@@ -8,6 +8,7 @@ pub use crate::contracts::bufs::{Buf, BufMut, DeviceBytes, Location};
 use crate::contracts::dtype::{DType, ReduceOp};
 use crate::contracts::error::{Error, Result};
 use crate::contracts::inference::{MoeCombine, MoeDispatch, RmsNormFusion};
+use std::cell::Cell;
 
 /// One point-to-point transfer of a batch.
 #[derive(Debug)]
@@ -150,14 +151,15 @@ impl Op<'_> {
     /// Where the operation's buffers live (`None` for an operation without buffers); an error
     /// if they are not all in one place.
     pub fn location(&self) -> Result<Option<Location>> {
-        // No allocation: this runs on every call of every backend.
-        let (mut first, mut other) = (None, None);
-        self.for_each_location(&mut |l| match first {
-            None => first = Some(l),
-            Some(f) if f != l => other = other.or(Some(l)),
+        // No allocation and no dynamic call: this runs on every call of every backend.
+        let (first, other) = (Cell::new(None), Cell::new(None));
+        let see = |l: Location| match first.get() {
+            None => first.set(Some(l)),
+            Some(f) if f != l && other.get().is_none() => other.set(Some(l)),
             Some(_) => {}
-        });
-        if let (Some(first), Some(other)) = (first, other) {
+        };
+        self.for_each_buffer(|b| see(b.location()), |b| see(b.location()));
+        if let (Some(first), Some(other)) = (first.get(), other.get()) {
             return Err(Error::invalid(
                 self.name(),
                 format!(
@@ -165,48 +167,41 @@ impl Op<'_> {
                 ),
             ));
         }
-        Ok(first)
-    }
-
-    fn for_each_location(&self, f: &mut dyn FnMut(Location)) {
-        let f = std::cell::RefCell::new(f);
-        self.for_each_buffer(&mut |b| (f.borrow_mut())(b.location()), &mut |b| {
-            (f.borrow_mut())(b.location())
-        });
+        Ok(first.get())
     }
 
     /// The larger of the bytes this rank reads and the bytes it writes: the message size that
     /// algorithm choices go by.
     pub fn message_bytes(&self) -> usize {
         let (mut read, mut written) = (0, 0);
-        self.for_each_buffer(&mut |b| read += b.byte_len(), &mut |b| written += b.byte_len());
+        self.for_each_buffer(|b| read += b.byte_len(), |b| written += b.byte_len());
         read.max(written)
     }
 
     /// Visits every buffer in a fixed order: inputs with `input`, outputs (also in-place ones)
     /// with `output`.
-    pub(crate) fn for_each_buffer(&self, input: &mut dyn FnMut(&Buf), output: &mut dyn FnMut(&BufMut)) {
+    pub(crate) fn for_each_buffer(&self, mut input: impl FnMut(&Buf), mut output: impl FnMut(&BufMut)) {
         match self {
             Op::AllReduce { buf, .. } | Op::Reduce { buf, .. } | Op::Broadcast { buf, .. } => output(buf),
             Op::AllGather { input: i, outputs } => {
                 input(i);
-                outputs.iter().for_each(output);
+                outputs.iter().for_each(&mut output);
             }
             Op::ReduceScatter { inputs, output: o, .. } => {
-                inputs.iter().for_each(&mut *input);
+                inputs.iter().for_each(&mut input);
                 output(o);
             }
             Op::AllToAll { inputs, outputs } => {
-                inputs.iter().for_each(input);
-                outputs.iter().for_each(output);
+                inputs.iter().for_each(&mut input);
+                outputs.iter().for_each(&mut output);
             }
             Op::Scatter { inputs, output: o, .. } => {
-                inputs.iter().flatten().for_each(input);
+                inputs.iter().flatten().for_each(&mut input);
                 output(o);
             }
             Op::Gather { input: i, outputs, .. } => {
                 input(i);
-                outputs.iter().flatten().for_each(output);
+                outputs.iter().flatten().for_each(&mut output);
             }
             Op::Barrier => {}
             Op::Batch(v) => v.iter().for_each(|p| match p {
@@ -218,17 +213,17 @@ impl Op<'_> {
                 input(&f.gamma);
                 output(&f.residual);
                 output(&f.out);
-                f.scales.iter().for_each(output);
+                f.scales.iter().for_each(&mut output);
             }
             Op::MoeDispatch(m) => {
                 if let Some(s) = &m.send {
                     input(&s.tokens);
-                    s.scales.iter().for_each(&mut *input);
+                    s.scales.iter().for_each(&mut input);
                     input(&s.topk_idx);
                 }
                 if let Some(r) = &m.recv {
                     output(&r.tokens);
-                    r.scales.iter().for_each(&mut *output);
+                    r.scales.iter().for_each(&mut output);
                     output(&r.counts);
                     output(&r.src);
                 }

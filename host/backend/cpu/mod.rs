@@ -124,6 +124,10 @@ impl Tuning {
         hints: &std::collections::BTreeMap<String, String>,
         first_look: bool,
     ) -> Result<Option<Wanted>> {
+        // Most calls have none: nothing to look up or note.
+        if hints.is_empty() {
+            return Ok(None);
+        }
         if first_look {
             crate::contracts::backend::unknown_hints_ignored("cpu", op, hints, &["algorithm"]);
         }

@@ -33,10 +33,10 @@ pub(crate) fn run(host: &CpuBackend, op: &mut Op<'_>, opts: &RunOptions) -> Resu
     let mut ins: Vec<Option<DeviceBytes>> = Vec::new();
     let mut out_ranges: Vec<Option<DeviceBytes>> = Vec::new();
     op.for_each_buffer(
-        &mut |b| ins.push(b.device_bytes()),
+        |b| ins.push(b.device_bytes()),
         // Outputs are downloaded too: in-place operations read them, and ranks that receive
         // nothing must keep their contents.
-        &mut |b| out_ranges.push(b.device_bytes()),
+        |b| out_ranges.push(b.device_bytes()),
     );
     let download = |d: Option<DeviceBytes>| download(d, stream);
     let ins: Vec<Vec<u8>> = ins.into_iter().map(download).collect::<Result<_>>()?;
