@@ -8,7 +8,7 @@ use crate::contracts::dtype::ReduceOp;
 use crate::contracts::error::{Error, Result};
 use crate::contracts::fp8::F8E4M3;
 use crate::contracts::inference::{MoeShape, RmsNormFusion};
-use crate::contracts::ops::{equal_counts, Op, P2p};
+use crate::contracts::ops::{Op, P2p};
 use crate::contracts::options::OpOptions;
 use crate::inference::{Combine, Dispatch};
 use crate::work::{Scope, ScopedWork};
@@ -113,11 +113,9 @@ pub trait Collectives<'a>: Sized {
         O: OutputBuffer<'a>,
         I: InputBuffer<'a, Elem = O::Elem>,
     {
-        let output = output.into_buf_mut();
-        let counts = equal_counts("all_gather", output.count(), self.comm().size())?;
         self.call(Op::AllGather {
             input: input.into_buf(),
-            outputs: output.split("all_gather", &counts)?,
+            outputs: output.into_buf_mut().split_equal("all_gather", self.comm().size())?,
         })
     }
 
@@ -151,10 +149,8 @@ pub trait Collectives<'a>: Sized {
         O: OutputBuffer<'a>,
         I: InputBuffer<'a, Elem = O::Elem>,
     {
-        let input = input.into_buf();
-        let counts = equal_counts("reduce_scatter", input.count(), self.comm().size())?;
         self.call(Op::ReduceScatter {
-            inputs: input.split("reduce_scatter", &counts)?,
+            inputs: input.into_buf().split_equal("reduce_scatter", self.comm().size())?,
             output: output.into_buf_mut(),
             op,
         })
@@ -194,13 +190,9 @@ pub trait Collectives<'a>: Sized {
     {
         let size = self.comm().size();
         let (input, output) = (input.into_buf(), output.into_buf_mut());
-        let (ic, oc) = (
-            equal_counts("all_to_all", input.count(), size)?,
-            equal_counts("all_to_all", output.count(), size)?,
-        );
         self.call(Op::AllToAll {
-            inputs: input.split("all_to_all", &ic)?,
-            outputs: output.split("all_to_all", &oc)?,
+            inputs: input.split_equal("all_to_all", size)?,
+            outputs: output.split_equal("all_to_all", size)?,
         })
     }
 
@@ -243,11 +235,7 @@ pub trait Collectives<'a>: Sized {
         I: InputBuffer<'a, Elem = O::Elem>,
     {
         let inputs = match input {
-            Some(i) if self.comm().rank() == root => {
-                let i = i.into_buf();
-                let counts = equal_counts("scatter", i.count(), self.comm().size())?;
-                Some(i.split("scatter", &counts)?)
-            }
+            Some(i) if self.comm().rank() == root => Some(i.into_buf().split_equal("scatter", self.comm().size())?),
             _ => None,
         };
         self.call(Op::Scatter {
@@ -264,11 +252,7 @@ pub trait Collectives<'a>: Sized {
         I: InputBuffer<'a, Elem = O::Elem>,
     {
         let outputs = match output {
-            Some(o) if self.comm().rank() == root => {
-                let o = o.into_buf_mut();
-                let counts = equal_counts("gather", o.count(), self.comm().size())?;
-                Some(o.split("gather", &counts)?)
-            }
+            Some(o) if self.comm().rank() == root => Some(o.into_buf_mut().split_equal("gather", self.comm().size())?),
             _ => None,
         };
         self.call(Op::Gather {

@@ -55,6 +55,62 @@ fn mismatched_buffer_sizes_are_size_mismatch_errors() {
     assert_eq!(x, [5]);
 }
 
+/// Per-rank lists are checked where they lie: how many parts, of which dtype, and this rank's
+/// own part; a buffer split into one part per rank must divide.
+#[test]
+fn per_rank_parts_are_checked_for_count_dtype_and_own_slot() {
+    use ferrocomm::{Buf, BufMut, Op, OpOptions};
+    let comms = group(2, "perrank");
+    let c = &comms[0];
+    // 3 elements do not split into 2 equal blocks.
+    for r in [
+        c.all_to_all(&mut [0u16; 4], &[1u16; 3]),
+        c.all_to_all(&mut [0u16; 3], &[1u16; 4]),
+    ] {
+        assert!(
+            matches!(&r, Err(Error::SizeMismatch { op: "all_to_all", what, .. }) if what.contains("2 equal parts")),
+            "{r:?}"
+        );
+    }
+    // Our own output slot must hold what our own input block sends to ourselves.
+    let (mut o0, mut o1) = ([0u8; 2], [0u8; 1]);
+    let r = c.all_to_all_list(vec![&mut o0[..], &mut o1[..]], vec![&[1u8][..], &[2u8][..]]);
+    assert!(
+        matches!(&r, Err(Error::SizeMismatch { what, expected: 1, actual: 2, .. }) if what == "outputs[0] (own slot)"),
+        "{r:?}"
+    );
+    // Parts of another dtype, and the wrong number of parts.
+    let (a, b) = ([1u8; 4], [2i32; 1]);
+    let (mut x, mut y) = ([0u8; 4], [0u8; 4]);
+    let op = Op::AllToAll {
+        inputs: vec![Buf::new(&a[..]), Buf::new(&b[..])],
+        outputs: vec![BufMut::new(&mut x[..]), BufMut::new(&mut y[..])],
+    };
+    let r = c.run(op, &OpOptions::default());
+    assert!(
+        matches!(
+            &r,
+            Err(Error::DTypeMismatch {
+                expected: "u8",
+                actual: "i32",
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    let mut out = [0f32; 1];
+    let op = Op::ReduceScatter {
+        inputs: vec![Buf::new(&[1f32][..])],
+        output: BufMut::new(&mut out[..]),
+        op: ReduceOp::Sum,
+    };
+    let r = c.run(op, &OpOptions::default());
+    assert!(
+        matches!(&r, Err(Error::SizeMismatch { what, expected: 2, actual: 1, .. }) if what == "number of inputs"),
+        "{r:?}"
+    );
+}
+
 #[test]
 fn bitwise_ops_on_floats_and_bad_scalars_are_rejected() {
     let comms = group(1, "dtype");

@@ -127,11 +127,19 @@ impl<'a> Buf<'a> {
     /// Consecutive parts of `counts` elements, which must cover the buffer exactly.
     pub(crate) fn split(self, op: &'static str, counts: &[usize]) -> Result<Vec<Buf<'a>>> {
         check_total(op, self.count(), counts)?;
+        Ok(self.parts(counts.iter().copied()))
+    }
+    /// `n` equal consecutive parts; an error if the buffer does not divide into them.
+    pub(crate) fn split_equal(self, op: &'static str, n: usize) -> Result<Vec<Buf<'a>>> {
+        let each = equal_part(op, self.count(), n)?;
+        Ok(self.parts(std::iter::repeat(each).take(n)))
+    }
+    fn parts(self, counts: impl ExactSizeIterator<Item = usize>) -> Vec<Buf<'a>> {
         let (dtype, size) = (self.dtype, self.dtype.size());
         let mut parts = Vec::with_capacity(counts.len());
         match self.bytes {
             Bytes::Host(mut rest) => {
-                for &c in counts {
+                for c in counts {
                     let (a, b) = rest.split_at(c * size);
                     rest = b;
                     parts.push(Buf {
@@ -141,14 +149,14 @@ impl<'a> Buf<'a> {
                 }
             }
             Bytes::Device(mut rest) => {
-                for &c in counts {
+                for c in counts {
                     let (a, b) = rest.split_at(c * size);
                     rest = b;
                     parts.push(Buf::device(a, dtype));
                 }
             }
         }
-        Ok(parts)
+        parts
     }
 }
 
@@ -235,11 +243,19 @@ impl<'a> BufMut<'a> {
     /// Consecutive parts of `counts` elements, which must cover the buffer exactly.
     pub(crate) fn split(self, op: &'static str, counts: &[usize]) -> Result<Vec<BufMut<'a>>> {
         check_total(op, self.count(), counts)?;
+        Ok(self.parts(counts.iter().copied()))
+    }
+    /// `n` equal consecutive parts; an error if the buffer does not divide into them.
+    pub(crate) fn split_equal(self, op: &'static str, n: usize) -> Result<Vec<BufMut<'a>>> {
+        let each = equal_part(op, self.count(), n)?;
+        Ok(self.parts(std::iter::repeat(each).take(n)))
+    }
+    fn parts(self, counts: impl ExactSizeIterator<Item = usize>) -> Vec<BufMut<'a>> {
         let (dtype, size) = (self.dtype, self.dtype.size());
         let mut parts = Vec::with_capacity(counts.len());
         match self.bytes {
             BytesMut::Host(mut rest) => {
-                for &c in counts {
+                for c in counts {
                     let (a, b) = std::mem::take(&mut rest).split_at_mut(c * size);
                     rest = b;
                     parts.push(BufMut {
@@ -249,14 +265,14 @@ impl<'a> BufMut<'a> {
                 }
             }
             BytesMut::Device(mut rest) => {
-                for &c in counts {
+                for c in counts {
                     let (a, b) = rest.split_at(c * size);
                     rest = b;
                     parts.push(BufMut::device(a, dtype));
                 }
             }
         }
-        Ok(parts)
+        parts
     }
 }
 
@@ -273,8 +289,9 @@ fn check_total(op: &'static str, len: usize, counts: &[usize]) -> Result<()> {
     Ok(())
 }
 
-/// `size` equal parts of `len` elements; an error if `len` does not divide.
-pub(crate) fn equal_counts(op: &'static str, len: usize, size: usize) -> Result<Vec<usize>> {
+/// The elements of each of `size` equal parts of `len` elements; an error if `len` does not
+/// divide.
+fn equal_part(op: &'static str, len: usize, size: usize) -> Result<usize> {
     if len % size != 0 {
         return Err(Error::SizeMismatch {
             op,
@@ -283,5 +300,5 @@ pub(crate) fn equal_counts(op: &'static str, len: usize, size: usize) -> Result<
             actual: len,
         });
     }
-    Ok(vec![len / size; size])
+    Ok(len / size)
 }

@@ -3,7 +3,6 @@
 //! inputs, ...) are always resolved into one buffer per rank before a backend sees them, so the
 //! single-buffer, list and v-forms of a collective are one operation.
 
-pub(crate) use crate::contracts::bufs::equal_counts;
 pub use crate::contracts::bufs::{Buf, BufMut, DeviceBytes, Location};
 use crate::contracts::dtype::{DType, ReduceOp};
 use crate::contracts::error::{Error, Result};
@@ -305,34 +304,46 @@ impl Op<'_> {
             }
         };
         // A per-rank list: one part per rank, all of `dtype`, our own part of `own` elements.
-        let per_rank = |what: &str, parts: &[(DType, usize)], dtype: DType, own: usize| {
-            if parts.len() != size {
-                return Err(Error::SizeMismatch {
-                    op: name,
-                    what: format!("number of {what}"),
-                    expected: size,
-                    actual: parts.len(),
-                });
-            }
-            if let Some(&(d, _)) = parts.iter().find(|(d, _)| *d != dtype) {
-                return Err(Error::DTypeMismatch {
-                    op: name,
-                    expected: dtype.name(),
-                    actual: d.name(),
-                });
-            }
-            if parts[rank].1 != own {
-                return Err(Error::SizeMismatch {
-                    op: name,
-                    what: format!("{what}[{rank}] (own slot)"),
-                    expected: own,
-                    actual: parts[rank].1,
-                });
-            }
-            Ok(())
-        };
-        let shape = |v: &[Buf]| v.iter().map(|b| (b.dtype(), b.count())).collect::<Vec<_>>();
-        let shape_mut = |v: &[BufMut]| v.iter().map(|b| (b.dtype(), b.count())).collect::<Vec<_>>();
+        // Looked at in place: this runs on every call.
+        let per_rank =
+            |what: &str, parts: &mut dyn ExactSizeIterator<Item = (DType, usize)>, dtype: DType, own: usize| {
+                if parts.len() != size {
+                    return Err(Error::SizeMismatch {
+                        op: name,
+                        what: format!("number of {what}"),
+                        expected: size,
+                        actual: parts.len(),
+                    });
+                }
+                let mut own_count = 0;
+                for (r, (d, count)) in parts.enumerate() {
+                    if d != dtype {
+                        return Err(Error::DTypeMismatch {
+                            op: name,
+                            expected: dtype.name(),
+                            actual: d.name(),
+                        });
+                    }
+                    if r == rank {
+                        own_count = count;
+                    }
+                }
+                if own_count != own {
+                    return Err(Error::SizeMismatch {
+                        op: name,
+                        what: format!("{what}[{rank}] (own slot)"),
+                        expected: own,
+                        actual: own_count,
+                    });
+                }
+                Ok(())
+            };
+        fn shape<'s>(v: &'s [Buf<'_>]) -> impl ExactSizeIterator<Item = (DType, usize)> + 's {
+            v.iter().map(|b| (b.dtype(), b.count()))
+        }
+        fn shape_mut<'s>(v: &'s [BufMut<'_>]) -> impl ExactSizeIterator<Item = (DType, usize)> + 's {
+            v.iter().map(|b| (b.dtype(), b.count()))
+        }
         match self {
             Op::AllReduce { buf, op } => op.check(name, buf.dtype()),
             Op::Reduce { buf, op, root } => {
@@ -340,21 +351,23 @@ impl Op<'_> {
                 op.check(name, buf.dtype())
             }
             Op::Broadcast { root, .. } => check_rank(*root),
-            Op::AllGather { input, outputs } => per_rank("outputs", &shape_mut(outputs), input.dtype(), input.count()),
+            Op::AllGather { input, outputs } => {
+                per_rank("outputs", &mut shape_mut(outputs), input.dtype(), input.count())
+            }
             Op::ReduceScatter { inputs, output, op } => {
-                per_rank("inputs", &shape(inputs), output.dtype(), output.count())?;
+                per_rank("inputs", &mut shape(inputs), output.dtype(), output.count())?;
                 op.check(name, output.dtype())
             }
             Op::AllToAll { inputs, outputs } => {
-                let ins = shape(inputs);
-                let dtype = ins.first().map_or(DType::U8, |p| p.0);
-                per_rank("inputs", &ins, dtype, ins.get(rank).map_or(0, |p| p.1))?;
-                per_rank("outputs", &shape_mut(outputs), dtype, ins[rank].1)
+                let dtype = inputs.first().map_or(DType::U8, |b| b.dtype());
+                let own = inputs.get(rank).map_or(0, |b| b.count());
+                per_rank("inputs", &mut shape(inputs), dtype, own)?;
+                per_rank("outputs", &mut shape_mut(outputs), dtype, own)
             }
             Op::Scatter { inputs, output, root } => {
                 check_rank(*root)?;
                 match (inputs, rank == *root) {
-                    (Some(inputs), true) => per_rank("inputs", &shape(inputs), output.dtype(), output.count()),
+                    (Some(inputs), true) => per_rank("inputs", &mut shape(inputs), output.dtype(), output.count()),
                     (None, true) => Err(Error::invalid(name, "the root must pass the input buffer")),
                     (_, false) => Ok(()),
                 }
@@ -362,7 +375,7 @@ impl Op<'_> {
             Op::Gather { input, outputs, root } => {
                 check_rank(*root)?;
                 match (outputs, rank == *root) {
-                    (Some(outputs), true) => per_rank("outputs", &shape_mut(outputs), input.dtype(), input.count()),
+                    (Some(outputs), true) => per_rank("outputs", &mut shape_mut(outputs), input.dtype(), input.count()),
                     (None, true) => Err(Error::invalid(name, "the root must pass the output buffer")),
                     (_, false) => Ok(()),
                 }

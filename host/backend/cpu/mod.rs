@@ -22,6 +22,7 @@ use crate::net::links::{self, Cause, FaultRecord, OwnerState};
 use algorithms::{Algo, Scratch};
 use engine::{Engine, OpCtx, Xfer};
 use header::{Call, Tag, ANY_COUNT};
+use smallvec::SmallVec;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -193,6 +194,9 @@ pub(crate) struct CpuBackend {
     store: Arc<dyn Store>,
     transport: TransportOptions,
 }
+
+/// One entry per rank, on the stack up to 8 ranks.
+type PerRank<T> = SmallVec<[T; 8]>;
 
 pub(crate) fn create(init: &BackendInit) -> Result<Box<dyn Backend>> {
     if init.device != crate::contracts::placement::Device::Cpu {
@@ -555,7 +559,7 @@ impl CpuBackend {
             }
             Op::AllGather { input, outputs } => {
                 let (d, t) = (input.dtype(), tag(4, input.dtype(), None));
-                let mut outs: Vec<&mut [u8]> = outputs.iter_mut().map(|o| o.host_bytes_mut()).collect();
+                let mut outs: PerRank<&mut [u8]> = outputs.iter_mut().map(|o| o.host_bytes_mut()).collect();
                 // Decided on what every rank knows alike (all_gather_v: counts differ by rank).
                 let total = outs.iter().map(|o| o.len()).sum();
                 let largest = outs.iter().map(|o| o.len()).max().unwrap_or(0);
@@ -576,7 +580,7 @@ impl CpuBackend {
             }
             Op::ReduceScatter { inputs, output, op } => {
                 let (d, o) = (output.dtype(), *op);
-                let ins: Vec<&[u8]> = inputs.iter().map(|i| i.host_bytes()).collect();
+                let ins: PerRank<&[u8]> = inputs.iter().map(|i| i.host_bytes()).collect();
                 let total = ins.iter().map(|i| i.len()).sum();
                 let t = tag(5, d, Some(o));
                 if self
@@ -600,8 +604,8 @@ impl CpuBackend {
             }
             Op::AllToAll { inputs, outputs } => {
                 let t = tag(6, inputs[0].dtype(), None);
-                let ins: Vec<&[u8]> = inputs.iter().map(|i| i.host_bytes()).collect();
-                let mut outs: Vec<&mut [u8]> = outputs.iter_mut().map(|o| o.host_bytes_mut()).collect();
+                let ins: PerRank<&[u8]> = inputs.iter().map(|i| i.host_bytes()).collect();
+                let mut outs: PerRank<&mut [u8]> = outputs.iter_mut().map(|o| o.host_bytes_mut()).collect();
                 // Whether the blocks fit is settled inside the round (all_to_all_v: sizes differ
                 // by rank), so here only the board and the hint count; the hint lifts the limit
                 // of a round without one.
@@ -650,7 +654,7 @@ impl CpuBackend {
                 Err(Error::invalid(ctx.op, "run by the inference module, not the dispatch"))
             }
             Op::Batch(list) => {
-                let mut x: Vec<Xfer> = Vec::with_capacity(list.len());
+                let mut x: SmallVec<[Xfer; 4]> = SmallVec::with_capacity(list.len());
                 for p in list.iter_mut() {
                     x.push(match p {
                         P2p::Send { buf, peer } => e.send(*peer, tag(10, buf.dtype(), None), buf.host_bytes()),
