@@ -721,7 +721,12 @@ impl Engine {
             }
         };
         // Calls deferred by earlier collectives come first: they are first on their streams.
-        let mut pre: Vec<Xfer<'b>> = std::mem::take(&mut self.deferred).into_iter().chain(preamble).collect();
+        // Most exchanges have neither: no list is built for them.
+        let mut pre: Vec<Xfer<'b>> = if self.deferred.is_empty() {
+            preamble
+        } else {
+            std::mem::take(&mut self.deferred).into_iter().chain(preamble).collect()
+        };
         let r = self.run(ctx, &mut pre, xfers);
         match r {
             Err(e @ Error::Mismatch { .. }) => {
@@ -739,7 +744,9 @@ impl Engine {
             }
             _ => {}
         }
-        self.deferred = pre.into_iter().filter(|x| !x.done()).filter_map(Xfer::detach).collect();
+        if !pre.is_empty() {
+            self.deferred = pre.into_iter().filter(|x| !x.done()).filter_map(Xfer::detach).collect();
+        }
         r
     }
 
