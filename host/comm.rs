@@ -464,7 +464,8 @@ impl Comm {
     }
 
     /// Checks `op` and makes what it runs with; shared by the synchronous and asynchronous
-    /// paths, as is `finish`. A failed check is refused to the peers here.
+    /// paths, as is `finish`. An operation that fails its checks and that the peers would wait
+    /// for is refused to them here, in issue order.
     fn prepare_run(&self, op: &Op<'_>, opts: &OpOptions) -> Result<OpRun> {
         let options = &self.inner.options;
         let timeout = opts.timeout.unwrap_or(options.timeout);
@@ -492,8 +493,8 @@ impl Comm {
         Ok(run)
     }
 
-    /// Applies `abort_on_error` to an operation's result: the one place every result passes
-    /// through, on the thread that ran it, so that asynchronous operations (which fail on the
+    /// Applies `abort_on_error` to an operation's result: the one place every result of an
+    /// operation that ran passes through, on the thread that ran it, so that asynchronous operations (which fail on the
     /// worker thread, long before anyone waits for their Work) abort as promptly as
     /// synchronous ones.
     fn finish(on_error: &OnError, b: &dyn Backend, r: Result<()>) -> Result<()> {

@@ -82,6 +82,13 @@ fn per_rank_parts_are_checked_for_count_dtype_and_own_slot() {
     // Parts of another dtype, and the wrong number of parts.
     let (a, b) = ([1u8; 4], [2i32; 1]);
     let (mut x, mut y) = ([0u8; 4], [0u8; 4]);
+    // Checked by hand for a rank outside the world: there is no own part to look up.
+    let op = Op::AllToAll {
+        inputs: vec![Buf::new(&a[..]), Buf::new(&a[..])],
+        outputs: vec![BufMut::new(&mut x[..]), BufMut::new(&mut y[..])],
+    };
+    let r = op.validate(2, 2);
+    assert!(matches!(&r, Err(Error::InvalidRank { rank: 2, size: 2, .. })), "{r:?}");
     let op = Op::AllToAll {
         inputs: vec![Buf::new(&a[..]), Buf::new(&b[..])],
         outputs: vec![BufMut::new(&mut x[..]), BufMut::new(&mut y[..])],

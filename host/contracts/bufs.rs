@@ -132,7 +132,7 @@ impl<'a> Buf<'a> {
     /// `n` equal consecutive parts; an error if the buffer does not divide into them.
     pub(crate) fn split_equal(self, op: &'static str, n: usize) -> Result<Vec<Buf<'a>>> {
         let each = equal_part(op, self.count(), n)?;
-        Ok(self.parts(std::iter::repeat(each).take(n)))
+        Ok(self.parts((0..n).map(|_| each)))
     }
     fn parts(self, counts: impl ExactSizeIterator<Item = usize>) -> Vec<Buf<'a>> {
         let (dtype, size) = (self.dtype, self.dtype.size());
@@ -248,7 +248,7 @@ impl<'a> BufMut<'a> {
     /// `n` equal consecutive parts; an error if the buffer does not divide into them.
     pub(crate) fn split_equal(self, op: &'static str, n: usize) -> Result<Vec<BufMut<'a>>> {
         let each = equal_part(op, self.count(), n)?;
-        Ok(self.parts(std::iter::repeat(each).take(n)))
+        Ok(self.parts((0..n).map(|_| each)))
     }
     fn parts(self, counts: impl ExactSizeIterator<Item = usize>) -> Vec<BufMut<'a>> {
         let (dtype, size) = (self.dtype, self.dtype.size());

@@ -344,6 +344,8 @@ impl Op<'_> {
         fn shape_mut<'s>(v: &'s [BufMut<'_>]) -> impl ExactSizeIterator<Item = (DType, usize)> + 's {
             v.iter().map(|b| (b.dtype(), b.count()))
         }
+        // This rank's own part is looked up below: a rank outside the world has none.
+        check_rank(rank)?;
         match self {
             Op::AllReduce { buf, op } => op.check(name, buf.dtype()),
             Op::Reduce { buf, op, root } => {
