@@ -494,9 +494,9 @@ impl Comm {
     }
 
     /// Applies `abort_on_error` to an operation's result: the one place every result of an
-    /// operation that ran passes through, on the thread that ran it, so that asynchronous operations (which fail on the
-    /// worker thread, long before anyone waits for their Work) abort as promptly as
-    /// synchronous ones.
+    /// operation that ran passes through, on the thread that ran it, so that asynchronous
+    /// operations (which fail on the worker thread, long before anyone waits for their Work)
+    /// abort as promptly as synchronous ones.
     fn finish(on_error: &OnError, b: &dyn Backend, r: Result<()>) -> Result<()> {
         if let (Err(e), Some((mode, state, rank, name))) = (&r, on_error) {
             if mode.acts_on(e) {
