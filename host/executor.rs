@@ -134,8 +134,6 @@ impl OpRun {
 #[derive(Default)]
 struct Queue {
     jobs: VecDeque<Job>,
-    /// Queued plus running jobs.
-    in_flight: usize,
     shutdown: bool,
     worker: Option<std::thread::JoinHandle<()>>,
 }
@@ -146,8 +144,9 @@ pub(crate) struct Executor {
     wake: Condvar,
     /// Held while an operation runs: the backend sees one operation at a time.
     running: Mutex<()>,
-    /// `Queue::in_flight`, readable without the queue's lock (written under it), so that a
-    /// synchronous call with nothing queued takes one lock, not two.
+    /// Queued plus running jobs. Changed only under the queue's lock, so that waiters on
+    /// `wake` see it move; read without it by a synchronous call, so that one with nothing
+    /// queued takes one lock, not two.
     in_flight: AtomicUsize,
 }
 
@@ -195,7 +194,7 @@ impl Executor {
     /// it (for a question that must not wait behind a stuck operation).
     pub(crate) fn run_if_idle(&self, task: Task<'_>) -> Option<Result<()>> {
         let q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
-        if q.in_flight > 0 {
+        if self.in_flight.load(Ordering::Acquire) > 0 {
             return None;
         }
         let _running = match self.running.try_lock() {
@@ -234,8 +233,7 @@ impl Executor {
             task,
             done: done.clone(),
         });
-        q.in_flight += 1;
-        self.in_flight.store(q.in_flight, Ordering::Release);
+        self.in_flight.fetch_add(1, Ordering::Release);
         self.wake.notify_all();
         Ok(done)
     }
@@ -271,9 +269,8 @@ impl Executor {
                     })
             };
             {
-                let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
-                q.in_flight -= 1;
-                self.in_flight.store(q.in_flight, Ordering::Release);
+                let _q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+                self.in_flight.fetch_sub(1, Ordering::Release);
             }
             self.wake.notify_all();
             done.finish(r);
@@ -283,7 +280,7 @@ impl Executor {
     /// Waits for every queued operation (used by finalize).
     pub(crate) fn drain(&self) {
         let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
-        while q.in_flight > 0 {
+        while self.in_flight.load(Ordering::Acquire) > 0 {
             q = self
                 .wake
                 .wait_timeout(q, Duration::from_millis(5))
