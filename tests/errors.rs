@@ -79,7 +79,6 @@ fn per_rank_parts_are_checked_for_count_dtype_and_own_slot() {
         matches!(&r, Err(Error::SizeMismatch { what, expected: 1, actual: 2, .. }) if what == "outputs[0] (own slot)"),
         "{r:?}"
     );
-    // Parts of another dtype, and the wrong number of parts.
     let (a, b) = ([1u8; 4], [2i32; 1]);
     let (mut x, mut y) = ([0u8; 4], [0u8; 4]);
     // Checked by hand for a rank outside the world: there is no own part to look up.
@@ -89,6 +88,7 @@ fn per_rank_parts_are_checked_for_count_dtype_and_own_slot() {
     };
     let r = op.validate(2, 2);
     assert!(matches!(&r, Err(Error::InvalidRank { rank: 2, size: 2, .. })), "{r:?}");
+    // Parts of another dtype, and the wrong number of parts.
     let op = Op::AllToAll {
         inputs: vec![Buf::new(&a[..]), Buf::new(&b[..])],
         outputs: vec![BufMut::new(&mut x[..]), BufMut::new(&mut y[..])],
