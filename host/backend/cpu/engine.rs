@@ -21,6 +21,12 @@ const CHECK_EVERY: Duration = Duration::from_millis(5);
 /// whether it lost another rank first (`Engine::lost_at_root`); a peer announces that as soon
 /// as its own operation has failed.
 const ROOT_CAUSE_WAIT: Duration = Duration::from_millis(200);
+/// Call messages a rank holds back before it writes them (see `Engine::held`).
+const HOLD_MAX: usize = 8;
+/// Peers' calls per peer that a rank which writes nothing may leave unread before it waits for
+/// the oldest (see `Engine::bound_run_ahead`): above `HOLD_MAX`, so that it rarely waits for
+/// a call still held back.
+const LATER_MAX: usize = 2 * HOLD_MAX;
 
 /// One pending message.
 pub(crate) enum Xfer<'b> {
@@ -109,6 +115,18 @@ impl Xfer<'_> {
         !matches!(self, Xfer::Recv { later: true, .. })
     }
 
+    /// A peer's call not yet waited for (see `Xfer::Recv::later`).
+    fn awaited_later(&self) -> bool {
+        matches!(self, Xfer::Recv { later: true, .. })
+    }
+
+    /// Makes a later call receive one its exchange waits for.
+    fn make_needed(&mut self) {
+        if let Xfer::Recv { later, .. } = self {
+            *later = false;
+        }
+    }
+
     /// A later call receive that has not arrived, kept for the next exchange (its buffer is
     /// empty, so it outlives the exchange's borrows); `None` for anything else.
     fn detach(self) -> Option<Xfer<'static>> {
@@ -141,6 +159,27 @@ impl Xfer<'_> {
     }
 }
 
+/// The ranks that write a user buffer in a collective. A rank that only sends (a broadcast's
+/// root, gather's and a direct reduce's other ranks) does not wait for its peers' calls but
+/// checks them as they arrive, in this collective or a later one, so that it can run ahead as
+/// its sends allow; and its peers hold their calls to it back (`Engine::held`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Writers {
+    All,
+    AllButRoot,
+    OnlyRoot,
+}
+
+impl Writers {
+    fn include(self, rank: usize, root: usize) -> bool {
+        match self {
+            Writers::All => true,
+            Writers::AllButRoot => rank != root,
+            Writers::OnlyRoot => rank == root,
+        }
+    }
+}
+
 /// The collective being run, until its first exchange has checked every peer's call.
 struct OpenCall {
     tag: Tag,
@@ -150,7 +189,7 @@ struct OpenCall {
     /// messages cover the pairs it does not reach. Otherwise header-only call messages to and
     /// from every peer come first.
     symmetric: bool,
-    writes: bool,
+    writers: Writers,
     first_pending: bool,
     /// Header-only call messages, sent with the first exchange.
     preamble: Vec<Xfer<'static>>,
@@ -179,6 +218,11 @@ impl Pacer {
 
     pub(crate) fn progressed(&mut self) {
         self.idle = 0;
+    }
+
+    /// Still in the first, spinning part of a wait (none where ranks outnumber CPUs).
+    pub(crate) fn spinning(&self) -> bool {
+        self.idle < self.spin
     }
 
     /// Backs off once; returns the time when a stall check is due. The first clock read of
@@ -278,6 +322,11 @@ pub(crate) struct Engine {
     open: Option<OpenCall>,
     /// Peers' calls to collectives in which this rank wrote nothing, not yet arrived.
     deferred: Vec<Xfer<'static>>,
+    /// Our header-only calls to peers that write nothing in their collective, and so do not
+    /// wait for them, not yet written: held back until this rank next sends that peer anything,
+    /// waits longer than a spin, settles, or holds `HOLD_MAX` of them. A broadcast's receivers
+    /// thus write their root one burst per `HOLD_MAX` calls, not a message per call.
+    held: Vec<Xfer<'static>>,
 }
 
 impl Engine {
@@ -294,6 +343,7 @@ impl Engine {
             calls: 0,
             open: None,
             deferred: Vec::new(),
+            held: Vec::new(),
         }
     }
 
@@ -312,7 +362,7 @@ impl Engine {
             return None;
         }
         let mut owed = vec![0u64; self.size];
-        for x in &self.deferred {
+        for x in self.deferred.iter().filter(|x| matches!(x, Xfer::Recv { .. })) {
             owed[x.peer()] += 1;
         }
         // A deferred receive was counted when it was posted.
@@ -334,6 +384,7 @@ impl Engine {
     /// with what the others owed. This engine is left without links.
     pub(crate) fn hand_over(&mut self, ctx: &OpCtx<'_>, members: &[usize], keep_board: bool) -> Result<Transport> {
         self.deferred.retain(|x| members.contains(&x.peer()));
+        self.held.retain(|x| members.contains(&x.peer()));
         self.settle_deferred(ctx)?;
         Ok(self.transport.hand_over(members, keep_board))
     }
@@ -346,11 +397,10 @@ impl Engine {
     /// Starts a collective whose algorithm follows at once. Every rank sends each peer its
     /// call in the first message of the collective, and no byte lands in a user buffer before
     /// every peer's call has been checked, so a mismatched call is found on every rank before
-    /// it writes anything. `symmetric`: see `OpenCall`. `writes`: this rank writes a user
-    /// buffer in this collective; a rank that only sends (a broadcast's root, gather's and
-    /// reduce's other ranks) does not wait for the peers' calls but checks them when they
-    /// arrive, in this collective or a later one, so that it can run ahead as its sends allow.
-    pub(crate) fn begin_call(&mut self, tag: Tag, call: Call, symmetric: bool, writes: bool) {
+    /// it writes anything. `symmetric`: see `OpenCall`. `writers`: the ranks that write a user
+    /// buffer in this collective (see `Writers`), computed alike on every rank from the call
+    /// (its root in `call.root`).
+    pub(crate) fn begin_call(&mut self, tag: Tag, call: Call, symmetric: bool, writers: Writers) {
         self.calls += 1;
         let call = Call {
             seq: self.calls,
@@ -360,7 +410,7 @@ impl Engine {
             tag,
             call,
             symmetric,
-            writes,
+            writers,
             first_pending: true,
             preamble: Vec::new(),
         };
@@ -372,17 +422,24 @@ impl Engine {
         self.open = Some(open);
     }
 
-    /// Header-only call messages to `to` and from `from`; the receives of a rank that writes
-    /// nothing go to `deferred` instead of the returned list.
+    /// Header-only call messages to `to` and from `from`. Those to a peer that writes nothing
+    /// are held back (to `held`), and the receives of a rank that writes nothing are not
+    /// waited for (to `deferred`); the rest are returned.
     fn call_messages(&mut self, open: &OpenCall, to: &[usize], from: &[usize]) -> Vec<Xfer<'static>> {
         let tag = Tag { nbytes: 0, ..open.tag };
-        let mut out: Vec<Xfer<'static>> = to
-            .iter()
-            .map(|&p| self.xfer_send(p, tag, &[], Some(open.call)))
-            .collect();
+        let root = open.call.root as usize;
+        let mut out: Vec<Xfer<'static>> = Vec::with_capacity(to.len() + from.len());
+        for &p in to {
+            let send = self.xfer_send(p, tag, &[], Some(open.call));
+            if open.writers.include(p, root) {
+                out.push(send);
+            } else {
+                self.held.push(send);
+            }
+        }
         for &p in from {
             let mut recv = self.xfer_recv(p, tag, Default::default(), Some(open.call), true);
-            if open.writes {
+            if open.writers.include(self.rank, root) {
                 out.push(recv);
             } else {
                 if let Xfer::Recv { later, earlier, .. } = &mut recv {
@@ -720,14 +777,33 @@ impl Engine {
                 Vec::new()
             }
         };
-        // Calls deferred by earlier collectives come first: they are first on their streams.
-        // Most exchanges have neither: no list is built for them.
-        let mut pre: Vec<Xfer<'b>> = if self.deferred.is_empty() {
+        let release = self.release_due(&preamble, xfers);
+        let poll = self.poll_due(&preamble, xfers);
+        // Calls deferred by earlier collectives come first, and calls held back: they are first
+        // on their streams. Most exchanges have neither: no list is built for them.
+        let mut pre: Vec<Xfer<'b>> = if !poll && !release {
             preamble
         } else {
-            std::mem::take(&mut self.deferred).into_iter().chain(preamble).collect()
+            let held = if release {
+                std::mem::take(&mut self.held)
+            } else {
+                Vec::new()
+            };
+            let deferred = if poll {
+                std::mem::take(&mut self.deferred)
+            } else {
+                Vec::new()
+            };
+            (deferred.into_iter().chain(held).chain(preamble)).collect()
         };
         let r = self.run(ctx, &mut pre, xfers);
+        if matches!(r, Err(Error::Mismatch { .. } | Error::InvalidArgument { .. })) {
+            // Our held calls go out too, and peers' deferred calls come in: each rank finds the
+            // mismatch itself. No message of this exchange goes to (or comes from) their peers
+            // (`release_due`, `poll_due`), so their place in `pre` is free.
+            pre.extend(std::mem::take(&mut self.held));
+            pre.extend(std::mem::take(&mut self.deferred));
+        }
         match r {
             Err(e @ Error::Mismatch { .. }) => {
                 self.drain_calls(ctx, &mut pre, xfers);
@@ -744,23 +820,86 @@ impl Engine {
             }
             _ => {}
         }
-        if !pre.is_empty() {
+        if poll {
             self.deferred = pre.into_iter().filter(|x| !x.done()).filter_map(Xfer::detach).collect();
         }
         r
     }
 
-    /// Waits for every deferred call (before a shared-memory round, which reads peers' state
-    /// outside the streams: a call still in a stream would look like another operation's).
-    pub(crate) fn settle_deferred(&mut self, ctx: &OpCtx<'_>) -> Result<()> {
+    /// Whether the peers' calls deferred so far are looked at in an exchange of `preamble`
+    /// and `xfers`: where it receives from one of their peers (they come first on that
+    /// stream), where one must be waited for (`bound_run_ahead`, `settle_deferred`), and once
+    /// a burst of held calls may have come (`HOLD_MAX` per peer). Not on every exchange: a
+    /// root that is ahead would otherwise move its whole list twice per call.
+    fn poll_due(&mut self, preamble: &[Xfer<'_>], xfers: &[Xfer<'_>]) -> bool {
         if self.deferred.is_empty() {
+            return false;
+        }
+        self.bound_run_ahead();
+        self.deferred.len() >= HOLD_MAX * (self.size - 1).max(1)
+            || self.deferred.iter().any(Xfer::needed)
+            || (preamble.iter().chain(xfers.iter()))
+                .any(|x| matches!(x, Xfer::Recv { peer, .. } if self.deferred.iter().any(|d| d.peer() == *peer)))
+    }
+
+    /// Whether the held calls go out with an exchange of `preamble` and `xfers`: when it sends
+    /// to a peer one of them is for (they come first on that stream), or there are `HOLD_MAX`.
+    fn release_due(&self, preamble: &[Xfer<'_>], xfers: &[Xfer<'_>]) -> bool {
+        if self.held.is_empty() {
+            return false;
+        }
+        self.held.len() >= HOLD_MAX
+            || (preamble.iter().chain(xfers.iter()))
+                .any(|x| matches!(x, Xfer::Send { peer, .. } if self.held.iter().any(|h| h.peer() == *peer)))
+    }
+
+    /// Writes what the links take now of the held calls (a rank that waits: a peer may be
+    /// waiting for one). What a full link leaves stays held, first on its stream.
+    fn write_held(&mut self, ctx: &OpCtx<'_>) -> Result<()> {
+        let mut held = std::mem::take(&mut self.held);
+        loop {
+            let (done, moved) = self.sweep(ctx, &mut held, &mut [])?;
+            if done || !moved {
+                break;
+            }
+        }
+        held.retain(|x| !x.done());
+        self.held = held;
+        Ok(())
+    }
+
+    /// A rank that writes nothing (a broadcast's root) takes in its peers' calls as they come
+    /// and does not wait for them; but past `LATER_MAX` unread per peer it waits for the oldest,
+    /// so that the list it sweeps on every exchange stays short (a root far ahead of its
+    /// receivers otherwise sweeps one entry per call it is ahead: 4 processes on 2 cores, 8 B,
+    /// 50-180 us per broadcast against 3.5 with the bound; docs/results/cpu.md).
+    fn bound_run_ahead(&mut self) {
+        let later = self.deferred.iter().filter(|x| x.awaited_later()).count();
+        let limit = LATER_MAX * (self.size - 1).max(1);
+        if later <= limit {
+            return;
+        }
+        let mut excess = later - limit;
+        for x in self.deferred.iter_mut().filter(|x| x.awaited_later()) {
+            if excess == 0 {
+                break;
+            }
+            x.make_needed();
+            excess -= 1;
+        }
+    }
+
+    /// Writes every held call message and waits for every deferred call (before a
+    /// shared-memory round, which reads peers' state outside the streams: a call still in a
+    /// stream would look like another operation's; and before links close or change hands).
+    pub(crate) fn settle_deferred(&mut self, ctx: &OpCtx<'_>) -> Result<()> {
+        if self.deferred.is_empty() && self.held.is_empty() {
             return Ok(());
         }
         for x in self.deferred.iter_mut() {
-            if let Xfer::Recv { later, .. } = x {
-                *later = false;
-            }
+            x.make_needed();
         }
+        self.deferred.append(&mut self.held);
         self.exchange(ctx, &mut [])
     }
 
@@ -773,7 +912,14 @@ impl Engine {
             }
             if moved {
                 pace.progressed();
-            } else if let Some(now) = pace.stalled(ctx) {
+                continue;
+            }
+            if !pace.spinning() && !self.held.is_empty() {
+                // A rank that waits longer than a spin writes what it holds back: a peer may
+                // wait for it (where calls mismatch, or where it settles).
+                self.write_held(ctx)?;
+            }
+            if let Some(now) = pace.stalled(ctx) {
                 self.check_stalled(ctx, pre, xfers, now)?;
             }
         }
@@ -1067,6 +1213,82 @@ mod tests {
 
     fn ctx(abort: &AtomicBool, after: Duration) -> OpCtx<'_> {
         OpCtx::new("send/recv", after, abort)
+    }
+
+    /// One direct broadcast of `buf` from `root`, as the backend runs it (mod.rs).
+    fn broadcast(e: &mut Engine, abort: &AtomicBool, buf: &mut [u8], root: usize) -> Result<()> {
+        let tag = super::super::tag(3, DType::U8, None);
+        let call = Call {
+            count: buf.len() as u64,
+            root: root as u32,
+            algo: super::super::algorithms::Algo::Direct.code(),
+            seq: 0,
+        };
+        e.begin_call(tag, call, true, Writers::AllButRoot);
+        let ctx = OpCtx::new("broadcast", Duration::from_secs(10), abort);
+        let r = super::super::algorithms::broadcast(
+            e,
+            &ctx,
+            tag,
+            buf,
+            root,
+            super::super::algorithms::Algo::Direct,
+            1 << 20,
+        );
+        e.end_call();
+        r
+    }
+
+    /// A broadcast's receiver holds its calls to the root back and writes them in one burst
+    /// of `HOLD_MAX`; the root takes them in later and settles with none left.
+    #[test]
+    fn receivers_write_their_calls_to_the_root_in_bursts() {
+        let mut e = engines(2);
+        let abort = AtomicBool::new(false);
+        let mut data = [5u8; 8];
+        // The root runs all its calls first: the receiver then never waits, so it holds on.
+        for _ in 0..HOLD_MAX {
+            broadcast(&mut e[0], &abort, &mut data, 0).unwrap();
+        }
+        for i in 1..=HOLD_MAX {
+            let mut got = [0u8; 8];
+            broadcast(&mut e[1], &abort, &mut got, 0).unwrap();
+            assert_eq!(got, data);
+            let written = e[0].transport.has_unread(1);
+            assert_eq!(written, i == HOLD_MAX, "call {i}: held {}", e[1].held.len());
+        }
+        assert!(e[1].held.is_empty());
+        let ctx = OpCtx::new("broadcast", Duration::from_secs(10), &abort);
+        e[0].settle_deferred(&ctx).unwrap();
+        assert!(e[0].deferred.is_empty());
+        assert!(!e[0].transport.has_unread(1), "every call taken in");
+    }
+
+    /// A root far ahead of a late receiver keeps at most `LATER_MAX` of its calls unread, and
+    /// then waits for the oldest: its list, swept on every exchange, stays short.
+    #[test]
+    fn a_root_ahead_of_its_receivers_bounds_the_calls_it_has_not_read() {
+        let mut e = engines(2);
+        let abort = AtomicBool::new(false);
+        let calls = 3 * LATER_MAX;
+        let mut late = e.pop().unwrap();
+        let receiver = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            let abort = AtomicBool::new(false);
+            for _ in 0..calls {
+                let mut got = [0u8; 8];
+                broadcast(&mut late, &abort, &mut got, 0).unwrap();
+            }
+            let ctx = OpCtx::new("broadcast", Duration::from_secs(10), &abort);
+            late.settle_deferred(&ctx).unwrap();
+        });
+        let mut most = 0;
+        for _ in 0..calls {
+            broadcast(&mut e[0], &abort, &mut [1u8; 8], 0).unwrap();
+            most = most.max(e[0].deferred.len());
+        }
+        assert!(most <= LATER_MAX + 1, "{most} calls unread");
+        receiver.join().unwrap();
     }
 
     /// Rank 2 sends rank 0 a message by reference, gives up (its operation failed because it
