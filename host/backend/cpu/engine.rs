@@ -21,12 +21,12 @@ const CHECK_EVERY: Duration = Duration::from_millis(5);
 /// whether it lost another rank first (`Engine::lost_at_root`); a peer announces that as soon
 /// as its own operation has failed.
 const ROOT_CAUSE_WAIT: Duration = Duration::from_millis(200);
-/// Call messages a rank holds back before it writes them (see `Engine::held`).
-const HOLD_MAX: usize = 8;
+/// Peers' calls per peer that a rank which writes nothing lets gather before it looks at them
+/// (see `Engine::poll_due`).
+const POLL_EVERY: usize = 8;
 /// Peers' calls per peer that a rank which writes nothing may leave unread before it waits for
-/// the oldest (see `Engine::bound_run_ahead`): above `HOLD_MAX`, so that it rarely waits for
-/// a call still held back.
-const LATER_MAX: usize = 2 * HOLD_MAX;
+/// the oldest (see `Engine::bound_run_ahead`).
+const LATER_MAX: usize = 2 * POLL_EVERY;
 
 /// One pending message.
 pub(crate) enum Xfer<'b> {
@@ -162,7 +162,7 @@ impl Xfer<'_> {
 /// The ranks that write a user buffer in a collective. A rank that only sends (a broadcast's
 /// root, gather's and a direct reduce's other ranks) does not wait for its peers' calls but
 /// checks them as they arrive, in this collective or a later one, so that it can run ahead as
-/// its sends allow; and its peers hold their calls to it back (`Engine::held`).
+/// its sends allow.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Writers {
     All,
@@ -218,11 +218,6 @@ impl Pacer {
 
     pub(crate) fn progressed(&mut self) {
         self.idle = 0;
-    }
-
-    /// Still in the first, spinning part of a wait (none where ranks outnumber CPUs).
-    pub(crate) fn spinning(&self) -> bool {
-        self.idle < self.spin
     }
 
     /// Backs off once; returns the time when a stall check is due. The first clock read of
@@ -322,11 +317,6 @@ pub(crate) struct Engine {
     open: Option<OpenCall>,
     /// Peers' calls to collectives in which this rank wrote nothing, not yet arrived.
     deferred: Vec<Xfer<'static>>,
-    /// Our header-only calls to peers that write nothing in their collective, and so do not
-    /// wait for them, not yet written: held back until this rank next sends that peer anything,
-    /// waits longer than a spin, settles, or holds `HOLD_MAX` of them. A broadcast's receivers
-    /// thus write their root one burst per `HOLD_MAX` calls, not a message per call.
-    held: Vec<Xfer<'static>>,
 }
 
 impl Engine {
@@ -343,7 +333,6 @@ impl Engine {
             calls: 0,
             open: None,
             deferred: Vec::new(),
-            held: Vec::new(),
         }
     }
 
@@ -384,7 +373,6 @@ impl Engine {
     /// with what the others owed. This engine is left without links.
     pub(crate) fn hand_over(&mut self, ctx: &OpCtx<'_>, members: &[usize], keep_board: bool) -> Result<Transport> {
         self.deferred.retain(|x| members.contains(&x.peer()));
-        self.held.retain(|x| members.contains(&x.peer()));
         self.settle_deferred(ctx)?;
         Ok(self.transport.hand_over(members, keep_board))
     }
@@ -422,20 +410,14 @@ impl Engine {
         self.open = Some(open);
     }
 
-    /// Header-only call messages to `to` and from `from`. Those to a peer that writes nothing
-    /// are held back (to `held`), and the receives of a rank that writes nothing are not
-    /// waited for (to `deferred`); the rest are returned.
+    /// Header-only call messages to `to` and from `from`; the receives of a rank that writes
+    /// nothing go to `deferred` instead of the returned list.
     fn call_messages(&mut self, open: &OpenCall, to: &[usize], from: &[usize]) -> Vec<Xfer<'static>> {
         let tag = Tag { nbytes: 0, ..open.tag };
         let root = open.call.root as usize;
         let mut out: Vec<Xfer<'static>> = Vec::with_capacity(to.len() + from.len());
         for &p in to {
-            let send = self.xfer_send(p, tag, &[], Some(open.call));
-            if open.writers.include(p, root) {
-                out.push(send);
-            } else {
-                self.held.push(send);
-            }
+            out.push(self.xfer_send(p, tag, &[], Some(open.call)));
         }
         for &p in from {
             let mut recv = self.xfer_recv(p, tag, Default::default(), Some(open.call), true);
@@ -777,31 +759,19 @@ impl Engine {
                 Vec::new()
             }
         };
-        let release = self.release_due(&preamble, xfers);
+        // Calls deferred by earlier collectives come first: they are first on their streams.
+        // Most exchanges have none to look at: no list is built for them.
         let poll = self.poll_due(&preamble, xfers);
-        // Calls deferred by earlier collectives come first, and calls held back: they are first
-        // on their streams. Most exchanges have neither: no list is built for them.
-        let mut pre: Vec<Xfer<'b>> = if !poll && !release {
-            preamble
+        let mut pre: Vec<Xfer<'b>> = if poll {
+            std::mem::take(&mut self.deferred).into_iter().chain(preamble).collect()
         } else {
-            let held = if release {
-                std::mem::take(&mut self.held)
-            } else {
-                Vec::new()
-            };
-            let deferred = if poll {
-                std::mem::take(&mut self.deferred)
-            } else {
-                Vec::new()
-            };
-            (deferred.into_iter().chain(held).chain(preamble)).collect()
+            preamble
         };
         let r = self.run(ctx, &mut pre, xfers);
         if matches!(r, Err(Error::Mismatch { .. } | Error::InvalidArgument { .. })) {
-            // Our held calls go out too, and peers' deferred calls come in: each rank finds the
-            // mismatch itself. No message of this exchange goes to (or comes from) their peers
-            // (`release_due`, `poll_due`), so their place in `pre` is free.
-            pre.extend(std::mem::take(&mut self.held));
+            // Peers' deferred calls come in too: each rank finds the mismatch itself. Where they
+            // were not looked at, no message of this exchange comes from their peers
+            // (`poll_due`), so their place in `pre` is free.
             pre.extend(std::mem::take(&mut self.deferred));
         }
         match r {
@@ -829,51 +799,24 @@ impl Engine {
     /// Whether the peers' calls deferred so far are looked at in an exchange of `preamble`
     /// and `xfers`: where it receives from one of their peers (they come first on that
     /// stream), where one must be waited for (`bound_run_ahead`, `settle_deferred`), and once
-    /// a burst of held calls may have come (`HOLD_MAX` per peer). Not on every exchange: a
-    /// root that is ahead would otherwise move its whole list twice per call.
+    /// `POLL_EVERY` per peer have gathered. Not on every exchange: a root that is ahead would
+    /// otherwise move its whole list twice per call.
     fn poll_due(&mut self, preamble: &[Xfer<'_>], xfers: &[Xfer<'_>]) -> bool {
         if self.deferred.is_empty() {
             return false;
         }
         self.bound_run_ahead();
-        self.deferred.len() >= HOLD_MAX * (self.size - 1).max(1)
+        self.deferred.len() >= POLL_EVERY * (self.size - 1).max(1)
             || self.deferred.iter().any(Xfer::needed)
             || (preamble.iter().chain(xfers.iter()))
                 .any(|x| matches!(x, Xfer::Recv { peer, .. } if self.deferred.iter().any(|d| d.peer() == *peer)))
     }
 
-    /// Whether the held calls go out with an exchange of `preamble` and `xfers`: when it sends
-    /// to a peer one of them is for (they come first on that stream), or there are `HOLD_MAX`.
-    fn release_due(&self, preamble: &[Xfer<'_>], xfers: &[Xfer<'_>]) -> bool {
-        if self.held.is_empty() {
-            return false;
-        }
-        self.held.len() >= HOLD_MAX
-            || (preamble.iter().chain(xfers.iter()))
-                .any(|x| matches!(x, Xfer::Send { peer, .. } if self.held.iter().any(|h| h.peer() == *peer)))
-    }
-
-    /// Writes what the links take now of the held calls (a rank that waits: a peer may be
-    /// waiting for one). What a full link leaves stays held, first on its stream.
-    fn write_held(&mut self, ctx: &OpCtx<'_>) -> Result<()> {
-        let mut held = std::mem::take(&mut self.held);
-        loop {
-            let (done, moved) = self.sweep(ctx, &mut held, &mut [])?;
-            if done || !moved {
-                break;
-            }
-        }
-        held.retain(|x| !x.done());
-        self.held = held;
-        Ok(())
-    }
-
     /// A rank that writes nothing (a broadcast's root) takes in its peers' calls as they come
-    /// and does not wait for them; but past `LATER_MAX` unread per peer it waits for the oldest,
-    /// so that the list it sweeps on every exchange stays short (a root far ahead of its
-    /// receivers otherwise sweeps one entry per call it is ahead: 4 processes on 2 cores, 8 B,
-    /// streamed over shared memory, 32 us per broadcast against 4.2 with this and `held`; over
-    /// TCP 226 against 45; docs/results/cpu.md).
+    /// and does not wait for them; but past `LATER_MAX` unread per peer (on average, the oldest
+    /// first) it waits for the oldest, so that the list it sweeps stays short (a root far ahead
+    /// of its receivers otherwise sweeps one entry per call it is ahead: 4 processes on 2 cores,
+    /// 8 B, docs/results/cpu.md, "A broadcast's root far ahead").
     fn bound_run_ahead(&mut self) {
         let later = self.deferred.iter().filter(|x| x.awaited_later()).count();
         let limit = LATER_MAX * (self.size - 1).max(1);
@@ -890,17 +833,16 @@ impl Engine {
         }
     }
 
-    /// Writes every held call message and waits for every deferred call (before a
-    /// shared-memory round, which reads peers' state outside the streams: a call still in a
-    /// stream would look like another operation's; and before links close or change hands).
+    /// Waits for every deferred call (before a shared-memory round, which reads peers' state
+    /// outside the streams: a call still in a stream would look like another operation's; and
+    /// before links close or change hands).
     pub(crate) fn settle_deferred(&mut self, ctx: &OpCtx<'_>) -> Result<()> {
-        if self.deferred.is_empty() && self.held.is_empty() {
+        if self.deferred.is_empty() {
             return Ok(());
         }
         for x in self.deferred.iter_mut() {
             x.make_needed();
         }
-        self.deferred.append(&mut self.held);
         self.exchange(ctx, &mut [])
     }
 
@@ -913,14 +855,7 @@ impl Engine {
             }
             if moved {
                 pace.progressed();
-                continue;
-            }
-            if !pace.spinning() && !self.held.is_empty() {
-                // A rank that waits longer than a spin writes what it holds back: a peer may
-                // wait for it (where calls mismatch, or where it settles).
-                self.write_held(ctx)?;
-            }
-            if let Some(now) = pace.stalled(ctx) {
+            } else if let Some(now) = pace.stalled(ctx) {
                 self.check_stalled(ctx, pre, xfers, now)?;
             }
         }
@@ -950,9 +885,20 @@ impl Engine {
         loop {
             let mut pending = false;
             let mut moved = false;
+            // Streams with an unfinished message in this pass: a later message on the same
+            // stream must not start in the middle of it.
+            let (mut tx_busy, mut rx_busy) = (vec![false; self.size], vec![false; self.size]);
             for x in pre.iter_mut().chain(xfers.iter_mut()).filter(|x| x.is_call()) {
                 let peer = x.peer();
                 if moved_on[peer] {
+                    continue;
+                }
+                let busy = match x {
+                    Xfer::Send { .. } => tx_busy[peer],
+                    Xfer::Recv { .. } => rx_busy[peer],
+                };
+                if busy {
+                    pending = true;
                     continue;
                 }
                 let link = self.transport.link(peer);
@@ -978,12 +924,19 @@ impl Engine {
                         continue;
                     }
                 }
-                pending |= match x {
+                let unfinished = match x {
                     Xfer::Send { .. } => !x.done(),
                     Xfer::Recv { hdr, hpos, pos, .. } => {
                         *hpos < HEADER_BYTES || header::stream_len(hdr).is_some_and(|n| (*pos as u64) < n)
                     }
                 };
+                if unfinished {
+                    match x {
+                        Xfer::Send { .. } => tx_busy[peer] = true,
+                        Xfer::Recv { .. } => rx_busy[peer] = true,
+                    }
+                }
+                pending |= unfinished;
             }
             if !pending {
                 break;
@@ -1238,31 +1191,6 @@ mod tests {
         );
         e.end_call();
         r
-    }
-
-    /// A broadcast's receiver holds its calls to the root back and writes them in one burst
-    /// of `HOLD_MAX`; the root takes them in later and settles with none left.
-    #[test]
-    fn receivers_write_their_calls_to_the_root_in_bursts() {
-        let mut e = engines(2);
-        let abort = AtomicBool::new(false);
-        let mut data = [5u8; 8];
-        // The root runs all its calls first: the receiver then never waits, so it holds on.
-        for _ in 0..HOLD_MAX {
-            broadcast(&mut e[0], &abort, &mut data, 0).unwrap();
-        }
-        for i in 1..=HOLD_MAX {
-            let mut got = [0u8; 8];
-            broadcast(&mut e[1], &abort, &mut got, 0).unwrap();
-            assert_eq!(got, data);
-            let written = e[0].transport.has_unread(1);
-            assert_eq!(written, i == HOLD_MAX, "call {i}: held {}", e[1].held.len());
-        }
-        assert!(e[1].held.is_empty());
-        let ctx = OpCtx::new("broadcast", Duration::from_secs(10), &abort);
-        e[0].settle_deferred(&ctx).unwrap();
-        assert!(e[0].deferred.is_empty());
-        assert!(!e[0].transport.has_unread(1), "every call taken in");
     }
 
     /// A root far ahead of a late receiver keeps at most `LATER_MAX` of its calls unread, and
