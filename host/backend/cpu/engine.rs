@@ -159,27 +159,6 @@ impl Xfer<'_> {
     }
 }
 
-/// The ranks that write a user buffer in a collective. A rank that only sends (a broadcast's
-/// root, gather's and a direct reduce's other ranks) does not wait for its peers' calls but
-/// checks them as they arrive, in this collective or a later one, so that it can run ahead as
-/// its sends allow.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Writers {
-    All,
-    AllButRoot,
-    OnlyRoot,
-}
-
-impl Writers {
-    fn include(self, rank: usize, root: usize) -> bool {
-        match self {
-            Writers::All => true,
-            Writers::AllButRoot => rank != root,
-            Writers::OnlyRoot => rank == root,
-        }
-    }
-}
-
 /// The collective being run, until its first exchange has checked every peer's call.
 struct OpenCall {
     tag: Tag,
@@ -189,7 +168,7 @@ struct OpenCall {
     /// messages cover the pairs it does not reach. Otherwise header-only call messages to and
     /// from every peer come first.
     symmetric: bool,
-    writers: Writers,
+    writes: bool,
     first_pending: bool,
     /// Header-only call messages, sent with the first exchange.
     preamble: Vec<Xfer<'static>>,
@@ -351,7 +330,7 @@ impl Engine {
             return None;
         }
         let mut owed = vec![0u64; self.size];
-        for x in self.deferred.iter().filter(|x| matches!(x, Xfer::Recv { .. })) {
+        for x in &self.deferred {
             owed[x.peer()] += 1;
         }
         // A deferred receive was counted when it was posted.
@@ -385,10 +364,11 @@ impl Engine {
     /// Starts a collective whose algorithm follows at once. Every rank sends each peer its
     /// call in the first message of the collective, and no byte lands in a user buffer before
     /// every peer's call has been checked, so a mismatched call is found on every rank before
-    /// it writes anything. `symmetric`: see `OpenCall`. `writers`: the ranks that write a user
-    /// buffer in this collective (see `Writers`), computed alike on every rank from the call
-    /// (its root in `call.root`).
-    pub(crate) fn begin_call(&mut self, tag: Tag, call: Call, symmetric: bool, writers: Writers) {
+    /// it writes anything. `symmetric`: see `OpenCall`. `writes`: this rank writes a user
+    /// buffer in this collective; a rank that only sends (a broadcast's root, gather's and
+    /// reduce's other ranks) does not wait for the peers' calls but checks them when they
+    /// arrive, in this collective or a later one, so that it can run ahead as its sends allow.
+    pub(crate) fn begin_call(&mut self, tag: Tag, call: Call, symmetric: bool, writes: bool) {
         self.calls += 1;
         let call = Call {
             seq: self.calls,
@@ -398,7 +378,7 @@ impl Engine {
             tag,
             call,
             symmetric,
-            writers,
+            writes,
             first_pending: true,
             preamble: Vec::new(),
         };
@@ -414,14 +394,13 @@ impl Engine {
     /// nothing go to `deferred` instead of the returned list.
     fn call_messages(&mut self, open: &OpenCall, to: &[usize], from: &[usize]) -> Vec<Xfer<'static>> {
         let tag = Tag { nbytes: 0, ..open.tag };
-        let root = open.call.root as usize;
-        let mut out: Vec<Xfer<'static>> = Vec::with_capacity(to.len() + from.len());
-        for &p in to {
-            out.push(self.xfer_send(p, tag, &[], Some(open.call)));
-        }
+        let mut out: Vec<Xfer<'static>> = to
+            .iter()
+            .map(|&p| self.xfer_send(p, tag, &[], Some(open.call)))
+            .collect();
         for &p in from {
             let mut recv = self.xfer_recv(p, tag, Default::default(), Some(open.call), true);
-            if open.writers.include(self.rank, root) {
+            if open.writes {
                 out.push(recv);
             } else {
                 if let Xfer::Recv { later, earlier, .. } = &mut recv {
@@ -761,6 +740,9 @@ impl Engine {
         };
         // Calls deferred by earlier collectives come first: they are first on their streams.
         // Most exchanges have none to look at: no list is built for them.
+        if !self.deferred.is_empty() {
+            self.bound_run_ahead();
+        }
         let poll = self.poll_due(&preamble, xfers);
         let mut pre: Vec<Xfer<'b>> = if poll {
             std::mem::take(&mut self.deferred).into_iter().chain(preamble).collect()
@@ -801,11 +783,10 @@ impl Engine {
     /// stream), where one must be waited for (`bound_run_ahead`, `settle_deferred`), and once
     /// `POLL_EVERY` per peer have gathered. Not on every exchange: a root that is ahead would
     /// otherwise move its whole list twice per call.
-    fn poll_due(&mut self, preamble: &[Xfer<'_>], xfers: &[Xfer<'_>]) -> bool {
+    fn poll_due(&self, preamble: &[Xfer<'_>], xfers: &[Xfer<'_>]) -> bool {
         if self.deferred.is_empty() {
             return false;
         }
-        self.bound_run_ahead();
         self.deferred.len() >= POLL_EVERY * (self.size - 1).max(1)
             || self.deferred.iter().any(Xfer::needed)
             || (preamble.iter().chain(xfers.iter()))
@@ -1178,7 +1159,7 @@ mod tests {
             algo: super::super::algorithms::Algo::Direct.code(),
             seq: 0,
         };
-        e.begin_call(tag, call, true, Writers::AllButRoot);
+        e.begin_call(tag, call, true, e.rank != root);
         let ctx = OpCtx::new("broadcast", Duration::from_secs(10), abort);
         let r = super::super::algorithms::broadcast(
             e,

@@ -16,7 +16,7 @@
 //! to its token's rank; the receive half sums `weight * row` over k in order.
 
 use super::algorithms::{self, Algo, Scratch};
-use super::engine::{Engine, OpCtx, Writers};
+use super::engine::{Engine, OpCtx};
 use super::header::{Call, Tag, ANY_COUNT};
 use super::oneshot;
 use crate::compute::rmsnorm::Norm;
@@ -145,7 +145,7 @@ fn begin(e: &mut Engine, t: Tag, count: u64, hidden: usize, algo: Algo) {
         algo: algo.code(),
         seq: 0,
     };
-    e.begin_call(t, call, true, Writers::All);
+    e.begin_call(t, call, true, true);
 }
 
 /// The fused norm's algorithm: the hint's (`oneshot`, `twoshot`), else `by_size`.
@@ -509,7 +509,7 @@ fn exchange(
                 seq: 0,
             },
             true,
-            Writers::All,
+            true,
         );
         algorithms::all_to_all(e, ctx, t, &ins, &mut outs)?;
     }

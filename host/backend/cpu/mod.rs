@@ -20,7 +20,7 @@ use crate::contracts::store::Store;
 use crate::contracts::window::{WindowBackend, WindowSpec};
 use crate::net::links::{self, Cause, FaultRecord, OwnerState};
 use algorithms::{Algo, Scratch};
-use engine::{Engine, OpCtx, Writers, Xfer};
+use engine::{Engine, OpCtx, Xfer};
 use header::{Call, Tag, ANY_COUNT};
 use smallvec::SmallVec;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -496,16 +496,15 @@ impl CpuBackend {
         // shared-memory round without a hint.
         let round_max = |e: &Engine, broadcast: bool| oneshot::round_max(e, broadcast).min(self.tuning.direct_max);
         // Opens the collective's call (header.rs) right before its algorithm runs.
-        // `writers`: the ranks that write a user buffer (the others check peers' calls as they
-        // come, and are not sent theirs at once: engine.rs, `Writers`).
-        let begin = |e: &mut Engine, t: Tag, count: usize, root: usize, a: Algo, symmetric: bool, writers: Writers| {
+        // `writes`: this rank writes a user buffer (else it checks peers' calls as they come).
+        let begin = |e: &mut Engine, t: Tag, count: usize, root: usize, a: Algo, symmetric: bool, writes: bool| {
             let call = Call {
                 count: count as u64,
                 root: root as u32,
                 algo: a.code(),
                 seq: 0,
             };
-            e.begin_call(t, call, symmetric, writers);
+            e.begin_call(t, call, symmetric, writes);
         };
         let elems = |bytes: usize, d: DType| bytes / d.size();
         match op {
@@ -531,18 +530,14 @@ impl CpuBackend {
                 {
                     a = Algo::Ring;
                 }
-                begin(e, t, elems(bytes, d), 0, a, true, Writers::All);
+                begin(e, t, elems(bytes, d), 0, a, true, true);
                 algorithms::all_reduce(e, s, ctx, t, buf.host_bytes_mut(), d, o, a)
             }
             Op::Reduce { buf, op, root } => {
                 let (d, o, bytes) = (buf.dtype(), *op, buf.host_bytes().len());
                 let (t, a) = (tag(2, d, Some(o)), algo(bytes)?);
-                let writers = if a == Algo::Ring {
-                    Writers::All
-                } else {
-                    Writers::OnlyRoot
-                };
-                begin(e, t, elems(bytes, d), *root, a, true, writers);
+                let writes = e.rank == *root || a == Algo::Ring;
+                begin(e, t, elems(bytes, d), *root, a, true, writes);
                 algorithms::reduce(e, s, ctx, t, buf.host_bytes_mut(), d, o, *root, a)
             }
             Op::Broadcast { buf, root } => {
@@ -559,7 +554,7 @@ impl CpuBackend {
                 let a = algo(bytes)?;
                 // The chain's first exchange is not symmetric (rank k forwards to k + 1 a step after
                 // k + 1 first receives from it): header-only call messages go first.
-                begin(e, t, elems(bytes, d), *root, a, a == Algo::Direct, Writers::AllButRoot);
+                begin(e, t, elems(bytes, d), *root, a, a == Algo::Direct, e.rank != *root);
                 algorithms::broadcast(e, ctx, t, buf.host_bytes_mut(), *root, a, self.tuning.chunk)
             }
             Op::AllGather { input, outputs } => {
@@ -580,7 +575,7 @@ impl CpuBackend {
                 // Blocks that differ between ranks (all_gather_v) must show in the call, before
                 // a ring step lands one: see reduce_scatter below.
                 let digest = block_digest(outs.iter().map(|o| o.len()));
-                begin(e, t, elems(total, d), digest as usize, a, true, Writers::All);
+                begin(e, t, elems(total, d), digest as usize, a, true, true);
                 algorithms::all_gather(e, ctx, t, input.host_bytes(), &mut outs, a)
             }
             Op::ReduceScatter { inputs, output, op } => {
@@ -604,7 +599,7 @@ impl CpuBackend {
                 // byte lands: a digest of the block lengths rides in the root field, which
                 // neither operation has a use for.
                 let digest = block_digest(ins.iter().map(|i| i.len()));
-                begin(e, t, elems(total, d), digest as usize, a, true, Writers::All);
+                begin(e, t, elems(total, d), digest as usize, a, true, true);
                 algorithms::reduce_scatter(e, s, ctx, t, &ins, output.host_bytes_mut(), d, o, a)
             }
             Op::AllToAll { inputs, outputs } => {
@@ -626,7 +621,7 @@ impl CpuBackend {
                     }
                 }
                 // all_to_all_v: ranks' counts differ; each message's length is checked instead.
-                e.begin_call(t, any_count_call(0), true, Writers::All);
+                e.begin_call(t, any_count_call(0), true, true);
                 algorithms::all_to_all(e, ctx, t, &ins, &mut outs)
             }
             Op::Scatter { inputs, output, root } => {
@@ -634,7 +629,7 @@ impl CpuBackend {
                 // Per-rank lengths may differ (objects scatter their encodings): each message's
                 // length is checked instead of a count.
                 let t = tag(7, output.dtype(), None);
-                e.begin_call(t, any_count_call(*root), true, Writers::All);
+                e.begin_call(t, any_count_call(*root), true, true);
                 algorithms::scatter(e, ctx, t, ins.as_deref(), output.host_bytes_mut(), *root)
             }
             Op::Gather { input, outputs, root } => {
@@ -642,7 +637,7 @@ impl CpuBackend {
                     .as_mut()
                     .map(|v| v.iter_mut().map(|o| o.host_bytes_mut()).collect());
                 let t = tag(8, input.dtype(), None);
-                e.begin_call(t, any_count_call(*root), true, Writers::OnlyRoot);
+                e.begin_call(t, any_count_call(*root), true, e.rank == *root);
                 algorithms::gather(e, ctx, t, input.host_bytes(), outs.as_deref_mut(), *root)
             }
             Op::Barrier if oneshot::fits(e, 0) => {
@@ -652,7 +647,7 @@ impl CpuBackend {
             }
             Op::Barrier => {
                 let t = tag(9, DType::U8, None);
-                begin(e, t, 0, 0, Algo::Direct, true, Writers::All);
+                begin(e, t, 0, 0, Algo::Direct, true, true);
                 algorithms::barrier(e, ctx, t)
             }
             Op::AllReduceRmsNorm(_) | Op::MoeDispatch(_) | Op::MoeCombine(_) => {
