@@ -116,8 +116,8 @@ pub(crate) struct Config {
     pub force_tcp: bool,
     /// `FERROCOMM_SHM_RING_BYTES` (1 MiB; `TransportOptions` checks it is a power of two).
     pub shm_ring_bytes: usize,
-    /// `FERROCOMM_SHM_PULL_BYTES` (0: never); unset: 16 KiB, 64 KiB where a host's ranks
-    /// outnumber its CPUs.
+    /// `FERROCOMM_SHM_PULL_BYTES` (0: never); unset: never where the copy by reference measures
+    /// slow on the host, else 16 KiB, 64 KiB where a host's ranks outnumber its CPUs.
     pub shm_pull_bytes: Option<usize>,
     /// `FERROCOMM_SOCKET_ADDR`.
     pub socket_addr: Option<IpAddr>,

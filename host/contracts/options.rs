@@ -25,8 +25,10 @@ pub struct TransportOptions {
     /// Messages between ranks of one host of at least this many bytes go by reference: the
     /// receiver copies them straight out of the sender's memory (`process_vm_readv`), one copy
     /// instead of two, where the kernel allows it. `FERROCOMM_SHM_PULL_BYTES`; 0: never; else
-    /// at least 4096. `None`: 16 KiB, or 64 KiB where the ranks on the host outnumber its CPUs
-    /// (a sender waits for its receiver to copy, and there the receiver is often not running).
+    /// at least 4096. `None`: never where that copy measures slow on this host (timed once per
+    /// process against a plain copy), else 16 KiB, or 64 KiB where the ranks on the host
+    /// outnumber its CPUs (a sender waits for its receiver to copy, and there the receiver is
+    /// often not running).
     pub shm_pull_bytes: Option<usize>,
     /// Use TCP even between ranks of one host (`FERROCOMM_TRANSPORT=tcp`).
     pub force_tcp: bool,

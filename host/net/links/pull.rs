@@ -87,6 +87,50 @@ pub(crate) fn probe(pid: u32, addr: u64, expect: u64) -> bool {
     matches!(read_process(pid, addr, &mut word), Ok(8)) && u64::from_le_bytes(word) == expect
 }
 
+/// Whether copying a message straight out of another process pays on this host, measured once
+/// per process: `process_vm_readv` against a plain copy, both of `PROBE_BYTES` of our own
+/// memory, the best of a few tries each. It pays where it takes less than twice the plain copy,
+/// the two copies it saves. That is not every host: on an AMD EPYC KVM guest it took 7.9 times
+/// a plain copy (14.5 us against 1.8 at 256 KiB), and there every size by reference measured
+/// slower than through the rings, 1.5-3x (docs/results/cpu.md, "Copies out of another process,
+/// measured at set-up").
+pub(crate) fn pays() -> bool {
+    static PAYS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *PAYS.get_or_init(|| {
+        let (pull, copy) = time_pull_and_copy();
+        let pays = pull < 2 * copy;
+        tracing::debug!(?pull, ?copy, pays, "shared memory: copies by reference measured");
+        pays
+    })
+}
+
+/// Bytes of each copy `pays` times: large enough that the system call's fixed cost does not
+/// decide, small enough to stay in cache and take tens of microseconds at worst.
+const PROBE_BYTES: usize = 256 << 10;
+
+/// The best of a few times of `process_vm_readv` and of a plain copy of `PROBE_BYTES` from our
+/// own memory. A failing system call counts as never paying.
+fn time_pull_and_copy() -> (std::time::Duration, std::time::Duration) {
+    use std::time::{Duration, Instant};
+    let src = vec![1u8; PROBE_BYTES];
+    let mut dst = vec![0u8; PROBE_BYTES];
+    let (pid, from) = (std::process::id(), Reference::to(&src, 0));
+    let (mut pull, mut copy) = (Duration::MAX, Duration::MAX);
+    // The first try of each also faults the pages in; the best time leaves it out.
+    for _ in 0..4 {
+        let t = Instant::now();
+        dst.copy_from_slice(std::hint::black_box(&src));
+        std::hint::black_box(&mut dst);
+        copy = copy.min(t.elapsed());
+        let t = Instant::now();
+        if copy_in(pid, &from, &mut dst).is_err() {
+            return (Duration::MAX, copy);
+        }
+        pull = pull.min(t.elapsed());
+    }
+    (pull, copy)
+}
+
 /// One `process_vm_readv` call: the bytes it copied.
 fn read_process(pid: u32, addr: u64, dst: &mut [u8]) -> std::io::Result<usize> {
     let local = libc::iovec {
@@ -138,5 +182,25 @@ mod tests {
             withdrawals: 0,
         };
         assert!(copy_in(me, &nowhere, &mut [0u8; 1]).is_err());
+    }
+
+    #[test]
+    fn the_copy_by_reference_is_timed_against_a_plain_copy_once_per_process() {
+        let (pull, copy) = time_pull_and_copy();
+        assert!(
+            copy > std::time::Duration::ZERO && copy < std::time::Duration::from_secs(1),
+            "{copy:?}"
+        );
+        let me = std::process::id();
+        let word = 0x5eed_u64;
+        if !probe(me, &word as *const u64 as u64, word) {
+            // Forbidden here: never pays.
+            assert_eq!(pull, std::time::Duration::MAX);
+            assert!(!pays());
+            return;
+        }
+        assert!(pull < std::time::Duration::from_secs(1), "{pull:?}");
+        // Decided once: every transport of this process makes the same choice.
+        assert_eq!(pays(), pays());
     }
 }

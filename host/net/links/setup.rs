@@ -479,6 +479,8 @@ pub(crate) fn connect_all(
         pull_bytes: match opts.shm_pull_bytes {
             Some(0) => usize::MAX,
             Some(n) => n,
+            // Where the kernel's copy out of another process is slow, never (pull.rs, `pays`).
+            None if !super::pull::pays() => usize::MAX,
             // Measured (docs/results/cpu.md, "Rounds and references by crowding"): where every
             // rank has a CPU, 16-32 KiB by reference took 0.70-0.78 of the time through the
             // rings; with 4 ranks on 2 CPUs 16 KiB took 1.7x, the sender waiting for a receiver
