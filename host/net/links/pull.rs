@@ -92,7 +92,7 @@ pub(crate) fn probe(pid: u32, addr: u64, expect: u64) -> bool {
 /// memory, the best of a few tries each. It pays where it takes less than twice the plain copy,
 /// the two copies it saves. That is not every host: on an AMD EPYC KVM guest it took 7.9 times
 /// a plain copy (14.5 us against 1.8 at 256 KiB), and there every size by reference measured
-/// slower than through the rings, 1.5-3x (docs/results/cpu.md, "Copies out of another process,
+/// slower than through the rings, 1.2-5x (docs/results/cpu.md, "Copies out of another process,
 /// measured at set-up").
 pub(crate) fn pays() -> bool {
     static PAYS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();

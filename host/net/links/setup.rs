@@ -468,6 +468,7 @@ pub(crate) fn connect_all(
         waited?;
     }
     let board = board_over(rank, size, own_seg.as_ref(), peers.as_ref(), opts.shm_ring_bytes);
+    let has_shm = own_seg.is_some();
     Ok(Transport {
         links,
         board,
@@ -479,8 +480,9 @@ pub(crate) fn connect_all(
         pull_bytes: match opts.shm_pull_bytes {
             Some(0) => usize::MAX,
             Some(n) => n,
-            // Where the kernel's copy out of another process is slow, never (pull.rs, `pays`).
-            None if !super::pull::pays() => usize::MAX,
+            // Where the kernel's copy out of another process is slow, never (pull.rs, `pays`;
+            // timed only where this rank has shared-memory links).
+            None if has_shm && !super::pull::pays() => usize::MAX,
             // Measured (docs/results/cpu.md, "Rounds and references by crowding"): where every
             // rank has a CPU, 16-32 KiB by reference took 0.70-0.78 of the time through the
             // rings; with 4 ranks on 2 CPUs 16 KiB took 1.7x, the sender waiting for a receiver
