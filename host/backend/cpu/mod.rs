@@ -22,6 +22,7 @@ use crate::net::links::{self, Cause, FaultRecord, OwnerState};
 use algorithms::{Algo, Scratch};
 use engine::{Engine, OpCtx, Xfer};
 use header::{Call, Tag, ANY_COUNT};
+use oneshot::RoundOp;
 use smallvec::SmallVec;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -494,7 +495,7 @@ impl CpuBackend {
         let algo = |bytes: usize| self.tuning.choose(ctx.op, bytes, opts);
         // The largest operation (`broadcast`: the largest broadcast) that runs as a
         // shared-memory round without a hint.
-        let round_max = |e: &Engine, broadcast: bool| oneshot::round_max(e, broadcast).min(self.tuning.direct_max);
+        let round_max = |e: &Engine, op: RoundOp| oneshot::round_max(e, op).min(self.tuning.direct_max);
         // Opens the collective's call (header.rs) right before its algorithm runs.
         // `writes`: this rank writes a user buffer (else it checks peers' calls as they come).
         let begin = |e: &mut Engine, t: Tag, count: usize, root: usize, a: Algo, symmetric: bool, writes: bool| {
@@ -511,10 +512,13 @@ impl CpuBackend {
             Op::AllReduce { buf, op } => {
                 let (d, o, bytes) = (buf.dtype(), *op, buf.host_bytes().len());
                 let t = tag(1, d, Some(o));
-                if self
-                    .tuning
-                    .use_board_up_to(ctx.op, bytes, opts, oneshot::fits(e, bytes), round_max(e, false))?
-                {
+                if self.tuning.use_board_up_to(
+                    ctx.op,
+                    bytes,
+                    opts,
+                    oneshot::fits(e, bytes),
+                    round_max(e, RoundOp::AllReduce),
+                )? {
                     e.settle_deferred(ctx)?;
                     e.count_call();
                     return oneshot::all_reduce(e, ctx, t, buf.host_bytes_mut(), d, o);
@@ -525,7 +529,7 @@ impl CpuBackend {
                 // 5.7, and the round's 4.4; docs/results/cpu.md).
                 if a == Algo::Direct
                     && oneshot::fits(e, bytes)
-                    && bytes > round_max(e, false)
+                    && bytes > round_max(e, RoundOp::AllReduce)
                     && Tuning::wanted(ctx.op, opts.hints, false)?.is_none()
                 {
                     a = Algo::Ring;
@@ -543,10 +547,13 @@ impl CpuBackend {
             Op::Broadcast { buf, root } => {
                 let (d, bytes) = (buf.dtype(), buf.host_bytes().len());
                 let t = tag(3, d, None);
-                if self
-                    .tuning
-                    .use_board_up_to(ctx.op, bytes, opts, oneshot::fits(e, bytes), round_max(e, true))?
-                {
+                if self.tuning.use_board_up_to(
+                    ctx.op,
+                    bytes,
+                    opts,
+                    oneshot::fits(e, bytes),
+                    round_max(e, RoundOp::Broadcast),
+                )? {
                     e.settle_deferred(ctx)?;
                     e.count_call();
                     return oneshot::broadcast(e, ctx, t, buf.host_bytes_mut(), *root);
@@ -563,10 +570,13 @@ impl CpuBackend {
                 // Decided on what every rank knows alike (all_gather_v: counts differ by rank).
                 let total = outs.iter().map(|o| o.len()).sum();
                 let largest = outs.iter().map(|o| o.len()).max().unwrap_or(0);
-                if self
-                    .tuning
-                    .use_board_up_to(ctx.op, total, opts, oneshot::fits(e, largest), round_max(e, false))?
-                {
+                if self.tuning.use_board_up_to(
+                    ctx.op,
+                    total,
+                    opts,
+                    oneshot::fits(e, largest),
+                    round_max(e, RoundOp::Exchange),
+                )? {
                     e.settle_deferred(ctx)?;
                     e.count_call();
                     return oneshot::all_gather(e, ctx, t, input.host_bytes(), &mut outs);
@@ -583,10 +593,13 @@ impl CpuBackend {
                 let ins: PerRank<&[u8]> = inputs.iter().map(|i| i.host_bytes()).collect();
                 let total = ins.iter().map(|i| i.len()).sum();
                 let t = tag(5, d, Some(o));
-                if self
-                    .tuning
-                    .use_board_up_to(ctx.op, total, opts, oneshot::fits(e, total), round_max(e, false))?
-                {
+                if self.tuning.use_board_up_to(
+                    ctx.op,
+                    total,
+                    opts,
+                    oneshot::fits(e, total),
+                    round_max(e, RoundOp::Exchange),
+                )? {
                     e.settle_deferred(ctx)?;
                     e.count_call();
                     return oneshot::reduce_scatter(e, s, ctx, t, &ins, output.host_bytes_mut(), d, o);
@@ -612,7 +625,7 @@ impl CpuBackend {
                 if self.tuning.use_board(ctx.op, 0, opts, oneshot::fits(e, 0))? {
                     let limit = match Tuning::wanted(ctx.op, opts.hints, false)? {
                         Some(Wanted::OneShot) => usize::MAX,
-                        _ => round_max(e, false),
+                        _ => round_max(e, RoundOp::Exchange),
                     };
                     e.settle_deferred(ctx)?;
                     e.count_call();

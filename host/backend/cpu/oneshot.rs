@@ -26,19 +26,31 @@ pub(crate) fn fits(e: &Engine, bytes: usize) -> bool {
     e.transport.board.is_some() && bytes <= SLOT_BYTES
 }
 
-/// The largest contribution that runs as a round without a hint (`broadcast`: its root's
-/// buffer; else the operation's bytes, as `Tuning::use_board` counts them). Where every rank
-/// has a CPU of its own, the framed algorithms are faster above a few KiB: the streamed
-/// broadcast, whose root runs ahead, from 4 KiB (2 processes: 0.66 us against 0.73 at 4 KiB,
-/// 1.18 against 1.80 at 16 KiB), the others from 16 KiB (all_gather: 1.96 us against 2.05;
-/// 64 KiB: 3.9 against 6.4, its messages by reference; docs/results/cpu.md), and at 8-16 KiB
-/// they are level (1.29 against 1.37 for all_gather at 8 KiB, the round ahead). Where ranks
-/// outnumber CPUs the round wins at every size it takes (crowding.rs).
-pub(crate) fn round_max(e: &Engine, broadcast: bool) -> usize {
-    match (e.transport.crowded(), broadcast) {
-        (true, _) => usize::MAX,
-        (false, true) => 2 << 10,
-        (false, false) => 8 << 10,
+/// The collectives whose largest round differs where every rank has a CPU of its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum RoundOp {
+    AllReduce,
+    Broadcast,
+    /// all_gather, reduce_scatter, all_to_all.
+    Exchange,
+}
+
+/// The largest contribution that runs as a round without a hint (`Broadcast`: its root's
+/// buffer; else the operation's bytes, as `Tuning::use_board` counts them). Where ranks
+/// outnumber CPUs the round wins at every size it takes (crowding.rs). Where every rank has a
+/// CPU of its own (2 processes bound to the 2 cores of the AMD EPYC guest, messages through the
+/// rings; docs/results/cpu.md, "Larger rounds where every rank has a CPU"): all_reduce's ring
+/// beats the round from 16 KiB (1.21-1.34 us against 1.34-1.38); the streamed broadcast, whose
+/// root runs ahead, is level with the round from 16 KiB and loses at 4-8 KiB (0.36-0.41 us
+/// against 0.23-0.28); all_gather, reduce_scatter and all_to_all keep winning in a round up to
+/// 32 KiB (all_gather at 16 KiB: 0.51-0.53 against 0.65-0.68).
+pub(crate) fn round_max(e: &Engine, op: RoundOp) -> usize {
+    if e.transport.crowded() {
+        return usize::MAX;
+    }
+    match op {
+        RoundOp::AllReduce | RoundOp::Broadcast => 8 << 10,
+        RoundOp::Exchange => 32 << 10,
     }
 }
 
