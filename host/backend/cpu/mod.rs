@@ -493,8 +493,8 @@ impl CpuBackend {
             Tuning::wanted(ctx.op, opts.hints, true)?;
         }
         let algo = |bytes: usize| self.tuning.choose(ctx.op, bytes, opts);
-        // The largest operation (`broadcast`: the largest broadcast) that runs as a
-        // shared-memory round without a hint.
+        // The largest operation of each kind (`RoundOp`; broadcast: its root's buffer) that
+        // runs as a shared-memory round without a hint.
         let round_max = |e: &Engine, op: RoundOp| oneshot::round_max(e, op).min(self.tuning.direct_max);
         // Opens the collective's call (header.rs) right before its algorithm runs.
         // `writes`: this rank writes a user buffer (else it checks peers' calls as they come).
