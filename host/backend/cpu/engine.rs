@@ -115,11 +115,6 @@ impl Xfer<'_> {
         !matches!(self, Xfer::Recv { later: true, .. })
     }
 
-    /// A peer's call not yet waited for (see `Xfer::Recv::later`).
-    fn awaited_later(&self) -> bool {
-        matches!(self, Xfer::Recv { later: true, .. })
-    }
-
     /// Makes a later call receive one its exchange waits for.
     fn make_needed(&mut self) {
         if let Xfer::Recv { later, .. } = self {
@@ -799,13 +794,13 @@ impl Engine {
     /// of its receivers otherwise sweeps one entry per call it is ahead: 4 processes on 2 cores,
     /// 8 B, docs/results/cpu.md, "A broadcast's root far ahead").
     fn bound_run_ahead(&mut self) {
-        let later = self.deferred.iter().filter(|x| x.awaited_later()).count();
+        let later = self.deferred.iter().filter(|x| !x.needed()).count();
         let limit = LATER_MAX * (self.size - 1).max(1);
         if later <= limit {
             return;
         }
         let mut excess = later - limit;
-        for x in self.deferred.iter_mut().filter(|x| x.awaited_later()) {
+        for x in self.deferred.iter_mut().filter(|x| !x.needed()) {
             if excess == 0 {
                 break;
             }

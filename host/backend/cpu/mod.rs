@@ -496,6 +496,21 @@ impl CpuBackend {
         // The largest operation of each kind (`RoundOp`; broadcast: its root's buffer) that
         // runs as a shared-memory round without a hint.
         let round_max = |e: &Engine, op: RoundOp| oneshot::round_max(e, op).min(self.tuning.direct_max);
+        // Whether an operation of `bytes` runs as a shared-memory round (`largest`: the bytes
+        // one rank's slot must hold); if so, the calls peers still owe are taken in first and
+        // the round is counted as a collective.
+        let round = |e: &mut Engine, bytes: usize, largest: usize, op: RoundOp| -> Result<bool> {
+            let max = round_max(e, op);
+            if !self
+                .tuning
+                .use_board_up_to(ctx.op, bytes, opts, oneshot::fits(e, largest), max)?
+            {
+                return Ok(false);
+            }
+            e.settle_deferred(ctx)?;
+            e.count_call();
+            Ok(true)
+        };
         // Opens the collective's call (header.rs) right before its algorithm runs.
         // `writes`: this rank writes a user buffer (else it checks peers' calls as they come).
         let begin = |e: &mut Engine, t: Tag, count: usize, root: usize, a: Algo, symmetric: bool, writes: bool| {
@@ -512,15 +527,7 @@ impl CpuBackend {
             Op::AllReduce { buf, op } => {
                 let (d, o, bytes) = (buf.dtype(), *op, buf.host_bytes().len());
                 let t = tag(1, d, Some(o));
-                if self.tuning.use_board_up_to(
-                    ctx.op,
-                    bytes,
-                    opts,
-                    oneshot::fits(e, bytes),
-                    round_max(e, RoundOp::AllReduce),
-                )? {
-                    e.settle_deferred(ctx)?;
-                    e.count_call();
+                if round(e, bytes, bytes, RoundOp::AllReduce)? {
                     return oneshot::all_reduce(e, ctx, t, buf.host_bytes_mut(), d, o);
                 }
                 let mut a = algo(bytes)?;
@@ -547,15 +554,7 @@ impl CpuBackend {
             Op::Broadcast { buf, root } => {
                 let (d, bytes) = (buf.dtype(), buf.host_bytes().len());
                 let t = tag(3, d, None);
-                if self.tuning.use_board_up_to(
-                    ctx.op,
-                    bytes,
-                    opts,
-                    oneshot::fits(e, bytes),
-                    round_max(e, RoundOp::Broadcast),
-                )? {
-                    e.settle_deferred(ctx)?;
-                    e.count_call();
+                if round(e, bytes, bytes, RoundOp::Broadcast)? {
                     return oneshot::broadcast(e, ctx, t, buf.host_bytes_mut(), *root);
                 }
                 let a = algo(bytes)?;
@@ -570,15 +569,7 @@ impl CpuBackend {
                 // Decided on what every rank knows alike (all_gather_v: counts differ by rank).
                 let total = outs.iter().map(|o| o.len()).sum();
                 let largest = outs.iter().map(|o| o.len()).max().unwrap_or(0);
-                if self.tuning.use_board_up_to(
-                    ctx.op,
-                    total,
-                    opts,
-                    oneshot::fits(e, largest),
-                    round_max(e, RoundOp::Exchange),
-                )? {
-                    e.settle_deferred(ctx)?;
-                    e.count_call();
+                if round(e, total, largest, RoundOp::Exchange)? {
                     return oneshot::all_gather(e, ctx, t, input.host_bytes(), &mut outs);
                 }
                 let a = algo(total)?;
@@ -593,15 +584,7 @@ impl CpuBackend {
                 let ins: PerRank<&[u8]> = inputs.iter().map(|i| i.host_bytes()).collect();
                 let total = ins.iter().map(|i| i.len()).sum();
                 let t = tag(5, d, Some(o));
-                if self.tuning.use_board_up_to(
-                    ctx.op,
-                    total,
-                    opts,
-                    oneshot::fits(e, total),
-                    round_max(e, RoundOp::Exchange),
-                )? {
-                    e.settle_deferred(ctx)?;
-                    e.count_call();
+                if round(e, total, total, RoundOp::Exchange)? {
                     return oneshot::reduce_scatter(e, s, ctx, t, &ins, output.host_bytes_mut(), d, o);
                 }
                 let a = algo(total)?;
