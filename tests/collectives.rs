@@ -46,6 +46,72 @@ fn every_collective_over_sealed_tcp_links() {
     assert!(checks.iter().all(|&k| k == checks[0] && k > 0));
 }
 
+/// Over TCP links whose large payloads go on a second connection (from 4 KiB here; tcp.rs):
+/// every collective at sizes on both sides of that threshold with small calls in between, and
+/// a batch that sends both ways on every pair at once, each element checked. Three ranks, so
+/// each is the dialler of one link and the listener of another.
+#[test]
+fn large_payloads_on_second_tcp_connections_arrive_whole_and_in_order() {
+    let mut o = tcp_options(Duration::from_secs(60));
+    o.transport.tcp_bulk_bytes = Some(4096);
+    let calls = run_group(3, "bulk", o, |c| {
+        let (n, me) = (c.size(), c.rank());
+        let val = |r: usize, i: usize| ((r * 1_000_003 + i * 7) % 100_003) as i32;
+        let mut calls = 0;
+        for count in [1023usize, 1024, 1500, 3, 70_000, 1, 300_000] {
+            let mine: Vec<i32> = (0..count).map(|i| val(me, i)).collect();
+            let mut sum = mine.clone();
+            c.all_reduce(&mut sum, ReduceOp::Sum).unwrap();
+            assert!(
+                (0..count).all(|i| sum[i] == (0..n).map(|r| val(r, i)).sum::<i32>()),
+                "all_reduce {count}"
+            );
+            let mut all = vec![-1i32; count * n];
+            c.all_gather(&mut all, &mine).unwrap();
+            assert!(
+                (0..count * n).all(|k| all[k] == val(k / count, k % count)),
+                "all_gather {count}"
+            );
+            for root in 0..n {
+                let mut b = if me == root { mine.clone() } else { vec![-1; count] };
+                c.broadcast(&mut b, root).unwrap();
+                assert!(
+                    (0..count).all(|i| b[i] == val(root, i)),
+                    "broadcast {count} from {root}"
+                );
+            }
+            // all_to_all: rank r's block for d holds val(r * n + d, i).
+            let input: Vec<i32> = (0..count * n).map(|k| val(me * n + k / count, k % count)).collect();
+            let mut out = vec![-1i32; count * n];
+            c.all_to_all(&mut out, &input).unwrap();
+            assert!(
+                (0..count * n).all(|k| out[k] == val((k / count) * n + me, k % count)),
+                "all_to_all {count}"
+            );
+            let (left, right) = ((me + n - 1) % n, (me + 1) % n);
+            let (mut from_left, mut from_right) = (vec![-1i32; count], vec![-1i32; count]);
+            c.batch()
+                .recv(&mut from_left, left)
+                .recv(&mut from_right, right)
+                .send(&mine, right)
+                .send(&mine, left)
+                .issue()
+                .unwrap();
+            assert!(
+                (0..count).all(|i| from_left[i] == val(left, i)),
+                "batch from the left, {count}"
+            );
+            assert!(
+                (0..count).all(|i| from_right[i] == val(right, i)),
+                "batch from the right, {count}"
+            );
+            calls += 4 + n;
+        }
+        calls
+    });
+    assert!(calls.iter().all(|&k| k == calls[0] && k > 0));
+}
+
 /// Small all_reduce, all_gather and barrier between ranks of one host run as shared-memory
 /// rounds that reuse two slots per rank. Ranks drift apart (one sleeps now and then), sizes
 /// and operations change every round, and every result is checked, so a slot rewritten while a

@@ -21,7 +21,7 @@ use std::time::Duration;
 /// Every `FERROCOMM_*` variable the library, its binaries and its build read. The library's
 /// own are fields of [`Config`]; `FERROCOMM_RUN_GRACE` and `FERROCOMM_RUN_TOLERATE_FAILURES`
 /// belong to the launcher, `FERROCOMM_REQUIRE_*` to the build and the tests.
-pub(crate) const VARIABLES: [&str; 30] = [
+pub(crate) const VARIABLES: [&str; 31] = [
     "FERROCOMM_TIMEOUT",
     "FERROCOMM_ABORT_ON_ERROR",
     "FERROCOMM_CHECK_CALLS",
@@ -33,6 +33,7 @@ pub(crate) const VARIABLES: [&str; 30] = [
     "FERROCOMM_TRANSPORT",
     "FERROCOMM_SHM_RING_BYTES",
     "FERROCOMM_SHM_PULL_BYTES",
+    "FERROCOMM_TCP_BULK_BYTES",
     "FERROCOMM_SOCKET_ADDR",
     "FERROCOMM_NET",
     "FERROCOMM_ENCRYPT",
@@ -119,6 +120,8 @@ pub(crate) struct Config {
     /// `FERROCOMM_SHM_PULL_BYTES` (0: never); unset: never where the copy by reference measures
     /// slow on the host, else 16 KiB, 64 KiB where a host's ranks outnumber its CPUs.
     pub shm_pull_bytes: Option<usize>,
+    /// `FERROCOMM_TCP_BULK_BYTES` (0: never); unset: 64 KiB.
+    pub tcp_bulk_bytes: Option<usize>,
     /// `FERROCOMM_SOCKET_ADDR`.
     pub socket_addr: Option<IpAddr>,
     /// `FERROCOMM_NET` (auto).
@@ -232,6 +235,7 @@ impl Config {
             force_tcp,
             shm_ring_bytes: raw.parse("FERROCOMM_SHM_RING_BYTES")?.unwrap_or(1 << 20),
             shm_pull_bytes: raw.parse("FERROCOMM_SHM_PULL_BYTES")?,
+            tcp_bulk_bytes: raw.parse("FERROCOMM_TCP_BULK_BYTES")?,
             socket_addr: raw.parse("FERROCOMM_SOCKET_ADDR")?,
             net,
             encrypt,

@@ -30,6 +30,12 @@ pub struct TransportOptions {
     /// outnumber its CPUs (a sender waits for its receiver to copy, and there the receiver is
     /// often not running).
     pub shm_pull_bytes: Option<usize>,
+    /// Payloads of at least this many bytes that the higher rank of a plain TCP link sends go
+    /// on the link's second connection, so that two ranks exchanging large messages each send
+    /// on a connection of its own (a TCP socket serializes its two directions). Headers,
+    /// small payloads and the lower rank's payloads use the first. `FERROCOMM_TCP_BULK_BYTES`;
+    /// 0: never; else at least 4096; `None`: 64 KiB. Sealed links have one connection.
+    pub tcp_bulk_bytes: Option<usize>,
     /// Use TCP even between ranks of one host (`FERROCOMM_TRANSPORT=tcp`).
     pub force_tcp: bool,
     /// Window operations toward other hosts (`FERROCOMM_NET=auto|tcp|rdma`, default auto).
@@ -44,7 +50,7 @@ pub struct TransportOptions {
 
 impl TransportOptions {
     /// The transport settings of a fresh read of the environment (`FERROCOMM_SHM_RING_BYTES`,
-    /// `FERROCOMM_SHM_PULL_BYTES`, `FERROCOMM_TRANSPORT`, `FERROCOMM_NET`,
+    /// `FERROCOMM_SHM_PULL_BYTES`, `FERROCOMM_TCP_BULK_BYTES`, `FERROCOMM_TRANSPORT`, `FERROCOMM_NET`,
     /// `FERROCOMM_SOCKET_ADDR`, `FERROCOMM_ENCRYPT`); `Error::Config` when any `FERROCOMM_*`
     /// variable is malformed.
     pub fn from_env() -> Result<TransportOptions> {
@@ -55,6 +61,7 @@ impl TransportOptions {
         let t = TransportOptions {
             shm_ring_bytes: c.shm_ring_bytes,
             shm_pull_bytes: c.shm_pull_bytes,
+            tcp_bulk_bytes: c.tcp_bulk_bytes,
             force_tcp: c.force_tcp,
             net: c.net,
             bind_addr: c.socket_addr,
@@ -76,6 +83,13 @@ impl TransportOptions {
         if p != 0 && p < 4096 {
             return Err(Error::Config(format!(
                 "FERROCOMM_SHM_PULL_BYTES={p}: 0 (never) or at least 4096"
+            )));
+        }
+        // A smaller payload is not worth a second connection's wake-up.
+        let b = self.tcp_bulk_bytes.unwrap_or(0);
+        if b != 0 && b < 4096 {
+            return Err(Error::Config(format!(
+                "FERROCOMM_TCP_BULK_BYTES={b}: 0 (never) or at least 4096"
             )));
         }
         Ok(())
@@ -264,14 +278,22 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_pull_threshold_below_a_page_is_refused() {
-        let mut t = TransportOptions::from_config(&Config::from_lookup(|_| None).unwrap()).unwrap();
-        for (p, ok) in [(0, true), (100, false), (4095, false), (4096, true), (1 << 20, true)] {
-            t.shm_pull_bytes = Some(p);
-            match t.validate() {
-                Ok(()) => assert!(ok, "{p} passed"),
-                Err(Error::Config(m)) => assert!(!ok && m.contains("FERROCOMM_SHM_PULL_BYTES"), "{p}: {m}"),
-                Err(e) => panic!("{p}: {e}"),
+    fn a_pull_or_bulk_threshold_below_a_page_is_refused() {
+        let base = TransportOptions::from_config(&Config::from_lookup(|_| None).unwrap()).unwrap();
+        type Field = fn(&mut TransportOptions) -> &mut Option<usize>;
+        let fields: [(&str, Field); 2] = [
+            ("FERROCOMM_SHM_PULL_BYTES", |t| &mut t.shm_pull_bytes),
+            ("FERROCOMM_TCP_BULK_BYTES", |t| &mut t.tcp_bulk_bytes),
+        ];
+        for (name, field) in fields {
+            for (p, ok) in [(0, true), (100, false), (4095, false), (4096, true), (1 << 20, true)] {
+                let mut t = base.clone();
+                *field(&mut t) = Some(p);
+                match t.validate() {
+                    Ok(()) => assert!(ok, "{name}={p} passed"),
+                    Err(Error::Config(m)) => assert!(!ok && m.contains(name), "{name}={p}: {m}"),
+                    Err(e) => panic!("{name}={p}: {e}"),
+                }
             }
         }
     }

@@ -518,7 +518,25 @@ impl Engine {
                     }
                     return Ok(moved);
                 }
+                if *hpos == 0 && link.sends_in_bulk(data.len()) {
+                    header::mark_bulk(hdr);
+                }
                 let mut moved = false;
+                if header::in_bulk(hdr) {
+                    // The header on the link's stream, the payload on its second connection:
+                    // each in its own order, so both may move in one step.
+                    if *hpos < HEADER_BYTES {
+                        let n = link.write(&hdr[*hpos..]).map_err(|r| lost(*peer, r))?;
+                        *hpos += n;
+                        moved |= n > 0;
+                    }
+                    if *pos < data.len() {
+                        let n = link.write_bulk(&data[*pos..]).map_err(|r| lost(*peer, r))?;
+                        *pos += n;
+                        moved |= n > 0;
+                    }
+                    return Ok(moved);
+                }
                 if *hpos < HEADER_BYTES {
                     // The header and the payload together: one write where the link can.
                     let n = link
@@ -578,6 +596,10 @@ impl Engine {
                             *pos = data.len();
                             moved = true;
                         }
+                    } else if header::in_bulk(hdr) {
+                        let n = link.read_bulk(&mut data[*pos..]).map_err(|r| lost(*peer, r))?;
+                        *pos += n;
+                        moved |= n > 0;
                     } else {
                         let n = link.read(&mut data[*pos..]).map_err(|r| lost(*peer, r))?;
                         *pos += n;
@@ -1123,7 +1145,11 @@ fn drain_one(
     let left = header::stream_len(hdr).unwrap_or(0).saturating_sub(*pos as u64);
     if left > 0 {
         let take = left.min(sink.len() as u64) as usize;
-        let n = link.read(&mut sink[..take])?;
+        let n = if header::in_bulk(hdr) {
+            link.read_bulk(&mut sink[..take])?
+        } else {
+            link.read(&mut sink[..take])?
+        };
         *pos += n;
         moved |= n > 0;
     }

@@ -10,7 +10,8 @@
 //!
 //! A large message between ranks of one host may carry, instead of its payload, a reference to
 //! the sender's buffer (flag `BY_REFERENCE`; net/links/pull.rs): the receiver copies the payload
-//! from there.
+//! from there. On a TCP link with a second connection, a large message's payload may follow on
+//! that connection instead (flag `BULK`; net/links/tcp.rs): the two are read in the same order.
 //!
 //! A rank that refuses its call (an argument that fails its own checks) still sends each peer
 //! the first message of the collective, flagged `REFUSED` and carrying the reason: the peer
@@ -28,6 +29,8 @@ const REFUSED: u8 = 2;
 /// Flag: the payload is not in the stream: a reference to the sender's buffer is, and the
 /// receiver copies the payload from there (net/links/pull.rs).
 const BY_REFERENCE: u8 = 4;
+/// Flag: the payload follows on the link's second connection, not after the header.
+const BULK: u8 = 8;
 /// A call's element count where ranks legitimately differ (all_to_all_v).
 pub(crate) const ANY_COUNT: u64 = u64::MAX;
 
@@ -289,8 +292,8 @@ pub(crate) fn is_refusal(raw: &[u8; HEADER_BYTES]) -> bool {
     decode(raw).is_some_and(|h| h.refused)
 }
 
-/// The bytes that follow a received header in the stream, if it is a header at all: its
-/// payload, or the reference to it.
+/// The bytes that follow a received header, if it is a header at all: its payload (in the
+/// stream, or on the second connection where `in_bulk`), or the reference to it.
 pub(crate) fn stream_len(raw: &[u8; HEADER_BYTES]) -> Option<u64> {
     decode(raw).map(|h| {
         if by_reference(raw) {
@@ -309,6 +312,16 @@ pub(crate) fn mark_by_reference(raw: &mut [u8; HEADER_BYTES]) {
 /// Whether a header's payload comes by reference.
 pub(crate) fn by_reference(raw: &[u8; HEADER_BYTES]) -> bool {
     raw[7] & BY_REFERENCE != 0
+}
+
+/// Marks a header whose payload goes on the link's second connection.
+pub(crate) fn mark_bulk(raw: &mut [u8; HEADER_BYTES]) {
+    raw[7] |= BULK;
+}
+
+/// Whether a header's payload comes on the link's second connection.
+pub(crate) fn in_bulk(raw: &[u8; HEADER_BYTES]) -> bool {
+    raw[7] & BULK != 0
 }
 
 #[cfg(test)]

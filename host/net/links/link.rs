@@ -132,6 +132,29 @@ impl Link {
         matches!(self, Link::Shm(l) if len >= l.pull_bytes && l.tx.peer_pulls())
     }
 
+    /// Whether the payload of a message of `len` bytes goes on the link's second connection
+    /// (a plain TCP link's dialler, for a message at least the link's threshold: tcp.rs).
+    pub(crate) fn sends_in_bulk(&self, len: usize) -> bool {
+        matches!(self, Link::Tcp(l) if l.sends_in_bulk(len))
+    }
+
+    /// Writes as much of a payload as the link's second connection takes now (`sends_in_bulk`
+    /// said yes).
+    pub(crate) fn write_bulk(&mut self, src: &[u8]) -> Result<usize, Gone> {
+        match self {
+            Link::Tcp(l) => l.write_bulk(src),
+            _ => Err("this link has no second connection".into()),
+        }
+    }
+
+    /// Reads what has arrived of a payload the peer sent on the link's second connection.
+    pub(crate) fn read_bulk(&mut self, dst: &mut [u8]) -> Result<usize, Gone> {
+        match self {
+            Link::Tcp(l) => l.read_bulk(dst),
+            _ => Err("a payload on a second connection arrived on a link that has none".into()),
+        }
+    }
+
     /// The stream position after everything written so far (shared memory only; 0 elsewhere).
     pub(crate) fn written(&self) -> u64 {
         match self {

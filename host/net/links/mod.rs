@@ -35,4 +35,4 @@ pub(crate) use pull::REF_BYTES;
 pub(crate) use setup::connect_threads_with;
 pub(crate) use setup::{bind_listener, connect_all, host_identity, machine, published_addr, Announcer, Transport};
 pub(crate) use shm::{OwnerState, Segment};
-pub(crate) use tcp::{accept_authenticated, dial, Expect, Handshaken};
+pub(crate) use tcp::{accept_authenticated, dial, Expect, Handshaken, Lane};

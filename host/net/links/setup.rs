@@ -14,7 +14,7 @@ use super::liveness::ProcessWatch;
 use super::ring::{unread_at, RingEnd, CTL_BYTES};
 use super::shm::{OwnerState, Segment};
 use super::shm_board::{self as board, Board};
-use super::tcp::{accept_authenticated_or_stop, dial, Expect, Handshaken, TcpLink};
+use super::tcp::{accept_authenticated_or_stop, dial, Expect, Handshaken, Lane, TcpLink};
 use super::{Link, PeerGone, PeerSegments, ShmLink};
 use crate::bootstrap;
 use crate::contracts::error::{Error, Result};
@@ -38,6 +38,11 @@ const WARM_RING_BYTES: usize = 64 << 10;
 /// messages walking the ring meet a page fault every 4 KiB of the first pass, about a
 /// microsecond each (measured: docs/results/cpu.md, "Rings warmed whole").
 const WARM_BUDGET: usize = 64 << 20;
+
+/// Where `FERROCOMM_TCP_BULK_BYTES` is unset: the payloads of a dialler's messages of at least
+/// this many bytes go on its link's second connection (tcp.rs). Measured in ferrocomm-bench
+/// (docs/results/cpu.md, "Two connections per TCP link").
+const TCP_BULK_BYTES: usize = 1 << 20;
 
 /// All links of one rank, indexed by peer rank.
 pub(crate) struct Transport {
@@ -68,9 +73,9 @@ impl Transport {
         let streams = self
             .links
             .iter()
-            .filter_map(|l| match l {
-                Link::Tcp(t) => t.try_clone_stream(),
-                _ => None,
+            .flat_map(|l| match l {
+                Link::Tcp(t) => t.try_clone_streams(),
+                _ => Vec::new(),
             })
             .collect();
         Announcer {
@@ -186,7 +191,7 @@ impl Transport {
         // their timeout.
         for l in self.links.drain(..) {
             if let Link::Tcp(t) = l {
-                if let Some(s) = t.try_clone_stream() {
+                for s in t.try_clone_streams() {
                     let _ = s.shutdown(std::net::Shutdown::Both);
                 }
             }
@@ -418,21 +423,29 @@ pub(crate) fn connect_all(
             }
         })
         .collect();
+    let bulk_bytes = match opts.tcp_bulk_bytes {
+        Some(0) => usize::MAX,
+        Some(n) => n,
+        None => TCP_BULK_BYTES,
+    };
     let stop = AtomicBool::new(false);
     let accepted = std::thread::scope(|s| -> Result<Vec<(usize, Handshaken)>> {
         let stop = &stop;
         let from: Vec<bool> = (0..size).map(|p| p > rank && !local[p]).collect();
         let seal = |p: usize| opts.encrypt.seals(machine(hellos[p].host) == machine(&me));
+        // Plain links have a second connection for the dialler's large payloads (tcp.rs).
+        let bulk = move |p: usize| !seal(p);
         let acceptor = listener.take().map(|l| {
             s.spawn(move || {
                 let expect = Expect {
                     from: &from,
                     seal: &seal,
+                    bulk: &bulk,
                 };
                 accept_authenticated_or_stop(l, rank, &expect, secret, deadline, stop)
             })
         });
-        let dialled = dial_lower(rank, &hellos, &local, secret, &seal, deadline, &mut links);
+        let dialled = dial_lower(rank, &hellos, &local, secret, &seal, bulk_bytes, deadline, &mut links);
         if dialled.is_err() {
             stop.store(true, Ordering::Release);
         }
@@ -445,9 +458,16 @@ pub(crate) fn connect_all(
         dialled?;
         accepted
     })?;
-    // The acceptor took only ranks above ours on other hosts, each once.
-    for (p, conn) in accepted {
+    // The acceptor took only ranks above ours on other hosts, each once (and the second
+    // connection of each plain link once).
+    let (mains, bulks): (Vec<_>, Vec<_>) = accepted.into_iter().partition(|(_, h)| h.lane == Lane::Main);
+    for (p, conn) in mains {
         links[p] = Link::Tcp(TcpLink::new(conn)?);
+    }
+    for (p, conn) in bulks {
+        if let Link::Tcp(t) = std::mem::replace(&mut links[p], Link::Pending) {
+            links[p] = Link::Tcp(t.with_bulk(conn, None)?);
+        }
     }
 
     // Where ranks of other processes share this host, they map our segment by name: once all
@@ -543,12 +563,14 @@ fn peer_segments(
 }
 
 /// Dials the TCP listener of every rank of a lower rank on another host.
+#[allow(clippy::too_many_arguments)]
 fn dial_lower(
     rank: usize,
     hellos: &[Hello<'_>],
     local: &[bool],
     secret: &[u8],
     seal: &dyn Fn(usize) -> bool,
+    bulk_bytes: usize,
     deadline: Instant,
     links: &mut [Link],
 ) -> Result<()> {
@@ -560,7 +582,12 @@ fn dial_lower(
                 format!("rank {p} published no TCP address ({:?})", h.tcp),
             )
         })?;
-        links[p] = Link::Tcp(TcpLink::new(dial((rank, p), addr, secret, seal(p), deadline)?)?);
+        let mut link = TcpLink::new(dial((rank, p), addr, secret, (seal(p), Lane::Main), deadline)?)?;
+        if !seal(p) {
+            let bulk = dial((rank, p), addr, secret, (false, Lane::Bulk), deadline)?;
+            link = link.with_bulk(bulk, Some(bulk_bytes))?;
+        }
+        links[p] = Link::Tcp(link);
     }
     Ok(())
 }
@@ -627,6 +654,7 @@ pub(crate) fn connect_threads_with(n: usize, shm_pull_bytes: Option<usize>) -> V
     let opts = TransportOptions {
         shm_ring_bytes: 1 << 16,
         shm_pull_bytes,
+        tcp_bulk_bytes: None,
         force_tcp: false,
         net: crate::contracts::options::NetTransport::Auto,
         bind_addr: None,

@@ -1,4 +1,18 @@
-//! TCP links between ranks on different hosts: one non-blocking stream per peer pair.
+//! TCP links between ranks on different hosts: one non-blocking stream per peer pair, and on
+//! plain links a second one for the dialler's large payloads.
+//!
+//! Why two: a TCP socket is one lock for both directions. Where two ranks send each other
+//! large messages at once over one connection, each rank's send holds the socket while the
+//! peer's data arrives, so the kernel queues that data to the socket's backlog and the sender
+//! processes it in its own send call: the two directions take turns. Measured on loopback
+//! (2-core guest, two processes exchanging through non-blocking sockets; docs/results/cpu.md,
+//! "Two connections per TCP link"), 1 MiB took 260-280 us each way over one connection and
+//! 135-150 us over one connection per direction. One connection per direction costs small
+//! messages, though: their acknowledgements no longer ride on the other direction's data, and
+//! 8 bytes took 8.5 us against 6.3. So the link keeps one connection for headers and small
+//! payloads both ways, and the lower rank's large payloads, and the higher rank (the dialler)
+//! sends the payloads of its large messages on the second: an exchange of large messages then
+//! flows one way on each connection. A header says where its payload is (header.rs, `BULK`).
 
 use super::nonblocking;
 use super::sealed::Sealed;
@@ -12,6 +26,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 const LINK_MAGIC: &[u8; 4] = b"FCL2";
+
+/// The most one write of a plain link takes. Smaller writes let the sender read between them:
+/// in the exchange above, writes of at most 256 KiB took 4 MiB in 0.6 ms and 16 MiB in 4.0-4.4
+/// ms, against 0.7-1.0 and 5.1-6.3 ms for writes of whole messages.
+const WRITE_MAX: usize = 256 << 10;
 
 /// Reads shorter than this go through the link's read buffer: a message's header and a small
 /// payload then cost one system call, not one each (and the reads that find nothing, one per
@@ -27,6 +46,16 @@ pub(crate) struct TcpLink {
     /// is the unread range.
     read_ahead: Vec<u8>,
     buffered: std::ops::Range<usize>,
+    /// The link's second connection, where it has one (see the module's comment).
+    bulk: Option<Bulk>,
+}
+
+/// One end of a link's second connection.
+enum Bulk {
+    /// The dialler's end: the payloads of its messages of at least `from` bytes go here.
+    Out { stream: TcpStream, from: usize },
+    /// The listener's end: it reads those payloads here.
+    In(TcpStream),
 }
 
 impl TcpLink {
@@ -43,7 +72,52 @@ impl TcpLink {
             sealed: h.sealed.then(|| Box::new(Sealed::new(&h.keys))),
             read_ahead: Vec::new(),
             buffered: 0..0,
+            bulk: None,
         })
+    }
+
+    /// Adds the link's second connection (`bulk`, made by the dialler): on the dialler,
+    /// `Some(from)`, the size from which its payloads go there (`usize::MAX`: never); on the
+    /// listener, `None`.
+    pub(crate) fn with_bulk(mut self, bulk: Handshaken, from: Option<usize>) -> Result<TcpLink> {
+        let stream = bulk.stream;
+        stream.set_nodelay(true).map_err(|e| Error::io("set TCP_NODELAY", e))?;
+        stream
+            .set_nonblocking(true)
+            .map_err(|e| Error::io("set O_NONBLOCK", e))?;
+        self.bulk = Some(match from {
+            Some(from) => Bulk::Out { stream, from },
+            None => Bulk::In(stream),
+        });
+        Ok(self)
+    }
+
+    /// Whether the payload of a message of `len` bytes goes on the second connection.
+    pub(crate) fn sends_in_bulk(&self, len: usize) -> bool {
+        matches!(&self.bulk, Some(Bulk::Out { from, .. }) if len >= *from)
+    }
+
+    /// Writes as much of `src` (a payload whose header said `BULK`) to the second connection
+    /// as it takes now, at most `BULK_WRITE_MAX`.
+    pub(crate) fn write_bulk(&mut self, src: &[u8]) -> std::result::Result<usize, String> {
+        let Some(Bulk::Out { stream, .. }) = &mut self.bulk else {
+            return Err(self.close("this end of the link sends no payload on a second connection".into()));
+        };
+        let r = nonblocking::sent(stream.write(&src[..src.len().min(WRITE_MAX)]));
+        r.map_err(|why| self.close(why))
+    }
+
+    /// Reads what has arrived of a payload the peer sent on the second connection.
+    pub(crate) fn read_bulk(&mut self, dst: &mut [u8]) -> std::result::Result<usize, String> {
+        if dst.is_empty() {
+            return Ok(0);
+        }
+        let Some(Bulk::In(stream)) = &mut self.bulk else {
+            // Only a peer that breaks the protocol sends one.
+            return Err(self.close("the peer sent a payload on a second connection this link does not have".into()));
+        };
+        let r = nonblocking::received(stream.read(dst));
+        r.map_err(|why| self.close(why))
     }
 
     /// Writes as much of `a` and then `b` as the stream takes now, in one system call on a
@@ -57,7 +131,10 @@ impl TcpLink {
                 Ok(n + self.write(b)?)
             };
         }
-        let parts = [std::io::IoSlice::new(a), std::io::IoSlice::new(b)];
+        let parts = [
+            std::io::IoSlice::new(a),
+            std::io::IoSlice::new(&b[..b.len().min(WRITE_MAX)]),
+        ];
         nonblocking::sent(self.stream.write_vectored(&parts)).map_err(|why| self.close(why))
     }
 
@@ -67,6 +144,7 @@ impl TcpLink {
             let r = s.write(&self.stream, src);
             return r.map_err(|why| self.close(why));
         }
+        let src = &src[..src.len().min(WRITE_MAX)];
         nonblocking::sent(self.stream.write(src)).map_err(|why| self.close(why))
     }
 
@@ -105,8 +183,16 @@ impl TcpLink {
         self.closed.get_or_insert(why).clone()
     }
 
-    pub(crate) fn try_clone_stream(&self) -> Option<TcpStream> {
-        self.stream.try_clone().ok()
+    /// Handles on the link's connections (to shut them down while the link is in use).
+    pub(crate) fn try_clone_streams(&self) -> Vec<TcpStream> {
+        let bulk = match &self.bulk {
+            Some(Bulk::Out { stream, .. } | Bulk::In(stream)) => Some(stream),
+            None => None,
+        };
+        std::iter::once(&self.stream)
+            .chain(bulk)
+            .filter_map(|s| s.try_clone().ok())
+            .collect()
     }
 }
 
@@ -142,17 +228,31 @@ pub(crate) struct Handshaken {
     pub stream: TcpStream,
     pub keys: SessionKeys,
     pub sealed: bool,
+    pub lane: Lane,
 }
 
 /// The dialler's rank field carries this bit when it will seal the link.
 const SEAL_BIT: u32 = 1 << 31;
+/// The dialler's rank field carries this bit when the connection is a link's second one.
+const BULK_BIT: u32 = 1 << 30;
 
-/// What each side's proof covers besides the nonce: its role, its rank and whether it seals,
-/// so a proof made as one rank, by the other side, or for the other mode is worth nothing.
-fn role(who: &[u8], rank: usize, seal: bool) -> Vec<u8> {
+/// Which of a link's connections a handshake makes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Lane {
+    /// The link's connection (headers, small payloads, everything on a sealed link).
+    Main,
+    /// The second connection of a plain link: the dialler's large payloads.
+    Bulk,
+}
+
+/// What each side's proof covers besides the nonce: its role, its rank, whether it seals and
+/// which connection it makes, so a proof made as one rank, by the other side, for the other
+/// mode or for the other connection is worth nothing.
+fn role(who: &[u8], rank: usize, seal: bool, lane: Lane) -> Vec<u8> {
     let mut r = who.to_vec();
     r.extend_from_slice(&(rank as u32).to_le_bytes());
     r.push(seal as u8);
+    r.push((lane == Lane::Bulk) as u8);
     r
 }
 
@@ -160,12 +260,12 @@ fn role(who: &[u8], rank: usize, seal: bool) -> Vec<u8> {
 /// listener proves it in turn (so we never send data to an impostor). A listener that drops us
 /// during the handshake (it sheds floods of unauthenticated connections) is dialled again until
 /// `deadline`, then `Error::Timeout` names `peer`. `seal` says whether we will seal the link's
-/// traffic; the listener must want the same.
+/// traffic; the listener must want the same. `lane`: which of the link's connections this is.
 pub(crate) fn dial(
     (rank, peer): (usize, usize),
     addr: SocketAddr,
     secret: &[u8],
-    seal: bool,
+    (seal, lane): (bool, Lane),
     deadline: Instant,
 ) -> Result<Handshaken> {
     const OP: &str = "link handshake";
@@ -176,10 +276,11 @@ pub(crate) fn dial(
         let attempt = match TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
             Ok(s) => {
                 let by = deadline.min(Instant::now() + HANDSHAKE);
-                dial_handshake(&s, (rank, peer), addr, secret, seal, &nonce, by).map(|keys| Handshaken {
+                dial_handshake(&s, (rank, peer), addr, secret, (seal, lane), &nonce, by).map(|keys| Handshaken {
                     stream: s,
                     keys,
                     sealed: seal,
+                    lane,
                 })
             }
             Err(e) => Err(Error::io(format!("link to rank {peer} at {addr}"), e)),
@@ -205,7 +306,7 @@ fn dial_handshake(
     (rank, peer): (usize, usize),
     addr: SocketAddr,
     secret: &[u8],
-    seal: bool,
+    (seal, lane): (bool, Lane),
     nonce: &[u8; NONCE_BYTES],
     by: Instant,
 ) -> Result<SessionKeys> {
@@ -218,9 +319,13 @@ fn dial_handshake(
             format!("rank {peer} at {addr} is not a ferrocomm link"),
         ));
     }
-    let field = rank as u32 | if seal { SEAL_BIT } else { 0 };
+    let field = rank as u32 | if seal { SEAL_BIT } else { 0 } | if lane == Lane::Bulk { BULK_BIT } else { 0 };
     let mut hello = field.to_le_bytes().to_vec();
-    hello.extend_from_slice(&bootstrap::proof(secret, &challenge[4..], &role(b"dial", rank, seal)));
+    hello.extend_from_slice(&bootstrap::proof(
+        secret,
+        &challenge[4..],
+        &role(b"dial", rank, seal, lane),
+    ));
     hello.extend_from_slice(nonce);
     (&*s).write_all(&hello).map_err(|e| Error::io(ctx(), e))?;
     let mut answer = [0u8; 1];
@@ -235,7 +340,7 @@ fn dial_handshake(
         verdict::UNEXPECTED => {
             return Err(Error::protocol(
                 "link handshake",
-                format!("rank {peer} at {addr} expects no link from rank {rank}, or has one already"),
+                format!("rank {peer} at {addr} expects no such link from rank {rank} ({lane:?}), or has one already"),
             ))
         }
         verdict::SEALING_DIFFERS => {
@@ -254,7 +359,7 @@ fn dial_handshake(
     }
     let mut proof = [0u8; PROOF_BYTES];
     read_exact_by(s, &mut proof, by).map_err(|e| Error::io(ctx(), e))?;
-    if !bootstrap::verify(secret, nonce, &role(b"listen", peer, seal), &proof) {
+    if !bootstrap::verify(secret, nonce, &role(b"listen", peer, seal, lane), &proof) {
         return Err(Error::Auth(format!(
             "the listener at {addr} could not prove the communicator secret as rank {peer}"
         )));
@@ -268,10 +373,13 @@ pub(crate) struct Expect<'a> {
     pub from: &'a [bool],
     /// Per rank: its link is sealed (the dialler must say the same).
     pub seal: &'a dyn Fn(usize) -> bool,
+    /// Per rank: its link has a second connection too (`Lane::Bulk`).
+    pub bulk: &'a dyn Fn(usize) -> bool,
 }
 
-/// Accepts one authenticated link from each rank that `expect.from` marks, as rank `rank`;
-/// returns (peer rank, connection) pairs, one per rank. Handshakes run at once, each with its
+/// Accepts one authenticated link from each rank that `expect.from` marks, as rank `rank`, and
+/// its second connection where `expect.bulk` says so; returns (peer rank, connection) pairs,
+/// one per connection. Handshakes run at once, each with its
 /// own deadline, so a silent connection delays no one; a rank not marked, or marked but
 /// already linked, is refused, and so is one that disagrees on sealing.
 pub(crate) fn accept_authenticated(
@@ -299,39 +407,56 @@ pub(crate) fn accept_authenticated_or_stop(
     const OP: &str = "transport setup (accept links)";
     let started = Instant::now();
     let mut gate = Gate::new(l, *LINK_MAGIC, HELLO_BYTES, UNPROVEN)?;
-    let mut linked = vec![false; from.len()];
+    // Per rank, its connections so far: [main, bulk].
+    let mut linked = vec![[false; 2]; from.len()];
+    let wanted = |p: usize| [from[p], from[p] && (expect.bulk)(p)];
     let mut got = Vec::new();
-    let expected = from.iter().filter(|&&f| f).count();
+    let expected: usize = (0..from.len()).map(|p| wanted(p).iter().filter(|&&w| w).count()).sum();
     let stopped = || stop.load(Ordering::Acquire);
     while got.len() < expected {
         let mut judge = |r: &Reply<'_>| {
             let field = u32::from_le_bytes([r.bytes[0], r.bytes[1], r.bytes[2], r.bytes[3]]);
-            let (peer, seal) = ((field & !SEAL_BIT) as usize, field & SEAL_BIT != 0);
+            let peer = (field & !(SEAL_BIT | BULK_BIT)) as usize;
+            let seal = field & SEAL_BIT != 0;
+            let lane = if field & BULK_BIT != 0 { Lane::Bulk } else { Lane::Main };
             let (proof, their_nonce) = r.bytes[4..].split_at(PROOF_BYTES);
-            if peer >= from.len() || !bootstrap::verify(secret, r.nonce, &role(b"dial", peer, seal), proof) {
+            if peer >= from.len() || !bootstrap::verify(secret, r.nonce, &role(b"dial", peer, seal, lane), proof) {
                 return Judgement::Refuse(vec![verdict::REFUSED]);
             }
-            if !from[peer] || linked[peer] {
-                tracing::warn!("link listener of rank {rank}: refused an unexpected link from rank {peer}");
+            let which = (lane == Lane::Bulk) as usize;
+            if !wanted(peer)[which] || linked[peer][which] {
+                tracing::warn!("link listener of rank {rank}: refused an unexpected link from rank {peer} ({lane:?})");
                 return Judgement::Refuse(vec![verdict::UNEXPECTED]);
             }
             if seal != (expect.seal)(peer) {
                 return Judgement::Refuse(vec![verdict::SEALING_DIFFERS]);
             }
-            linked[peer] = true;
+            linked[peer][which] = true;
             let mut answer = vec![verdict::ADMITTED];
-            answer.extend_from_slice(&bootstrap::proof(secret, their_nonce, &role(b"listen", rank, seal)));
+            answer.extend_from_slice(&bootstrap::proof(
+                secret,
+                their_nonce,
+                &role(b"listen", rank, seal, lane),
+            ));
             let keys = session_keys(secret, r.nonce, their_nonce, false);
-            Judgement::Admit((peer, answer, keys, seal))
+            Judgement::Admit((peer, answer, keys, seal, lane))
         };
         match gate.next(deadline, &stopped, &mut judge)? {
-            Some((stream, (peer, answer, keys, sealed))) => {
+            Some((stream, (peer, answer, keys, sealed, lane))) => {
                 // The dialler waits for this answer; where it cannot be sent, the dialler
                 // reports the failure and dials again.
                 if (&stream).write_all(&answer).is_ok() {
-                    got.push((peer, Handshaken { stream, keys, sealed }));
+                    got.push((
+                        peer,
+                        Handshaken {
+                            stream,
+                            keys,
+                            sealed,
+                            lane,
+                        },
+                    ));
                 } else {
-                    linked[peer] = false;
+                    linked[peer][(lane == Lane::Bulk) as usize] = false;
                 }
             }
             None if stopped() => {
@@ -343,7 +468,7 @@ pub(crate) fn accept_authenticated_or_stop(
             None => {
                 return Err(Error::Timeout {
                     op: OP,
-                    peer: (0..from.len()).find(|&p| from[p] && !linked[p]),
+                    peer: (0..from.len()).find(|&p| wanted(p) != linked[p]),
                     after: started.elapsed(),
                 })
             }
@@ -366,6 +491,7 @@ mod tests {
             sealed: None,
             read_ahead: Vec::new(),
             buffered: 0..0,
+            bulk: None,
         };
         (link(a), link(b))
     }
@@ -426,6 +552,105 @@ mod tests {
         );
     }
 
+    /// A plain link pair whose first end dialled: with a second connection, on which it sends
+    /// payloads of at least `from` bytes.
+    fn pair_with_bulk(from: usize) -> (TcpLink, TcpLink) {
+        let (mut dialler, mut listener) = plain_pair();
+        let (out, into) = nonblocking::loopback_pair();
+        dialler.bulk = Some(Bulk::Out { stream: out, from });
+        listener.bulk = Some(Bulk::In(into));
+        (dialler, listener)
+    }
+
+    /// Messages as the engine sends them on a link with a second connection: each header on
+    /// the link's stream, a large payload on the second connection, a small one after its
+    /// header. Both ends write and read in small steps, interleaved; the receiver, reading in
+    /// message order, gets every byte where it belongs. A dialler gone shows on the second
+    /// connection as on the first; only the dialler's end sends there.
+    #[test]
+    fn large_payloads_on_the_second_connection_arrive_in_message_order() {
+        let (mut tx, mut rx) = pair_with_bulk(4096);
+        let lens = [10usize, 4096, 4095, 300_000, 0, 70_000, 1, 1 << 20, 5000];
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let body = |i: usize, len: usize| -> Vec<u8> { (0..len).map(|k| (i * 7 + k * 13) as u8).collect() };
+        let head = |i: usize| -> Vec<u8> { (0..48).map(|k| (i * 31 + k) as u8).collect() };
+        let sender = std::thread::spawn(move || {
+            for (i, &len) in lens.iter().enumerate() {
+                let (h, b) = (head(i), body(i, len));
+                let bulk = tx.sends_in_bulk(len);
+                assert_eq!(bulk, len >= 4096);
+                let (mut hp, mut bp) = (0, 0);
+                while hp < h.len() || bp < b.len() {
+                    assert!(Instant::now() < deadline, "stuck writing message {i}");
+                    if bulk {
+                        hp += tx.write(&h[hp..]).unwrap();
+                        bp += tx.write_bulk(&b[bp..]).unwrap();
+                    } else {
+                        let n = tx.write_pair(&h[hp..], &b[bp..]).unwrap();
+                        let of_head = n.min(h.len() - hp);
+                        hp += of_head;
+                        bp += n - of_head;
+                    }
+                }
+            }
+            tx
+        });
+        for (i, &len) in lens.iter().enumerate() {
+            let (mut h, mut b) = (vec![0u8; 48], vec![0u8; len]);
+            let (mut hp, mut bp) = (0, 0);
+            while hp < 48 {
+                assert!(Instant::now() < deadline, "stuck reading header {i}");
+                hp += rx.read(&mut h[hp..]).unwrap();
+            }
+            while bp < len {
+                assert!(Instant::now() < deadline, "stuck reading payload {i}");
+                // Reads of at most 3000 bytes: payloads arrive in many pieces.
+                let to = len.min(bp + 3000);
+                bp += if len >= 4096 {
+                    rx.read_bulk(&mut b[bp..to]).unwrap()
+                } else {
+                    rx.read(&mut b[bp..to]).unwrap()
+                };
+            }
+            assert_eq!(h, head(i), "header {i}");
+            assert!(b == body(i, len), "payload {i} ({len} bytes) differs");
+        }
+        let mut tx = sender.join().unwrap();
+        assert!(
+            !rx.sends_in_bulk(1 << 30) && tx.sends_in_bulk(1 << 30),
+            "only the dialler sends large payloads there"
+        );
+        assert!(
+            tx.read_bulk(&mut [0u8; 4]).is_err(),
+            "the dialler's end reads nothing there"
+        );
+        drop(tx);
+        let mut one = [0u8; 1];
+        let closed = loop {
+            match rx.read_bulk(&mut one) {
+                Ok(0) => assert!(Instant::now() < deadline, "no end of stream"),
+                other => break other,
+            }
+        };
+        assert!(
+            closed.as_ref().is_err_and(|why| why.contains("closed by peer")),
+            "{closed:?}"
+        );
+        assert!(rx.write_bulk(b"x").is_err(), "the listener's end sends nothing there");
+    }
+
+    /// Where `from` is `usize::MAX` (`FERROCOMM_TCP_BULK_BYTES=0`), nothing goes there; a link
+    /// without a second connection reports a payload announced on one as a broken protocol.
+    #[test]
+    fn no_payload_goes_on_a_second_connection_that_is_off_or_missing() {
+        let (tx, _rx) = pair_with_bulk(usize::MAX);
+        assert!(!tx.sends_in_bulk(usize::MAX - 1));
+        let (mut a, _b) = plain_pair();
+        assert!(!a.sends_in_bulk(1 << 30));
+        let e = a.read_bulk(&mut [0u8; 8]).unwrap_err();
+        assert!(e.contains("second connection"), "{e}");
+    }
+
     const SECRET: &[u8] = b"the communicator's secret";
 
     fn listener() -> (TcpListener, SocketAddr) {
@@ -451,11 +676,16 @@ mod tests {
         secret: &[u8],
         deadline: Instant,
     ) -> Result<Vec<(usize, Handshaken)>> {
-        accept_authenticated(l, rank, &Expect { from, seal: &|_| false }, secret, deadline)
+        let expect = Expect {
+            from,
+            seal: &|_| false,
+            bulk: &|_| false,
+        };
+        accept_authenticated(l, rank, &expect, secret, deadline)
     }
 
     fn dial_plain(rank: usize, peer: usize, addr: SocketAddr, secret: &[u8], deadline: Instant) -> Result<TcpStream> {
-        dial((rank, peer), addr, secret, false, deadline).map(|h| h.stream)
+        dial((rank, peer), addr, secret, (false, Lane::Main), deadline).map(|h| h.stream)
     }
 
     /// What an attacker without the secret sends after the greeting: a rank, a proof made with
@@ -469,7 +699,7 @@ mod tests {
         hello.extend_from_slice(&bootstrap::proof(
             secret,
             &challenge[4..],
-            &role(b"dial", rank as usize, false),
+            &role(b"dial", rank as usize, false, Lane::Main),
         ));
         hello.extend_from_slice(&[9; NONCE_BYTES]);
         s.write_all(&hello).unwrap();
@@ -547,6 +777,57 @@ mod tests {
         assert_eq!(got.len(), 2);
     }
 
+    /// A listener takes a second connection only from a rank whose link has one, once, and in
+    /// either order with the first; a proof made for one connection is not one for the other.
+    #[test]
+    fn a_link_takes_one_second_connection_and_only_where_expected() {
+        let (l, addr) = listener();
+        let acceptor = std::thread::spawn(move || {
+            let expect = Expect {
+                from: &[false, true, true],
+                seal: &|p| p == 2,
+                bulk: &|p| p == 1,
+            };
+            accept_authenticated(l, 0, &expect, SECRET, Instant::now() + Duration::from_secs(20))
+        });
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let _bulk = dial((1, 0), addr, SECRET, (false, Lane::Bulk), deadline).unwrap();
+        let again = dial((1, 0), addr, SECRET, (false, Lane::Bulk), deadline).unwrap_err();
+        assert!(matches!(again, Error::Protocol { .. }), "{again}");
+        let sealed = dial((2, 0), addr, SECRET, (true, Lane::Bulk), deadline).unwrap_err();
+        assert!(
+            matches!(sealed, Error::Protocol { .. }) && sealed.to_string().contains("Bulk"),
+            "{sealed}"
+        );
+        // A bulk connection's proof presented as a first connection's.
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut challenge = [0u8; 4 + NONCE_BYTES];
+        s.read_exact(&mut challenge).unwrap();
+        let mut hello = 1u32.to_le_bytes().to_vec();
+        hello.extend_from_slice(&bootstrap::proof(
+            SECRET,
+            &challenge[4..],
+            &role(b"dial", 1, false, Lane::Bulk),
+        ));
+        hello.extend_from_slice(&[9; NONCE_BYTES]);
+        s.write_all(&hello).unwrap();
+        let mut v = [9u8; 1];
+        s.read_exact(&mut v).unwrap();
+        assert_eq!(v[0], verdict::REFUSED);
+        let _one = dial((1, 0), addr, SECRET, (false, Lane::Main), deadline).unwrap();
+        let _two = dial((2, 0), addr, SECRET, (true, Lane::Main), deadline).unwrap();
+        let mut got: Vec<(usize, Lane)> = acceptor
+            .join()
+            .unwrap()
+            .unwrap()
+            .iter()
+            .map(|(p, h)| (*p, h.lane))
+            .collect();
+        got.sort_by_key(|&(p, lane)| (p, lane == Lane::Bulk));
+        assert_eq!(got, [(1, Lane::Main), (1, Lane::Bulk), (2, Lane::Main)]);
+    }
+
     /// The listener proves the secret too: a dialler never links to an impostor. A listener
     /// that never answers is a timeout naming its rank; so is a peer that never dials.
     #[test]
@@ -613,17 +894,18 @@ mod tests {
             let expect = Expect {
                 from: &[false, true, true],
                 seal: &|p| p == 1,
+                bulk: &|_| false,
             };
             accept_authenticated(l, 0, &expect, SECRET, Instant::now() + Duration::from_secs(10))
         });
         let deadline = Instant::now() + Duration::from_secs(10);
-        let e = dial((2, 0), addr, SECRET, true, deadline).expect_err("rank 2 must not seal");
+        let e = dial((2, 0), addr, SECRET, (true, Lane::Main), deadline).expect_err("rank 2 must not seal");
         assert!(
             matches!(e, Error::Config(_)) && e.to_string().contains("FERROCOMM_ENCRYPT"),
             "{e}"
         );
-        let mut mine = TcpLink::new(dial((1, 0), addr, SECRET, true, deadline).unwrap()).unwrap();
-        let _plain = dial((2, 0), addr, SECRET, false, deadline).unwrap();
+        let mut mine = TcpLink::new(dial((1, 0), addr, SECRET, (true, Lane::Main), deadline).unwrap()).unwrap();
+        let _plain = dial((2, 0), addr, SECRET, (false, Lane::Main), deadline).unwrap();
         let mut got = acceptor.join().unwrap().unwrap();
         got.sort_by_key(|(p, _)| *p);
         let (_, h) = got.remove(0);

@@ -11,7 +11,7 @@ use crate::contracts::error::{Error, Result};
 use crate::contracts::options::TransportOptions;
 use crate::contracts::store::Store;
 use crate::net::links::{
-    accept_authenticated, bind_listener, dial, host_identity, machine, published_addr, Expect, Handshaken,
+    accept_authenticated, bind_listener, dial, host_identity, machine, published_addr, Expect, Handshaken, Lane,
 };
 use std::net::SocketAddr;
 use std::time::Instant;
@@ -100,6 +100,7 @@ pub(crate) fn connect(
                 let expect = Expect {
                     from: &from,
                     seal: &|o| seal[o],
+                    bulk: &|_| false,
                 };
                 accept_authenticated(l, rank, &expect, &secret, deadline)
             }))
@@ -111,7 +112,13 @@ pub(crate) fn connect(
         let addr: SocketAddr = addr
             .parse()
             .map_err(|_| Error::protocol("window setup", format!("rank {t} runs no window server ({addr:?})")))?;
-        mesh.to[t] = Some(conn(dial((rank, t), addr, &secret, seals(&theirs), deadline)?));
+        mesh.to[t] = Some(conn(dial(
+            (rank, t),
+            addr,
+            &secret,
+            (seals(&theirs), Lane::Main),
+            deadline,
+        )?));
     }
     if let Some(a) = acceptor {
         let accepted = a
