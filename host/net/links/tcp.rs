@@ -539,9 +539,15 @@ mod tests {
         }
         assert!(got == sent, "the bytes differ from what was sent");
         drop(tx);
+        assert_closed_by_peer(|b| rx.read(b), deadline);
+    }
+
+    /// Reads (`read`, one byte at a time) until the stream ends, by `deadline`; the end must be
+    /// the peer's closing.
+    fn assert_closed_by_peer(mut read: impl FnMut(&mut [u8]) -> std::result::Result<usize, String>, deadline: Instant) {
         let mut one = [0u8; 1];
         let closed = loop {
-            match rx.read(&mut one) {
+            match read(&mut one) {
                 Ok(0) => assert!(Instant::now() < deadline, "no end of stream"),
                 other => break other,
             }
@@ -625,17 +631,7 @@ mod tests {
             "the dialler's end reads nothing there"
         );
         drop(tx);
-        let mut one = [0u8; 1];
-        let closed = loop {
-            match rx.read_bulk(&mut one) {
-                Ok(0) => assert!(Instant::now() < deadline, "no end of stream"),
-                other => break other,
-            }
-        };
-        assert!(
-            closed.as_ref().is_err_and(|why| why.contains("closed by peer")),
-            "{closed:?}"
-        );
+        assert_closed_by_peer(|b| rx.read_bulk(b), deadline);
         assert!(rx.write_bulk(b"x").is_err(), "the listener's end sends nothing there");
     }
 
@@ -777,19 +773,29 @@ mod tests {
         assert_eq!(got.len(), 2);
     }
 
+    /// Rank 0 accepts links from ranks 1 and 2 on a thread, sealed and with second
+    /// connections as `seal` and `bulk` say; returns what it got.
+    fn accept_ranks_1_and_2(
+        l: TcpListener,
+        seal: fn(usize) -> bool,
+        bulk: fn(usize) -> bool,
+    ) -> std::thread::JoinHandle<Result<Vec<(usize, Handshaken)>>> {
+        std::thread::spawn(move || {
+            let expect = Expect {
+                from: &[false, true, true],
+                seal: &seal,
+                bulk: &bulk,
+            };
+            accept_authenticated(l, 0, &expect, SECRET, Instant::now() + Duration::from_secs(20))
+        })
+    }
+
     /// A listener takes a second connection only from a rank whose link has one, once, and in
     /// either order with the first; a proof made for one connection is not one for the other.
     #[test]
     fn a_link_takes_one_second_connection_and_only_where_expected() {
         let (l, addr) = listener();
-        let acceptor = std::thread::spawn(move || {
-            let expect = Expect {
-                from: &[false, true, true],
-                seal: &|p| p == 2,
-                bulk: &|p| p == 1,
-            };
-            accept_authenticated(l, 0, &expect, SECRET, Instant::now() + Duration::from_secs(20))
-        });
+        let acceptor = accept_ranks_1_and_2(l, |p| p == 2, |p| p == 1);
         let deadline = Instant::now() + Duration::from_secs(20);
         let _bulk = dial((1, 0), addr, SECRET, (false, Lane::Bulk), deadline).unwrap();
         let again = dial((1, 0), addr, SECRET, (false, Lane::Bulk), deadline).unwrap_err();
@@ -890,14 +896,7 @@ mod tests {
     #[test]
     fn a_sealed_link_carries_data_and_a_sealing_mismatch_is_a_config_error() {
         let (l, addr) = listener();
-        let acceptor = std::thread::spawn(move || {
-            let expect = Expect {
-                from: &[false, true, true],
-                seal: &|p| p == 1,
-                bulk: &|_| false,
-            };
-            accept_authenticated(l, 0, &expect, SECRET, Instant::now() + Duration::from_secs(10))
-        });
+        let acceptor = accept_ranks_1_and_2(l, |p| p == 1, |_| false);
         let deadline = Instant::now() + Duration::from_secs(10);
         let e = dial((2, 0), addr, SECRET, (true, Lane::Main), deadline).expect_err("rank 2 must not seal");
         assert!(
