@@ -465,9 +465,11 @@ pub(crate) fn connect_all(
         links[p] = Link::Tcp(TcpLink::new(conn)?);
     }
     for (p, conn) in bulks {
-        if let Link::Tcp(t) = std::mem::replace(&mut links[p], Link::Pending) {
-            links[p] = Link::Tcp(t.with_bulk(conn, None)?);
-        }
+        let Link::Tcp(t) = std::mem::replace(&mut links[p], Link::Pending) else {
+            let why = format!("rank {p}'s second connection came without its first");
+            return Err(Error::protocol("transport setup", why));
+        };
+        links[p] = Link::Tcp(t.with_bulk(conn, None)?);
     }
 
     // Where ranks of other processes share this host, they map our segment by name: once all
