@@ -61,13 +61,8 @@ enum Bulk {
 impl TcpLink {
     /// A link over `stream`, sealed with its handshake's keys where `seal`.
     pub(crate) fn new(h: Handshaken) -> Result<TcpLink> {
-        let stream = h.stream;
-        stream.set_nodelay(true).map_err(|e| Error::io("set TCP_NODELAY", e))?;
-        stream
-            .set_nonblocking(true)
-            .map_err(|e| Error::io("set O_NONBLOCK", e))?;
         Ok(TcpLink {
-            stream,
+            stream: for_link(h.stream)?,
             closed: None,
             sealed: h.sealed.then(|| Box::new(Sealed::new(&h.keys))),
             read_ahead: Vec::new(),
@@ -80,11 +75,7 @@ impl TcpLink {
     /// `Some(from)`, the size from which its payloads go there (`usize::MAX`: never); on the
     /// listener, `None`.
     pub(crate) fn with_bulk(mut self, bulk: Handshaken, from: Option<usize>) -> Result<TcpLink> {
-        let stream = bulk.stream;
-        stream.set_nodelay(true).map_err(|e| Error::io("set TCP_NODELAY", e))?;
-        stream
-            .set_nonblocking(true)
-            .map_err(|e| Error::io("set O_NONBLOCK", e))?;
+        let stream = for_link(bulk.stream)?;
         self.bulk = Some(match from {
             Some(from) => Bulk::Out { stream, from },
             None => Bulk::In(stream),
@@ -98,7 +89,7 @@ impl TcpLink {
     }
 
     /// Writes as much of `src` (a payload whose header said `BULK`) to the second connection
-    /// as it takes now, at most `BULK_WRITE_MAX`.
+    /// as it takes now, at most `WRITE_MAX`.
     pub(crate) fn write_bulk(&mut self, src: &[u8]) -> std::result::Result<usize, String> {
         let Some(Bulk::Out { stream, .. }) = &mut self.bulk else {
             return Err(self.close("this end of the link sends no payload on a second connection".into()));
@@ -245,6 +236,22 @@ pub(crate) enum Lane {
     Bulk,
 }
 
+impl Lane {
+    /// 0 for the first connection, 1 for the second: in a proof, and per rank on a listener.
+    fn index(self) -> usize {
+        (self == Lane::Bulk) as usize
+    }
+}
+
+/// A handshaken stream set up for a link: no Nagle delay, non-blocking.
+fn for_link(stream: TcpStream) -> Result<TcpStream> {
+    stream.set_nodelay(true).map_err(|e| Error::io("set TCP_NODELAY", e))?;
+    stream
+        .set_nonblocking(true)
+        .map_err(|e| Error::io("set O_NONBLOCK", e))?;
+    Ok(stream)
+}
+
 /// What each side's proof covers besides the nonce: its role, its rank, whether it seals and
 /// which connection it makes, so a proof made as one rank, by the other side, for the other
 /// mode or for the other connection is worth nothing.
@@ -252,7 +259,7 @@ fn role(who: &[u8], rank: usize, seal: bool, lane: Lane) -> Vec<u8> {
     let mut r = who.to_vec();
     r.extend_from_slice(&(rank as u32).to_le_bytes());
     r.push(seal as u8);
-    r.push((lane == Lane::Bulk) as u8);
+    r.push(lane.index() as u8);
     r
 }
 
@@ -423,7 +430,7 @@ pub(crate) fn accept_authenticated_or_stop(
             if peer >= from.len() || !bootstrap::verify(secret, r.nonce, &role(b"dial", peer, seal, lane), proof) {
                 return Judgement::Refuse(vec![verdict::REFUSED]);
             }
-            let which = (lane == Lane::Bulk) as usize;
+            let which = lane.index();
             if !wanted(peer)[which] || linked[peer][which] {
                 tracing::warn!("link listener of rank {rank}: refused an unexpected link from rank {peer} ({lane:?})");
                 return Judgement::Refuse(vec![verdict::UNEXPECTED]);
@@ -456,7 +463,7 @@ pub(crate) fn accept_authenticated_or_stop(
                         },
                     ));
                 } else {
-                    linked[peer][(lane == Lane::Bulk) as usize] = false;
+                    linked[peer][lane.index()] = false;
                 }
             }
             None if stopped() => {
@@ -830,7 +837,7 @@ mod tests {
             .iter()
             .map(|(p, h)| (*p, h.lane))
             .collect();
-        got.sort_by_key(|&(p, lane)| (p, lane == Lane::Bulk));
+        got.sort_by_key(|&(p, lane)| (p, lane.index()));
         assert_eq!(got, [(1, Lane::Main), (1, Lane::Bulk), (2, Lane::Main)]);
     }
 
