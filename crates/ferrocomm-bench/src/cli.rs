@@ -151,8 +151,8 @@ pub struct Args {
     /// `ferrocomm-run --bind-to core`), where they fit; `none` leaves them to the scheduler.
     #[arg(long, value_name = "WHAT", default_value = "none", value_parser = ["none", "core"])]
     pub bind_to: String,
-    /// The backend's `algorithm` hint for collectives (cpu: oneshot, direct, ring; device:
-    /// oneshot, twoshot, multimem).
+    /// The backend's `algorithm` hint for collectives (cpu: oneshot, direct, ring, two_level;
+    /// device: oneshot, twoshot, multimem).
     #[arg(long, value_name = "NAME")]
     pub algo: Option<String>,
     /// Where the device rows run: GPU 0, or the host device (kernels on CPU threads).

@@ -26,6 +26,48 @@ impl Algo {
     }
 }
 
+/// The ranks a ring runs over, in ring order, and our place among them: the whole
+/// communicator, or a group of it (two_level.rs).
+#[derive(Clone, Copy)]
+pub(crate) struct Ring<'g> {
+    /// `None`: ranks `0..n`, in rank order.
+    members: Option<&'g [usize]>,
+    n: usize,
+    pos: usize,
+}
+
+impl<'g> Ring<'g> {
+    /// Every rank of `e`'s communicator, in rank order.
+    pub(crate) fn world(e: &Engine) -> Ring<'static> {
+        Ring {
+            members: None,
+            n: e.size,
+            pos: e.rank,
+        }
+    }
+
+    /// `members`, in that order, where we are `members[pos]`.
+    pub(crate) fn of(members: &'g [usize], pos: usize) -> Ring<'g> {
+        Ring {
+            members: Some(members),
+            n: members.len(),
+            pos,
+        }
+    }
+
+    fn rank(&self, place: usize) -> usize {
+        self.members.map_or(place, |m| m[place])
+    }
+
+    fn right(&self) -> usize {
+        self.rank((self.pos + 1) % self.n)
+    }
+
+    fn left(&self) -> usize {
+        self.rank((self.pos + self.n - 1) % self.n)
+    }
+}
+
 /// Independent aligned scratch areas, reused across operations.
 #[derive(Default)]
 pub(crate) struct Scratch {
@@ -54,7 +96,7 @@ impl Scratch {
 }
 
 /// Splits `buf` into consecutive parts of the given byte lengths.
-fn parts_of(buf: &mut [u8], lens: impl IntoIterator<Item = usize>) -> Vec<&mut [u8]> {
+pub(crate) fn parts_of(buf: &mut [u8], lens: impl IntoIterator<Item = usize>) -> Vec<&mut [u8]> {
     let mut rest = buf;
     lens.into_iter()
         .map(|n| {
@@ -77,7 +119,7 @@ pub(crate) fn scaled_parts<'w>(work: &'w mut [u8], inputs: &[&[u8]], dtype: DTyp
 }
 
 /// Byte lengths of `n` balanced blocks of `count` elements.
-fn block_lens(count: usize, n: usize, esize: usize) -> Vec<usize> {
+pub(crate) fn block_lens(count: usize, n: usize, esize: usize) -> Vec<usize> {
     (0..n)
         .map(|i| (count / n + usize::from(i < count % n)) * esize)
         .collect()
@@ -96,7 +138,7 @@ fn pair<'p>(parts: &'p mut [&mut [u8]], a: usize, b: usize) -> (&'p [u8], &'p mu
 
 /// A reducing ring step moves its block in pieces of this many bytes, and each piece is
 /// reduced as soon as it is here, while it is still in cache (measured: docs/results/cpu.md).
-const RING_PIECE: usize = 256 << 10;
+pub(crate) const RING_PIECE: usize = 256 << 10;
 
 /// Piece `i` of a block of `len` bytes.
 fn piece(len: usize, i: usize) -> Range<usize> {
@@ -142,20 +184,22 @@ fn reducing_step(
     Ok(())
 }
 
-/// Ring reduce-scatter over `parts` (one per rank): afterwards `parts[rank]` holds the
-/// reduction of every rank's `parts[rank]`. Step s sends block (rank-s-1) to the right and
-/// reduces block (rank-s-2) from the left into ours.
-fn ring_reduce_scatter(
+/// Ring reduce-scatter over `parts` (one per member of `ring`, by place): afterwards
+/// `parts[pos]` holds the reduction of every member's `parts[pos]`. Step s sends block
+/// (pos-s-1) to the right and reduces block (pos-s-2) from the left into ours.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn ring_reduce_scatter(
     e: &mut Engine,
     ctx: &OpCtx,
     tag: Tag,
+    ring: Ring<'_>,
     parts: &mut [&mut [u8]],
     dtype: DType,
     op: ReduceOp,
     tmp: &mut [u8],
 ) -> Result<()> {
-    let (n, me) = (e.size, e.rank);
-    let sides = ((me + 1) % n, (me + n - 1) % n);
+    let (n, me) = (ring.n, ring.pos);
+    let sides = (ring.right(), ring.left());
     for s in 0..n - 1 {
         let (send_b, recv_b) = ((me + 2 * n - s - 1) % n, (me + 2 * n - s - 2) % n);
         let (out, target) = pair(parts, send_b, recv_b);
@@ -225,19 +269,20 @@ fn ring_reduce_scatter_from(
     Ok(())
 }
 
-/// Ring all-gather: every rank starts with its own `parts[rank]` (or, given `own`, with that,
-/// copied into `parts[rank]` only once the first step has checked every peer's call) and ends
-/// with all of them.
-fn ring_all_gather(
+/// Ring all-gather: every member of `ring` starts with its own `parts[pos]` (or, given `own`,
+/// with that, copied into `parts[pos]` only once the first step has checked every peer's
+/// call) and ends with all of them.
+pub(crate) fn ring_all_gather(
     e: &mut Engine,
     ctx: &OpCtx,
     tag: Tag,
+    ring: Ring<'_>,
     parts: &mut [&mut [u8]],
     own: Option<&[u8]>,
     in_stream: bool,
 ) -> Result<()> {
-    let (n, me) = (e.size, e.rank);
-    let (right, left) = ((me + 1) % n, (me + n - 1) % n);
+    let (n, me) = (ring.n, ring.pos);
+    let (right, left) = (ring.right(), ring.left());
     for s in 0..n - 1 {
         let (send_b, recv_b) = ((me + n - s) % n, (me + 2 * n - s - 1) % n);
         let (out, inc) = pair(parts, send_b, recv_b);
@@ -323,10 +368,10 @@ pub(crate) fn all_reduce(
                     buf
                 };
                 let mut parts = parts_of(work, lens);
-                ring_reduce_scatter(e, ctx, tag, &mut parts, dtype, op, tmp)?;
+                ring_reduce_scatter(e, ctx, tag, Ring::world(e), &mut parts, dtype, op, tmp)?;
                 // In the stream as well: by reference, this phase too made all_reduce of 256 KiB-1 MiB
                 // slower (1.1-1.2x), though all_gather's ring gained (docs/results/cpu.md).
-                ring_all_gather(e, ctx, tag, &mut parts, None, true)?;
+                ring_all_gather(e, ctx, tag, Ring::world(e), &mut parts, None, true)?;
                 if premul {
                     buf.copy_from_slice(scaled);
                 }
@@ -380,7 +425,7 @@ pub(crate) fn reduce(
             let lens = block_lens(len / dtype.size(), n, dtype.size());
             let mut parts = parts_of(work, lens.iter().copied());
             if n > 1 {
-                ring_reduce_scatter(e, ctx, tag, &mut parts, dtype, op, tmp)?;
+                ring_reduce_scatter(e, ctx, tag, Ring::world(e), &mut parts, dtype, op, tmp)?;
             }
             if me == root {
                 let mut dst = parts_of(buf, lens);
@@ -475,7 +520,7 @@ pub(crate) fn all_gather(
     match algo {
         _ if e.size == 1 => {}
         Algo::Direct => direct_all_to_all_same(e, ctx, tag, input, outputs)?,
-        Algo::Ring => return ring_all_gather(e, ctx, tag, outputs, Some(input), false),
+        Algo::Ring => return ring_all_gather(e, ctx, tag, Ring::world(e), outputs, Some(input), false),
     }
     outputs[e.rank].copy_from_slice(input);
     Ok(())

@@ -99,6 +99,7 @@ fn algo_name(code: u8) -> &'static str {
     match code {
         0 => "direct",
         1 => "ring",
+        2 => "two_level",
         _ => "unknown",
     }
 }

@@ -157,7 +157,7 @@ fn two_shot(f: &RmsNormFusion, opts: &RunOptions, direct_max: usize, size: usize
         None => by_size,
         Some("oneshot") => false,
         Some("twoshot") => true,
-        Some(a @ ("direct" | "ring")) => {
+        Some(a @ ("direct" | "ring" | "two_level")) => {
             hint_ignored("cpu", OP, "algorithm", a, "the fused norm runs oneshot or twoshot");
             by_size
         }

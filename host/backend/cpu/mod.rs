@@ -8,6 +8,7 @@ mod engine;
 mod header;
 mod inference;
 mod oneshot;
+mod two_level;
 mod window;
 
 use crate::contracts::backend::{Backend, BackendInit, LentLinks, LinkLedger, RunOptions};
@@ -66,6 +67,15 @@ impl Tuning {
                         "shared-memory rounds serve all_reduce, all_gather, reduce_scatter, all_to_all and broadcast only",
                     );
                 }
+                if wanted == Some(Wanted::TwoLevel) && op != "all_reduce" {
+                    crate::contracts::backend::hint_ignored(
+                        "cpu",
+                        op,
+                        "algorithm",
+                        "two_level",
+                        "only all_reduce runs in two levels",
+                    );
+                }
                 self.by_size(bytes)
             }
         };
@@ -79,6 +89,35 @@ impl Tuning {
         } else {
             Algo::Ring
         }
+    }
+
+    /// Whether an all_reduce of `bytes` runs in two levels (two_level.rs): where the ranks span
+    /// machines evenly (`layout`), by the hint `two_level`, else from `TWO_LEVEL_FROM` bytes
+    /// unless another algorithm is hinted.
+    fn two_level<'l>(
+        &self,
+        bytes: usize,
+        opts: &RunOptions,
+        layout: Option<&'l two_level::Layout>,
+    ) -> Result<Option<&'l two_level::Layout>> {
+        let wanted = Self::wanted("all_reduce", opts.hints, false)?;
+        let Some(layout) = layout else {
+            if wanted == Some(Wanted::TwoLevel) {
+                crate::contracts::backend::hint_ignored(
+                    "cpu",
+                    "all_reduce",
+                    "algorithm",
+                    "two_level",
+                    "the ranks do not span machines with as many ranks, at least two, on each",
+                );
+            }
+            return Ok(None);
+        };
+        let yes = match wanted {
+            Some(w) => w == Wanted::TwoLevel,
+            None => bytes >= two_level::TWO_LEVEL_FROM,
+        };
+        Ok(yes.then_some(layout))
     }
 
     /// Does this all_reduce, all_gather, reduce_scatter, all_to_all or broadcast go through the
@@ -138,10 +177,13 @@ impl Tuning {
             Some("oneshot") => Wanted::OneShot,
             Some("direct") => Wanted::Direct,
             Some("ring") => Wanted::Ring,
+            Some("two_level") => Wanted::TwoLevel,
             Some(other) => {
                 return Err(Error::invalid(
                     op,
-                    format!("hint algorithm={other:?}: the cpu backend accepts \"oneshot\", \"direct\" or \"ring\""),
+                    format!(
+                        "hint algorithm={other:?}: the cpu backend accepts \"oneshot\", \"direct\", \"ring\" or \"two_level\""
+                    ),
                 ))
             }
         }))
@@ -155,6 +197,8 @@ enum Wanted {
     OneShot,
     Direct,
     Ring,
+    /// all_reduce in two levels, where the ranks span machines (two_level.rs).
+    TwoLevel,
 }
 
 /// Tests of `Tuning`'s decisions, kept beside it.
@@ -189,6 +233,8 @@ pub(crate) struct CpuBackend {
     /// The communicator's timeout: bounds the wait for peers' calls before closing.
     timeout: std::time::Duration,
     tuning: Tuning,
+    /// Where the ranks span machines evenly: the layout of the two-level all_reduce.
+    layout: Option<two_level::Layout>,
     /// What windows need to set themselves up.
     rank: usize,
     size: usize,
@@ -233,6 +279,7 @@ pub(crate) fn create_host(init: &BackendInit) -> Result<CpuBackend> {
         )?,
     };
     let announce = t.announcer();
+    let layout = two_level::Layout::of(t.machines(), init.rank);
     Ok(CpuBackend {
         state: Mutex::new(State {
             engine: Engine::new(init.rank, init.size, t),
@@ -247,6 +294,7 @@ pub(crate) fn create_host(init: &BackendInit) -> Result<CpuBackend> {
         faults: FaultRecord::new(init.store.clone(), init.rank),
         timeout: init.options.timeout,
         tuning,
+        layout,
         rank: init.rank,
         size: init.size,
         store: init.store.clone(),
@@ -513,11 +561,11 @@ impl CpuBackend {
         };
         // Opens the collective's call (header.rs) right before its algorithm runs.
         // `writes`: this rank writes a user buffer (else it checks peers' calls as they come).
-        let begin = |e: &mut Engine, t: Tag, count: usize, root: usize, a: Algo, symmetric: bool, writes: bool| {
+        let begin = |e: &mut Engine, t: Tag, count: usize, root: usize, algo: u8, symmetric: bool, writes: bool| {
             let call = Call {
                 count: count as u64,
                 root: root as u32,
-                algo: a.code(),
+                algo,
                 seq: 0,
             };
             e.begin_call(t, call, symmetric, writes);
@@ -530,6 +578,10 @@ impl CpuBackend {
                 if round(e, bytes, bytes, RoundOp::AllReduce)? {
                     return oneshot::all_reduce(e, ctx, t, buf.host_bytes_mut(), d, o);
                 }
+                if let Some(layout) = self.tuning.two_level(bytes, opts, self.layout.as_ref())? {
+                    begin(e, t, elems(bytes, d), 0, two_level::CODE, true, true);
+                    return two_level::all_reduce(e, s, ctx, t, buf.host_bytes_mut(), d, o, layout);
+                }
                 let mut a = algo(bytes)?;
                 // Past the rounds on one host, where every rank has a CPU, the ring beats
                 // sending the whole buffer to every peer (2 processes, 16 KiB: 3.6 us against
@@ -541,14 +593,14 @@ impl CpuBackend {
                 {
                     a = Algo::Ring;
                 }
-                begin(e, t, elems(bytes, d), 0, a, true, true);
+                begin(e, t, elems(bytes, d), 0, a.code(), true, true);
                 algorithms::all_reduce(e, s, ctx, t, buf.host_bytes_mut(), d, o, a)
             }
             Op::Reduce { buf, op, root } => {
                 let (d, o, bytes) = (buf.dtype(), *op, buf.host_bytes().len());
                 let (t, a) = (tag(2, d, Some(o)), algo(bytes)?);
                 let writes = e.rank == *root || a == Algo::Ring;
-                begin(e, t, elems(bytes, d), *root, a, true, writes);
+                begin(e, t, elems(bytes, d), *root, a.code(), true, writes);
                 algorithms::reduce(e, s, ctx, t, buf.host_bytes_mut(), d, o, *root, a)
             }
             Op::Broadcast { buf, root } => {
@@ -560,7 +612,15 @@ impl CpuBackend {
                 let a = algo(bytes)?;
                 // The chain's first exchange is not symmetric (rank k forwards to k + 1 a step after
                 // k + 1 first receives from it): header-only call messages go first.
-                begin(e, t, elems(bytes, d), *root, a, a == Algo::Direct, e.rank != *root);
+                begin(
+                    e,
+                    t,
+                    elems(bytes, d),
+                    *root,
+                    a.code(),
+                    a == Algo::Direct,
+                    e.rank != *root,
+                );
                 algorithms::broadcast(e, ctx, t, buf.host_bytes_mut(), *root, a, self.tuning.chunk)
             }
             Op::AllGather { input, outputs } => {
@@ -576,7 +636,7 @@ impl CpuBackend {
                 // Blocks that differ between ranks (all_gather_v) must show in the call, before
                 // a ring step lands one: see reduce_scatter below.
                 let digest = block_digest(outs.iter().map(|o| o.len()));
-                begin(e, t, elems(total, d), digest as usize, a, true, true);
+                begin(e, t, elems(total, d), digest as usize, a.code(), true, true);
                 algorithms::all_gather(e, ctx, t, input.host_bytes(), &mut outs, a)
             }
             Op::ReduceScatter { inputs, output, op } => {
@@ -595,7 +655,7 @@ impl CpuBackend {
                 // byte lands: a digest of the block lengths rides in the root field, which
                 // neither operation has a use for.
                 let digest = block_digest(ins.iter().map(|i| i.len()));
-                begin(e, t, elems(total, d), digest as usize, a, true, true);
+                begin(e, t, elems(total, d), digest as usize, a.code(), true, true);
                 algorithms::reduce_scatter(e, s, ctx, t, &ins, output.host_bytes_mut(), d, o, a)
             }
             Op::AllToAll { inputs, outputs } => {
@@ -643,7 +703,7 @@ impl CpuBackend {
             }
             Op::Barrier => {
                 let t = tag(9, DType::U8, None);
-                begin(e, t, 0, 0, Algo::Direct, true, true);
+                begin(e, t, 0, 0, Algo::Direct.code(), true, true);
                 algorithms::barrier(e, ctx, t)
             }
             Op::AllReduceRmsNorm(_) | Op::MoeDispatch(_) | Op::MoeCombine(_) => {

@@ -95,3 +95,32 @@ fn a_lower_round_limit_keeps_larger_operations_off_the_board_unless_the_hint_ask
     let o = RunOptions::new(Duration::from_secs(1), &h);
     assert!(T.use_board_up_to("broadcast", 4096, &o, true, 2048).unwrap());
 }
+
+#[test]
+fn two_level_runs_where_ranks_span_machines_evenly_from_its_size_or_by_its_hint() {
+    let layout = two_level::Layout::of(&[0, 0, 1, 1], 0);
+    let at = |bytes: usize, h: &[(&str, &str)], layout: Option<&two_level::Layout>| {
+        let h = hints(h);
+        T.two_level(bytes, &RunOptions::new(Duration::from_secs(1), &h), layout)
+            .map(|l| l.is_some())
+    };
+    let from = two_level::TWO_LEVEL_FROM;
+    assert!(!at(from - 4, &[], layout.as_ref()).unwrap());
+    assert!(at(from, &[], layout.as_ref()).unwrap());
+    // The hint takes any size; another algorithm's hint keeps it off.
+    assert!(at(8, &[("algorithm", "two_level")], layout.as_ref()).unwrap());
+    assert!(!at(from, &[("algorithm", "ring")], layout.as_ref()).unwrap());
+    // One machine: ignored, hint or not.
+    assert!(!at(from, &[("algorithm", "two_level")], None).unwrap());
+    assert!(!at(from, &[], None).unwrap());
+    assert!(at(from, &[("algorithm", "two_levels")], layout.as_ref()).is_err());
+    // Other operations run by size under the hint.
+    assert_eq!(
+        choose("reduce", 8, &[("algorithm", "two_level")]).unwrap(),
+        Algo::Direct
+    );
+    assert_eq!(
+        choose("all_gather", 4096, &[("algorithm", "two_level")]).unwrap(),
+        Algo::Ring
+    );
+}

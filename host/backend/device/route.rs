@@ -23,9 +23,17 @@ use std::collections::BTreeMap;
 
 /// The values of the device backend's hints.
 const ROUTES: [&str; 2] = ["nccl", "device"];
-const ALGORITHMS: [&str; 6] = ["oneshot", "twoshot", "multimem", "unfused", "direct", "ring"];
+const ALGORITHMS: [&str; 7] = [
+    "oneshot",
+    "twoshot",
+    "multimem",
+    "unfused",
+    "direct",
+    "ring",
+    "two_level",
+];
 /// The `algorithm` values of the CPU engine (host/backend/cpu).
-const ENGINE_ALGORITHMS: [&str; 3] = ["oneshot", "direct", "ring"];
+const ENGINE_ALGORITHMS: [&str; 4] = ["oneshot", "direct", "ring", "two_level"];
 
 /// Refuses a value the device backend does not know for a hint it reads, before anything
 /// runs; notes (debug) the keys it does not read.
@@ -47,10 +55,14 @@ fn quoted(values: &[&str]) -> String {
     q.join(", ")
 }
 
-/// Whether the hints ask for one of the CPU engine's own algorithms (`direct`, `ring`): on the
-/// host device, whose buffers are host memory, the engine then runs the operation.
+/// Whether the hints ask for one of the CPU engine's own algorithms (`direct`, `ring`,
+/// `two_level`): on the host device, whose buffers are host memory, the engine then runs the
+/// operation.
 pub(crate) fn wants_engine(hints: &BTreeMap<String, String>) -> bool {
-    matches!(hints.get("algorithm").map(String::as_str), Some("direct" | "ring"))
+    matches!(
+        hints.get("algorithm").map(String::as_str),
+        Some("direct" | "ring" | "two_level")
+    )
 }
 
 /// The hints for the CPU engine underneath (host buffers, the staged copy): `algorithm` where

@@ -65,6 +65,9 @@ pub(crate) struct Transport {
     pull_bytes: usize,
     /// The ranks on this kernel outnumber their CPUs (crowding.rs).
     crowded: bool,
+    /// The machine of every rank, numbered in rank order of first appearance (ranks that
+    /// `FERROCOMM_TRANSPORT=tcp` makes hosts of their own share their machine's number).
+    machines: Vec<usize>,
 }
 
 impl Transport {
@@ -185,6 +188,7 @@ impl Transport {
             ring_bytes: self.ring_bytes,
             pull_bytes: self.pull_bytes,
             crowded: self.crowded,
+            machines: machine_numbers(members.iter().map(|&m| self.machines[m])),
         };
         // Ranks left out that still wait on us learn at once that we are gone, over TCP; on
         // shared memory our segment now belongs to the new communicator, so they wait for
@@ -213,6 +217,20 @@ impl Transport {
     /// rank where all share one host.
     pub(crate) fn crowded(&self) -> bool {
         self.crowded
+    }
+
+    /// The machine of every rank (`machines()[r]`, numbered from 0 in order of first
+    /// appearance); alike on every rank.
+    pub(crate) fn machines(&self) -> &[usize] {
+        &self.machines
+    }
+
+    /// Says that the ranks run on these machines (`machines[r]` for rank `r`), as a test of
+    /// the algorithms that follow machines wants them where all ranks are threads of one.
+    #[cfg(test)]
+    pub(crate) fn set_machines(&mut self, machines: Vec<usize>) {
+        assert_eq!(machines.len(), self.links.len());
+        self.machines = machines;
     }
 }
 
@@ -513,7 +531,21 @@ pub(crate) fn connect_all(
             None => 16 << 10,
         },
         crowded,
+        machines: machine_numbers(hellos.iter().map(|h| machine(h.host))),
     })
+}
+
+/// Numbers machine identities in order of first appearance: `[a, b, a]` gives `[0, 1, 0]`.
+fn machine_numbers<T: PartialEq>(ids: impl Iterator<Item = T>) -> Vec<usize> {
+    let mut seen: Vec<T> = Vec::new();
+    ids.map(|id| match seen.iter().position(|s| *s == id) {
+        Some(i) => i,
+        None => {
+            seen.push(id);
+            seen.len() - 1
+        }
+    })
+    .collect()
 }
 
 /// The segments of every rank on this host, from this process's table of them: the first of
@@ -685,6 +717,15 @@ mod tests {
         // Two machines whose boot ids could not be read are not one kernel.
         let (one, two) = ("node1//mnt:[1]/pid:[2]", "node2//mnt:[1]/pid:[2]");
         assert_ne!(kernel(one), kernel(two));
+    }
+
+    #[test]
+    fn machines_are_numbered_in_order_of_first_appearance() {
+        let ids = ["b/1/m/p#rank0", "a/1/m/p#rank1", "b/1/m/p#rank2", "c/1/m/p"];
+        assert_eq!(machine_numbers(ids.iter().map(|h| machine(h))), [0, 1, 0, 2]);
+        // After a shrink that keeps ranks 1..4 of machines [0, 0, 1, 1]: numbered from 0 again.
+        assert_eq!(machine_numbers([0, 1, 1].into_iter()), [0, 1, 1]);
+        assert_eq!(machine_numbers([1, 1, 0].into_iter()), [0, 0, 1]);
     }
 
     fn connect_threads(n: usize) -> Vec<Transport> {

@@ -1,0 +1,240 @@
+//! all_reduce in two levels, for ranks that span machines: a ring reduce-scatter among the
+//! ranks of each machine, an all_reduce of each shard among the ranks that hold it on the
+//! other machines (a ring reduce-scatter and all-gather across), and a ring all-gather on each
+//! machine again.
+//!
+//! What crosses between machines is what a flat algorithm wastes. With `m` machines of `l`
+//! ranks and a buffer of `B` bytes, each machine sends `2(m-1)/m · B` across in all (`B` for
+//! two machines, the least an all_reduce between them can move); the flat ring crosses each
+//! machine boundary with `2(n-1)/n · B` per link it has there, and the direct exchange sends
+//! every rank's whole buffer to every rank of the other machines (`l² · B` from each machine
+//! to each other). Measured over a rate-limited link between two network namespaces:
+//! docs/results/cpu.md, "all_reduce in two levels".
+
+use super::algorithms::{block_lens, parts_of, ring_all_gather, ring_reduce_scatter, Ring, Scratch, RING_PIECE};
+use super::engine::{Engine, OpCtx};
+use super::header::Tag;
+use crate::contracts::dtype::{DType, ReduceOp};
+use crate::contracts::error::Result;
+use crate::contracts::reduce::{epilogue, prologue};
+
+/// The algorithm's code in the call header (header.rs), beside the flat ones of `Algo`.
+pub(crate) const CODE: u8 = 2;
+
+/// Where no hint says otherwise, an all_reduce of at least this many bytes runs in two levels
+/// wherever it can: measured over a link between two network namespaces (docs/results/cpu.md,
+/// "all_reduce in two levels").
+pub(crate) const TWO_LEVEL_FROM: usize = 64 << 10;
+
+/// Where the ranks sit: the ranks of our machine, and the ranks of the other machines that
+/// hold the same place on theirs, each list in rank order.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Layout {
+    local: Vec<usize>,
+    local_pos: usize,
+    across: Vec<usize>,
+    across_pos: usize,
+}
+
+impl Layout {
+    /// The layout of `rank` among ranks on `machines` (`machines[r]`: rank r's machine); `None`
+    /// unless there are at least two machines, each with the same number (at least two) of
+    /// ranks. With one rank per machine the flat ring is already the algorithm across.
+    pub(crate) fn of(machines: &[usize], rank: usize) -> Option<Layout> {
+        let ranks_on = |m: usize| (0..machines.len()).filter(move |&r| machines[r] == m);
+        let local: Vec<usize> = ranks_on(machines[rank]).collect();
+        let local_pos = local.iter().position(|&r| r == rank)?;
+        let count = machines.iter().max()? + 1;
+        if count < 2 || local.len() < 2 || machines.len() != count * local.len() {
+            return None;
+        }
+        let mut across = Vec::with_capacity(count);
+        for m in 0..count {
+            // Every machine must have as many ranks as ours.
+            let on = ranks_on(m).collect::<Vec<_>>();
+            if on.len() != local.len() {
+                return None;
+            }
+            across.push(on[local_pos]);
+        }
+        let across_pos = across.iter().position(|&r| r == rank)?;
+        Some(Layout {
+            local,
+            local_pos,
+            across,
+            across_pos,
+        })
+    }
+}
+
+/// all_reduce of `buf` in two levels over `layout`, epilogue included. Every
+/// rank ends with the same bits: each shard is reduced once, on the ranks across, and then
+/// copied to everyone.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn all_reduce(
+    e: &mut Engine,
+    s: &mut Scratch,
+    ctx: &OpCtx,
+    tag: Tag,
+    buf: &mut [u8],
+    dtype: DType,
+    op: ReduceOp,
+    layout: &Layout,
+) -> Result<()> {
+    let esize = dtype.size();
+    let premul = matches!(op, ReduceOp::PremulSum(_));
+    let lens = block_lens(buf.len() / esize, layout.local.len(), esize);
+    let shard_lens = block_lens(lens[layout.local_pos] / esize, layout.across.len(), esize);
+    // The largest block a step receives is the first of `lens`.
+    let (tmp, scaled) = s.two(lens[0].min(RING_PIECE), if premul { buf.len() } else { 0 });
+    // A premul_sum contribution is scaled in scratch, so that a mismatched call leaves `buf`
+    // untouched; otherwise the first step receives into `tmp`, and reduces into `buf` only
+    // once the engine has checked every peer's call.
+    let work: &mut [u8] = if premul {
+        scaled.copy_from_slice(buf);
+        prologue(dtype, op, scaled);
+        scaled
+    } else {
+        buf
+    };
+    let local = Ring::of(&layout.local, layout.local_pos);
+    let across = Ring::of(&layout.across, layout.across_pos);
+    let mut parts = parts_of(work, lens.iter().copied());
+    ring_reduce_scatter(e, ctx, tag, local, &mut parts, dtype, op, tmp)?;
+    {
+        let mut shard = parts_of(parts[layout.local_pos], shard_lens);
+        ring_reduce_scatter(e, ctx, tag, across, &mut shard, dtype, op, tmp)?;
+        ring_all_gather(e, ctx, tag, across, &mut shard, None, true)?;
+    }
+    ring_all_gather(e, ctx, tag, local, &mut parts, None, true)?;
+    if premul {
+        buf.copy_from_slice(scaled);
+    }
+    epilogue(dtype, op, e.size, buf);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::header::Call;
+    use super::*;
+    use crate::contracts::error::Error;
+    use crate::net::links::connect_threads_with;
+    use std::sync::atomic::AtomicBool;
+    use std::time::Duration;
+
+    /// Runs one two-level all_reduce on `machines.len()` thread ranks that say they sit on
+    /// `machines`, rank r with `inputs[r]` (i32 elements), as the backend runs it (mod.rs):
+    /// the call opened first, the epilogue applied. Returns each rank's buffer and result.
+    fn run(machines: &[usize], inputs: Vec<Vec<i32>>, op: ReduceOp) -> Vec<(Vec<i32>, Result<()>)> {
+        let n = machines.len();
+        let mut ts = connect_threads_with(n, Some(4096));
+        for t in &mut ts {
+            t.set_machines(machines.to_vec());
+        }
+        std::thread::scope(|sc| {
+            let hs: Vec<_> = ts
+                .into_iter()
+                .zip(inputs)
+                .enumerate()
+                .map(|(r, (t, buf))| {
+                    sc.spawn(move || {
+                        let mut e = Engine::new(r, n, t);
+                        let layout = Layout::of(e.transport.machines(), r).expect("an even layout");
+                        let mut s = Scratch::default();
+                        let abort = AtomicBool::new(false);
+                        let ctx = OpCtx::new("all_reduce", Duration::from_secs(10), &abort);
+                        let tag = super::super::tag(1, DType::I32, Some(op));
+                        let call = Call {
+                            count: buf.len() as u64,
+                            root: 0,
+                            algo: CODE,
+                            seq: 0,
+                        };
+                        e.begin_call(tag, call, true, true);
+                        let mut bytes: Vec<u8> = buf.iter().flat_map(|v| v.to_le_bytes()).collect();
+                        let r = all_reduce(&mut e, &mut s, &ctx, tag, &mut bytes, DType::I32, op, &layout);
+                        e.end_call();
+                        let out = bytes
+                            .chunks(4)
+                            .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
+                            .collect();
+                        (out, r)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    fn input(rank: usize, count: usize) -> Vec<i32> {
+        (0..count).map(|i| (rank * 1000 + i) as i32).collect()
+    }
+
+    #[test]
+    fn every_rank_gets_the_whole_reduction_on_any_even_layout_and_any_length() {
+        let layouts: [&[usize]; 4] = [&[0, 0, 1, 1], &[0, 1, 0, 1], &[0, 0, 0, 1, 1, 1], &[0, 1, 2, 0, 1, 2]];
+        for machines in layouts {
+            let n = machines.len();
+            // Fewer elements than ranks (empty blocks), uneven blocks, and more than one ring
+            // piece per block.
+            for count in [1, n - 1, 7 * n + 3, (RING_PIECE / 4) * 3 + 5] {
+                for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Avg] {
+                    let inputs: Vec<Vec<i32>> = (0..n).map(|r| input(r, count)).collect();
+                    let want: Vec<i32> = (0..count)
+                        .map(|i| {
+                            let all = inputs.iter().map(|v| v[i]);
+                            match op {
+                                ReduceOp::Sum => all.sum(),
+                                ReduceOp::Max => all.max().unwrap(),
+                                _ => all.sum::<i32>() / n as i32,
+                            }
+                        })
+                        .collect();
+                    for (r, (buf, res)) in run(machines, inputs, op).into_iter().enumerate() {
+                        res.unwrap();
+                        assert!(buf == want, "{machines:?}, {count} elements, {op:?}: rank {r} is wrong");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_rank_with_another_count_is_a_mismatch_on_every_rank_and_no_buffer_changes() {
+        let machines = [0, 0, 1, 1];
+        let inputs: Vec<Vec<i32>> = (0..4).map(|r| input(r, if r == 3 { 40 } else { 32 })).collect();
+        for (r, (buf, res)) in run(&machines, inputs.clone(), ReduceOp::Sum).into_iter().enumerate() {
+            assert!(matches!(res, Err(Error::Mismatch { .. })), "rank {r}: {res:?}");
+            assert_eq!(buf, inputs[r], "rank {r}'s buffer changed");
+        }
+    }
+
+    #[test]
+    fn a_layout_needs_two_machines_with_as_many_ranks_each_and_at_least_two() {
+        // Machines 0 and 1, two ranks each, interleaved.
+        let l = Layout::of(&[0, 1, 0, 1], 2).unwrap();
+        assert_eq!(
+            l,
+            Layout {
+                local: vec![0, 2],
+                local_pos: 1,
+                across: vec![2, 3],
+                across_pos: 0
+            }
+        );
+        let l = Layout::of(&[0, 0, 0, 1, 1, 1, 2, 2, 2], 4).unwrap();
+        assert_eq!(
+            (l.local, l.local_pos, l.across, l.across_pos),
+            (vec![3, 4, 5], 1, vec![1, 4, 7], 1)
+        );
+        assert_eq!(Layout::of(&[0, 0, 0, 0], 1), None, "one machine");
+        assert_eq!(Layout::of(&[0, 1, 2], 1), None, "one rank per machine");
+        assert_eq!(Layout::of(&[0, 0, 1, 1, 1], 0), None, "uneven machines");
+        assert_eq!(
+            Layout::of(&[0, 0, 0, 1, 1, 1, 2], 6),
+            None,
+            "uneven machines, seen from the small one"
+        );
+    }
+}
