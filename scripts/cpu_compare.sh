@@ -140,6 +140,11 @@ two_hosts() {
 # TCP took 3.4-4.0 us bound and up to 11.9 us unbound). Across the namespaces ferrocomm-run
 # and hydra would bind each namespace's ranks to the same first cores, so there none binds.
 bind_ferrocomm() { [ "$1" -le "$cores" ] && echo --bind-to core || true; }
+# Every tool settles before its first size (ferrocomm-bench --settle-ms, mpi_bench and
+# gloo_bench.py --settle-ms=): small all_reduces until rank 0 has seen this long pass. With more
+# ranks than cores the scheduler may start three ranks on one core and take 100-200 ms to spread
+# them (docs/results/cpu.md, "Ranks placed three to one"); sizes timed meanwhile measured that.
+settle_ms() { [ "$1" -gt "$cores" ] && echo 1000 || echo 300; }
 bind_mpich() { [ "$1" -le "$cores" ] && echo -bind-to core || true; }
 
 run_ferrocomm() {
@@ -150,7 +155,8 @@ run_ferrocomm() {
   # The bench takes one sweep per launch: one launch per sweep, JSON merged by the report.
   for s in "$@"; do
     IFS=: read -r lo hi f it wu <<<"$s"
-    local args=("$op" -b "$lo" -e "$hi" -f "$f" -n "$it" -w "$wu") file=${json%.json}-$lo.json
+    local args=("$op" -b "$lo" -e "$hi" -f "$f" -n "$it" -w "$wu" --settle-ms "$(settle_ms "$n")")
+    local file=${json%.json}-$lo.json
     case $t in
       shm) "${limit[@]}" "$bench" "${args[@]}" --world "$n" "${bind[@]}" --json "$file" || return ;;
       tcp-loopback)
@@ -190,7 +196,7 @@ run_mpich() {
   local t=$1 n=$2 op=$3 json=$4 sweeps
   shift 4
   if [ "$n" -gt "$cores" ]; then mapfile -t sweeps < <(capped 50 5 "$@"); else sweeps=("$@"); fi
-  local prog=(target/peers/mpi_bench_mpich "$op" "$json" "${sweeps[@]}") bind
+  local prog=(target/peers/mpi_bench_mpich "$op" "$json" --settle-ms="$(settle_ms "$n")" "${sweeps[@]}") bind
   read -ra bind <<<"$(bind_mpich "$n")"
   case $t in
     shm) "${limit[@]}" mpiexec.mpich "${bind[@]}" -n "$n" "${prog[@]}" ;;
@@ -215,7 +221,7 @@ run_mpich() {
 run_openmpi() {
   local t=$1 n=$2 op=$3 json=$4
   shift 4
-  local prog=(target/peers/mpi_bench_openmpi "$op" "$json" "$@") opts=()
+  local prog=(target/peers/mpi_bench_openmpi "$op" "$json" --settle-ms="$(settle_ms "$n")" "$@") opts=()
   if [ "$n" -gt "$cores" ]; then opts+=(--oversubscribe); fi
   if [ "$n" -gt "$cores" ] || [ "$t" = tcp-veth ]; then opts+=(--mca mpi_yield_when_idle 1); fi
   case $t in
@@ -238,7 +244,7 @@ run_gloo() {
   local t=$1 n=$2 op=$3 json=$4 sweeps
   shift 4
   if [ "$n" -gt "$cores" ]; then mapfile -t sweeps < <(capped 50 5 "$@"); else mapfile -t sweeps < <(capped 200 1000 "$@"); fi
-  local prog=(benches/peers/gloo_bench.py "$op" "$json" "${sweeps[@]}")
+  local prog=(benches/peers/gloo_bench.py "$op" "$json" --settle-ms="$(settle_ms "$n")" "${sweeps[@]}")
   case $t in
     tcp-loopback) GLOO_SOCKET_IFNAME=lo "${limit[@]}" "$torchrun" --standalone --nproc-per-node "$n" "${prog[@]}" ;;
     tcp-veth)

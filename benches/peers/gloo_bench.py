@@ -52,11 +52,22 @@ def step_for(op, count, rank, n):
 
 def main():
     if len(sys.argv) < 4 or sys.argv[1] not in OPS:
-        sys.exit("usage: gloo_bench.py OP OUT.json MIN:MAX:FACTOR:ITERS:WARMUP [...]; OP: " + ", ".join(OPS))
+        sys.exit("usage: gloo_bench.py OP OUT.json [--settle-ms=MS] MIN:MAX:FACTOR:ITERS:WARMUP [...]; OP: " + ", ".join(OPS))
     op, out = sys.argv[1:3]
-    sweeps = [tuple(int(x) for x in s.split(":")) for s in sys.argv[3:]]
+    args = sys.argv[3:]
+    # --settle-ms=MS: as ferrocomm-bench --settle-ms (crates/ferrocomm-bench/src/settle.rs).
+    settle_ms = 0
+    if args and args[0].startswith("--settle-ms="):
+        settle_ms = int(args.pop(0).split("=", 1)[1])
+    sweeps = [tuple(int(x) for x in s.split(":")) for s in args]
     dist.init_process_group("gloo")
     rank, n = dist.get_rank(), dist.get_world_size()
+    until = time.perf_counter() + settle_ms / 1e3
+    while settle_ms > 0:
+        done = torch.tensor([int(rank == 0 and time.perf_counter() >= until)], dtype=torch.int32)
+        dist.all_reduce(done, op=dist.ReduceOp.MAX)
+        if done.item():
+            break
     rows = []
     for lo, hi, factor, iters, warmup in sweeps:
         size = lo

@@ -4,7 +4,11 @@
  * of all ranks' blocks for all_gather, reduce_scatter and all_to_all), warm-up and timing (the
  * slowest rank's mean time per iteration), and writes the same JSON.
  *
- *   mpiexec -n N mpi_bench OP OUT.json MIN:MAX:FACTOR:ITERS:WARMUP [MIN:MAX:...]...
+ *   mpiexec -n N mpi_bench OP OUT.json [--settle-ms=MS] MIN:MAX:FACTOR:ITERS:WARMUP [MIN:MAX:...]...
+ *
+ * --settle-ms: before the first size, 4-byte all_reduces until rank 0 has seen MS milliseconds
+ * pass, as ferrocomm-bench --settle-ms (crates/ferrocomm-bench/src/settle.rs): with more ranks
+ * than cores the scheduler may take 100-200 ms to spread them.
  *
  * OP: all_reduce, all_gather, reduce_scatter, all_to_all, broadcast (root 0) or send_recv (a
  * ring: each rank sends to the right and receives from the left, as the bench's). Several
@@ -74,9 +78,17 @@ int main(int argc, char **argv) {
     MPI_Comm_size(MPI_COMM_WORLD, &n);
     for (size_t i = 0; argc > 1 && i < sizeof OPS / sizeof *OPS; i++) known |= !strcmp(argv[1], OPS[i]);
     size_t max = 0, s[16][5];
-    int sweeps = argc - 3;
+    int first_sweep = 3, settle_ms = 0;
+    if (argc > 3 && !strncmp(argv[3], "--settle-ms=", 12)) {
+        char *end;
+        long ms = strtol(argv[3] + 12, &end, 10);
+        if (*end || ms < 0 || ms > 600000) known = 0;
+        settle_ms = (int)ms;
+        first_sweep = 4;
+    }
+    int sweeps = argc - first_sweep;
     for (int i = 0; known && i < sweeps && i < 16; i++) {
-        if (sscanf(argv[3 + i], "%zu:%zu:%zu:%zu:%zu", &s[i][0], &s[i][1], &s[i][2], &s[i][3], &s[i][4]) != 5 ||
+        if (sscanf(argv[first_sweep + i], "%zu:%zu:%zu:%zu:%zu", &s[i][0], &s[i][1], &s[i][2], &s[i][3], &s[i][4]) != 5 ||
             s[i][2] < 2 || s[i][3] < 1)
             known = 0;
         else if (s[i][1] > max)
@@ -85,7 +97,7 @@ int main(int argc, char **argv) {
     if (!known || sweeps < 1 || sweeps > 16) {
         if (rank == 0)
             fprintf(stderr, "usage: mpi_bench <all_reduce|all_gather|reduce_scatter|all_to_all|broadcast|send_recv> "
-                            "OUT.json MIN:MAX:FACTOR:ITERS:WARMUP...\n");
+                            "OUT.json [--settle-ms=MS] MIN:MAX:FACTOR:ITERS:WARMUP...\n");
         MPI_Finalize();
         return 2;
     }
@@ -102,6 +114,10 @@ int main(int argc, char **argv) {
         fprintf(out, "{\"tool\":\"%s\",\"backend\":\"mpi\",\"op\":\"%s\",\"world\":%d,\"dtype\":\"f32\",\"redop\":\"sum\",\"rows\":[",
                 TOOL, op, n);
         printf("# mpi_bench (%s) %s, %d ranks, f32\n#       size         count     time(us)  algbw  busbw\n", TOOL, op, n);
+    }
+    for (double until = MPI_Wtime() + settle_ms / 1e3, done = settle_ms == 0; !done;) {
+        double mine = rank == 0 && MPI_Wtime() >= until;
+        MPI_Allreduce(&mine, &done, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
     }
     int first = 1;
     for (int i = 0; i < sweeps; i++) {

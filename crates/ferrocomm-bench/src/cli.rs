@@ -113,6 +113,12 @@ pub struct Args {
         default_value_t = 5
     )]
     pub warmup: usize,
+    /// Before the first size, run 4-byte all_reduces for at least this many milliseconds (0:
+    /// none), so that every rank starts timing once the scheduler has placed the ranks: where
+    /// they outnumber the cores, the first 100-200 ms can run three ranks on one core and one
+    /// on the other (docs/results/cpu.md, "Ranks placed three to one").
+    #[arg(long, value_name = "MS", default_value_t = 0)]
+    pub settle_ms: u64,
     /// Verify every size and count wrong elements: `-c 1` (nccl-tests) or a bare `--check`.
     #[arg(short = 'c', long = "check", value_name = "0|1", num_args = 0..=1, default_value = "0",
           default_missing_value = "1", value_parser = zero_or_one)]

@@ -16,6 +16,7 @@ mod progress;
 mod queue;
 mod ranks;
 mod report;
+mod settle;
 mod size;
 mod sweep;
 

@@ -51,6 +51,7 @@ fn sweep<T: BenchElem>(comm: &Comm, a: &Args) -> Result<Vec<Row>> {
         );
         println!("{HEADER}");
     }
+    crate::settle::settle(comm, a.settle_ms)?;
     let progress = Progress::new(&a.op, sizes.len(), lead);
     let mut rows = Vec::new();
     for bytes in sizes {

@@ -606,3 +606,27 @@ fn help_is_clap_and_lists_every_op() {
         assert!(op_help.contains(flag), "{flag} missing:\n{op_help}");
     }
 }
+
+/// `--settle-ms` runs small all_reduces for that long on every rank before the first size,
+/// and the sizes then run as without it.
+#[test]
+fn settling_takes_its_time_before_the_first_size_on_every_rank() {
+    let args = [
+        "all_reduce",
+        "--world",
+        "3",
+        "-b",
+        "8",
+        "-e",
+        "64",
+        "-n",
+        "5",
+        "-w",
+        "1",
+        "--check",
+    ];
+    let started = std::time::Instant::now();
+    let settled = checked(&[&args[..], &["--settle-ms", "400"]].concat());
+    assert!(started.elapsed() >= std::time::Duration::from_millis(400));
+    assert_eq!(settled.len(), 4);
+}

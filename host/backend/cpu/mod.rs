@@ -31,8 +31,9 @@ use std::sync::{Arc, Mutex};
 /// Algorithm choice. `FERROCOMM_CPU_DIRECT_MAX` (bytes per rank, default 64 KiB): at or below,
 /// direct exchanges; above, ring or chain. `FERROCOMM_CPU_CHUNK` (default 256 KiB): the
 /// pipelining unit of broadcast. The hint `algorithm` = `oneshot` (shared-memory rounds),
-/// `direct` or `ring` overrides the size rule where it can be honoured and is ignored where
-/// not; any other value is refused (see `CommOptions::hints`).
+/// `direct`, `ring` or `two_level` (all_reduce across machines, two_level.rs) overrides the
+/// size rule where it can be honoured and is ignored where not; any other value is refused
+/// (see `CommOptions::hints`).
 #[derive(Clone, Copy, Debug)]
 struct Tuning {
     direct_max: usize,
@@ -148,8 +149,10 @@ impl Tuning {
                 crate::contracts::backend::hint_ignored("cpu", op, "algorithm", "oneshot", &why);
                 false
             }
+            // Two levels serve all_reduce across machines only: elsewhere (one host) the
+            // operation runs as without the hint.
+            Some(Wanted::TwoLevel) | None => available && bytes <= limit,
             Some(_) => false,
-            None => available && bytes <= limit,
         };
         if board {
             tracing::trace!(op, bytes, "cpu algorithm: oneshot");
@@ -589,7 +592,10 @@ impl CpuBackend {
                 if a == Algo::Direct
                     && oneshot::fits(e, bytes)
                     && bytes > round_max(e, RoundOp::AllReduce)
-                    && Tuning::wanted(ctx.op, opts.hints, false)?.is_none()
+                    && matches!(
+                        Tuning::wanted(ctx.op, opts.hints, false)?,
+                        None | Some(Wanted::TwoLevel)
+                    )
                 {
                     a = Algo::Ring;
                 }

@@ -26,8 +26,8 @@ pub(crate) const CODE: u8 = 2;
 /// "all_reduce in two levels").
 pub(crate) const TWO_LEVEL_FROM: usize = 64 << 10;
 
-/// Where the ranks sit: the ranks of our machine, and the ranks of the other machines that
-/// hold the same place on theirs, each list in rank order.
+/// Where the ranks sit: the ranks of our machine, in rank order, and the ranks that hold our
+/// place on every machine, in machine order.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) struct Layout {
     local: Vec<usize>,
@@ -124,9 +124,9 @@ mod tests {
     use std::time::Duration;
 
     /// Runs one two-level all_reduce on `machines.len()` thread ranks that say they sit on
-    /// `machines`, rank r with `inputs[r]` (i32 elements), as the backend runs it (mod.rs):
-    /// the call opened first, the epilogue applied. Returns each rank's buffer and result.
-    fn run(machines: &[usize], inputs: Vec<Vec<i32>>, op: ReduceOp) -> Vec<(Vec<i32>, Result<()>)> {
+    /// `machines`, rank r with the bytes `inputs[r]` of `dtype`, as the backend runs it (mod.rs):
+    /// the call opened first. Returns each rank's buffer and result.
+    fn run_bytes(machines: &[usize], inputs: Vec<Vec<u8>>, dtype: DType, op: ReduceOp) -> Vec<(Vec<u8>, Result<()>)> {
         let n = machines.len();
         let mut ts = connect_threads_with(n, Some(4096));
         for t in &mut ts {
@@ -137,34 +137,46 @@ mod tests {
                 .into_iter()
                 .zip(inputs)
                 .enumerate()
-                .map(|(r, (t, buf))| {
+                .map(|(r, (t, mut buf))| {
                     sc.spawn(move || {
                         let mut e = Engine::new(r, n, t);
                         let layout = Layout::of(e.transport.machines(), r).expect("an even layout");
                         let mut s = Scratch::default();
                         let abort = AtomicBool::new(false);
                         let ctx = OpCtx::new("all_reduce", Duration::from_secs(10), &abort);
-                        let tag = super::super::tag(1, DType::I32, Some(op));
+                        let tag = super::super::tag(1, dtype, Some(op));
                         let call = Call {
-                            count: buf.len() as u64,
+                            count: (buf.len() / dtype.size()) as u64,
                             root: 0,
                             algo: CODE,
                             seq: 0,
                         };
                         e.begin_call(tag, call, true, true);
-                        let mut bytes: Vec<u8> = buf.iter().flat_map(|v| v.to_le_bytes()).collect();
-                        let r = all_reduce(&mut e, &mut s, &ctx, tag, &mut bytes, DType::I32, op, &layout);
+                        let r = all_reduce(&mut e, &mut s, &ctx, tag, &mut buf, dtype, op, &layout);
                         e.end_call();
-                        let out = bytes
-                            .chunks(4)
-                            .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
-                            .collect();
-                        (out, r)
+                        (buf, r)
                     })
                 })
                 .collect();
             hs.into_iter().map(|h| h.join().unwrap()).collect()
         })
+    }
+
+    /// `run_bytes` on i32 elements.
+    fn run(machines: &[usize], inputs: Vec<Vec<i32>>, op: ReduceOp) -> Vec<(Vec<i32>, Result<()>)> {
+        let bytes = inputs
+            .iter()
+            .map(|v| v.iter().flat_map(|x| x.to_le_bytes()).collect())
+            .collect();
+        run_bytes(machines, bytes, DType::I32, op)
+            .into_iter()
+            .map(|(b, r)| {
+                (
+                    b.chunks(4).map(|c| i32::from_le_bytes(c.try_into().unwrap())).collect(),
+                    r,
+                )
+            })
+            .collect()
     }
 
     fn input(rank: usize, count: usize) -> Vec<i32> {
@@ -196,6 +208,27 @@ mod tests {
                         assert!(buf == want, "{machines:?}, {count} elements, {op:?}: rank {r} is wrong");
                     }
                 }
+            }
+        }
+    }
+
+    /// premul_sum scales each contribution in scratch (the caller's buffer is the output only):
+    /// f32 values whose scaled sums are exact, so every rank must hold exactly these bits.
+    #[test]
+    fn premul_sum_scales_every_contribution_once_and_every_rank_gets_the_same_bits() {
+        let machines = [0, 1, 0, 1];
+        let count = 1000;
+        let value = |r: usize, i: usize| (r * 8 + i % 7) as f32;
+        let inputs: Vec<Vec<u8>> = (0..4)
+            .map(|r| (0..count).flat_map(|i| value(r, i).to_le_bytes()).collect())
+            .collect();
+        let got = run_bytes(&machines, inputs, DType::F32, ReduceOp::PremulSum(0.5));
+        for (r, (buf, res)) in got.into_iter().enumerate() {
+            res.unwrap();
+            for i in 0..count {
+                let v = f32::from_le_bytes(buf[4 * i..4 * i + 4].try_into().unwrap());
+                let want: f32 = (0..4).map(|p| value(p, i) * 0.5).sum();
+                assert_eq!(v.to_bits(), want.to_bits(), "rank {r}, element {i}");
             }
         }
     }

@@ -11,8 +11,8 @@
 //!
 //! The device backend's hints (see `CommOptions::hints` for the rule): `route`, and
 //! `algorithm` = `oneshot` / `twoshot` / `multimem` for its all_reduce kernels, `unfused` for
-//! the fused norm's separate steps (see `norm_route`), or `oneshot` / `direct` / `ring` for the
-//! CPU engine that runs host buffers and the staged copy. A value
+//! the fused norm's separate steps (see `norm_route`), or `oneshot` / `direct` / `ring` /
+//! `two_level` for the CPU engine that runs host buffers and the staged copy. A value
 //! outside these lists is refused; a value that cannot be honoured where the operation runs is
 //! ignored (debug event), and so is any other key.
 
@@ -73,7 +73,7 @@ pub(crate) fn engine_hints(op: &'static str, hints: &BTreeMap<String, String>) -
         Some(a) if ENGINE_ALGORITHMS.contains(&a.as_str()) => BTreeMap::from([("algorithm".into(), a.clone())]),
         Some(a) => {
             let why =
-                "the CPU engine runs this operation (host buffers or the staged copy); it has oneshot, direct and ring";
+                "the CPU engine runs this operation (host buffers or the staged copy); it has oneshot, direct, ring and two_level";
             hint_ignored("device", op, "algorithm", a, why);
             BTreeMap::new()
         }
