@@ -118,6 +118,18 @@ pub(crate) fn scaled_parts<'w>(work: &'w mut [u8], inputs: &[&[u8]], dtype: DTyp
     parts
 }
 
+/// Where a reducing ring works: `buf` itself, or for premul_sum a scaled copy in `scaled`,
+/// which the caller copies back at the end. Either way nothing lands in `buf` before the first
+/// exchange has checked every peer's call (a mismatched call leaves it untouched).
+pub(crate) fn premul_work<'w>(buf: &'w mut [u8], scaled: &'w mut [u8], dtype: DType, op: ReduceOp) -> &'w mut [u8] {
+    if !matches!(op, ReduceOp::PremulSum(_)) {
+        return buf;
+    }
+    scaled.copy_from_slice(buf);
+    prologue(dtype, op, scaled);
+    scaled
+}
+
 /// Byte lengths of `n` balanced blocks of `count` elements.
 pub(crate) fn block_lens(count: usize, n: usize, esize: usize) -> Vec<usize> {
     (0..n)
@@ -360,14 +372,7 @@ pub(crate) fn all_reduce(
             Algo::Ring => {
                 let lens = block_lens(buf.len() / dtype.size(), n, dtype.size());
                 let (tmp, scaled) = s.two(lens[0].min(RING_PIECE), if premul { buf.len() } else { 0 });
-                let work: &mut [u8] = if premul {
-                    scaled.copy_from_slice(buf);
-                    prologue(dtype, op, scaled);
-                    scaled
-                } else {
-                    buf
-                };
-                let mut parts = parts_of(work, lens);
+                let mut parts = parts_of(premul_work(buf, scaled, dtype, op), lens);
                 ring_reduce_scatter(e, ctx, tag, Ring::world(e), &mut parts, dtype, op, tmp)?;
                 // In the stream as well: by reference, this phase too made all_reduce of 256 KiB-1 MiB
                 // slower (1.1-1.2x), though all_gather's ring gained (docs/results/cpu.md).

@@ -11,12 +11,14 @@
 //! to each other). Measured over a rate-limited link between two network namespaces:
 //! docs/results/cpu.md, "all_reduce in two levels".
 
-use super::algorithms::{block_lens, parts_of, ring_all_gather, ring_reduce_scatter, Ring, Scratch, RING_PIECE};
+use super::algorithms::{
+    block_lens, parts_of, premul_work, ring_all_gather, ring_reduce_scatter, Ring, Scratch, RING_PIECE,
+};
 use super::engine::{Engine, OpCtx};
 use super::header::Tag;
 use crate::contracts::dtype::{DType, ReduceOp};
 use crate::contracts::error::Result;
-use crate::contracts::reduce::{epilogue, prologue};
+use crate::contracts::reduce::epilogue;
 
 /// The algorithm's code in the call header (header.rs), beside the flat ones of `Algo`.
 pub(crate) const CODE: u8 = 2;
@@ -87,19 +89,9 @@ pub(crate) fn all_reduce(
     let shard_lens = block_lens(lens[layout.local_pos] / esize, layout.across.len(), esize);
     // The largest block a step receives is the first of `lens`.
     let (tmp, scaled) = s.two(lens[0].min(RING_PIECE), if premul { buf.len() } else { 0 });
-    // A premul_sum contribution is scaled in scratch, so that a mismatched call leaves `buf`
-    // untouched; otherwise the first step receives into `tmp`, and reduces into `buf` only
-    // once the engine has checked every peer's call.
-    let work: &mut [u8] = if premul {
-        scaled.copy_from_slice(buf);
-        prologue(dtype, op, scaled);
-        scaled
-    } else {
-        buf
-    };
     let local = Ring::of(&layout.local, layout.local_pos);
     let across = Ring::of(&layout.across, layout.across_pos);
-    let mut parts = parts_of(work, lens.iter().copied());
+    let mut parts = parts_of(premul_work(buf, scaled, dtype, op), lens.iter().copied());
     ring_reduce_scatter(e, ctx, tag, local, &mut parts, dtype, op, tmp)?;
     {
         let mut shard = parts_of(parts[layout.local_pos], shard_lens);
