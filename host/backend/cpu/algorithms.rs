@@ -316,6 +316,27 @@ pub(crate) fn ring_all_gather(
     Ok(())
 }
 
+/// Ring all_reduce of `work` (scaled already for premul_sum; no epilogue) among the members of
+/// `ring`: a reduce-scatter of its blocks, then an all-gather. `tmp` holds a ring piece of the
+/// largest block.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn ring_all_reduce(
+    e: &mut Engine,
+    ctx: &OpCtx,
+    tag: Tag,
+    ring: Ring<'_>,
+    work: &mut [u8],
+    dtype: DType,
+    op: ReduceOp,
+    tmp: &mut [u8],
+) -> Result<()> {
+    let mut parts = parts_of(work, block_lens(work.len() / dtype.size(), ring.n, dtype.size()));
+    ring_reduce_scatter(e, ctx, tag, ring, &mut parts, dtype, op, tmp)?;
+    // In the stream as well: by reference, this phase too made all_reduce of 256 KiB-1 MiB
+    // slower (1.1-1.2x), though all_gather's ring gained (docs/results/cpu.md).
+    ring_all_gather(e, ctx, tag, ring, &mut parts, None, true)
+}
+
 /// Everyone sends `mine` to everyone; `slots[r]` receives rank r's (our own slot is filled by
 /// the caller).
 fn direct_all_to_all_same(e: &mut Engine, ctx: &OpCtx, tag: Tag, mine: &[u8], slots: &mut [&mut [u8]]) -> Result<()> {
@@ -370,13 +391,10 @@ pub(crate) fn all_reduce(
                 fold_in_rank_order(dtype, op, buf, &slots);
             }
             Algo::Ring => {
-                let lens = block_lens(buf.len() / dtype.size(), n, dtype.size());
-                let (tmp, scaled) = s.two(lens[0].min(RING_PIECE), if premul { buf.len() } else { 0 });
-                let mut parts = parts_of(premul_work(buf, scaled, dtype, op), lens);
-                ring_reduce_scatter(e, ctx, tag, Ring::world(e), &mut parts, dtype, op, tmp)?;
-                // In the stream as well: by reference, this phase too made all_reduce of 256 KiB-1 MiB
-                // slower (1.1-1.2x), though all_gather's ring gained (docs/results/cpu.md).
-                ring_all_gather(e, ctx, tag, Ring::world(e), &mut parts, None, true)?;
+                let largest = block_lens(buf.len() / dtype.size(), n, dtype.size())[0];
+                let (tmp, scaled) = s.two(largest.min(RING_PIECE), if premul { buf.len() } else { 0 });
+                let work = premul_work(buf, scaled, dtype, op);
+                ring_all_reduce(e, ctx, tag, Ring::world(e), work, dtype, op, tmp)?;
                 if premul {
                     buf.copy_from_slice(scaled);
                 }

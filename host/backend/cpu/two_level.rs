@@ -12,7 +12,7 @@
 //! docs/results/cpu.md, "all_reduce in two levels".
 
 use super::algorithms::{
-    block_lens, parts_of, premul_work, ring_all_gather, ring_reduce_scatter, Ring, Scratch, RING_PIECE,
+    block_lens, parts_of, premul_work, ring_all_gather, ring_all_reduce, ring_reduce_scatter, Ring, Scratch, RING_PIECE,
 };
 use super::engine::{Engine, OpCtx};
 use super::header::Tag;
@@ -86,18 +86,13 @@ pub(crate) fn all_reduce(
     let esize = dtype.size();
     let premul = matches!(op, ReduceOp::PremulSum(_));
     let lens = block_lens(buf.len() / esize, layout.local.len(), esize);
-    let shard_lens = block_lens(lens[layout.local_pos] / esize, layout.across.len(), esize);
-    // The largest block a step receives is the first of `lens`.
+    // The largest block a step receives is the first of `lens` (a shard's blocks are smaller).
     let (tmp, scaled) = s.two(lens[0].min(RING_PIECE), if premul { buf.len() } else { 0 });
     let local = Ring::of(&layout.local, layout.local_pos);
     let across = Ring::of(&layout.across, layout.across_pos);
     let mut parts = parts_of(premul_work(buf, scaled, dtype, op), lens.iter().copied());
     ring_reduce_scatter(e, ctx, tag, local, &mut parts, dtype, op, tmp)?;
-    {
-        let mut shard = parts_of(parts[layout.local_pos], shard_lens);
-        ring_reduce_scatter(e, ctx, tag, across, &mut shard, dtype, op, tmp)?;
-        ring_all_gather(e, ctx, tag, across, &mut shard, None, true)?;
-    }
+    ring_all_reduce(e, ctx, tag, across, parts[layout.local_pos], dtype, op, tmp)?;
     ring_all_gather(e, ctx, tag, local, &mut parts, None, true)?;
     if premul {
         buf.copy_from_slice(scaled);
