@@ -370,14 +370,22 @@ impl Backend for CpuBackend {
             broken,
             ..
         } = &mut *st;
-        let r = match op {
+        // A broadcast's root may run ahead of the checks of its earlier rounds (dispatch
+        // settles them where it takes the links instead); nothing else does.
+        let runs_ahead = matches!(op, Op::Broadcast { root, .. } if *root == self.rank);
+        let r = if runs_ahead {
+            Ok(())
+        } else {
+            oneshot::settle_owed(engine, &ctx, None)
+        };
+        let r = r.and_then(|()| match op {
             Op::AllReduceRmsNorm(f) => {
                 inference::all_reduce_rmsnorm(engine, scratch, &ctx, f, opts, self.tuning.direct_max)
             }
             Op::MoeDispatch(m) => inference::moe_dispatch(engine, &ctx, pending, m),
             Op::MoeCombine(m) => inference::moe_combine(engine, &ctx, pending, m),
             _ => self.dispatch(engine, scratch, &ctx, op, opts),
-        };
+        });
         engine.end_call();
         let Err(e) = r else { return Ok(()) };
         // Argument errors are found before any byte moves; everything else may leave a
@@ -401,7 +409,8 @@ impl Backend for CpuBackend {
             return;
         }
         let ctx = OpCtx::new(name, opts.timeout, &self.abort);
-        let r = inference::refuse_op(&mut st.engine, &ctx, op, opts, self.tuning.direct_max, reason);
+        let r = oneshot::settle_owed(&mut st.engine, &ctx, None)
+            .and_then(|()| inference::refuse_op(&mut st.engine, &ctx, op, opts, self.tuning.direct_max, reason));
         st.engine.end_call();
         if let Err(e) = r {
             tracing::debug!(rank = self.rank, error = %e, "the peers could not be told of a refused {name}");
@@ -465,6 +474,7 @@ impl Backend for CpuBackend {
             });
         }
         let ctx = OpCtx::new(op, timeout, &self.abort);
+        oneshot::settle_owed(&mut st.engine, &ctx, Some(members))?;
         let t = st.engine.hand_over(&ctx, members, keep_board)?;
         Ok(LentLinks(Box::new(t)))
     }
@@ -522,7 +532,8 @@ impl CpuBackend {
             return;
         }
         let ctx = OpCtx::new("finalize", self.timeout, &self.abort);
-        if let Err(e) = st.engine.settle_deferred(&ctx) {
+        let settled = oneshot::settle_owed(&mut st.engine, &ctx, None).and_then(|()| st.engine.settle_deferred(&ctx));
+        if let Err(e) = settled {
             tracing::debug!(rank = self.rank, error = %e, "closing: peers' calls did not all arrive");
             st.broken = true;
         }
@@ -615,6 +626,7 @@ impl CpuBackend {
                 if round(e, bytes, bytes, RoundOp::Broadcast)? {
                     return oneshot::broadcast(e, ctx, t, buf.host_bytes_mut(), *root);
                 }
+                oneshot::settle_owed(e, ctx, None)?;
                 let a = algo(bytes)?;
                 // The chain's first exchange is not symmetric (rank k forwards to k + 1 a step after
                 // k + 1 first receives from it): header-only call messages go first.
