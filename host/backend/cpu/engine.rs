@@ -291,19 +291,6 @@ pub(crate) struct Engine {
     open: Option<OpenCall>,
     /// Peers' calls to collectives in which this rank wrote nothing, not yet arrived.
     deferred: Vec<Xfer<'static>>,
-    /// Shared-memory rounds in which this rank read nothing (a broadcast's root), oldest first:
-    /// the peers' calls in them are checked later (oneshot.rs, `settle_owed`).
-    pub(crate) owed_rounds: Vec<OwedRound>,
-}
-
-/// A shared-memory round whose peers' calls this rank has yet to check.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct OwedRound {
-    pub(crate) round: u64,
-    /// What this rank published as its call (the round's label) and its buffer's bytes.
-    pub(crate) label: u64,
-    pub(crate) len: usize,
-    pub(crate) root: usize,
 }
 
 impl Engine {
@@ -320,7 +307,6 @@ impl Engine {
             calls: 0,
             open: None,
             deferred: Vec::new(),
-            owed_rounds: Vec::new(),
         }
     }
 
@@ -328,28 +314,8 @@ impl Engine {
     /// with the count of framed messages sent to each peer so far (all complete between
     /// operations). The caller has waited for the slot to be free.
     pub(crate) fn publish_round(&mut self, label: u64, parts: &[&[u8]]) -> u64 {
-        let done = self.rounds_done(self.board_round() - 1);
         let board = self.transport.board.as_mut().expect("callers check for a board");
-        board.publish(label, parts, &self.send_seq, done)
-    }
-
-    /// The round the next `publish_round` starts.
-    fn board_round(&self) -> u64 {
-        self.transport.board.as_ref().map_or(0, |b| b.next_round())
-    }
-
-    /// The rounds we are done reading, given that this rank has completed every round up to
-    /// `finished`: up to the first whose peers' calls we still owe a check.
-    fn rounds_done(&self, finished: u64) -> u64 {
-        let owed = self.owed_rounds.first().map_or(u64::MAX, |o| o.round);
-        finished.min(owed - 1)
-    }
-
-    /// Tells the peers which rounds we are done reading, between operations (after checks of
-    /// owed rounds), when that has moved since our last round.
-    pub(crate) fn mark_rounds_done(&self) {
-        let Some(b) = self.transport.board.as_ref() else { return };
-        b.set_done(self.rounds_done(b.next_round() - 1));
+        board.publish(label, parts, &self.send_seq)
     }
 
     /// What our links carried, for `Comm::shrink` (see `LinkLedger`); `None` in the middle

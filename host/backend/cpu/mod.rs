@@ -370,22 +370,14 @@ impl Backend for CpuBackend {
             broken,
             ..
         } = &mut *st;
-        // A broadcast's root may run ahead of the checks of its earlier rounds (dispatch
-        // settles them where it takes the links instead); nothing else does.
-        let runs_ahead = matches!(op, Op::Broadcast { root, .. } if *root == self.rank);
-        let r = if runs_ahead {
-            Ok(())
-        } else {
-            oneshot::settle_owed(engine, &ctx, None)
-        };
-        let r = r.and_then(|()| match op {
+        let r = match op {
             Op::AllReduceRmsNorm(f) => {
                 inference::all_reduce_rmsnorm(engine, scratch, &ctx, f, opts, self.tuning.direct_max)
             }
             Op::MoeDispatch(m) => inference::moe_dispatch(engine, &ctx, pending, m),
             Op::MoeCombine(m) => inference::moe_combine(engine, &ctx, pending, m),
             _ => self.dispatch(engine, scratch, &ctx, op, opts),
-        });
+        };
         engine.end_call();
         let Err(e) = r else { return Ok(()) };
         // Argument errors are found before any byte moves; everything else may leave a
@@ -409,8 +401,7 @@ impl Backend for CpuBackend {
             return;
         }
         let ctx = OpCtx::new(name, opts.timeout, &self.abort);
-        let r = oneshot::settle_owed(&mut st.engine, &ctx, None)
-            .and_then(|()| inference::refuse_op(&mut st.engine, &ctx, op, opts, self.tuning.direct_max, reason));
+        let r = inference::refuse_op(&mut st.engine, &ctx, op, opts, self.tuning.direct_max, reason);
         st.engine.end_call();
         if let Err(e) = r {
             tracing::debug!(rank = self.rank, error = %e, "the peers could not be told of a refused {name}");
@@ -438,9 +429,15 @@ impl Backend for CpuBackend {
         if self.lent.load(Ordering::SeqCst) {
             return Ok(());
         }
-        self.settle_before_close();
+        let settled = self.settle_before_close();
         self.announce.announce(OwnerState::Closed);
-        Ok(())
+        // A mismatch in a call this rank had left before its peers' calls came (a streamed
+        // broadcast's root, gather's senders) is reported here, its last chance; a late or
+        // lost peer at close is not this call's failure.
+        match settled {
+            Err(e @ Error::Mismatch { .. }) => Err(e),
+            _ => Ok(()),
+        }
     }
 
     /// Busy (an operation holds the engine, such as one stuck on a silent peer) is no ledger:
@@ -474,7 +471,6 @@ impl Backend for CpuBackend {
             });
         }
         let ctx = OpCtx::new(op, timeout, &self.abort);
-        oneshot::settle_owed(&mut st.engine, &ctx, Some(members))?;
         let t = st.engine.hand_over(&ctx, members, keep_board)?;
         Ok(LentLinks(Box::new(t)))
     }
@@ -494,7 +490,8 @@ impl Backend for CpuBackend {
 
 impl Drop for CpuBackend {
     fn drop(&mut self) {
-        self.settle_before_close();
+        // Nobody to tell: what it finds is logged.
+        let _ = self.settle_before_close();
     }
 }
 
@@ -522,21 +519,22 @@ impl CpuBackend {
     /// Before this rank's links close: takes in the calls that peers still owe it (see
     /// `Engine::settle_deferred`). A late peer's call must not meet a closed TCP socket, which
     /// answers with a reset that loses what this rank sent it. Bounded by the timeout; skipped
-    /// on an aborted or broken communicator.
-    fn settle_before_close(&self) {
+    /// on an aborted or broken communicator. Returns what went wrong, for `finalize`.
+    fn settle_before_close(&self) -> Result<()> {
         if self.abort.load(Ordering::Acquire) || self.lent.load(Ordering::SeqCst) {
-            return;
+            return Ok(());
         }
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         if st.broken {
-            return;
+            return Ok(());
         }
         let ctx = OpCtx::new("finalize", self.timeout, &self.abort);
-        let settled = oneshot::settle_owed(&mut st.engine, &ctx, None).and_then(|()| st.engine.settle_deferred(&ctx));
-        if let Err(e) = settled {
-            tracing::debug!(rank = self.rank, error = %e, "closing: peers' calls did not all arrive");
+        let settled = st.engine.settle_deferred(&ctx);
+        if let Err(e) = &settled {
+            tracing::debug!(rank = self.rank, error = %e, "closing: peers' calls did not all arrive, or differ from ours");
             st.broken = true;
         }
+        settled
     }
 
     /// The communicator's fault record, for backends that use this engine as control plane.
@@ -626,7 +624,6 @@ impl CpuBackend {
                 if round(e, bytes, bytes, RoundOp::Broadcast)? {
                     return oneshot::broadcast(e, ctx, t, buf.host_bytes_mut(), *root);
                 }
-                oneshot::settle_owed(e, ctx, None)?;
                 let a = algo(bytes)?;
                 // The chain's first exchange is not symmetric (rank k forwards to k + 1 a step after
                 // k + 1 first receives from it): header-only call messages go first.

@@ -2,12 +2,10 @@
 //! host: each rank publishes its contribution once and reads every peer's in place, instead of
 //! sending framed copies through the rings. all_reduce folds in rank order, as the direct
 //! algorithm does, so every rank computes bit-identical results. Every round reads every
-//! peer's contribution before the rank's next one, except a broadcast's root: it reads nothing,
-//! returns at once and checks its peers' calls later (`settle_owed`), up to `SLOTS - 1` rounds
-//! ahead of its slowest receiver.
+//! peer's contribution, which the board's slot reuse relies on.
 
 use super::algorithms::{scaled_parts, Scratch};
-use super::engine::{Engine, OpCtx, OwedRound, Pacer};
+use super::engine::{Engine, OpCtx, Pacer};
 use super::header::Tag;
 use crate::contracts::dtype::{DType, ReduceOp};
 use crate::contracts::error::{Error, Result};
@@ -58,57 +56,6 @@ pub(crate) fn round_max(e: &Engine, op: RoundOp) -> usize {
 
 fn board(e: &Engine) -> &Board {
     e.transport.board.as_ref().expect("callers check `fits` first")
-}
-
-/// Publishes our contribution to the next round, once every peer is done with the round whose
-/// slot it takes (which holds up only a root that runs ahead), and after checking the calls
-/// we owe a check that have come in since.
-fn publish(e: &mut Engine, ctx: &OpCtx, label: u64, parts: &[&[u8]]) -> Result<u64> {
-    while let Some(p) = e
-        .transport
-        .board
-        .as_mut()
-        .expect("callers check `fits` first")
-        .slot_held_by()
-    {
-        wait_for(e, ctx, p, |b| b.peer_done_for_next(p))?;
-    }
-    if !e.owed_rounds.is_empty() {
-        check_owed(e, ctx, false, None)?;
-    }
-    Ok(e.publish_round(label, parts))
-}
-
-/// Waits for and checks every peer's call in the rounds in which this rank read nothing (see
-/// `broadcast`); `members`: only theirs (the others are left behind by a shrink). Before
-/// anything that is not such a round: this rank's messages and rounds to come must not overtake
-/// a mismatch that a check would find, and a peer that failed on one is found here first.
-pub(crate) fn settle_owed(e: &mut Engine, ctx: &OpCtx, members: Option<&[usize]>) -> Result<()> {
-    if e.owed_rounds.is_empty() {
-        return Ok(());
-    }
-    check_owed(e, ctx, true, members)
-}
-
-/// Checks the peers' calls in the rounds we owe a check, oldest first; `wait`: for every peer
-/// (else up to the first that has not published its round yet). Then tells the peers which
-/// rounds we are done with.
-fn check_owed(e: &mut Engine, ctx: &OpCtx, wait: bool, members: Option<&[usize]>) -> Result<()> {
-    let me = e.rank;
-    let mut checked = 0;
-    'rounds: for o in &e.owed_rounds {
-        for p in (0..e.size).filter(|&p| p != me && members.map_or(true, |m| m.contains(&p))) {
-            if !wait && board(e).peer_round(p, o.round).is_none() {
-                break 'rounds;
-            }
-            let (got, nbytes) = await_round(e, ctx, p, o.round)?;
-            check_broadcast_call(e, "broadcast", p, o, got, nbytes)?;
-        }
-        checked += 1;
-    }
-    e.owed_rounds.drain(..checked);
-    e.mark_rounds_done();
-    Ok(())
 }
 
 /// Waits until `ready` holds of `peer`'s part of the board, with the operation's deadline, abort
@@ -180,9 +127,9 @@ pub(crate) fn all_reduce(
         let scaled = unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), len) };
         scaled.copy_from_slice(buf);
         prologue(dtype, op, scaled);
-        publish(e, ctx, tag.label(), &[scaled])?
+        e.publish_round(tag.label(), &[scaled])
     } else {
-        publish(e, ctx, tag.label(), &[buf])?
+        e.publish_round(tag.label(), &[buf])
     };
     // Every peer's call is checked before anything lands in `buf`.
     for r in (0..n).filter(|&r| r != me) {
@@ -203,7 +150,7 @@ pub(crate) fn all_reduce(
 
 pub(crate) fn all_gather(e: &mut Engine, ctx: &OpCtx, tag: Tag, input: &[u8], outputs: &mut [&mut [u8]]) -> Result<()> {
     let me = e.rank;
-    let round = publish(e, ctx, tag.label(), &[input])?;
+    let round = e.publish_round(tag.label(), &[input]);
     // Every peer's call is checked before anything lands in `outputs`. Ranks may contribute
     // different lengths (all_gather_v): outputs say how much each sends.
     for (r, out) in outputs.iter().enumerate().filter(|(r, _)| *r != me) {
@@ -223,66 +170,48 @@ pub(crate) fn all_gather(e: &mut Engine, ctx: &OpCtx, tag: Tag, input: &[u8], ou
 /// and the others copy the root's contribution once every peer's call has been checked. The
 /// root rides in the label, so ranks that name different roots disagree there; each rank
 /// checks every peer's length against its own, so a receiver with another count is a
-/// mismatch on every rank. The root reads nothing: it returns at once and checks the peers'
-/// calls later (`settle_owed`), so it reports a mismatch at the latest in its next call, and
-/// runs up to `SLOTS - 1` rounds ahead of its receivers, as the streamed broadcast's root does.
+/// mismatch on every rank. Unlike the streamed broadcast, whose root runs ahead, the root
+/// waits for every peer's round; small messages still gain, as no rank sends a message per
+/// peer (measured: docs/results/cpu.md).
 pub(crate) fn broadcast(e: &mut Engine, ctx: &OpCtx, tag: Tag, buf: &mut [u8], root: usize) -> Result<()> {
     let (n, me, len) = (e.size, e.rank, buf.len());
     let label = tag.label() | (root as u64) << ARG_SHIFT;
     let own_len = (len as u64).to_le_bytes();
-    let part: &[u8] = if me == root { buf } else { &own_len };
-    let round = publish(e, ctx, label, &[part])?;
-    let ours = OwedRound {
-        round,
-        label,
-        len,
-        root,
+    let round = if me == root {
+        e.publish_round(label, &[buf])
+    } else {
+        e.publish_round(label, &[&own_len])
     };
-    if me == root {
-        e.owed_rounds.push(ours);
-        return Ok(());
-    }
     for p in (0..n).filter(|&p| p != me) {
         let (got, nbytes) = await_round(e, ctx, p, round)?;
-        check_broadcast_call(e, ctx.op, p, &ours, got, nbytes)?;
+        let peer_len = match (got == label, p == root) {
+            (false, _) => None,
+            (true, true) => Some(nbytes),
+            (true, false) if nbytes == 8 => Some(their_bytes(e, p, round, nbytes, false)),
+            (true, false) => None,
+        };
+        if peer_len != Some(len as u64) {
+            // Named by field where only one differs, as the call headers do (header.rs).
+            let same_call = got & ((1 << ARG_SHIFT) - 1) == tag.label();
+            return Err(Error::Mismatch {
+                op: ctx.op,
+                peer: p,
+                detail: match peer_len {
+                    Some(l) => format!("bytes: this rank has {len}, rank {p} has {l}"),
+                    None if same_call => format!("root: this rank has {root}, rank {p} has {}", got >> ARG_SHIFT),
+                    None => format!(
+                        "it called {}, this rank {} with root {root}",
+                        Tag::from_label(got, their_bytes(e, p, round, nbytes, p == root)).describe(),
+                        Tag::from_label(label, len as u64).describe()
+                    ),
+                },
+            });
+        }
     }
-    buf.copy_from_slice(board(e).data(root, round, len));
+    if me != root {
+        buf.copy_from_slice(board(e).data(root, round, len));
+    }
     Ok(())
-}
-
-/// Checks `p`'s call in broadcast round `ours.round`, which published `got` and `nbytes`,
-/// against ours.
-fn check_broadcast_call(e: &Engine, op: &'static str, p: usize, ours: &OwedRound, got: u64, nbytes: u64) -> Result<()> {
-    let OwedRound {
-        round,
-        label,
-        len,
-        root,
-    } = *ours;
-    let peer_len = match (got == label, p == root) {
-        (false, _) => None,
-        (true, true) => Some(nbytes),
-        (true, false) if nbytes == 8 => Some(their_bytes(e, p, round, nbytes, false)),
-        (true, false) => None,
-    };
-    if peer_len == Some(len as u64) {
-        return Ok(());
-    }
-    // Named by field where only one differs, as the call headers do (header.rs).
-    let same_call = got & ((1 << ARG_SHIFT) - 1) == label & ((1 << ARG_SHIFT) - 1);
-    Err(Error::Mismatch {
-        op,
-        peer: p,
-        detail: match peer_len {
-            Some(l) => format!("bytes: this rank has {len}, rank {p} has {l}"),
-            None if same_call => format!("root: this rank has {root}, rank {p} has {}", got >> ARG_SHIFT),
-            None => format!(
-                "it called {}, this rank {} with root {root}",
-                Tag::from_label(got, their_bytes(e, p, round, nbytes, p == root)).describe(),
-                Tag::from_label(label, len as u64).describe()
-            ),
-        },
-    })
 }
 
 /// The buffer length of `peer` in broadcast round `round`, for an error: the root's
@@ -296,7 +225,7 @@ fn their_bytes(e: &Engine, peer: usize, round: u64, nbytes: u64, root: bool) -> 
 }
 
 pub(crate) fn barrier(e: &mut Engine, ctx: &OpCtx, tag: Tag) -> Result<()> {
-    let round = publish(e, ctx, tag.label(), &[&[]])?;
+    let round = e.publish_round(tag.label(), &[&[]]);
     for p in (0..e.size).filter(|&p| p != e.rank) {
         await_peer(e, ctx, p, round, tag, Some(0))?;
     }
@@ -323,9 +252,9 @@ pub(crate) fn reduce_scatter(
         let (work, _) = s.two(total, 0);
         let parts = scaled_parts(work, inputs, dtype, op);
         let parts: Vec<&[u8]> = parts.iter().map(|p| &**p).collect();
-        publish(e, ctx, tag.label(), &parts)?
+        e.publish_round(tag.label(), &parts)
     } else {
-        publish(e, ctx, tag.label(), inputs)?
+        e.publish_round(tag.label(), inputs)
     };
     for r in (0..n).filter(|&r| r != me) {
         await_peer(e, ctx, r, round, tag, Some(total))?;
@@ -381,9 +310,9 @@ pub(crate) fn all_to_all(
     let total = inputs.iter().map(|i| i.len()).sum::<usize>();
     let fits = total <= SLOT_BYTES && total <= limit;
     let round = if fits {
-        publish(e, ctx, tag.label(), inputs)?
+        e.publish_round(tag.label(), inputs)
     } else {
-        publish(e, ctx, tag.label() | DECLINED, &[])?
+        e.publish_round(tag.label() | DECLINED, &[])
     };
     let mut declined = !fits;
     for p in (0..e.size).filter(|&p| p != me) {
@@ -411,7 +340,7 @@ pub(crate) fn all_to_all(
 /// the round on every rank, with an error that names the first such peer and its reason.
 pub(crate) fn gather_in_place(e: &mut Engine, ctx: &OpCtx, tag: Tag, arg: u64, input: &[u8]) -> Result<u64> {
     let label = tag.label() | arg << ARG_SHIFT;
-    let round = publish(e, ctx, label, &[input])?;
+    let round = e.publish_round(label, &[input]);
     let mut refused = None;
     for p in (0..e.size).filter(|&p| p != e.rank) {
         let (got, nbytes) = await_round(e, ctx, p, round)?;
@@ -449,7 +378,7 @@ pub(crate) fn data(e: &Engine, rank: usize, round: u64, len: usize) -> &[u8] {
 /// round, as every round does.
 pub(crate) fn refuse(e: &mut Engine, ctx: &OpCtx, tag: Tag, reason: &[u8]) -> Result<()> {
     let why = &reason[..reason.len().min(SLOT_BYTES)];
-    let round = publish(e, ctx, tag.label() | REFUSED, &[why])?;
+    let round = e.publish_round(tag.label() | REFUSED, &[why]);
     for p in (0..e.size).filter(|&p| p != e.rank) {
         let (got, nbytes) = await_round(e, ctx, p, round)?;
         if got as u8 != tag.op {
