@@ -106,7 +106,7 @@ mod tests {
     use super::super::header::Call;
     use super::*;
     use crate::contracts::error::Error;
-    use crate::net::links::connect_threads_with;
+    use crate::net::links::{connect_threads_with, Transport};
     use std::sync::atomic::AtomicBool;
     use std::time::Duration;
 
@@ -114,11 +114,16 @@ mod tests {
     /// `machines`, rank r with the bytes `inputs[r]` of `dtype`, as the backend runs it (mod.rs):
     /// the call opened first. Returns each rank's buffer and result.
     fn run_bytes(machines: &[usize], inputs: Vec<Vec<u8>>, dtype: DType, op: ReduceOp) -> Vec<(Vec<u8>, Result<()>)> {
-        let n = machines.len();
-        let mut ts = connect_threads_with(n, Some(4096));
+        let mut ts = connect_threads_with(machines.len(), Some(4096));
         for t in &mut ts {
             t.set_machines(machines.to_vec());
         }
+        run_on(ts, inputs, dtype, op)
+    }
+
+    /// `run_bytes` over transports already made, one per rank, whose machines say the layout.
+    fn run_on(ts: Vec<Transport>, inputs: Vec<Vec<u8>>, dtype: DType, op: ReduceOp) -> Vec<(Vec<u8>, Result<()>)> {
+        let n = ts.len();
         std::thread::scope(|sc| {
             let hs: Vec<_> = ts
                 .into_iter()
@@ -196,6 +201,39 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// A shrink hands each member its links with the members' machines, numbered anew: of six
+    /// ranks, three on each of two machines (here numbered 5 and 7), the four that stay (two on
+    /// each, interleaved with those that leave) see machines 0, 0, 1, 1 and still reduce in two
+    /// levels. Machine numbers lost in the hand-over would leave them no layout.
+    #[test]
+    fn a_shrunk_group_keeps_its_machines_and_reduces_in_two_levels() {
+        let members = [0, 2, 3, 5];
+        let mut ts = connect_threads_with(6, Some(4096));
+        for t in &mut ts {
+            t.set_machines(vec![5, 5, 5, 7, 7, 7]);
+        }
+        let handed: Vec<Transport> = members.iter().map(|&m| ts[m].hand_over(&members, false)).collect();
+        drop(ts);
+        for t in &handed {
+            assert_eq!(t.machines(), &[0, 0, 1, 1]);
+        }
+        let count = 7 * members.len() + 3;
+        let inputs: Vec<Vec<i32>> = (0..members.len()).map(|r| input(r, count)).collect();
+        let want: Vec<i32> = (0..count).map(|i| inputs.iter().map(|v| v[i]).sum()).collect();
+        let bytes = inputs
+            .iter()
+            .map(|v| v.iter().flat_map(|x| x.to_le_bytes()).collect())
+            .collect();
+        for (r, (buf, res)) in run_on(handed, bytes, DType::I32, ReduceOp::Sum).into_iter().enumerate() {
+            res.unwrap();
+            let got: Vec<i32> = buf
+                .chunks(4)
+                .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
+                .collect();
+            assert!(got == want, "rank {r} is wrong");
         }
     }
 
