@@ -110,19 +110,19 @@ mod tests {
     use std::sync::atomic::AtomicBool;
     use std::time::Duration;
 
-    /// Runs one two-level all_reduce on `machines.len()` thread ranks that say they sit on
-    /// `machines`, rank r with the bytes `inputs[r]` of `dtype`, as the backend runs it (mod.rs):
-    /// the call opened first. Returns each rank's buffer and result.
-    fn run_bytes(machines: &[usize], inputs: Vec<Vec<u8>>, dtype: DType, op: ReduceOp) -> Vec<(Vec<u8>, Result<()>)> {
+    /// Transports of `machines.len()` thread ranks that say they sit on `machines`.
+    fn threads_on(machines: &[usize]) -> Vec<Transport> {
         let mut ts = connect_threads_with(machines.len(), Some(4096));
         for t in &mut ts {
             t.set_machines(machines.to_vec());
         }
-        run_on(ts, inputs, dtype, op)
+        ts
     }
 
-    /// `run_bytes` over transports already made, one per rank, whose machines say the layout.
-    fn run_on(ts: Vec<Transport>, inputs: Vec<Vec<u8>>, dtype: DType, op: ReduceOp) -> Vec<(Vec<u8>, Result<()>)> {
+    /// Runs one two-level all_reduce over `ts`, one transport per rank, whose machines say the
+    /// layout, rank r with the bytes `inputs[r]` of `dtype`, as the backend runs it (mod.rs):
+    /// the call opened first. Returns each rank's buffer and result.
+    fn run_bytes(ts: Vec<Transport>, inputs: Vec<Vec<u8>>, dtype: DType, op: ReduceOp) -> Vec<(Vec<u8>, Result<()>)> {
         let n = ts.len();
         std::thread::scope(|sc| {
             let hs: Vec<_> = ts
@@ -155,12 +155,12 @@ mod tests {
     }
 
     /// `run_bytes` on i32 elements.
-    fn run(machines: &[usize], inputs: Vec<Vec<i32>>, op: ReduceOp) -> Vec<(Vec<i32>, Result<()>)> {
+    fn run(ts: Vec<Transport>, inputs: Vec<Vec<i32>>, op: ReduceOp) -> Vec<(Vec<i32>, Result<()>)> {
         let bytes = inputs
             .iter()
             .map(|v| v.iter().flat_map(|x| x.to_le_bytes()).collect())
             .collect();
-        run_bytes(machines, bytes, DType::I32, op)
+        run_bytes(ts, bytes, DType::I32, op)
             .into_iter()
             .map(|(b, r)| {
                 (
@@ -195,7 +195,7 @@ mod tests {
                             }
                         })
                         .collect();
-                    for (r, (buf, res)) in run(machines, inputs, op).into_iter().enumerate() {
+                    for (r, (buf, res)) in run(threads_on(machines), inputs, op).into_iter().enumerate() {
                         res.unwrap();
                         assert!(buf == want, "{machines:?}, {count} elements, {op:?}: rank {r} is wrong");
                     }
@@ -211,10 +211,7 @@ mod tests {
     #[test]
     fn a_shrunk_group_keeps_its_machines_and_reduces_in_two_levels() {
         let members = [0, 2, 3, 5];
-        let mut ts = connect_threads_with(6, Some(4096));
-        for t in &mut ts {
-            t.set_machines(vec![5, 5, 5, 7, 7, 7]);
-        }
+        let mut ts = threads_on(&[5, 5, 5, 7, 7, 7]);
         let handed: Vec<Transport> = members.iter().map(|&m| ts[m].hand_over(&members, false)).collect();
         drop(ts);
         for t in &handed {
@@ -223,16 +220,8 @@ mod tests {
         let count = 7 * members.len() + 3;
         let inputs: Vec<Vec<i32>> = (0..members.len()).map(|r| input(r, count)).collect();
         let want: Vec<i32> = (0..count).map(|i| inputs.iter().map(|v| v[i]).sum()).collect();
-        let bytes = inputs
-            .iter()
-            .map(|v| v.iter().flat_map(|x| x.to_le_bytes()).collect())
-            .collect();
-        for (r, (buf, res)) in run_on(handed, bytes, DType::I32, ReduceOp::Sum).into_iter().enumerate() {
+        for (r, (got, res)) in run(handed, inputs, ReduceOp::Sum).into_iter().enumerate() {
             res.unwrap();
-            let got: Vec<i32> = buf
-                .chunks(4)
-                .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
-                .collect();
             assert!(got == want, "rank {r} is wrong");
         }
     }
@@ -247,7 +236,7 @@ mod tests {
         let inputs: Vec<Vec<u8>> = (0..4)
             .map(|r| (0..count).flat_map(|i| value(r, i).to_le_bytes()).collect())
             .collect();
-        let got = run_bytes(&machines, inputs, DType::F32, ReduceOp::PremulSum(0.5));
+        let got = run_bytes(threads_on(&machines), inputs, DType::F32, ReduceOp::PremulSum(0.5));
         for (r, (buf, res)) in got.into_iter().enumerate() {
             res.unwrap();
             for i in 0..count {
@@ -262,7 +251,10 @@ mod tests {
     fn a_rank_with_another_count_is_a_mismatch_on_every_rank_and_no_buffer_changes() {
         let machines = [0, 0, 1, 1];
         let inputs: Vec<Vec<i32>> = (0..4).map(|r| input(r, if r == 3 { 40 } else { 32 })).collect();
-        for (r, (buf, res)) in run(&machines, inputs.clone(), ReduceOp::Sum).into_iter().enumerate() {
+        for (r, (buf, res)) in run(threads_on(&machines), inputs.clone(), ReduceOp::Sum)
+            .into_iter()
+            .enumerate()
+        {
             assert!(matches!(res, Err(Error::Mismatch { .. })), "rank {r}: {res:?}");
             assert_eq!(buf, inputs[r], "rank {r}'s buffer changed");
         }
