@@ -8,11 +8,13 @@
 //! to that rank before the round, so readers can tell a message they never received, that is, a
 //! mismatched call, from a late one; and where part `r` of the contribution lies, for rounds
 //! that carry one part per rank), and `SLOT_BYTES` of data. Round `e` (epochs start at 1 and only
-//! grow) uses slot `e % 2`. At 2 ranks the index sits in the control line's spare words: a
-//! reader then takes one line from the owner's core before the data instead of two (measured,
-//! 2 processes: 3-12% off small rounds; docs/results/cpu.md).
+//! grow) uses slot `e % 2`. On a board laid out for at most 2 ranks (a shrink to 2 keeps the
+//! layout it had) the index sits in the control line's spare words: a reader then takes one line
+//! from the owner's core before the data instead of two (measured, 2 processes: 2-12% off small
+//! rounds; docs/results/cpu.md).
 //!
-//! Ordering: the owner writes the slot's index, label and data, then stores `epoch = e` with
+//! Ordering: the owner writes the slot's index, label and data (each word of the index and the
+//! label one atomic, wherever it lies), then stores `epoch = e` with
 //! Release; a reader Acquire-loads `epoch == e` before it reads them. Every round is all-to-all:
 //! a rank completes round `e` only after reading every peer's round `e`. So when the owner
 //! rewrites slot `e % 2` for round `e + 2`, it has completed round `e + 1`, has seen every peer
@@ -29,11 +31,11 @@ pub(crate) const SLOT_BYTES: usize = 64 << 10;
 const LINE: usize = 64;
 
 /// Words of the control line after `epoch`, `label` and `nbytes`.
-const SPARE_WORDS: usize = 5;
+const SPARE_WORDS: usize = LINE / 8 - 3;
 
 /// Whether a slot's index (two words per rank) fits the control line's spare words, so that a
 /// reader finds the whole call, and where its part lies, in the one line it waited on instead
-/// of taking a second line from the owner's core afterwards (2 ranks).
+/// of taking a second line from the owner's core afterwards (layouts of 1 or 2 ranks).
 fn index_inline(size: usize) -> bool {
     2 * size <= SPARE_WORDS
 }
@@ -59,7 +61,7 @@ pub(crate) fn area_bytes(size: usize) -> usize {
 struct SlotCtl {
     epoch: AtomicU64,
     /// What the round is (the caller's encoding, so readers can tell mismatched calls apart)
-    /// and how many bytes it carries; written before `epoch` is published.
+    /// and how many bytes it carries; written before `epoch` is published, as `spare` is.
     label: AtomicU64,
     nbytes: AtomicU64,
     /// The index, where it fits (`index_inline`).
@@ -132,7 +134,8 @@ impl Board {
     }
 
     fn slot_data(&self, r: usize, epoch: u64) -> *mut u8 {
-        // SAFETY: the data follows the index.
+        // SAFETY: the data follows the index (which is empty where it sits in the control
+        // line), inside the slot.
         unsafe { self.slot(r, epoch).add(LINE + index_bytes(self.layout)) }
     }
 
@@ -151,6 +154,7 @@ impl Board {
             total <= SLOT_BYTES && parts.len() <= self.areas.len(),
             "caller checks the slot size"
         );
+        debug_assert!(sent.len() <= self.layout, "one count per rank of the layout at most");
         let (e, me) = (self.next, self.rank);
         let mut at = 0;
         for (i, part) in parts.iter().enumerate() {
@@ -225,9 +229,11 @@ mod tests {
     fn boards(size: usize, mem: &mut Vec<u64>) -> Vec<Board> {
         let area = area_bytes(size);
         *mem = vec![0u64; (size * area + LINE) / 8];
-        let base = mem.as_mut_ptr() as usize;
-        let base = base.div_ceil(LINE) * LINE;
-        let areas: Vec<*mut u8> = (0..size).map(|r| (base + r * area) as *mut u8).collect();
+        let start = mem.as_mut_ptr().cast::<u8>();
+        // SAFETY: at most LINE - 8 bytes in, inside `mem` (one LINE more than the areas need).
+        let base = unsafe { start.add(start.align_offset(LINE)) };
+        // SAFETY: each area lies inside `mem`, past the alignment padding.
+        let areas: Vec<*mut u8> = (0..size).map(|r| unsafe { base.add(r * area) }).collect();
         let segs = Arc::new(PeerSegments {
             segs: vec![],
             watches: vec![],
@@ -240,36 +246,64 @@ mod tests {
             .collect()
     }
 
+    /// One round on `b` (one board per rank, in rank order): every rank publishes one part per
+    /// rank and a sent count per rank, all values distinct, then every rank reads every peer's
+    /// label, count for it and parts.
+    fn round_on(b: &mut [Board], label: u64) {
+        let n = b.len();
+        let value = |p: usize, r: usize| (label as usize * 31 + 7 * p + r) as u8;
+        let parts = |p: usize| -> Vec<Vec<u8>> { (0..n).map(|r| vec![value(p, r); 1 + r + p]).collect() };
+        let sent = |p: usize| -> Vec<u64> { (0..n).map(|r| 1000 * (p as u64 + 1) + 10 * r as u64 + label).collect() };
+        let mut round = 0;
+        for (p, board) in b.iter_mut().enumerate() {
+            let mine = parts(p);
+            let refs: Vec<&[u8]> = mine.iter().map(|v| &v[..]).collect();
+            round = board.publish(label + p as u64, &refs, &sent(p));
+        }
+        for (q, reader) in b.iter().enumerate() {
+            for p in (0..n).filter(|&p| p != q) {
+                let theirs = parts(p);
+                let total: usize = theirs.iter().map(Vec::len).sum();
+                let at = format!("{n} ranks, round {round}, rank {q} reading rank {p}");
+                assert_eq!(
+                    reader.peer_round(p, round),
+                    Some((label + p as u64, total as u64)),
+                    "{at}"
+                );
+                assert_eq!(reader.peer_sent_to_us(p, round), sent(p)[q], "{at}");
+                for (i, part) in theirs.iter().enumerate() {
+                    assert_eq!(reader.part(p, round, i), Some(&part[..]), "{at}, part {i}");
+                }
+                assert_eq!(reader.peer_round(p, round + 1), None, "{at}");
+            }
+        }
+    }
+
     #[test]
     fn every_reader_finds_the_label_its_count_and_its_part_whether_the_index_is_inline_or_not() {
         for size in [2, 3, 4] {
             let mut mem = Vec::new();
             let mut b = boards(size, &mut mem);
             assert_eq!(index_inline(size), size <= 2, "size {size}");
-            for round in 1..=3u64 {
-                // Rank 0 sends part r (r + round bytes of value 10 r + round) to rank r, and
-                // says it had sent 100 r + round framed messages to rank r before the round.
-                let parts: Vec<Vec<u8>> = (0..size)
-                    .map(|r| vec![(10 * r as u64 + round) as u8; r + round as usize])
-                    .collect();
-                let refs: Vec<&[u8]> = parts.iter().map(|p| &p[..]).collect();
-                let sent: Vec<u64> = (0..size as u64).map(|r| 100 * r + round).collect();
-                let label = 0xabcd_0000 + round;
-                assert_eq!(b[0].publish(label, &refs, &sent), round);
-                let total: usize = parts.iter().map(Vec::len).sum();
-                for (r, reader) in b.iter().enumerate().skip(1) {
-                    assert_eq!(reader.peer_round(0, round), Some((label, total as u64)));
-                    assert_eq!(reader.peer_sent_to_us(0, round), 100 * r as u64 + round);
-                    for (i, part) in parts.iter().enumerate() {
-                        assert_eq!(reader.part(0, round, i), Some(&part[..]), "size {size}, part {i}");
-                    }
-                    assert_eq!(reader.peer_round(0, round + 1), None);
-                }
-                // The others publish too, so that round + 1 may reuse slot round - 1.
-                for rank in b.iter_mut().skip(1) {
-                    rank.publish(1, &[], &vec![0; size]);
-                }
+            for label in 1..=3 {
+                round_on(&mut b, label);
             }
+        }
+    }
+
+    #[test]
+    fn a_board_kept_by_fewer_ranks_keeps_its_layout() {
+        let mut mem = Vec::new();
+        let mut b = boards(3, &mut mem);
+        round_on(&mut b, 1);
+        // Ranks 0 and 2 go on as ranks 0 and 1 of a communicator of 2, on the areas laid out
+        // for 3 (index after the control line), rounds numbered on.
+        let mut it = b.into_iter();
+        let (zero, _one, two) = (it.next().unwrap(), it.next().unwrap(), it.next().unwrap());
+        let mut kept = vec![zero.keep(&[0, 2], 0), two.keep(&[0, 2], 1)];
+        assert!(kept.iter().all(|k| k.layout == 3 && k.next_round() == 2));
+        for label in 2..=4 {
+            round_on(&mut kept, label);
         }
     }
 }
