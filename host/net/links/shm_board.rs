@@ -13,13 +13,13 @@
 //! from the owner's core before the data instead of two (measured, 2 processes: 2-12% off small
 //! rounds; docs/results/cpu.md).
 //!
-//! Ordering: the owner writes the slot's index, label and data (each word of the index and the
-//! label one atomic, wherever it lies), then stores `epoch = e` with
-//! Release; a reader Acquire-loads `epoch == e` before it reads them. Every round is all-to-all:
-//! a rank completes round `e` only after reading every peer's round `e`. So when the owner
-//! rewrites slot `e % 2` for round `e + 2`, it has completed round `e + 1`, has seen every peer
-//! publish `e + 1`, and every peer published `e + 1` only after it finished reading round `e`:
-//! a slot is never rewritten while it is read, and a reader waiting for `e` never sees `e + 2`.
+//! Ordering: the owner writes the slot's index, label and data (the index and label as atomic
+//! words, in the control line or after it), then stores `epoch = e` with Release; a reader
+//! Acquire-loads `epoch == e` before it reads them. Every round is all-to-all: a rank completes
+//! round `e` only after reading every peer's round `e`. So when the owner rewrites slot `e % 2`
+//! for round `e + 2`, it has completed round `e + 1`, has seen every peer publish `e + 1`, and
+//! every peer published `e + 1` only after it finished reading round `e`: a slot is never
+//! rewritten while it is read, and a reader waiting for `e` never sees `e + 2`.
 //! No extra "done" flag is needed; a round kind that is not all-to-all would need one.
 
 use super::link::PeerSegments;
