@@ -112,10 +112,10 @@ fn large_payloads_on_second_tcp_connections_arrive_whole_and_in_order() {
     assert!(calls.iter().all(|&k| k == calls[0] && k > 0));
 }
 
-/// Small all_reduce, all_gather and barrier between ranks of one host run as shared-memory
-/// rounds that reuse two slots per rank. Ranks drift apart (one sleeps now and then), sizes
-/// and operations change every round, and every result is checked, so a slot rewritten while a
-/// peer still reads it would show up as wrong data.
+/// Small all_reduce, all_gather, broadcast and barrier between ranks of one host run as
+/// shared-memory rounds that reuse two slots per rank. Ranks drift apart (one sleeps now and
+/// then), sizes, roots and operations change every round, and every result is checked, so a
+/// slot rewritten while a peer still reads it would show up as wrong data.
 #[test]
 fn back_to_back_shared_memory_rounds_keep_every_result() {
     let rounds = 3000u64;
@@ -126,7 +126,7 @@ fn back_to_back_shared_memory_rounds_keep_every_result() {
                 std::thread::sleep(Duration::from_micros(200));
             }
             let len = 1 + ((k * 7919) % 4000) as usize;
-            match k % 3 {
+            match k % 5 {
                 0 => {
                     let mut x: Vec<u64> = (0..len as u64).map(|i| (me + 1) * (i + k)).collect();
                     c.all_reduce(&mut x, ReduceOp::Sum).unwrap();
@@ -142,6 +142,16 @@ fn back_to_back_shared_memory_rounds_keep_every_result() {
                     c.all_gather(&mut all, &mine).unwrap();
                     let want = |j: usize| ((j / len) as u64) << 40 | k << 16 | (j % len) as u64;
                     assert!(all.iter().enumerate().all(|(j, &v)| v == want(j)), "round {k}");
+                }
+                2 | 3 => {
+                    // Runs of broadcasts from one root, then from another.
+                    let root = (k / 5) as usize % c.size();
+                    let value = |i: u64| (root as u64) << 40 | k << 16 | i;
+                    let mut x: Vec<u64> = (0..len as u64)
+                        .map(|i| if c.rank() == root { value(i) } else { u64::MAX })
+                        .collect();
+                    c.broadcast(&mut x, root).unwrap();
+                    assert!(x.iter().enumerate().all(|(i, &v)| v == value(i as u64)), "round {k}");
                 }
                 _ => c.barrier().unwrap(),
             }
