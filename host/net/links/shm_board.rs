@@ -10,7 +10,7 @@
 //! that carry one part per rank), and `SLOT_BYTES` of data. Round `e` (epochs start at 1 and only
 //! grow) uses slot `e % 2`. On a board laid out for at most 2 ranks (a shrink to 2 keeps the
 //! layout it had) the index sits in the control line's spare words: a reader then takes one line
-//! from the owner's core before the data instead of two (measured, 2 processes: 2-12% off small
+//! from the owner's core before the data instead of two (measured, 2 processes: up to 12% off small
 //! rounds; docs/results/cpu.md).
 //!
 //! Ordering: the owner writes the slot's index, label and data (the index and label as atomic
