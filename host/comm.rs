@@ -466,6 +466,8 @@ impl Comm {
     /// Checks `op` and makes what it runs with; shared by the synchronous and asynchronous
     /// paths, as is `finish`. An operation that fails its checks and that the peers would wait
     /// for is refused to them here, in issue order.
+    // Inlined: see `Engine::begin_call` (a stall on the returned `OpRun` otherwise).
+    #[inline(always)]
     fn prepare_run(&self, op: &Op<'_>, opts: &OpOptions) -> Result<OpRun> {
         let options = &self.inner.options;
         let timeout = opts.timeout.unwrap_or(options.timeout);

@@ -90,6 +90,8 @@ pub(crate) struct OpRun {
 }
 
 impl OpRun {
+    // Inlined: see `Engine::begin_call` in the CPU backend.
+    #[inline(always)]
     pub(crate) fn new(
         timeout: Duration,
         hints: Option<BTreeMap<String, String>>,

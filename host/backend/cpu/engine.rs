@@ -363,6 +363,11 @@ impl Engine {
     /// buffer in this collective; a rank that only sends (a broadcast's root, gather's and
     /// reduce's other ranks) does not wait for the peers' calls but checks them when they
     /// arrive, in this collective or a later one, so that it can run ahead as its sends allow.
+    // Inlined, as are `Comm::prepare_run` and `OpRun::new`: built in a frame of their own, the
+    // call's structs were read back whole right after their fields were stored, a stall
+    // (store forwarding) on every call; inlined, small calls on a world of one took 0.90-0.93
+    // of the time (docs/results/cpu.md, part 16).
+    #[inline(always)]
     pub(crate) fn begin_call(&mut self, tag: Tag, call: Call, symmetric: bool, writes: bool) {
         self.calls += 1;
         let call = Call {

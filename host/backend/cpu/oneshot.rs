@@ -248,7 +248,8 @@ pub(crate) fn reduce_scatter(
     let (n, me) = (e.size, e.rank);
     let total: usize = inputs.iter().map(|i| i.len()).sum();
     // premul_sum scales a copy, as the direct algorithm does.
-    let round = if matches!(op, ReduceOp::PremulSum(_)) {
+    let premul = matches!(op, ReduceOp::PremulSum(_));
+    let round = if premul {
         let (work, _) = s.two(total, 0);
         let parts = scaled_parts(work, inputs, dtype, op);
         let parts: Vec<&[u8]> = parts.iter().map(|p| &**p).collect();
@@ -261,7 +262,16 @@ pub(crate) fn reduce_scatter(
     }
     check_blocks_for_us(e, ctx, round, (0..n).map(|r| (r, output.len())))?;
     for r in 0..n {
-        let block = board(e).part(r, round, me).expect("checked above");
+        // Our own block comes from the caller's input, not from our slot: where it shares a
+        // cache line with the block the peer reads there (8-64 B at 2 processes), reading it
+        // back after the peer did took a transfer from the peer's core (measured: 0.87-0.93 of
+        // the time without it; docs/results/cpu.md, part 16). premul_sum's own block is the
+        // scaled copy on the board.
+        let block = if r == me && !premul {
+            inputs[me]
+        } else {
+            board(e).part(r, round, me).expect("checked above")
+        };
         if r == 0 {
             output.copy_from_slice(block);
         } else {
