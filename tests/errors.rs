@@ -689,3 +689,31 @@ fn a_backend_panic_in_queued_work_is_that_works_error() {
     c.all_reduce(&mut x, ReduceOp::Sum).unwrap();
     assert_eq!(x, [5]);
 }
+
+/// A small broadcast on one host is a shared-memory round in which every rank gives its
+/// buffer's length: a receiver with another length is a mismatch on every rank, named by
+/// field and both lengths, the root's and the other receiver's included, and no receiver's
+/// buffer changes.
+#[test]
+fn a_board_broadcast_receiver_with_another_length_is_a_mismatch_everywhere() {
+    let r = run_group(3, "mm-bcast-len", options(Duration::from_secs(5)), |c| {
+        let count = if c.rank() == 2 { 3 } else { 4 };
+        let mut x = vec![c.rank() as f32 + 1.0; count];
+        let before = x.clone();
+        let r = c.broadcast(&mut x, 0);
+        (r, x == before)
+    });
+    // A rank may report the mismatch as the first rank to see it recorded it (README
+    // "Errors": the true cause, on every rank), so only the field and the lengths are fixed.
+    let either = [
+        "bytes: this rank has 12, rank 0 has 16",
+        "bytes: this rank has 16, rank 2 has 12",
+    ];
+    for (rank, (r, untouched)) in r.iter().enumerate() {
+        assert!(untouched, "rank {rank}: its buffer changed: {r:?}");
+        assert!(
+            matches!(r, Err(Error::Mismatch { op: "broadcast", detail, .. }) if either.iter().any(|w| detail.ends_with(w))),
+            "rank {rank}: {r:?}"
+        );
+    }
+}

@@ -318,6 +318,13 @@ impl Engine {
         board.publish(label, parts, &self.send_seq)
     }
 
+    /// As `publish_round`, with no data and `nbytes` as the round's byte count
+    /// (`Board::publish_count`).
+    pub(crate) fn publish_round_count(&mut self, label: u64, nbytes: u64) -> u64 {
+        let board = self.transport.board.as_mut().expect("callers check for a board");
+        board.publish_count(label, nbytes, &self.send_seq)
+    }
+
     /// What our links carried, for `Comm::shrink` (see `LinkLedger`); `None` in the middle
     /// of a collective.
     pub(crate) fn ledger(&self) -> Option<LinkLedger> {
@@ -365,7 +372,7 @@ impl Engine {
     /// arrive, in this collective or a later one, so that it can run ahead as its sends allow.
     // Inlined, as are `Comm::prepare_run` and `OpRun::new`: built in a frame of their own, the
     // call's structs were read back whole right after their fields were stored, a stall
-    // (store forwarding) on every call; inlined, small calls on a world of one took 0.90-0.93
+    // (store forwarding) on every call; inlined, small calls on a world of one took 0.88-0.98
     // of the time (docs/results/cpu.md, part 16).
     #[inline(always)]
     pub(crate) fn begin_call(&mut self, tag: Tag, call: Call, symmetric: bool, writes: bool) {

@@ -166,62 +166,51 @@ pub(crate) fn all_gather(e: &mut Engine, ctx: &OpCtx, tag: Tag, input: &[u8], ou
     Ok(())
 }
 
-/// A broadcast as one round: the root publishes `buf`, every other rank its length (8 bytes),
-/// and the others copy the root's contribution once every peer's call has been checked. The
-/// root rides in the label, so ranks that name different roots disagree there; each rank
-/// checks every peer's length against its own, so a receiver with another count is a
-/// mismatch on every rank. Unlike the streamed broadcast, whose root runs ahead, the root
-/// waits for every peer's round; small messages still gain, as no rank sends a message per
-/// peer (measured: docs/results/cpu.md).
+/// A broadcast as one round: the root publishes `buf`, every other rank only its buffer's
+/// length (as the round's byte count, in the control line its peers wait on: reading it from a
+/// data line took the root a second line from each receiver's core, 0.83-0.90 of the time
+/// without it at 2 processes; docs/results/cpu.md, part 16), and the others copy the root's
+/// contribution once every peer's call has been checked. The root rides in the label, so
+/// ranks that name different roots disagree there; each rank checks every peer's length
+/// against its own, so a receiver with another count is a mismatch on every rank. Unlike the
+/// streamed broadcast, whose root runs ahead, the root waits for every peer's round; small
+/// messages still gain, as no rank sends a message per peer (measured: docs/results/cpu.md).
 pub(crate) fn broadcast(e: &mut Engine, ctx: &OpCtx, tag: Tag, buf: &mut [u8], root: usize) -> Result<()> {
     let (n, me, len) = (e.size, e.rank, buf.len());
     let label = tag.label() | (root as u64) << ARG_SHIFT;
-    let own_len = (len as u64).to_le_bytes();
     let round = if me == root {
         e.publish_round(label, &[buf])
     } else {
-        e.publish_round(label, &[&own_len])
+        e.publish_round_count(label, len as u64)
     };
     for p in (0..n).filter(|&p| p != me) {
+        // Every rank's byte count is its buffer's length, the root's and the receivers' alike.
         let (got, nbytes) = await_round(e, ctx, p, round)?;
-        let peer_len = match (got == label, p == root) {
-            (false, _) => None,
-            (true, true) => Some(nbytes),
-            (true, false) if nbytes == 8 => Some(their_bytes(e, p, round, nbytes, false)),
-            (true, false) => None,
-        };
-        if peer_len != Some(len as u64) {
-            // Named by field where only one differs, as the call headers do (header.rs).
-            let same_call = got & ((1 << ARG_SHIFT) - 1) == tag.label();
-            return Err(Error::Mismatch {
-                op: ctx.op,
-                peer: p,
-                detail: match peer_len {
-                    Some(l) => format!("bytes: this rank has {len}, rank {p} has {l}"),
-                    None if same_call => format!("root: this rank has {root}, rank {p} has {}", got >> ARG_SHIFT),
-                    None => format!(
-                        "it called {}, this rank {} with root {root}",
-                        Tag::from_label(got, their_bytes(e, p, round, nbytes, p == root)).describe(),
-                        Tag::from_label(label, len as u64).describe()
-                    ),
-                },
-            });
+        if got == label && nbytes == len as u64 {
+            continue;
         }
+        // Named by field where only one differs, as the call headers do (header.rs).
+        let same_call = got & ((1 << ARG_SHIFT) - 1) == tag.label();
+        return Err(Error::Mismatch {
+            op: ctx.op,
+            peer: p,
+            detail: if got == label {
+                format!("bytes: this rank has {len}, rank {p} has {nbytes}")
+            } else if same_call {
+                format!("root: this rank has {root}, rank {p} has {}", got >> ARG_SHIFT)
+            } else {
+                format!(
+                    "it called {}, this rank {} with root {root}",
+                    Tag::from_label(got, nbytes).describe(),
+                    Tag::from_label(label, len as u64).describe()
+                )
+            },
+        });
     }
     if me != root {
         buf.copy_from_slice(board(e).data(root, round, len));
     }
     Ok(())
-}
-
-/// The buffer length of `peer` in broadcast round `round`, for an error: the root's
-/// contribution is its buffer, a receiver's its 8-byte length record.
-fn their_bytes(e: &Engine, peer: usize, round: u64, nbytes: u64, root: bool) -> u64 {
-    if root || nbytes != 8 {
-        return nbytes;
-    }
-    let raw: [u8; 8] = board(e).data(peer, round, 8).try_into().expect("8 bytes");
-    u64::from_le_bytes(raw)
 }
 
 pub(crate) fn barrier(e: &mut Engine, ctx: &OpCtx, tag: Tag) -> Result<()> {
@@ -260,7 +249,8 @@ pub(crate) fn reduce_scatter(
     for r in (0..n).filter(|&r| r != me) {
         await_peer(e, ctx, r, round, tag, Some(total))?;
     }
-    check_blocks_for_us(e, ctx, round, (0..n).map(|r| (r, output.len())))?;
+    // Our own block's length was checked against `output` with the call's arguments.
+    check_blocks_for_us(e, ctx, round, (0..n).filter(|&r| r != me).map(|r| (r, output.len())))?;
     for r in 0..n {
         // Our own block comes from the caller's input, not from our slot: where it shares a
         // cache line with the block the peer reads there (8-64 B at 2 processes), reading it

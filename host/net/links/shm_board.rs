@@ -154,11 +154,23 @@ impl Board {
             total <= SLOT_BYTES && parts.len() <= self.areas.len(),
             "caller checks the slot size"
         );
+        self.publish_counted(label, parts, total as u64, sent)
+    }
+
+    /// As `publish` with no data, but `nbytes` as the round's byte count: for a rank whose
+    /// contribution is only a number (a broadcast's receiver, its buffer's length), which its
+    /// peers then find in the control line they waited on, not in a second line.
+    pub(crate) fn publish_count(&mut self, label: u64, nbytes: u64, sent: &[u64]) -> u64 {
+        self.publish_counted(label, &[], nbytes, sent)
+    }
+
+    fn publish_counted(&mut self, label: u64, parts: &[&[u8]], nbytes: u64, sent: &[u64]) -> u64 {
         debug_assert!(sent.len() <= self.layout, "one count per rank of the layout at most");
         let (e, me) = (self.next, self.rank);
         let mut at = 0;
         for (i, part) in parts.iter().enumerate() {
-            // SAFETY: our own slot, in bounds (total checked above); no peer reads it until
+            // SAFETY: our own slot, in bounds (`publish` checked the total; `publish_count`
+            // has no parts); no peer reads it until
             // `epoch` says round e, and every peer is done with round e - 2, which used it last
             // (see the ordering above).
             unsafe { std::ptr::copy_nonoverlapping(part.as_ptr(), self.slot_data(me, e).add(at), part.len()) };
@@ -171,7 +183,7 @@ impl Board {
         }
         let s = self.slot_ctl(me, e);
         s.label.store(label, Ordering::Relaxed);
-        s.nbytes.store(total as u64, Ordering::Relaxed);
+        s.nbytes.store(nbytes, Ordering::Relaxed);
         s.epoch.store(e, Ordering::Release);
         self.next += 1;
         e
