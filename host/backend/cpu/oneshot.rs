@@ -168,8 +168,8 @@ pub(crate) fn all_gather(e: &mut Engine, ctx: &OpCtx, tag: Tag, input: &[u8], ou
 
 /// A broadcast as one round: the root publishes `buf`, every other rank only its buffer's
 /// length (as the round's byte count, in the control line its peers wait on: reading it from a
-/// data line took the root a second line from each receiver's core, 0.83-0.90 of the time
-/// without it at 2 processes; docs/results/cpu.md, part 16), and the others copy the root's
+/// data line took the root a second line from each receiver's core: 0.83-0.90 of the time
+/// without it at 2 processes, in the guest's slow phase; docs/results/cpu.md, part 16), and the others copy the root's
 /// contribution once every peer's call has been checked. The root rides in the label, so
 /// ranks that name different roots disagree there; each rank checks every peer's length
 /// against its own, so a receiver with another count is a mismatch on every rank. Unlike the
@@ -254,8 +254,8 @@ pub(crate) fn reduce_scatter(
     for r in 0..n {
         // Our own block comes from the caller's input, not from our slot: where it shares a
         // cache line with the block the peer reads there (8-64 B at 2 processes), reading it
-        // back after the peer did took a transfer from the peer's core (measured: 0.87-0.93 of
-        // the time without it; docs/results/cpu.md, part 16). premul_sum's own block is the
+        // back after the peer did took a transfer from the peer's core (measured: 0.83-0.95 of
+        // the time without it at 8-256 B; docs/results/cpu.md, part 16). premul_sum's own block is the
         // scaled copy on the board.
         let block = if r == me && !premul {
             inputs[me]

@@ -170,9 +170,8 @@ impl Board {
         let mut at = 0;
         for (i, part) in parts.iter().enumerate() {
             // SAFETY: our own slot, in bounds (`publish` checked the total; `publish_count`
-            // has no parts); no peer reads it until
-            // `epoch` says round e, and every peer is done with round e - 2, which used it last
-            // (see the ordering above).
+            // has no parts); no peer reads it until `epoch` says round e, and every peer is
+            // done with round e - 2, which used it last (see the ordering above).
             unsafe { std::ptr::copy_nonoverlapping(part.as_ptr(), self.slot_data(me, e).add(at), part.len()) };
             self.index(me, e, i, 1)
                 .store((at as u64) << 32 | part.len() as u64, Ordering::Relaxed);
