@@ -696,7 +696,12 @@ fn a_backend_panic_in_queued_work_is_that_works_error() {
 /// buffer changes.
 #[test]
 fn a_board_broadcast_receiver_with_another_length_is_a_mismatch_everywhere() {
-    let r = run_group(3, "mm-bcast-len", options(Duration::from_secs(5)), |c| {
+    // Pinned to the board whatever the environment says (transport, call checks, round sizes).
+    let mut o = options(Duration::from_secs(5))
+        .with_check_calls(false)
+        .with_hint("algorithm", "oneshot");
+    o.transport.force_tcp = false;
+    let r = run_group(3, "mm-bcast-len", o, |c| {
         let count = if c.rank() == 2 { 3 } else { 4 };
         let mut x = vec![c.rank() as f32 + 1.0; count];
         let before = x.clone();
@@ -712,7 +717,8 @@ fn a_board_broadcast_receiver_with_another_length_is_a_mismatch_everywhere() {
     for (rank, (r, untouched)) in r.iter().enumerate() {
         assert!(untouched, "rank {rank}: its buffer changed: {r:?}");
         assert!(
-            matches!(r, Err(Error::Mismatch { op: "broadcast", detail, .. }) if either.iter().any(|w| detail.ends_with(w))),
+            matches!(r, Err(Error::Mismatch { op: "broadcast", detail, .. })
+                if either.iter().any(|w| detail.ends_with(w))),
             "rank {rank}: {r:?}"
         );
     }

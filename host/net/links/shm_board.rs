@@ -14,7 +14,8 @@
 //! rounds; docs/results/cpu.md).
 //!
 //! Ordering: the owner writes the slot's index, label and data (the index and label as atomic
-//! words, in the control line or after it), then stores `epoch = e` with Release; a reader
+//! words, in the control line or after it; a round with a count and no data, `publish_count`,
+//! writes no data and no part places), then stores `epoch = e` with Release; a reader
 //! Acquire-loads `epoch == e` before it reads them. Every round is all-to-all: a rank completes
 //! round `e` only after reading every peer's round `e`. So when the owner rewrites slot `e % 2`
 //! for round `e + 2`, it has completed round `e + 1`, has seen every peer publish `e + 1`, and
@@ -61,7 +62,9 @@ pub(crate) fn area_bytes(size: usize) -> usize {
 struct SlotCtl {
     epoch: AtomicU64,
     /// What the round is (the caller's encoding, so readers can tell mismatched calls apart)
-    /// and how many bytes it carries; written before `epoch` is published, as `spare` is.
+    /// and how many bytes it carries (a round published with `publish_count` carries none: its
+    /// count is a number for the peers, and `data` and `part` have nothing to read there);
+    /// written before `epoch` is published, as `spare` is.
     label: AtomicU64,
     nbytes: AtomicU64,
     /// The index, where it fits (`index_inline`).
@@ -216,7 +219,8 @@ impl Board {
     }
 
     /// The first `len` bytes `rank` published for round `e`. Call only after `peer_round` (or our
-    /// own `publish`) showed round `e`, with `len` no larger than that round's bytes.
+    /// own `publish`) showed round `e`, with `len` no larger than that round's bytes, and not
+    /// for a round published with `publish_count`.
     pub(crate) fn data(&self, rank: usize, e: u64, len: usize) -> &[u8] {
         assert!(len <= SLOT_BYTES);
         // SAFETY: inside the slot; the owner does not rewrite it before we publish round e + 1,
