@@ -238,27 +238,26 @@ pub(crate) fn reduce_scatter(
     let total: usize = inputs.iter().map(|i| i.len()).sum();
     // premul_sum scales a copy, as the direct algorithm does.
     let premul = matches!(op, ReduceOp::PremulSum(_));
-    let round = if premul {
+    let scaled: Vec<&[u8]> = if premul {
         let (work, _) = s.two(total, 0);
-        let parts = scaled_parts(work, inputs, dtype, op);
-        let parts: Vec<&[u8]> = parts.iter().map(|p| &**p).collect();
-        e.publish_round(tag.label(), &parts)
+        scaled_parts(work, inputs, dtype, op).into_iter().map(|p| &*p).collect()
     } else {
-        e.publish_round(tag.label(), inputs)
+        Vec::new()
     };
+    let contributed: &[&[u8]] = if premul { &scaled } else { inputs };
+    let round = e.publish_round(tag.label(), contributed);
     for r in (0..n).filter(|&r| r != me) {
         await_peer(e, ctx, r, round, tag, Some(total))?;
     }
     // Our own block's length was checked against `output` with the call's arguments.
     check_blocks_for_us(e, ctx, round, (0..n).filter(|&r| r != me).map(|r| (r, output.len())))?;
     for r in 0..n {
-        // Our own block comes from the caller's input, not from our slot: where it shares a
-        // cache line with the block the peer reads there (8-64 B at 2 processes), reading it
-        // back after the peer did took a transfer from the peer's core (measured: 0.83-0.95 of
-        // the time without it at 8-256 B; docs/results/cpu.md, part 16). premul_sum's own block is the
-        // scaled copy on the board.
-        let block = if r == me && !premul {
-            inputs[me]
+        // Our own block comes from our memory, not back from our slot: where it shares a cache
+        // line with the block the peer reads there (8-64 B at 2 processes), reading it back
+        // after the peer did took a transfer from the peer's core (measured: 0.83-0.95 of the
+        // time without it at 8-256 B; docs/results/cpu.md, part 16).
+        let block = if r == me {
+            contributed[me]
         } else {
             board(e).part(r, round, me).expect("checked above")
         };
