@@ -601,6 +601,9 @@ impl Engine {
                     if *call {
                         *calls_pending -= 1;
                     }
+                    if data.is_empty() {
+                        link.end_message();
+                    }
                 }
                 if *pos < data.len() && (*calls_pending == 0 || !*gated) {
                     if header::by_reference(hdr) {
@@ -616,6 +619,9 @@ impl Engine {
                         let n = link.read(&mut data[*pos..]).map_err(|r| lost(*peer, r))?;
                         *pos += n;
                         moved |= n > 0;
+                    }
+                    if *pos == data.len() {
+                        link.end_message();
                     }
                 }
                 Ok(moved | link.take_progress())
@@ -1146,6 +1152,7 @@ fn drain_one(
     sink: &mut [u8],
 ) -> std::result::Result<bool, crate::net::links::Gone> {
     let mut moved = false;
+    let left = |hdr: &[u8; HEADER_BYTES], pos: usize| header::stream_len(hdr).unwrap_or(0).saturating_sub(pos as u64);
     if *hpos < HEADER_BYTES {
         let n = link.read(&mut hdr[*hpos..])?;
         *hpos += n;
@@ -1153,8 +1160,12 @@ fn drain_one(
         if *hpos < HEADER_BYTES {
             return Ok(moved);
         }
+        if left(hdr, *pos) == 0 {
+            link.end_message();
+            return Ok(moved);
+        }
     }
-    let left = header::stream_len(hdr).unwrap_or(0).saturating_sub(*pos as u64);
+    let left = left(hdr, *pos);
     if left > 0 {
         let take = left.min(sink.len() as u64) as usize;
         let n = if header::in_bulk(hdr) {
@@ -1164,6 +1175,9 @@ fn drain_one(
         };
         *pos += n;
         moved |= n > 0;
+        if n as u64 == left {
+            link.end_message();
+        }
     }
     Ok(moved)
 }

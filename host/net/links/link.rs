@@ -71,7 +71,9 @@ pub(crate) struct PeerGone {
 }
 
 impl Link {
-    /// Writes as much of `src` as the stream takes now.
+    /// Writes as much of `src` as the stream takes now. `src` is the rest of one message (on
+    /// shared memory a write that takes all of it ends the message: ring.rs), as for
+    /// `write_pair`.
     pub(crate) fn write(&mut self, src: &[u8]) -> Result<usize, Gone> {
         match self {
             Link::Pending => Err(NOT_MADE.into()),
@@ -217,6 +219,14 @@ impl Link {
         }
         l.rx.skip(REF_BYTES);
         Ok(true)
+    }
+
+    /// The message being read has ended (its last byte read): on shared memory the next one
+    /// starts on a cache line (ring.rs). Call once per message, right after its last byte.
+    pub(crate) fn end_message(&mut self) {
+        if let Link::Shm(l) = self {
+            l.rx.end_message();
+        }
     }
 
     /// Has the peer sent bytes we have not read? Only shared-memory links can tell without

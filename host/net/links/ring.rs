@@ -4,8 +4,22 @@
 //! Ordering: the producer copies bytes, then publishes `tail` with Release; the consumer loads
 //! `tail` with Acquire before reading those bytes, so it never sees a byte before it is written.
 //! The same pair in the other direction (`head`) tells the producer a region may be reused.
+//!
+//! Messages start on a cache line. Each write carries the rest of one message (a header and
+//! its payload), so a write that takes all it was given ends a message, and the producer skips
+//! to the next line start before it publishes `tail`; the consumer does the same once it has
+//! read a message's last byte (`end_message`). A message of up to 64 bytes then lies in one line
+//! instead of straddling two: the consumer takes two lines from the producer's core (`tail`'s
+//! and the message's), not three (measured: docs/results/cpu.md, part 17).
 
 use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Messages start on a line of this many bytes.
+const LINE: u64 = 64;
+
+fn line_up(pos: u64) -> u64 {
+    (pos + LINE - 1) & !(LINE - 1)
+}
 
 /// The control block at the start of every ring. `tail` and `head` sit on separate cache lines
 /// so producer and consumer do not bounce one line between them. For messages by reference
@@ -84,13 +98,17 @@ impl RingEnd {
 
     /// Copies as much of `a` and then of `b` as fits (a header and its payload), published
     /// together: the consumer never wakes for a header whose payload is still being copied.
-    /// Returns the bytes taken from both.
+    /// Returns the bytes taken from both; where that is all of them, the message has ended, and
+    /// the next one starts on a line.
     pub(crate) fn write_pair(&mut self, a: &[u8], b: &[u8]) -> usize {
         let want = (a.len() + b.len()) as u64;
-        if self.cap - (self.pos - self.seen) < want {
+        // After the skip to a line start, `pos` may be up to a line past `seen + cap`: no room
+        // (the skipped bytes are never written, so none the consumer has not read is touched).
+        let room = |seen: u64| self.cap.saturating_sub(self.pos - seen);
+        if room(self.seen) < want {
             self.seen = self.ctl().head.load(Ordering::Acquire);
         }
-        let free = (self.cap - (self.pos - self.seen)) as usize;
+        let free = room(self.seen) as usize;
         let na = a.len().min(free);
         let nb = if na == a.len() { b.len().min(free - na) } else { 0 };
         if na + nb == 0 {
@@ -99,6 +117,9 @@ impl RingEnd {
         self.copy_to(self.pos, &a[..na]);
         self.copy_to(self.pos + na as u64, &b[..nb]);
         self.pos += (na + nb) as u64;
+        if na + nb == want as usize {
+            self.pos = line_up(self.pos);
+        }
         self.ctl().tail.store(self.pos, Ordering::Release);
         na + nb
     }
@@ -183,12 +204,22 @@ impl RingEnd {
         self.ctl().head.store(self.pos, Ordering::Release);
     }
 
+    /// Consumer: the message read has ended; the next starts on a line, as the producer's
+    /// (whose write of this message's last byte published the skip too, so `pos` stays within
+    /// `tail`). Call once per message, after its last byte. Release, as `read`.
+    pub(crate) fn end_message(&mut self) {
+        self.pos = line_up(self.pos);
+        self.ctl().head.store(self.pos, Ordering::Release);
+    }
+
     /// Bytes the producer has published that we have not read yet.
     pub(crate) fn unread(&self) -> u64 {
         self.ctl().tail.load(Ordering::Acquire) - self.pos
     }
 
-    /// Copies up to `dst.len()` available bytes; returns the number of bytes read.
+    /// Copies up to `dst.len()` available bytes of the message being read (`dst` no longer
+    /// than the rest of it: past its end lies the skip to the next line); returns the number
+    /// of bytes read.
     pub(crate) fn read(&mut self, dst: &mut [u8]) -> usize {
         // `seen` may trail `pos` after a `skip` past bytes `peek_exact` saw.
         if self.seen.saturating_sub(self.pos) < dst.len() as u64 {
@@ -227,55 +258,102 @@ pub(crate) unsafe fn unread_at(base: *const u8) -> u64 {
 mod tests {
     use super::*;
 
-    #[test]
-    fn bytes_come_out_in_order_across_wraparound() {
-        #[repr(C, align(64))]
-        struct Mem([u8; CTL_BYTES + 64]);
-        let cap = 64usize;
-        let mut mem = Box::new(Mem([0; CTL_BYTES + 64]));
+    #[repr(C, align(64))]
+    struct Mem([u8; CTL_BYTES + 256]);
+    const CAP: usize = 256;
+
+    /// A zeroed ring of `CAP` bytes at `mem` and its two ends.
+    fn ring(mem: &mut Mem) -> (RingEnd, RingEnd) {
         let base = mem.0.as_mut_ptr();
-        // SAFETY: `mem` is zeroed, 64-aligned, holds the control block plus `cap` bytes, and
-        // outlives both ends.
-        let (mut tx, mut rx) = unsafe { (RingEnd::new(base, cap, true), RingEnd::new(base, cap, false)) };
-        let src: Vec<u8> = (0..1000u32).map(|i| (i * 7 % 251) as u8).collect();
-        let mut out = vec![0u8; src.len()];
-        let (mut w, mut r) = (0, 0);
-        while r < src.len() {
-            w += tx.write(&src[w..(w + 37).min(src.len())]);
-            r += rx.read(&mut out[r..(r + 23).min(src.len())]);
+        // SAFETY: `mem` is zeroed, 64-aligned, holds the control block plus `CAP` bytes, and
+        // outlives both ends (the callers drop them first).
+        unsafe { (RingEnd::new(base, CAP, true), RingEnd::new(base, CAP, false)) }
+    }
+
+    #[test]
+    fn messages_come_out_whole_and_in_order_across_wraparound() {
+        let mut mem = Box::new(Mem([0; CTL_BYTES + CAP]));
+        let (mut tx, mut rx) = ring(&mut mem);
+        // Messages of 1-150 bytes, written in pieces where the ring is full and read in
+        // pieces of 1-61 bytes.
+        let msgs: Vec<Vec<u8>> = (0..300u32)
+            .map(|m| (0..1 + m * 37 % 150).map(|i| (m * 13 + i * 7) as u8).collect())
+            .collect();
+        let (mut w, mut wpos) = (0, 0);
+        let (mut r, mut rpos) = (0, 0);
+        let mut got = [0u8; 150];
+        let mut step = 0;
+        while r < msgs.len() {
+            step += 1;
+            if w < msgs.len() {
+                wpos += tx.write(&msgs[w][wpos..]);
+                if wpos == msgs[w].len() {
+                    assert_eq!(tx.written() % LINE, 0, "message {w} ends on a line");
+                    (w, wpos) = (w + 1, 0);
+                }
+            }
+            let want = msgs[r].len().min(rpos + 1 + step * 23 % 61);
+            rpos += rx.read(&mut got[rpos..want]);
+            if rpos == msgs[r].len() {
+                rx.end_message();
+                assert_eq!(&got[..rpos], &msgs[r][..], "message {r}");
+                (r, rpos) = (r + 1, 0);
+            }
         }
-        assert_eq!(out, src);
+        assert_eq!(rx.unread(), 0);
+    }
+
+    #[test]
+    fn a_header_and_payload_of_64_bytes_take_one_line() {
+        let mut mem = Box::new(Mem([0; CTL_BYTES + CAP]));
+        let (mut tx, mut rx) = ring(&mut mem);
+        assert_eq!(tx.write_pair(&[1; 48], &[2; 16]), 64);
+        assert_eq!(tx.written(), 64);
+        assert_eq!(tx.write_pair(&[3; 48], &[4; 8]), 56);
+        assert_eq!(tx.written(), 128, "the next message starts on a line");
+        let mut got = [0u8; 64];
+        assert_eq!(rx.read(&mut got[..48]), 48);
+        assert_eq!(rx.read(&mut got[48..]), 16);
+        rx.end_message();
+        assert_eq!((&got[..48], &got[48..]), (&[1; 48][..], &[2; 16][..]));
+        assert_eq!(rx.read(&mut got[..56]), 56);
+        assert_eq!(
+            rx.unread(),
+            8,
+            "the skip to the next line is published with the message"
+        );
+        rx.end_message();
+        assert_eq!((&got[..48], &got[48..56]), (&[3; 48][..], &[4; 8][..]));
+        assert_eq!(rx.unread(), 0);
+        assert_eq!(tx.taken(), 128);
     }
 
     #[test]
     fn a_pair_takes_its_second_part_only_after_the_first_and_never_more_than_the_room() {
-        #[repr(C, align(64))]
-        struct Mem([u8; CTL_BYTES + 64]);
-        let mut mem = Box::new(Mem([0; CTL_BYTES + 64]));
-        // SAFETY: as in the test above.
-        let (mut tx, mut rx) = unsafe {
-            let base = mem.0.as_mut_ptr();
-            (RingEnd::new(base, 64, true), RingEnd::new(base, 64, false))
-        };
-        // 50 of 64 bytes used: the header-sized part fits, the payload only in part.
-        assert_eq!(tx.write(&[1; 50]), 50);
-        assert_eq!(tx.write_pair(&[2; 10], &[3; 10]), 14);
-        // Full: the producer's view of the consumer is stale, and the real one says full too.
-        assert_eq!(tx.write_pair(&[4; 1], &[]), 0);
-        let mut got = [0u8; 64];
-        assert_eq!(rx.read(&mut got), 64);
-        assert_eq!(&got[50..60], &[2; 10]);
-        assert_eq!(&got[60..64], &[3; 4]);
-        // Room again, seen only after the producer loads the consumer's counter anew.
-        assert_eq!(tx.write_pair(&[5; 8], &[6; 6]), 14);
-        assert_eq!(rx.read(&mut got[..14]), 14);
-        assert_eq!(&got[..14], &[5, 5, 5, 5, 5, 5, 5, 5, 6, 6, 6, 6, 6, 6]);
-        assert_eq!(rx.read(&mut got), 0);
-        // Where the first part does not fit whole, nothing of the second goes; this pair
-        // wraps around the end of the ring.
-        assert_eq!(tx.write(&[0; 60]), 60);
-        assert_eq!(tx.write_pair(&[7; 8], &[8; 8]), 4);
-        assert_eq!(rx.read(&mut got), 64);
-        assert_eq!(&got[60..], &[7; 4]);
+        let mut mem = Box::new(Mem([0; CTL_BYTES + CAP]));
+        let (mut tx, mut rx) = ring(&mut mem);
+        // 200 of 256 bytes used, then a skip to 256: the ring is full.
+        assert_eq!(tx.write(&[1; 200]), 200);
+        assert_eq!(tx.write_pair(&[2; 10], &[3; 10]), 0);
+        let mut got = [0u8; 256];
+        // 100 bytes read: room for 100, which the producer sees once its stale view of the
+        // consumer says too little.
+        assert_eq!(rx.read(&mut got[..100]), 100);
+        assert_eq!(tx.write_pair(&[2; 80], &[3; 30]), 100, "the pair in part: no skip");
+        assert_eq!(tx.written(), 356);
+        assert_eq!(rx.read(&mut got[..100]), 100);
+        rx.end_message();
+        assert_eq!(tx.write_pair(&[], &[3; 10]), 10, "the rest of the pair ends it");
+        assert_eq!(tx.written(), 384);
+        // A reader asks for no more than the message (the skip is published with it).
+        assert_eq!(rx.read(&mut got[..110]), 110);
+        rx.end_message();
+        assert_eq!(&got[..80], &[2; 80]);
+        assert_eq!(&got[80..110], &[3; 30]);
+        // Where the first part does not fit whole, nothing of the second goes.
+        assert_eq!(tx.write_pair(&[7; 300], &[8; 8]), 256);
+        assert_eq!(tx.written(), 640, "no skip: the message goes on");
+        assert_eq!(rx.read(&mut got), 256);
+        assert!(got.iter().all(|&b| b == 7));
     }
 }
