@@ -367,7 +367,8 @@ pub(crate) fn gather_in_place(e: &mut Engine, ctx: &OpCtx, tag: Tag, arg: u64, i
     }
 }
 
-/// The first `len` bytes that `rank` published for `round` (see `gather_in_place`).
+/// The `len` bytes that `rank` published for `round`, `len` being the round's byte count (see
+/// `gather_in_place` and `Board::data`).
 pub(crate) fn data(e: &Engine, rank: usize, round: u64, len: usize) -> &[u8] {
     board(e).data(rank, round, len)
 }

@@ -11,10 +11,13 @@
 //! grow) uses slot `e % 2`. On a board laid out for at most 2 ranks (a shrink to 2 keeps the
 //! layout it had) the index sits in the control line's spare words: a reader then takes one line
 //! from the owner's core before the data instead of two (measured, 2 processes: up to 12% off small
-//! rounds; docs/results/cpu.md).
+//! rounds; docs/results/cpu.md). There the only reader of a slot is the other rank, so only its
+//! two index words are kept, and a contribution of up to `INLINE_BYTES` lies in the control
+//! line's last words instead of the data: a small round is then the one line the reader waited
+//! on (docs/results/cpu.md, part 17).
 //!
 //! Ordering: the owner writes the slot's index, label and data (the index and label as atomic
-//! words, in the control line or after it; a round with a count and no data, `publish_count`,
+//! words, in the control line or after it; a small contribution as bytes of the control line; a round with a count and no data, `publish_count`,
 //! writes no data and no part places), then stores `epoch = e` with Release; a reader
 //! Acquire-loads `epoch == e` before it reads them. Every round is all-to-all: a rank completes
 //! round `e` only after reading every peer's round `e`. So when the owner rewrites slot `e % 2`
@@ -34,12 +37,18 @@ const LINE: usize = 64;
 /// Words of the control line after `epoch`, `label` and `nbytes`.
 const SPARE_WORDS: usize = LINE / 8 - 3;
 
-/// Whether a slot's index (two words per rank) fits the control line's spare words, so that a
-/// reader finds the whole call, and where its part lies, in the one line it waited on instead
-/// of taking a second line from the owner's core afterwards (layouts of 1 or 2 ranks).
+/// Whether a slot's index fits the control line's spare words, so that a reader finds the
+/// whole call, and where its part lies, in the one line it waited on instead of taking a
+/// second line from the owner's core afterwards: layouts of 1 or 2 ranks, where the index
+/// holds the other rank's two words only (spare words 0 and 1).
 fn index_inline(size: usize) -> bool {
-    2 * size <= SPARE_WORDS
+    size <= 2
 }
+
+/// Bytes of a contribution that lies in the control line's spare words after an inline index.
+const INLINE_BYTES: usize = (SPARE_WORDS - 2) * 8;
+/// Where those bytes start in the control line: after `epoch`, `label`, `nbytes` and the index.
+const INLINE_AT: usize = LINE - INLINE_BYTES;
 
 /// Bytes of one slot's index (two words per rank) after the control line, whole cache lines.
 fn index_bytes(size: usize) -> usize {
@@ -67,7 +76,8 @@ struct SlotCtl {
     /// written before `epoch` is published, as `spare` is.
     label: AtomicU64,
     nbytes: AtomicU64,
-    /// The index, where it fits (`index_inline`).
+    /// The index, where it fits (`index_inline`), and after it a small contribution
+    /// (`INLINE_BYTES`, as bytes).
     spare: [AtomicU64; SPARE_WORDS],
 }
 
@@ -127,19 +137,40 @@ impl Board {
         unsafe { &*(self.slot(r, epoch) as *const SlotCtl) }
     }
 
-    /// Index word `which` (0: messages sent, 1: part placement) for rank `to` in r's slot.
-    fn index(&self, r: usize, epoch: u64, to: usize, which: usize) -> &AtomicU64 {
+    /// Index word `which` (0: messages sent, 1: part placement) for rank `to` in r's slot;
+    /// `None` for r's own words where the index is inline (no one reads them).
+    fn index(&self, r: usize, epoch: u64, to: usize, which: usize) -> Option<&AtomicU64> {
         if index_inline(self.layout) {
-            return &self.slot_ctl(r, epoch).spare[2 * to + which];
+            return (to != r).then(|| &self.slot_ctl(r, epoch).spare[which]);
         }
         // SAFETY: the index follows the control line, two aligned words per rank.
-        unsafe { &*(self.slot(r, epoch).add(LINE + (2 * to + which) * 8) as *const AtomicU64) }
+        Some(unsafe { &*(self.slot(r, epoch).add(LINE + (2 * to + which) * 8) as *const AtomicU64) })
     }
 
-    fn slot_data(&self, r: usize, epoch: u64) -> *mut u8 {
+    /// Whether a round of `nbytes` keeps its contribution in the control line.
+    fn data_inline(&self, nbytes: u64) -> bool {
+        index_inline(self.layout) && nbytes <= INLINE_BYTES as u64
+    }
+
+    /// Where r's contribution to round `epoch`, of `nbytes`, lies, and how many bytes fit there.
+    fn slot_data(&self, r: usize, epoch: u64, nbytes: u64) -> (*mut u8, usize) {
+        if self.data_inline(nbytes) {
+            // SAFETY: the last INLINE_BYTES of the slot's control line, which nothing else uses
+            // on this layout (the index takes spare words 0 and 1 only).
+            return (unsafe { self.slot(r, epoch).add(INLINE_AT) }, INLINE_BYTES);
+        }
         // SAFETY: the data follows the index (which is empty where it sits in the control
         // line), inside the slot.
-        unsafe { self.slot(r, epoch).add(LINE + index_bytes(self.layout)) }
+        (
+            unsafe { self.slot(r, epoch).add(LINE + index_bytes(self.layout)) },
+            SLOT_BYTES,
+        )
+    }
+
+    /// Where r's contribution to round `epoch` lies (see `slot_data`), by the round's own
+    /// byte count. Call only once the round is published.
+    fn round_data(&self, r: usize, epoch: u64) -> (*mut u8, usize) {
+        self.slot_data(r, epoch, self.slot_ctl(r, epoch).nbytes.load(Ordering::Relaxed))
     }
 
     /// The round `publish` will start next.
@@ -170,18 +201,23 @@ impl Board {
     fn publish_counted(&mut self, label: u64, parts: &[&[u8]], nbytes: u64, sent: &[u64]) -> u64 {
         debug_assert!(sent.len() <= self.layout, "one count per rank of the layout at most");
         let (e, me) = (self.next, self.rank);
+        let (data, _) = self.slot_data(me, e, nbytes);
         let mut at = 0;
         for (i, part) in parts.iter().enumerate() {
-            // SAFETY: our own slot, in bounds (`publish` checked the total; `publish_count`
-            // has no parts); no peer reads it until `epoch` says round e, and every peer is
-            // done with round e - 2, which used it last (see the ordering above).
-            unsafe { std::ptr::copy_nonoverlapping(part.as_ptr(), self.slot_data(me, e).add(at), part.len()) };
-            self.index(me, e, i, 1)
-                .store((at as u64) << 32 | part.len() as u64, Ordering::Relaxed);
+            // SAFETY: our own slot, in bounds (`publish` checked the total, which is `nbytes`,
+            // so inline data fit the control line; `publish_count` has no parts); no peer reads
+            // it until `epoch` says round e, and every peer is done with round e - 2, which
+            // used it last (see the ordering above).
+            unsafe { std::ptr::copy_nonoverlapping(part.as_ptr(), data.add(at), part.len()) };
+            if let Some(w) = self.index(me, e, i, 1) {
+                w.store((at as u64) << 32 | part.len() as u64, Ordering::Relaxed);
+            }
             at += part.len();
         }
         for (p, &n) in sent.iter().enumerate() {
-            self.index(me, e, p, 0).store(n, Ordering::Relaxed);
+            if let Some(w) = self.index(me, e, p, 0) {
+                w.store(n, Ordering::Relaxed);
+            }
         }
         let s = self.slot_ctl(me, e);
         s.label.store(label, Ordering::Relaxed);
@@ -203,29 +239,41 @@ impl Board {
     /// How many framed messages `peer` had sent to us before its round `e`. Call only after
     /// `peer_round` showed round `e`.
     pub(crate) fn peer_sent_to_us(&self, peer: usize, e: u64) -> u64 {
-        self.index(peer, e, self.rank, 0).load(Ordering::Relaxed)
+        self.index(peer, e, self.rank, 0)
+            .map_or(0, |w| w.load(Ordering::Relaxed))
     }
 
-    /// Part `i` of `peer`'s round `e`; `None` if the index points outside the slot. Call only
-    /// after `peer_round` showed round `e`.
+    /// Part `i` of `peer`'s round `e`; `None` if the index points outside the round's data
+    /// (or is not kept: our own part where the index is inline). Call only after `peer_round`
+    /// showed round `e`.
     pub(crate) fn part(&self, peer: usize, e: u64, i: usize) -> Option<&[u8]> {
-        let w = self.index(peer, e, i, 1).load(Ordering::Relaxed);
+        let w = self.index(peer, e, i, 1)?.load(Ordering::Relaxed);
         let (at, len) = ((w >> 32) as usize, (w & 0xffff_ffff) as usize);
-        if at + len > SLOT_BYTES {
+        let (data, room) = self.round_data(peer, e);
+        if at + len > room {
             return None;
         }
-        // SAFETY: inside the slot; not rewritten while borrowed (see `data`).
-        Some(unsafe { std::slice::from_raw_parts(self.slot_data(peer, e).add(at), len) })
+        // SAFETY: inside the round's data; not rewritten while borrowed (see `data`).
+        Some(unsafe { std::slice::from_raw_parts(data.add(at), len) })
     }
 
-    /// The first `len` bytes `rank` published for round `e`. Call only after `peer_round` (or our
-    /// own `publish`) showed round `e`, with `len` no larger than that round's bytes, and not
-    /// for a round published with `publish_count`.
+    /// The first `len` bytes `rank` published for round `e`. Call only after `peer_round` (or
+    /// our own `publish`) showed round `e`, not for a round published with `publish_count`,
+    /// and with `len` the round's byte count (or less, where that is more than `INLINE_BYTES`):
+    /// `len` says where the bytes lie. The caller knows the count already; where `rank` is our
+    /// own, loading it again from our control line would take that line back from the peer
+    /// that just read it (measured: 1.08-1.13 of the time for all_reduce at 2 processes, 32-256
+    /// B; docs/results/cpu.md, part 17).
     pub(crate) fn data(&self, rank: usize, e: u64, len: usize) -> &[u8] {
-        assert!(len <= SLOT_BYTES);
-        // SAFETY: inside the slot; the owner does not rewrite it before we publish round e + 1,
-        // which needs `&mut self`, so not while this borrow lives.
-        unsafe { std::slice::from_raw_parts(self.slot_data(rank, e), len) }
+        debug_assert!({
+            let nbytes = self.slot_ctl(rank, e).nbytes.load(Ordering::Relaxed);
+            len as u64 <= nbytes && self.data_inline(len as u64) == self.data_inline(nbytes)
+        });
+        let (data, room) = self.slot_data(rank, e, len as u64);
+        assert!(len <= room, "no more than the round's bytes");
+        // SAFETY: inside the round's data; the owner does not rewrite it before we publish
+        // round e + 1, which needs `&mut self`, so not while this borrow lives.
+        unsafe { std::slice::from_raw_parts(data, len) }
     }
 
     /// The newest round `peer` has published (0: none yet).
@@ -287,7 +335,10 @@ mod tests {
                 );
                 assert_eq!(reader.peer_sent_to_us(p, round), sent(p)[q], "{at}");
                 for (i, part) in theirs.iter().enumerate() {
-                    assert_eq!(reader.part(p, round, i), Some(&part[..]), "{at}, part {i}");
+                    // An inline index keeps no one's words for the owner's own part.
+                    let kept = !index_inline(reader.layout) || i != p;
+                    let want = kept.then_some(&part[..]);
+                    assert_eq!(reader.part(p, round, i), want, "{at}, part {i}");
                 }
                 assert_eq!(reader.peer_round(p, round + 1), None, "{at}");
             }
@@ -303,6 +354,28 @@ mod tests {
             for label in 1..=3 {
                 round_on(&mut b, label);
             }
+        }
+    }
+
+    #[test]
+    fn at_two_ranks_a_contribution_of_up_to_24_bytes_lies_in_the_control_line() {
+        let mut mem = Vec::new();
+        let mut b = boards(2, &mut mem);
+        for (total, inline) in [(0, true), (24, true), (25, false), (200, false), (7, true)] {
+            // Rank 0's two parts: its own, then rank 1's.
+            let data: Vec<u8> = (0..total).map(|i| (i * 3 + total) as u8).collect();
+            let (own, theirs) = data.split_at(total / 3);
+            let round = b[0].publish(5, &[own, theirs], &[0, 40 + total as u64]);
+            assert_eq!(b[1].publish(5, &[], &[0, 0]), round);
+            let ctl = b[1].slot(0, round) as usize;
+            let at = b[1].data(0, round, total).as_ptr() as usize;
+            assert_eq!(at < ctl + LINE, inline, "{total} bytes");
+            assert_eq!(b[1].peer_round(0, round), Some((5, total as u64)));
+            assert_eq!(b[1].data(0, round, total), &data[..], "{total} bytes");
+            assert_eq!(b[1].part(0, round, 1), Some(theirs), "{total} bytes");
+            assert_eq!(b[1].peer_sent_to_us(0, round), 40 + total as u64);
+            // Our own part is ours to read back, from our own memory.
+            assert_eq!(b[0].data(0, round, total), &data[..]);
         }
     }
 
