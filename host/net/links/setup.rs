@@ -763,6 +763,8 @@ mod tests {
         let mut got = [0u8; 5];
         assert_eq!(t[1].link(0).read(&mut got).unwrap(), 5);
         assert_eq!(&got, b"hello");
+        assert!(t[1].has_unread(0), "the skip to the next line is the reader's to take");
+        t[1].link(0).end_message();
         assert!(!t[1].has_unread(0));
         assert!(matches!(t[2].links[3], Link::Pending));
         assert!(t[2].check_peer(3).is_ok());
@@ -801,6 +803,7 @@ mod tests {
         let mut got = vec![0u8; big.len()];
         assert!(t[1].link(0).pull(&mut got).unwrap());
         assert_eq!(got, big);
+        t[1].link(0).end_message();
         assert!(t[0].link(1).taken(end), "copied: the sender's buffer is free");
 
         // The sender took its reference back (its operation failed): the copy is not trusted,
@@ -815,6 +818,7 @@ mod tests {
         // The stream after a withdrawn reference is the peers' to resync: here only the link.
         let mut stale = [0u8; REF_BYTES];
         let _ = t[1].link(0).read(&mut stale);
+        t[1].link(0).end_message();
         assert_eq!(t[0].link(1).write(&r).unwrap(), r.len());
         assert!(t[1].link(0).pull(&mut got).unwrap());
         assert_eq!(got, fresh);
