@@ -12,9 +12,10 @@
 //! layout it had) the index sits in the control line's spare words: a reader then takes one line
 //! from the owner's core before the data instead of two (measured, 2 processes: up to 12% off small
 //! rounds; docs/results/cpu.md). There the only reader of a slot is the other rank, so only its
-//! two index words are kept, and a contribution of up to `INLINE_BYTES` lies in the control
-//! line's last words instead of the data: a small round is then the one line the reader waited
-//! on (docs/results/cpu.md, part 17).
+//! two index words are kept, a round with a part per rank publishes only the other rank's part,
+//! and what a round publishes lies in the control line's last words instead of the data where
+//! it is at most `INLINE_BYTES`: a small round is then the one line the reader waited on
+//! (docs/results/cpu.md, part 17).
 //!
 //! Ordering: the owner writes the slot's index, label and data (the index and label as atomic
 //! words, in the control line or after it; a small contribution as bytes of the control line; a round with a count and no data, `publish_count`,
@@ -49,6 +50,8 @@ fn index_inline(size: usize) -> bool {
 const INLINE_BYTES: usize = (SPARE_WORDS - 2) * 8;
 /// Where those bytes start in the control line: after `epoch`, `label`, `nbytes` and the index.
 const INLINE_AT: usize = LINE - INLINE_BYTES;
+/// In a part's placement word: the part lies in the control line (else in the slot's data).
+const PART_INLINE: u64 = 1 << 63;
 
 /// Bytes of one slot's index (two words per rank) after the control line, whole cache lines.
 fn index_bytes(size: usize) -> usize {
@@ -147,14 +150,15 @@ impl Board {
         Some(unsafe { &*(self.slot(r, epoch).add(LINE + (2 * to + which) * 8) as *const AtomicU64) })
     }
 
-    /// Whether a round of `nbytes` keeps its contribution in the control line.
-    fn data_inline(&self, nbytes: u64) -> bool {
-        index_inline(self.layout) && nbytes <= INLINE_BYTES as u64
+    /// Whether a round that publishes `bytes` keeps them in the control line.
+    fn data_inline(&self, bytes: u64) -> bool {
+        index_inline(self.layout) && bytes <= INLINE_BYTES as u64
     }
 
-    /// Where r's contribution to round `epoch`, of `nbytes`, lies, and how many bytes fit there.
-    fn slot_data(&self, r: usize, epoch: u64, nbytes: u64) -> (*mut u8, usize) {
-        if self.data_inline(nbytes) {
+    /// Where r's bytes for round `epoch` lie, `bytes` of them published, and how many fit
+    /// there.
+    fn slot_data(&self, r: usize, epoch: u64, bytes: u64) -> (*mut u8, usize) {
+        if self.data_inline(bytes) {
             // SAFETY: the last INLINE_BYTES of the slot's control line, which nothing else uses
             // on this layout (the index takes spare words 0 and 1 only).
             return (unsafe { self.slot(r, epoch).add(INLINE_AT) }, INLINE_BYTES);
@@ -165,12 +169,6 @@ impl Board {
             unsafe { self.slot(r, epoch).add(LINE + index_bytes(self.layout)) },
             SLOT_BYTES,
         )
-    }
-
-    /// Where r's contribution to round `epoch` lies (see `slot_data`), by the round's own
-    /// byte count. Call only once the round is published.
-    fn round_data(&self, r: usize, epoch: u64) -> (*mut u8, usize) {
-        self.slot_data(r, epoch, self.slot_ctl(r, epoch).nbytes.load(Ordering::Relaxed))
     }
 
     /// The round `publish` will start next.
@@ -201,16 +199,23 @@ impl Board {
     fn publish_counted(&mut self, label: u64, parts: &[&[u8]], nbytes: u64, sent: &[u64]) -> u64 {
         debug_assert!(sent.len() <= self.layout, "one count per rank of the layout at most");
         let (e, me) = (self.next, self.rank);
-        let (data, _) = self.slot_data(me, e, nbytes);
+        // With the index inline, no one reads our own part of a round with a part per rank.
+        let published = |i: usize| !index_inline(self.layout) || parts.len() == 1 || i != me;
+        let bytes: usize = (parts.iter().enumerate())
+            .filter(|&(i, _)| published(i))
+            .map(|(_, p)| p.len())
+            .sum();
+        let (data, _) = self.slot_data(me, e, bytes as u64);
+        let inline = if self.data_inline(bytes as u64) { PART_INLINE } else { 0 };
         let mut at = 0;
-        for (i, part) in parts.iter().enumerate() {
-            // SAFETY: our own slot, in bounds (`publish` checked the total, which is `nbytes`,
-            // so inline data fit the control line; `publish_count` has no parts); no peer reads
-            // it until `epoch` says round e, and every peer is done with round e - 2, which
-            // used it last (see the ordering above).
+        for (i, part) in parts.iter().enumerate().filter(|&(i, _)| published(i)) {
+            // SAFETY: our own slot, in bounds (`publish` checked the total, and inline bytes
+            // fit the control line; `publish_count` has no parts); no peer reads it until
+            // `epoch` says round e, and every peer is done with round e - 2, which used it last
+            // (see the ordering above).
             unsafe { std::ptr::copy_nonoverlapping(part.as_ptr(), data.add(at), part.len()) };
             if let Some(w) = self.index(me, e, i, 1) {
-                w.store((at as u64) << 32 | part.len() as u64, Ordering::Relaxed);
+                w.store(inline | (at as u64) << 32 | part.len() as u64, Ordering::Relaxed);
             }
             at += part.len();
         }
@@ -248,8 +253,12 @@ impl Board {
     /// showed round `e`.
     pub(crate) fn part(&self, peer: usize, e: u64, i: usize) -> Option<&[u8]> {
         let w = self.index(peer, e, i, 1)?.load(Ordering::Relaxed);
-        let (at, len) = ((w >> 32) as usize, (w & 0xffff_ffff) as usize);
-        let (data, room) = self.round_data(peer, e);
+        let (at, len) = (((w & !PART_INLINE) >> 32) as usize, (w & 0xffff_ffff) as usize);
+        let (data, room) = if w & PART_INLINE != 0 {
+            self.slot_data(peer, e, 0)
+        } else {
+            self.slot_data(peer, e, SLOT_BYTES as u64)
+        };
         if at + len > room {
             return None;
         }
@@ -258,8 +267,9 @@ impl Board {
     }
 
     /// The first `len` bytes `rank` published for round `e`. Call only after `peer_round` (or
-    /// our own `publish`) showed round `e`, not for a round published with `publish_count`,
-    /// and with `len` the round's byte count (or less, where that is more than `INLINE_BYTES`):
+    /// our own `publish`) showed round `e`, not for a round published with `publish_count` or
+    /// (where the index is inline, which publishes only the other rank's part) with a part per
+    /// rank, and with `len` the round's byte count (or less, where that is more than `INLINE_BYTES`):
     /// `len` says where the bytes lie. The caller knows the count already; where `rank` is our
     /// own, loading it again from our control line would take that line back from the peer
     /// that just read it (measured: 1.08-1.13 of the time for all_reduce at 2 processes, 32-256
@@ -358,24 +368,28 @@ mod tests {
     }
 
     #[test]
-    fn at_two_ranks_a_contribution_of_up_to_24_bytes_lies_in_the_control_line() {
+    fn at_two_ranks_what_a_round_publishes_lies_in_the_control_line_up_to_24_bytes() {
         let mut mem = Vec::new();
         let mut b = boards(2, &mut mem);
-        for (total, inline) in [(0, true), (24, true), (25, false), (200, false), (7, true)] {
-            // Rank 0's two parts: its own, then rank 1's.
-            let data: Vec<u8> = (0..total).map(|i| (i * 3 + total) as u8).collect();
-            let (own, theirs) = data.split_at(total / 3);
-            let round = b[0].publish(5, &[own, theirs], &[0, 40 + total as u64]);
+        for (len, inline) in [(0, true), (24, true), (25, false), (200, false), (7, true)] {
+            let data: Vec<u8> = (0..len).map(|i| (i * 3 + len) as u8).collect();
+            let in_ctl = |b: &Board, round, bytes: &[u8]| (bytes.as_ptr() as usize) < b.slot(0, round) as usize + LINE;
+            // One part: the whole contribution, which every rank reads (its own too).
+            let round = b[0].publish(5, &[&data], &[0, 40 + len as u64]);
             assert_eq!(b[1].publish(5, &[], &[0, 0]), round);
-            let ctl = b[1].slot(0, round) as usize;
-            let at = b[1].data(0, round, total).as_ptr() as usize;
-            assert_eq!(at < ctl + LINE, inline, "{total} bytes");
-            assert_eq!(b[1].peer_round(0, round), Some((5, total as u64)));
-            assert_eq!(b[1].data(0, round, total), &data[..], "{total} bytes");
-            assert_eq!(b[1].part(0, round, 1), Some(theirs), "{total} bytes");
-            assert_eq!(b[1].peer_sent_to_us(0, round), 40 + total as u64);
-            // Our own part is ours to read back, from our own memory.
-            assert_eq!(b[0].data(0, round, total), &data[..]);
+            assert_eq!(b[1].peer_round(0, round), Some((5, len as u64)));
+            assert_eq!(b[1].peer_sent_to_us(0, round), 40 + len as u64);
+            assert_eq!(b[1].data(0, round, len), &data[..], "{len} bytes");
+            assert_eq!(in_ctl(&b[1], round, b[1].data(0, round, len)), inline, "{len} bytes");
+            assert_eq!(b[0].data(0, round, len), &data[..]);
+            // A part per rank: only the other rank's is published, in the line where it fits.
+            let own = [9u8; 100];
+            let round = b[0].publish(6, &[&own, &data], &[0, 0]);
+            assert_eq!(b[1].publish(6, &[], &[0, 0]), round);
+            assert_eq!(b[1].peer_round(0, round), Some((6, 100 + len as u64)));
+            let theirs = b[1].part(0, round, 1).expect("rank 1's part");
+            assert_eq!(theirs, &data[..], "{len} bytes");
+            assert_eq!(in_ctl(&b[1], round, theirs), inline, "{len} bytes");
         }
     }
 
