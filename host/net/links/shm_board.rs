@@ -18,8 +18,9 @@
 //! (docs/results/cpu.md, part 17).
 //!
 //! Ordering: the owner writes the slot's index, label and data (the index and label as atomic
-//! words, in the control line or after it; a small contribution as bytes of the control line; a round with a count and no data, `publish_count`,
-//! writes no data and no part places), then stores `epoch = e` with Release; a reader
+//! words, in the control line or after it; a small contribution as bytes of the control line; a
+//! round with a count and no data, `publish_count`, writes no data and no part places), then
+//! stores `epoch = e` with Release; a reader
 //! Acquire-loads `epoch == e` before it reads them. Every round is all-to-all: a rank completes
 //! round `e` only after reading every peer's round `e`. So when the owner rewrites slot `e % 2`
 //! for round `e + 2`, it has completed round `e + 1`, has seen every peer publish `e + 1`, and
@@ -267,13 +268,13 @@ impl Board {
     }
 
     /// The first `len` bytes `rank` published for round `e`. Call only after `peer_round` (or
-    /// our own `publish`) showed round `e`, not for a round published with `publish_count` or
-    /// (where the index is inline, which publishes only the other rank's part) with a part per
-    /// rank, and with `len` the round's byte count (or less, where that is more than `INLINE_BYTES`):
-    /// `len` says where the bytes lie. The caller knows the count already; where `rank` is our
-    /// own, loading it again from our control line would take that line back from the peer
-    /// that just read it (measured: 1.08-1.13 of the time for all_reduce at 2 processes, 32-256
-    /// B; docs/results/cpu.md, part 17).
+    /// our own `publish`) showed round `e`; not for a round published with `publish_count`, nor
+    /// for one with a part per rank where the index is inline (only the other rank's part is
+    /// published there); and with `len` the round's byte count, or less where that is more
+    /// than `INLINE_BYTES`: `len` says where the bytes lie. The caller knows the count already;
+    /// where `rank` is our own, loading it again from our control line would take that line
+    /// back from the peer that just read it (measured: 1.08-1.13 of the time for all_reduce at
+    /// 2 processes, 32-256 B; docs/results/cpu.md, part 17).
     pub(crate) fn data(&self, rank: usize, e: u64, len: usize) -> &[u8] {
         debug_assert!({
             let nbytes = self.slot_ctl(rank, e).nbytes.load(Ordering::Relaxed);
