@@ -401,7 +401,8 @@ pub(crate) fn refuse(e: &mut Engine, ctx: &OpCtx, tag: Tag, reason: &[u8]) -> Re
 fn await_round(e: &Engine, ctx: &OpCtx, peer: usize, round: u64) -> Result<(u64, u64)> {
     wait_for(e, ctx, peer, |b| b.peer_round(peer, round).is_some())?;
     let b = board(e);
-    let (sent, received) = (b.peer_sent_to_us(peer, round), e.received_from(peer));
+    let received = e.received_from(peer);
+    let sent = b.peer_sent_to_us(peer, round, received);
     if sent != received {
         return Err(Error::Mismatch {
             op: ctx.op,

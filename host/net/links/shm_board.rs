@@ -12,10 +12,10 @@
 //! layout it had) the index sits in the control line's spare words: a reader then takes one line
 //! from the owner's core before the data instead of two (measured, 2 processes: up to 12% off small
 //! rounds; docs/results/cpu.md). There the only reader of a slot is the other rank, so only its
-//! two index words are kept, a round with a part per rank publishes only the other rank's part,
-//! and what a round publishes lies in the control line's last words instead of the data where
-//! it is at most `INLINE_BYTES`: a small round is then the one line the reader waited on
-//! (docs/results/cpu.md, part 17).
+//! index is kept, in one word (`INLINE_INDEX`), a round with a part per rank publishes only the
+//! other rank's part, and what a round publishes lies in the control line's last words instead
+//! of the data where it is at most `INLINE_BYTES`: a small round is then the one line the
+//! reader waited on (docs/results/cpu.md, part 17).
 //!
 //! Ordering: the owner writes the slot's index, label and data (the index and label as atomic
 //! words, in the control line or after it; a small contribution as bytes of the control line; a
@@ -41,18 +41,24 @@ const SPARE_WORDS: usize = LINE / 8 - 3;
 
 /// Whether a slot's index fits the control line's spare words, so that a reader finds the
 /// whole call, and where its part lies, in the one line it waited on instead of taking a
-/// second line from the owner's core afterwards: layouts of 1 or 2 ranks, where the index
-/// holds the other rank's two words only (spare words 0 and 1).
+/// second line from the owner's core afterwards: layouts of 1 or 2 ranks, where the index is
+/// the other rank's entry alone, in one word (`INLINE_INDEX`).
 fn index_inline(size: usize) -> bool {
     size <= 2
 }
 
+/// The spare word that holds an inline index: above, the messages sent to the other rank,
+/// modulo 2^32 (a reader's own count is never 2^31 messages away from it: a ring holds far
+/// fewer, and a sender waits for room); below, its part's length and `PART_INLINE` (at 2 ranks
+/// a round publishes one part, so it starts at 0).
+const INLINE_INDEX: usize = 0;
 /// Bytes of a contribution that lies in the control line's spare words after an inline index.
-const INLINE_BYTES: usize = (SPARE_WORDS - 2) * 8;
+const INLINE_BYTES: usize = (SPARE_WORDS - 1) * 8;
 /// Where those bytes start in the control line: after `epoch`, `label`, `nbytes` and the index.
 const INLINE_AT: usize = LINE - INLINE_BYTES;
-/// In a part's placement word: the part lies in the control line (else in the slot's data).
-const PART_INLINE: u64 = 1 << 63;
+/// In a part's placement: the part lies in the control line (else in the slot's data). Parts
+/// are shorter than 2^31 bytes.
+const PART_INLINE: u64 = 1 << 31;
 
 /// Bytes of one slot's index (two words per rank) after the control line, whole cache lines.
 fn index_bytes(size: usize) -> usize {
@@ -141,14 +147,17 @@ impl Board {
         unsafe { &*(self.slot(r, epoch) as *const SlotCtl) }
     }
 
-    /// Index word `which` (0: messages sent, 1: part placement) for rank `to` in r's slot;
-    /// `None` for r's own words where the index is inline (no one reads them).
-    fn index(&self, r: usize, epoch: u64, to: usize, which: usize) -> Option<&AtomicU64> {
-        if index_inline(self.layout) {
-            return (to != r).then(|| &self.slot_ctl(r, epoch).spare[which]);
-        }
+    /// Index word `which` (0: messages sent, 1: part placement) for rank `to` in r's slot,
+    /// where the index follows the control line (not `index_inline`).
+    fn index(&self, r: usize, epoch: u64, to: usize, which: usize) -> &AtomicU64 {
+        debug_assert!(!index_inline(self.layout));
         // SAFETY: the index follows the control line, two aligned words per rank.
-        Some(unsafe { &*(self.slot(r, epoch).add(LINE + (2 * to + which) * 8) as *const AtomicU64) })
+        unsafe { &*(self.slot(r, epoch).add(LINE + (2 * to + which) * 8) as *const AtomicU64) }
+    }
+
+    /// The inline index of r's slot (`INLINE_INDEX`).
+    fn inline_index(&self, r: usize, epoch: u64) -> &AtomicU64 {
+        &self.slot_ctl(r, epoch).spare[INLINE_INDEX]
     }
 
     /// Whether a round that publishes `bytes` keeps them in the control line.
@@ -161,7 +170,7 @@ impl Board {
     fn slot_data(&self, r: usize, epoch: u64, bytes: u64) -> (*mut u8, usize) {
         if self.data_inline(bytes) {
             // SAFETY: the last INLINE_BYTES of the slot's control line, which nothing else uses
-            // on this layout (the index takes spare words 0 and 1 only).
+            // on this layout (the index takes the spare word before them).
             return (unsafe { self.slot(r, epoch).add(INLINE_AT) }, INLINE_BYTES);
         }
         // SAFETY: the data follows the index (which is empty where it sits in the control
@@ -207,7 +216,6 @@ impl Board {
             .map(|(_, p)| p.len())
             .sum();
         let (data, _) = self.slot_data(me, e, bytes as u64);
-        let inline = if self.data_inline(bytes as u64) { PART_INLINE } else { 0 };
         let mut at = 0;
         for (i, part) in parts.iter().enumerate().filter(|&(i, _)| published(i)) {
             // SAFETY: our own slot, in bounds (`publish` checked the total, and inline bytes
@@ -215,14 +223,23 @@ impl Board {
             // `epoch` says round e, and every peer is done with round e - 2, which used it last
             // (see the ordering above).
             unsafe { std::ptr::copy_nonoverlapping(part.as_ptr(), data.add(at), part.len()) };
-            if let Some(w) = self.index(me, e, i, 1) {
-                w.store(inline | (at as u64) << 32 | part.len() as u64, Ordering::Relaxed);
+            if !index_inline(self.layout) {
+                self.index(me, e, i, 1)
+                    .store((at as u64) << 32 | part.len() as u64, Ordering::Relaxed);
             }
             at += part.len();
         }
-        for (p, &n) in sent.iter().enumerate() {
-            if let Some(w) = self.index(me, e, p, 0) {
-                w.store(n, Ordering::Relaxed);
+        if index_inline(self.layout) {
+            // The other rank's entry, if there is one; its part (if published) starts at 0.
+            if let Some(o) = (0..self.areas.len()).find(|&o| o != me) {
+                let inline = if self.data_inline(bytes as u64) { PART_INLINE } else { 0 };
+                let place = (parts.get(o).filter(|_| published(o))).map_or(0, |p| inline | p.len() as u64);
+                let sent = sent.get(o).map_or(0, |&n| n as u32 as u64);
+                self.inline_index(me, e).store(sent << 32 | place, Ordering::Relaxed);
+            }
+        } else {
+            for (p, &n) in sent.iter().enumerate() {
+                self.index(me, e, p, 0).store(n, Ordering::Relaxed);
             }
         }
         let s = self.slot_ctl(me, e);
@@ -242,19 +259,29 @@ impl Board {
         Some((s.label.load(Ordering::Relaxed), s.nbytes.load(Ordering::Relaxed)))
     }
 
-    /// How many framed messages `peer` had sent to us before its round `e`. Call only after
-    /// `peer_round` showed round `e`.
-    pub(crate) fn peer_sent_to_us(&self, peer: usize, e: u64) -> u64 {
-        self.index(peer, e, self.rank, 0)
-            .map_or(0, |w| w.load(Ordering::Relaxed))
+    /// How many framed messages `peer` had sent to us before its round `e`; `near`, the number
+    /// we have received from it, places a count kept modulo 2^32 (an inline index). Call only
+    /// after `peer_round` showed round `e`.
+    pub(crate) fn peer_sent_to_us(&self, peer: usize, e: u64, near: u64) -> u64 {
+        if !index_inline(self.layout) {
+            return self.index(peer, e, self.rank, 0).load(Ordering::Relaxed);
+        }
+        let low = (self.inline_index(peer, e).load(Ordering::Relaxed) >> 32) as u32;
+        near.wrapping_add(low.wrapping_sub(near as u32) as i32 as i64 as u64)
     }
 
     /// Part `i` of `peer`'s round `e`; `None` if the index points outside the round's data
     /// (or is not kept: our own part where the index is inline). Call only after `peer_round`
     /// showed round `e`.
     pub(crate) fn part(&self, peer: usize, e: u64, i: usize) -> Option<&[u8]> {
-        let w = self.index(peer, e, i, 1)?.load(Ordering::Relaxed);
-        let (at, len) = (((w & !PART_INLINE) >> 32) as usize, (w & 0xffff_ffff) as usize);
+        let w = if !index_inline(self.layout) {
+            self.index(peer, e, i, 1).load(Ordering::Relaxed)
+        } else if i != peer {
+            self.inline_index(peer, e).load(Ordering::Relaxed) & 0xffff_ffff
+        } else {
+            return None;
+        };
+        let (at, len) = ((w >> 32) as usize, (w & 0xffff_ffff & !PART_INLINE) as usize);
         let (data, room) = if w & PART_INLINE != 0 {
             self.slot_data(peer, e, 0)
         } else {
@@ -344,7 +371,9 @@ mod tests {
                     Some((label + p as u64, total as u64)),
                     "{at}"
                 );
-                assert_eq!(reader.peer_sent_to_us(p, round), sent(p)[q], "{at}");
+                // Placed by the count the reader has received, here a little off.
+                let near = sent(p)[q] + 5;
+                assert_eq!(reader.peer_sent_to_us(p, round, near), sent(p)[q], "{at}");
                 for (i, part) in theirs.iter().enumerate() {
                     // An inline index keeps no one's words for the owner's own part.
                     let kept = !index_inline(reader.layout) || i != p;
@@ -369,17 +398,17 @@ mod tests {
     }
 
     #[test]
-    fn at_two_ranks_what_a_round_publishes_lies_in_the_control_line_up_to_24_bytes() {
+    fn at_two_ranks_what_a_round_publishes_lies_in_the_control_line_up_to_32_bytes() {
         let mut mem = Vec::new();
         let mut b = boards(2, &mut mem);
-        for (len, inline) in [(0, true), (24, true), (25, false), (200, false), (7, true)] {
+        for (len, inline) in [(0, true), (32, true), (33, false), (200, false), (7, true)] {
             let data: Vec<u8> = (0..len).map(|i| (i * 3 + len) as u8).collect();
             let in_ctl = |b: &Board, round, bytes: &[u8]| (bytes.as_ptr() as usize) < b.slot(0, round) as usize + LINE;
             // One part: the whole contribution, which every rank reads (its own too).
             let round = b[0].publish(5, &[&data], &[0, 40 + len as u64]);
             assert_eq!(b[1].publish(5, &[], &[0, 0]), round);
             assert_eq!(b[1].peer_round(0, round), Some((5, len as u64)));
-            assert_eq!(b[1].peer_sent_to_us(0, round), 40 + len as u64);
+            assert_eq!(b[1].peer_sent_to_us(0, round, 40 + len as u64), 40 + len as u64);
             assert_eq!(b[1].data(0, round, len), &data[..], "{len} bytes");
             assert_eq!(in_ctl(&b[1], round, b[1].data(0, round, len)), inline, "{len} bytes");
             assert_eq!(b[0].data(0, round, len), &data[..]);
@@ -391,6 +420,28 @@ mod tests {
             let theirs = b[1].part(0, round, 1).expect("rank 1's part");
             assert_eq!(theirs, &data[..], "{len} bytes");
             assert_eq!(in_ctl(&b[1], round, theirs), inline, "{len} bytes");
+        }
+    }
+
+    #[test]
+    fn at_two_ranks_a_count_of_messages_kept_modulo_2_to_the_32_reads_back_whole() {
+        let mut mem = Vec::new();
+        let mut b = boards(2, &mut mem);
+        let big = 5u64 << 32;
+        for (sent, near) in [
+            (big + 7, big + 3),
+            (big + 3, big + 7),
+            (big + 1, big - 2),
+            (big - 2, big + 1),
+            (9, 9),
+        ] {
+            let round = b[0].publish(1, &[&[1u8; 4]], &[0, sent]);
+            assert_eq!(b[1].publish(1, &[], &[0, 0]), round);
+            assert_eq!(
+                b[1].peer_sent_to_us(0, round, near),
+                sent,
+                "sent {sent}, received {near}"
+            );
         }
     }
 
