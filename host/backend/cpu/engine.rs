@@ -586,6 +586,11 @@ impl Engine {
                     if *hpos < HEADER_BYTES {
                         return Ok(moved | link.take_progress());
                     }
+                    // A header-only message ends here, whatever the check below finds: a drain
+                    // after a mismatch or a refusal goes on from the next message.
+                    if header::stream_len(hdr) == Some(0) {
+                        link.end_message();
+                    }
                     header::check(op, *peer, hdr, expect).map_err(|e| match e {
                         Error::Mismatch { op, peer, detail } if *earlier => Error::Mismatch {
                             op,
@@ -600,9 +605,6 @@ impl Engine {
                     })?;
                     if *call {
                         *calls_pending -= 1;
-                    }
-                    if data.is_empty() {
-                        link.end_message();
                     }
                 }
                 if *pos < data.len() && (*calls_pending == 0 || !*gated) {
@@ -1152,7 +1154,8 @@ fn drain_one(
     sink: &mut [u8],
 ) -> std::result::Result<bool, crate::net::links::Gone> {
     let mut moved = false;
-    let left = |hdr: &[u8; HEADER_BYTES], pos: usize| header::stream_len(hdr).unwrap_or(0).saturating_sub(pos as u64);
+    // None: a header that does not decode, left as it is.
+    let left = |hdr: &[u8; HEADER_BYTES], pos: usize| header::stream_len(hdr).map(|n| n.saturating_sub(pos as u64));
     if *hpos < HEADER_BYTES {
         let n = link.read(&mut hdr[*hpos..])?;
         *hpos += n;
@@ -1160,12 +1163,12 @@ fn drain_one(
         if *hpos < HEADER_BYTES {
             return Ok(moved);
         }
-        if left(hdr, *pos) == 0 {
+        if left(hdr, *pos) == Some(0) {
             link.end_message();
             return Ok(moved);
         }
     }
-    let left = left(hdr, *pos);
+    let left = left(hdr, *pos).unwrap_or(0);
     if left > 0 {
         let take = left.min(sink.len() as u64) as usize;
         let n = if header::in_bulk(hdr) {
@@ -1219,6 +1222,32 @@ mod tests {
         );
         e.end_call();
         r
+    }
+
+    /// A header-only message that fails its check still ends where its writer ended it (on
+    /// shared memory the next message starts on a line): the next message on that link reads
+    /// whole.
+    #[test]
+    fn a_header_only_message_that_fails_its_check_leaves_the_stream_in_step() {
+        let mut e = engines(2);
+        let abort = AtomicBool::new(false);
+        let c = ctx(&abort, Duration::from_secs(10));
+        let (bytes, floats) = (
+            super::super::tag(10, DType::U8, None),
+            super::super::tag(10, DType::F32, None),
+        );
+        let mut x = [e[0].send(1, bytes, &[])];
+        e[0].exchange(&c, &mut x).unwrap();
+        let mut nothing = [0u8; 0];
+        let mut x = [e[1].recv(0, floats, &mut nothing)];
+        let err = e[1].exchange(&c, &mut x).unwrap_err();
+        assert!(matches!(err, Error::Mismatch { peer: 0, .. }), "{err}");
+        let mut x = [e[0].send(1, bytes, &[5u8; 8])];
+        e[0].exchange(&c, &mut x).unwrap();
+        let mut got = [0u8; 8];
+        let mut x = [e[1].recv(0, bytes, &mut got)];
+        e[1].exchange(&c, &mut x).unwrap();
+        assert_eq!(got, [5u8; 8]);
     }
 
     /// A root far ahead of a late receiver keeps at most `LATER_MAX` of its calls unread, and

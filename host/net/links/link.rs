@@ -88,7 +88,8 @@ impl Link {
 
     /// Writes as much of `a` and then of `b` as the stream takes now (a header and its
     /// payload: one system call on a plain TCP link, one publication in a ring); returns the
-    /// bytes taken from both.
+    /// bytes taken from both. `a` and `b` are the rest of one message: on shared memory a write
+    /// that takes them all ends it (ring.rs).
     pub(crate) fn write_pair(&mut self, a: &[u8], b: &[u8]) -> Result<usize, Gone> {
         match self {
             Link::Tcp(l) => return l.write_pair(a, b),
@@ -112,7 +113,8 @@ impl Link {
         }
     }
 
-    /// Reads what is available now, up to `dst.len()`.
+    /// Reads what is available now, up to `dst.len()`: no more than the rest of the message
+    /// being read (on shared memory the skip to the next line follows it; `end_message`).
     pub(crate) fn read(&mut self, dst: &mut [u8]) -> Result<usize, Gone> {
         match self {
             Link::Pending => Err(NOT_MADE.into()),

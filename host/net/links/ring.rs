@@ -197,8 +197,9 @@ impl RingEnd {
         true
     }
 
-    /// Consumer: consumes `n` bytes already looked at with `peek_exact`. Release: the producer
-    /// that sees the new `head` sees everything we did before (pull.rs: the copy is done).
+    /// Consumer: consumes `n` bytes already looked at with `peek_exact` (where they end a
+    /// message, `end_message` follows). Release: the producer that sees the new `head` sees
+    /// everything we did before (pull.rs: the copy is done).
     pub(crate) fn skip(&mut self, n: usize) {
         self.pos += n as u64;
         self.ctl().head.store(self.pos, Ordering::Release);

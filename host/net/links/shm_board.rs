@@ -297,7 +297,7 @@ impl Board {
     /// The first `len` bytes `rank` published for round `e`. Call only after `peer_round` (or
     /// our own `publish`) showed round `e`; not for a round published with `publish_count`, nor
     /// for one with a part per rank where the index is inline (only the other rank's part is
-    /// published there); and with `len` the round's byte count, or less where that is more
+    /// published there); and with `len` the round's byte count, or less where both are more
     /// than `INLINE_BYTES`: `len` says where the bytes lie. The caller knows the count already;
     /// where `rank` is our own, loading it again from our control line would take that line
     /// back from the peer that just read it (measured: 1.08-1.13 of the time for all_reduce at
