@@ -9,7 +9,7 @@
 //! mismatched call, from a late one; and where part `r` of the contribution lies, for rounds
 //! that carry one part per rank), and `SLOT_BYTES` of data. Round `e` (epochs start at 1 and only
 //! grow) uses slot `e % 2`. On a board laid out for at most 2 ranks (a shrink to 2 keeps the
-//! layout it had) the index sits in the control line's spare words: a reader then takes one line
+//! layout it had) the index sits in the control line's spare room: a reader then takes one line
 //! from the owner's core before the data instead of two (measured, 2 processes: up to 12% off small
 //! rounds; docs/results/cpu.md). There the only reader of a slot is the other rank, so only its
 //! index is kept, in one word (`INLINE_INDEX`), a round with a part per rank publishes only the
@@ -48,9 +48,11 @@ fn index_inline(size: usize) -> bool {
 }
 
 /// The spare word that holds an inline index: above, the messages sent to the other rank,
-/// modulo 2^32 (a reader's own count is never 2^31 messages away from it: a ring holds far
-/// fewer, and a sender waits for room); below, its part's length and `PART_INLINE` (at 2 ranks
-/// a round publishes one part, so it starts at 0).
+/// modulo 2^32 (a reader's own count is never 2^31 messages away from it: the messages one
+/// rank has sent and the other not yet read lie in a ring of far fewer, each at least a
+/// header's 48 bytes, and a sender waits for room; the receives a rank has counted ahead of
+/// their messages are one per call, each with its own call message in that ring); below, its
+/// part's length and `PART_INLINE` (at 2 ranks a round publishes one part, so it starts at 0).
 const INLINE_INDEX: usize = 0;
 /// Bytes of a contribution that lies in the control line's spare words after an inline index.
 const INLINE_BYTES: usize = (SPARE_WORDS - 1) * 8;
@@ -271,8 +273,8 @@ impl Board {
     }
 
     /// Part `i` of `peer`'s round `e`; `None` if the index points outside the round's data
-    /// (or is not kept: our own part where the index is inline). Call only after `peer_round`
-    /// showed round `e`.
+    /// (or is not kept: `peer`'s own part, where the index is inline). Call only after
+    /// `peer_round` showed round `e`, for a round with a part per rank.
     pub(crate) fn part(&self, peer: usize, e: u64, i: usize) -> Option<&[u8]> {
         let w = if !index_inline(self.layout) {
             self.index(peer, e, i, 1).load(Ordering::Relaxed)
