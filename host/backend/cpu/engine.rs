@@ -586,12 +586,19 @@ impl Engine {
                     if *hpos < HEADER_BYTES {
                         return Ok(moved | link.take_progress());
                     }
-                    // A header-only message ends here, whatever the check below finds: a drain
-                    // after a mismatch or a refusal goes on from the next message.
-                    if header::stream_len(hdr) == Some(0) {
+                    // A header-only message ends here, whatever the check finds: a drain after a
+                    // mismatch or a refusal goes on from the next message. (Where the check
+                    // passes, the header says what we expect: decoding it again would cost
+                    // every message.)
+                    let checked = header::check(op, *peer, hdr, expect);
+                    let header_only = match checked {
+                        Ok(()) => data.is_empty(),
+                        Err(_) => header::stream_len(hdr) == Some(0),
+                    };
+                    if header_only {
                         link.end_message();
                     }
-                    header::check(op, *peer, hdr, expect).map_err(|e| match e {
+                    checked.map_err(|e| match e {
                         Error::Mismatch { op, peer, detail } if *earlier => Error::Mismatch {
                             op,
                             peer,
