@@ -5,9 +5,9 @@
 //! `tail` with Acquire before reading those bytes, so it never sees a byte before it is written.
 //! The same pair in the other direction (`head`) tells the producer a region may be reused.
 //!
-//! A message of up to a line follows a line start. Each write carries the rest of one message
-//! (a header and its payload), so a write that takes all it was given ends a message; where the
-//! message was at most 64 bytes, the producer skips to the next line start before it publishes
+//! A message of up to a line is followed by a line start. Each write carries the rest of one
+//! message (a header and its payload), so a write that takes all it was given ends a message;
+//! where the message was at most 64 bytes, the producer skips to the next line start before it publishes
 //! `tail`, and the consumer does the same once it has read the message's last byte
 //! (`end_message`). A stream of such messages then has each in one line instead of straddling
 //! two: the consumer takes two lines from the producer's core (`tail`'s and the message's), not

@@ -167,10 +167,10 @@ impl Board {
         index_inline(self.layout) && bytes <= INLINE_BYTES as u64
     }
 
-    /// Where r's bytes for round `epoch` lie, `bytes` of them published, and how many fit
-    /// there.
-    fn slot_data(&self, r: usize, epoch: u64, bytes: u64) -> (*mut u8, usize) {
-        if self.data_inline(bytes) {
+    /// Where r's bytes for round `epoch` lie, in the control line (`inline`, see
+    /// `data_inline`) or in the slot's data, and how many fit there.
+    fn slot_data(&self, r: usize, epoch: u64, inline: bool) -> (*mut u8, usize) {
+        if inline {
             // SAFETY: the last INLINE_BYTES of the slot's control line, which nothing else uses
             // on this layout (the index takes the spare word before them).
             return (unsafe { self.slot(r, epoch).add(INLINE_AT) }, INLINE_BYTES);
@@ -217,7 +217,7 @@ impl Board {
             .filter(|&(i, _)| published(i))
             .map(|(_, p)| p.len())
             .sum();
-        let (data, _) = self.slot_data(me, e, bytes as u64);
+        let (data, _) = self.slot_data(me, e, self.data_inline(bytes as u64));
         let mut at = 0;
         for (i, part) in parts.iter().enumerate().filter(|&(i, _)| published(i)) {
             // SAFETY: our own slot, in bounds (`publish` checked the total, and inline bytes
@@ -284,11 +284,7 @@ impl Board {
             return None;
         };
         let (at, len) = ((w >> 32) as usize, (w & 0xffff_ffff & !PART_INLINE) as usize);
-        let (data, room) = if w & PART_INLINE != 0 {
-            self.slot_data(peer, e, 0)
-        } else {
-            self.slot_data(peer, e, SLOT_BYTES as u64)
-        };
+        let (data, room) = self.slot_data(peer, e, w & PART_INLINE != 0);
         if at + len > room {
             return None;
         }
@@ -309,7 +305,7 @@ impl Board {
             let nbytes = self.slot_ctl(rank, e).nbytes.load(Ordering::Relaxed);
             len as u64 <= nbytes && self.data_inline(len as u64) == self.data_inline(nbytes)
         });
-        let (data, room) = self.slot_data(rank, e, len as u64);
+        let (data, room) = self.slot_data(rank, e, self.data_inline(len as u64));
         assert!(len <= room, "no more than the round's bytes");
         // SAFETY: inside the round's data; the owner does not rewrite it before we publish
         // round e + 1, which needs `&mut self`, so not while this borrow lives.
