@@ -7,6 +7,7 @@
 //! corrupted data.
 
 use super::header::{self, Call, Header, Tag, HEADER_BYTES};
+use super::held_calls::HeldCalls;
 use crate::contracts::backend::LinkLedger;
 use crate::contracts::error::{Error, Result};
 use crate::net::links::{self, back_off, Link, Transport, REF_BYTES};
@@ -164,6 +165,8 @@ struct OpenCall {
     /// from every peer come first.
     symmetric: bool,
     writes: bool,
+    /// The call's root writes nothing in it: our header-only call to it may be held.
+    quiet_root: bool,
     first_pending: bool,
     /// Header-only call messages, sent with the first exchange.
     preamble: Vec<Xfer<'static>>,
@@ -291,6 +294,8 @@ pub(crate) struct Engine {
     open: Option<OpenCall>,
     /// Peers' calls to collectives in which this rank wrote nothing, not yet arrived.
     deferred: Vec<Xfer<'static>>,
+    /// Our calls to a peer that writes nothing in its collective, not yet sent (held_calls.rs).
+    held: HeldCalls,
 }
 
 impl Engine {
@@ -307,6 +312,7 @@ impl Engine {
             calls: 0,
             open: None,
             deferred: Vec::new(),
+            held: HeldCalls::default(),
         }
     }
 
@@ -376,6 +382,19 @@ impl Engine {
     // of the time (docs/results/cpu.md, part 16).
     #[inline(always)]
     pub(crate) fn begin_call(&mut self, tag: Tag, call: Call, symmetric: bool, writes: bool) {
+        self.open_call(tag, call, symmetric, writes, false);
+    }
+
+    /// As `begin_call`, for a collective whose root writes nothing in it (a broadcast's): our
+    /// header-only call message to the root, which does not wait for it, may be held and sent
+    /// with later ones (held_calls.rs).
+    #[inline(always)]
+    pub(crate) fn begin_call_to_quiet_root(&mut self, tag: Tag, call: Call, symmetric: bool, writes: bool) {
+        self.open_call(tag, call, symmetric, writes, true);
+    }
+
+    #[inline(always)]
+    fn open_call(&mut self, tag: Tag, call: Call, symmetric: bool, writes: bool, quiet_root: bool) {
         self.calls += 1;
         let call = Call {
             seq: self.calls,
@@ -386,6 +405,7 @@ impl Engine {
             call,
             symmetric,
             writes,
+            quiet_root,
             first_pending: true,
             preamble: Vec::new(),
         };
@@ -398,13 +418,21 @@ impl Engine {
     }
 
     /// Header-only call messages to `to` and from `from`; the receives of a rank that writes
-    /// nothing go to `deferred` instead of the returned list.
+    /// nothing go to `deferred` instead of the returned list, and a message to a root that
+    /// writes nothing may be held (`held`).
     fn call_messages(&mut self, open: &OpenCall, to: &[usize], from: &[usize]) -> Vec<Xfer<'static>> {
         let tag = Tag { nbytes: 0, ..open.tag };
-        let mut out: Vec<Xfer<'static>> = to
-            .iter()
-            .map(|&p| self.xfer_send(p, tag, &[], Some(open.call)))
-            .collect();
+        let mut out: Vec<Xfer<'static>> = Vec::with_capacity(to.len() + from.len());
+        for &p in to {
+            let x = self.xfer_send(p, tag, &[], Some(open.call));
+            let quiet = open.quiet_root && p == open.call.root as usize;
+            if let Xfer::Send { hdr, .. } = &x {
+                if quiet && self.held.hold(p, hdr) {
+                    continue;
+                }
+            }
+            out.push(x);
+        }
         for &p in from {
             let mut recv = self.xfer_recv(p, tag, Default::default(), Some(open.call), true);
             if open.writes {
@@ -672,6 +700,17 @@ impl Engine {
         self.sweep += 1;
         let mut calls_pending = pre.iter().chain(xfers.iter()).filter(|x| x.call_pending()).count();
         let (mut all_done, mut moved) = (true, false);
+        if let (Some(to), true) = (self.held.to(), self.held.due()) {
+            // First on their stream: no later message to that peer moves until they are out.
+            moved |= match self.held.pump(self.transport.link(to)) {
+                Ok(m) => m,
+                Err(reason) => return Err(self.lost_at_root(ctx.op, to, reason)),
+            };
+            if self.held.to().is_some() {
+                all_done = false;
+                self.tx_stamp[to] = self.sweep;
+            }
+        }
         for x in pre.iter_mut().chain(xfers.iter_mut()) {
             if x.done() {
                 continue;
@@ -782,6 +821,12 @@ impl Engine {
                 Vec::new()
             }
         };
+        // Held calls go out before any later message to their peer.
+        if let Some(to) = self.held.to() {
+            if (preamble.iter().chain(xfers.iter())).any(|x| matches!(x, Xfer::Send { peer, .. } if *peer == to)) {
+                self.held.make_due();
+            }
+        }
         // Calls deferred by earlier collectives come first: they are first on their streams.
         // Most exchanges have none to look at: no list is built for them.
         if !self.deferred.is_empty() {
@@ -858,11 +903,14 @@ impl Engine {
         }
     }
 
-    /// Waits for every deferred call (before a shared-memory round, which reads peers' state
-    /// outside the streams: a call still in a stream would look like another operation's; and
-    /// before links close or change hands).
+    /// Sends our held calls and waits for every deferred call (before a shared-memory round,
+    /// which reads peers' state outside the streams: a call still in a stream would look like
+    /// another operation's, and compares message counts; and before links close or change
+    /// hands).
     pub(crate) fn settle_deferred(&mut self, ctx: &OpCtx<'_>) -> Result<()> {
-        if self.deferred.is_empty() {
+        // Our held calls go out first: the peers may be settling theirs, waiting for them.
+        self.held.make_due();
+        if self.deferred.is_empty() && !self.held.due() {
             return Ok(());
         }
         for x in self.deferred.iter_mut() {
@@ -881,6 +929,9 @@ impl Engine {
             if moved {
                 pace.progressed();
             } else if let Some(now) = pace.stalled(ctx) {
+                // A peer may wait for a call we hold (one that names another root waits for
+                // us as its root): they go out whenever we wait.
+                self.held.make_due();
                 self.check_stalled(ctx, pre, xfers, now)?;
             }
         }
@@ -913,6 +964,16 @@ impl Engine {
             // Streams with an unfinished message in this pass: a later message on the same
             // stream must not start in the middle of it.
             let (mut tx_busy, mut rx_busy) = (vec![false; self.size], vec![false; self.size]);
+            // Our held calls, first on their stream: every peer reads every call.
+            if let Some(to) = self.held.to().filter(|&to| !moved_on[to]) {
+                match self.held.pump(self.transport.link(to)) {
+                    Ok(m) => moved |= m,
+                    Err(_) => moved_on[to] = true,
+                }
+                if self.held.to().is_some() && !moved_on[to] {
+                    (pending, tx_busy[to]) = (true, true);
+                }
+            }
             for x in pre.iter_mut().chain(xfers.iter_mut()).filter(|x| x.is_call()) {
                 let peer = x.peer();
                 if moved_on[peer] {
@@ -1216,7 +1277,7 @@ mod tests {
             algo: super::super::algorithms::Algo::Direct.code(),
             seq: 0,
         };
-        e.begin_call(tag, call, true, e.rank != root);
+        e.begin_call_to_quiet_root(tag, call, true, e.rank != root);
         let ctx = OpCtx::new("broadcast", Duration::from_secs(10), abort);
         let r = super::super::algorithms::broadcast(
             e,
@@ -1255,6 +1316,62 @@ mod tests {
         let mut x = [e[1].recv(0, bytes, &mut got)];
         e[1].exchange(&c, &mut x).unwrap();
         assert_eq!(got, [5u8; 8]);
+    }
+
+    /// A receiver holds its header-only calls to a root that writes nothing (held_calls.rs):
+    /// nothing reaches the root's stream until `HOLD_MAX` are held, then all go out together
+    /// in the exchange that holds the last, and the root checks every one.
+    #[test]
+    fn a_receiver_holds_its_calls_to_a_quiet_root_and_sends_them_together() {
+        let mut e = engines(2);
+        let abort = AtomicBool::new(false);
+        let hold_max = 8;
+        for _ in 0..hold_max {
+            broadcast(&mut e[0], &abort, &mut [3u8; 8], 0).unwrap();
+        }
+        for i in 1..=hold_max {
+            let mut got = [0u8; 8];
+            broadcast(&mut e[1], &abort, &mut got, 0).unwrap();
+            assert_eq!(got, [3u8; 8]);
+            let sent = e[0].transport.has_unread(1);
+            assert_eq!(
+                sent,
+                i == hold_max,
+                "after {i} broadcasts: calls in the root's stream: {sent}"
+            );
+            assert_eq!(e[1].held.to(), (i < hold_max).then_some(0));
+        }
+        let c = OpCtx::new("finalize", Duration::from_secs(10), &abort);
+        e[0].settle_deferred(&c).unwrap();
+        assert!(e[0].deferred.is_empty() && !e[0].transport.has_unread(1));
+    }
+
+    /// Two ranks that each name the other as a broadcast's root both wait as receivers, each
+    /// holding its call to the other: a wait that stalls sends what it holds, so both find the
+    /// mismatch instead of waiting out the timeout.
+    #[test]
+    fn receivers_that_name_each_other_as_root_send_their_held_calls_and_find_the_mismatch() {
+        let e = engines(2);
+        let started = Instant::now();
+        let errs: Vec<Error> = std::thread::scope(|s| {
+            let hs: Vec<_> = (e.into_iter())
+                .map(|mut e| {
+                    s.spawn(move || {
+                        let abort = AtomicBool::new(false);
+                        let root = 1 - e.rank;
+                        broadcast(&mut e, &abort, &mut [0u8; 8], root).unwrap_err()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (rank, err) in errs.iter().enumerate() {
+            assert!(
+                matches!(err, Error::Mismatch { peer, detail, .. } if *peer == 1 - rank && detail.contains("root")),
+                "rank {rank}: {err}"
+            );
+        }
+        assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
     }
 
     /// A root far ahead of a late receiver keeps at most `LATER_MAX` of its calls unread, and

@@ -6,6 +6,7 @@
 mod algorithms;
 mod engine;
 mod header;
+mod held_calls;
 mod inference;
 mod oneshot;
 mod two_level;
@@ -627,15 +628,14 @@ impl CpuBackend {
                 let a = algo(bytes)?;
                 // The chain's first exchange is not symmetric (rank k forwards to k + 1 a step after
                 // k + 1 first receives from it): header-only call messages go first.
-                begin(
-                    e,
-                    t,
-                    elems(bytes, d),
-                    *root,
-                    a.code(),
-                    a == Algo::Direct,
-                    e.rank != *root,
-                );
+                // The root writes nothing: a receiver's header-only call to it may be held.
+                let call = Call {
+                    count: elems(bytes, d) as u64,
+                    root: *root as u32,
+                    algo: a.code(),
+                    seq: 0,
+                };
+                e.begin_call_to_quiet_root(t, call, a == Algo::Direct, e.rank != *root);
                 algorithms::broadcast(e, ctx, t, buf.host_bytes_mut(), *root, a, self.tuning.chunk)
             }
             Op::AllGather { input, outputs } => {

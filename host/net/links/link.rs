@@ -103,6 +103,26 @@ impl Link {
         Ok(n + self.write(b)?)
     }
 
+    /// Writes as much of `msgs[pos..]` as the stream takes now, where `msgs` is whole messages
+    /// of `each` bytes back to back (header-only messages): on TCP in one write, a stream having
+    /// no message boundaries; on shared memory a message at a time, as a write that completes a
+    /// message ends it there (ring.rs). Returns the bytes written.
+    pub(crate) fn write_messages(&mut self, msgs: &[u8], each: usize, pos: usize) -> Result<usize, Gone> {
+        if !matches!(self, Link::Shm(_)) {
+            return self.write(&msgs[pos..]);
+        }
+        let mut at = pos;
+        while at < msgs.len() {
+            let end = (at / each + 1) * each;
+            let n = self.write(&msgs[at..end])?;
+            at += n;
+            if at < end {
+                break;
+            }
+        }
+        Ok(at - pos)
+    }
+
     /// Whether the link moved bytes of its own since last asked, though the caller's last
     /// calls moved none: a sealed link sends and receives records in parts, and a waiter that
     /// saw no progress would back off while a record is still on its way.
