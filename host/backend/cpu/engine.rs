@@ -356,10 +356,15 @@ impl Engine {
     }
 
     /// Takes in what `members` still owe us (`LinkLedger::owed`: they sent it before their
-    /// shrink) and hands the links to them on (`Transport::hand_over`); the rest are dropped,
-    /// with what the others owed. This engine is left without links.
+    /// shrink), sends them the calls we hold, and hands the links to them on
+    /// (`Transport::hand_over`); the rest are dropped, with what the others owed and what we
+    /// held for them (a lost rank's link may no longer take a byte). This engine is left
+    /// without links.
     pub(crate) fn hand_over(&mut self, ctx: &OpCtx<'_>, members: &[usize], keep_board: bool) -> Result<Transport> {
         self.deferred.retain(|x| members.contains(&x.peer()));
+        if self.held.to().is_some_and(|to| !members.contains(&to)) {
+            self.held = HeldCalls::default();
+        }
         self.settle_deferred(ctx)?;
         Ok(self.transport.hand_over(members, keep_board))
     }
@@ -1372,6 +1377,33 @@ mod tests {
             );
         }
         assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
+    }
+
+    /// A shrink that leaves out the root a receiver holds calls for drops them (the root is
+    /// gone, and its link may no longer take a byte); calls held for a member go to it.
+    #[test]
+    fn a_hand_over_drops_calls_held_for_a_rank_left_out_and_sends_a_members() {
+        let abort = AtomicBool::new(false);
+        let c = OpCtx::new("shrink", Duration::from_secs(10), &abort);
+        for (root, members) in [(2usize, [0usize, 1]), (1, [0, 1])] {
+            let mut e = engines(3);
+            let mut data = [7u8; 8];
+            broadcast(&mut e[root], &abort, &mut data, root).unwrap();
+            let (mut got0, mut got_other) = ([0u8; 8], [0u8; 8]);
+            let other = 3 - root; // the receiver besides rank 0
+            std::thread::scope(|s| {
+                let (a, b) = e.split_at_mut(1);
+                let r = &mut b[other - 1];
+                let h = s.spawn(move || broadcast(r, &AtomicBool::new(false), &mut got_other, root).unwrap());
+                broadcast(&mut a[0], &abort, &mut got0, root).unwrap();
+                h.join().unwrap();
+            });
+            assert_eq!(e[0].held.to(), Some(root));
+            let calls_before = e[root].transport.has_unread(0);
+            assert!(!calls_before, "held, not sent");
+            let _links = e[0].hand_over(&c, &members, false).unwrap();
+            assert_eq!(e[root].transport.has_unread(0), members.contains(&root), "root {root}");
+        }
     }
 
     /// A root far ahead of a late receiver keeps at most `LATER_MAX` of its calls unread, and
