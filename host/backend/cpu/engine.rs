@@ -1330,7 +1330,7 @@ mod tests {
     fn a_receiver_holds_its_calls_to_a_quiet_root_and_sends_them_together() {
         let mut e = engines(2);
         let abort = AtomicBool::new(false);
-        let hold_max = 8;
+        let hold_max = super::super::held_calls::HOLD_MAX;
         for _ in 0..hold_max {
             broadcast(&mut e[0], &abort, &mut [3u8; 8], 0).unwrap();
         }
@@ -1399,8 +1399,7 @@ mod tests {
                 h.join().unwrap();
             });
             assert_eq!(e[0].held.to(), Some(root));
-            let calls_before = e[root].transport.has_unread(0);
-            assert!(!calls_before, "held, not sent");
+            assert!(!e[root].transport.has_unread(0), "held, not sent");
             let _links = e[0].hand_over(&c, &members, false).unwrap();
             assert_eq!(e[root].transport.has_unread(0), members.contains(&root), "root {root}");
         }

@@ -13,7 +13,7 @@ use crate::net::links::{Gone, Link};
 /// Held calls that make them due: fewer than the calls per peer a root lets gather unread
 /// before it waits for the oldest (engine.rs, `LATER_MAX`), so that no root waits for a call
 /// still held.
-const HOLD_MAX: usize = 8;
+pub(crate) const HOLD_MAX: usize = 8;
 
 /// Header-only call messages to one peer, not yet (all) written.
 #[derive(Default)]
