@@ -1163,7 +1163,11 @@ impl Engine {
             peers.sort_by_key(|&(copy, _)| copy);
             peers.into_iter().map(|(_, p)| p).collect()
         };
-        let pending = waiting(pre, xfers);
+        let mut pending = waiting(pre, xfers);
+        // Held calls still going out wait on their peer too (a root that is gone never takes
+        // them: its loss, not the deadline, is the error).
+        let held = self.held.to().filter(|p| self.held.due() && !pending.contains(p));
+        pending.extend(held);
         ctx.check(now, || pending.first().copied())?;
         let gone = pending
             .iter()
@@ -1172,7 +1176,7 @@ impl Engine {
             // The peer may have written its last bytes just before leaving: its state store is a
             // Release, our read an Acquire, so sweeping once more sees everything it sent.
             self.sweep_while_moving(ctx, pre, xfers)?;
-            if waiting(pre, xfers).contains(&peer) {
+            if waiting(pre, xfers).contains(&peer) || self.held.to() == Some(peer) {
                 return Err(Error::PeerLost {
                     op: ctx.op,
                     peer: g.rank,

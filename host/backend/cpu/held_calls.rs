@@ -10,9 +10,11 @@
 use super::header::HEADER_BYTES;
 use crate::net::links::{Gone, Link};
 
-/// Held calls that make them due: fewer than the calls per peer a root lets gather unread
-/// before it waits for the oldest (engine.rs, `LATER_MAX`), so that no root waits for a call
-/// still held.
+/// Held calls that make them due: half the unread calls per peer after which a root waits
+/// for the oldest (engine.rs, `LATER_MAX`, a bound on all peers' together), so that between
+/// two ranks no root waits for a call still held. With more ranks a root far ahead of one
+/// receiver may wait for another's held call: a delay, until that receiver holds its 8th, sends
+/// to the root, stalls or settles, not a hang.
 pub(crate) const HOLD_MAX: usize = 8;
 
 /// Header-only call messages to one peer, not yet (all) written.
