@@ -51,6 +51,8 @@ impl HeldCalls {
         self.due = !self.bytes.is_empty();
     }
 
+    /// Whether they must go out now (held calls that are not due wait for one of the events
+    /// of the module's comment).
     pub(crate) fn due(&self) -> bool {
         self.due
     }
