@@ -574,14 +574,14 @@ impl CpuBackend {
         };
         // Opens the collective's call (header.rs) right before its algorithm runs.
         // `writes`: this rank writes a user buffer (else it checks peers' calls as they come).
+        let call_of = |count: usize, root: usize, algo: u8| Call {
+            count: count as u64,
+            root: root as u32,
+            algo,
+            seq: 0,
+        };
         let begin = |e: &mut Engine, t: Tag, count: usize, root: usize, algo: u8, symmetric: bool, writes: bool| {
-            let call = Call {
-                count: count as u64,
-                root: root as u32,
-                algo,
-                seq: 0,
-            };
-            e.begin_call(t, call, symmetric, writes);
+            e.begin_call(t, call_of(count, root, algo), symmetric, writes);
         };
         let elems = |bytes: usize, d: DType| bytes / d.size();
         match op {
@@ -629,12 +629,7 @@ impl CpuBackend {
                 // The chain's first exchange is not symmetric (rank k forwards to k + 1 a step after
                 // k + 1 first receives from it): header-only call messages go first.
                 // The root writes nothing: a receiver's header-only call to it may be held.
-                let call = Call {
-                    count: elems(bytes, d) as u64,
-                    root: *root as u32,
-                    algo: a.code(),
-                    seq: 0,
-                };
+                let call = call_of(elems(bytes, d), *root, a.code());
                 e.begin_call_to_quiet_root(t, call, a == Algo::Direct, e.rank != *root);
                 algorithms::broadcast(e, ctx, t, buf.host_bytes_mut(), *root, a, self.tuning.chunk)
             }
