@@ -110,7 +110,7 @@ pub(crate) fn pays() -> bool {
 /// - an AMD EPYC KVM guest: the kernel's copy 7.9 plain copies (14.5 us against 1.8 at 256
 ///   KiB), and every size by reference 1.2-5x slower than through the rings;
 /// - an Intel Xeon Firecracker guest: 1.8-2.0 plain copies (12.8 us against 6.4), and from 64
-///   KiB to 16 MiB by reference took 0.55-0.85 of the time through the rings.
+///   KiB to 16 MiB by reference took 0.42-0.85 of the time through the rings.
 ///
 /// A limit of 2, the two copies, fell between that guest's tries of the probe, so each process
 /// chose by chance and a run could mix the two ways.
