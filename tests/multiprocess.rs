@@ -156,6 +156,32 @@ fn child_entry() {
             proxy_queue_to_the_other_host(&comm, seed);
             println!("child ok: two hosts (mapped directly: {mapped})");
         }
+        "large-rings" => {
+            // Ring blocks of 1 MiB and more, which go by reference where the kernel lets a
+            // rank read its peer (net/links/pull.rs): exact sums of small integers, so every
+            // element is checked exactly.
+            let comm = new_comm("cpu", Device::Cpu, "mp-rings", CommOptions::from_env().unwrap()).unwrap();
+            let n = comm.size();
+            let count = (5 << 20) / 4 + 3;
+            let value = |r: usize, i: usize| ((r + 1) * (i % 1000)) as f32;
+            let summed = |i: usize| ((n * (n + 1) / 2) * (i % 1000)) as f32;
+            for round in 0..3 {
+                let mut x: Vec<f32> = (0..count).map(|i| value(rank, i + round)).collect();
+                comm.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+                let bad = (0..count).find(|&i| x[i] != summed(i + round));
+                assert!(bad.is_none(), "all_reduce round {round}: element {bad:?} wrong");
+                let mut m: Vec<f32> = (0..count).map(|i| value(rank, i + round)).collect();
+                comm.all_reduce(&mut m, ReduceOp::Max).unwrap();
+                assert!((0..count).all(|i| m[i] == value(n - 1, i + round)), "max round {round}");
+                let input: Vec<f32> = (0..count * n).map(|i| value(rank, i)).collect();
+                let mut out = vec![f32::NAN; count];
+                comm.reduce_scatter(&mut out, &input, ReduceOp::Sum).unwrap();
+                let bad = (0..count).find(|&i| out[i] != summed(rank * count + i));
+                assert!(bad.is_none(), "reduce_scatter round {round}: element {bad:?} wrong");
+            }
+            comm.finalize().unwrap();
+            println!("child ok: large rings");
+        }
         "smoke" => {
             let comm = new_comm("cpu", Device::Cpu, "mp-smoke", CommOptions::from_env().unwrap()).unwrap();
             let mut x = [rank as i64 + 1];
@@ -271,6 +297,22 @@ fn every_collective_two_processes_shared_memory() {
 #[test]
 fn every_collective_four_processes_shared_memory() {
     suite_across_processes(4, &[]);
+}
+
+/// Ring steps of large all_reduce and reduce_scatter, by reference where the kernel allows it
+/// (`FERROCOMM_SHM_PULL_BYTES` set, so whatever this host's copy out of another process
+/// measures), at 2 and 4 processes.
+#[test]
+fn large_ring_steps_by_reference_across_processes() {
+    for n in [2, 4] {
+        let (status, out, _) = launch(
+            n,
+            "large-rings",
+            &[("FERROCOMM_SHM_PULL_BYTES", "16384"), ("FERROCOMM_TIMEOUT", "60")],
+        );
+        assert!(status.success(), "{n} ranks failed:\n{out}");
+        assert_eq!(out.matches("child ok: large rings").count(), n, "{out}");
+    }
 }
 
 #[test]

@@ -152,6 +152,14 @@ fn pair<'p>(parts: &'p mut [&mut [u8]], a: usize, b: usize) -> (&'p [u8], &'p mu
 /// reduced as soon as it is here, while it is still in cache (measured: docs/results/cpu.md).
 pub(crate) const RING_PIECE: usize = 256 << 10;
 
+/// The block from which the steps of a reducing ring, and the all-gather phase of a ring
+/// all_reduce, may send by reference (net/links/pull.rs, where the link does). Below it the
+/// blocks streamed through the rings stay in cache on both sides, and a sender that need not
+/// wait for its receiver's copy wins; from it on the rings' two copies go through memory, and
+/// one copy wins although the sender waits (docs/results/cpu.md, part 19: all_reduce of 4-16
+/// MiB took 0.67-0.88 of the time at 2 processes and 0.67-0.81 at 4).
+const RING_BY_REFERENCE: usize = 1 << 20;
+
 /// Piece `i` of a block of `len` bytes.
 fn piece(len: usize, i: usize) -> Range<usize> {
     (i * RING_PIECE).min(len)..((i + 1) * RING_PIECE).min(len)
@@ -177,12 +185,17 @@ fn reducing_step(
         let r = piece(in_len, i);
         {
             let mut x: Vec<Xfer> = Vec::with_capacity(2);
-            // Through the rings, not by reference: each rank reduces between pieces, and a
-            // sender that waited for its neighbour to copy would wait out that reduction too
-            // (measured: by reference, all_reduce of 256 KiB took 1.2-1.4x as long,
-            // docs/results/cpu.md).
+            // Blocks below `RING_BY_REFERENCE` through the rings, not by reference: each rank
+            // reduces between pieces, and a sender that waited for its neighbour to copy would
+            // wait out that reduction too (measured: by reference, all_reduce of 256 KiB took
+            // 1.2-1.4x as long, docs/results/cpu.md).
             if i < sends {
-                x.push(e.send_in_stream(right, tag, &out[piece(out.len(), i)]));
+                let p = &out[piece(out.len(), i)];
+                x.push(if out.len() >= RING_BY_REFERENCE {
+                    e.send(right, tag, p)
+                } else {
+                    e.send_in_stream(right, tag, p)
+                });
             }
             if i < recvs {
                 x.push(e.recv(left, tag, &mut tmp[..r.len()]));
@@ -332,9 +345,10 @@ pub(crate) fn ring_all_reduce(
 ) -> Result<()> {
     let mut parts = parts_of(work, block_lens(work.len() / dtype.size(), ring.n, dtype.size()));
     ring_reduce_scatter(e, ctx, tag, ring, &mut parts, dtype, op, tmp)?;
-    // In the stream as well: by reference, this phase too made all_reduce of 256 KiB-1 MiB
-    // slower (1.1-1.2x), though all_gather's ring gained (docs/results/cpu.md).
-    ring_all_gather(e, ctx, tag, ring, &mut parts, None, true)
+    // Blocks below `RING_BY_REFERENCE` in the stream as well: by reference, this phase made
+    // all_reduce of 256 KiB-1 MiB slower (1.1-1.3x).
+    let largest = parts.iter().map(|p| p.len()).max().unwrap_or(0);
+    ring_all_gather(e, ctx, tag, ring, &mut parts, None, largest < RING_BY_REFERENCE)
 }
 
 /// Everyone sends `mine` to everyone; `slots[r]` receives rank r's (our own slot is filled by
