@@ -156,8 +156,8 @@ pub(crate) const RING_PIECE: usize = 256 << 10;
 /// all_reduce, may send by reference (net/links/pull.rs, where the link does). Below it the
 /// blocks streamed through the rings stay in cache on both sides, and a sender that need not
 /// wait for its receiver's copy wins; from it on the rings' two copies go through memory, and
-/// one copy wins although the sender waits (docs/results/cpu.md, part 19: all_reduce of 4-16
-/// MiB took 0.67-0.88 of the time at 2 processes and 0.67-0.81 at 4).
+/// one copy wins although the sender waits (docs/results/cpu.md, part 19: all_reduce of 4 and 16
+/// MiB took 0.72 and 0.76 of the time at 2 processes, 0.75 and 0.86 at 4, medians of rounds).
 const RING_BY_REFERENCE: usize = 1 << 20;
 
 /// Piece `i` of a block of `len` bytes.
