@@ -345,10 +345,14 @@ pub(crate) fn ring_all_reduce(
 ) -> Result<()> {
     let mut parts = parts_of(work, block_lens(work.len() / dtype.size(), ring.n, dtype.size()));
     ring_reduce_scatter(e, ctx, tag, ring, &mut parts, dtype, op, tmp)?;
-    // Blocks below `RING_BY_REFERENCE` in the stream as well: by reference, this phase made
-    // all_reduce of 256 KiB-1 MiB slower (1.1-1.3x).
-    let largest = parts.iter().map(|p| p.len()).max().unwrap_or(0);
-    ring_all_gather(e, ctx, tag, ring, &mut parts, None, largest < RING_BY_REFERENCE)
+    ring_all_gather(e, ctx, tag, ring, &mut parts, None, gather_in_stream(&parts))
+}
+
+/// Whether the all-gather phase of a ring all_reduce over `parts` keeps its blocks in the
+/// stream: where they are below `RING_BY_REFERENCE` (by reference, this phase made all_reduce
+/// of 256 KiB-1 MiB slower, 1.1-1.3x).
+pub(crate) fn gather_in_stream(parts: &[&mut [u8]]) -> bool {
+    parts.iter().map(|p| p.len()).max().unwrap_or(0) < RING_BY_REFERENCE
 }
 
 /// Everyone sends `mine` to everyone; `slots[r]` receives rank r's (our own slot is filled by

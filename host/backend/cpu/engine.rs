@@ -44,7 +44,8 @@ pub(crate) enum Xfer<'b> {
         reference: Option<SentByReference>,
         /// Never by reference: the payload goes through the stream (a refusal's reason, which
         /// the peer reads from there; a broadcast's messages, which stream ahead; the ring
-        /// steps of all_reduce and reduce_scatter, which reduce between pieces).
+        /// steps of all_reduce and reduce_scatter on blocks below 1 MiB, which reduce between
+        /// pieces: algorithms.rs, `RING_BY_REFERENCE`).
         in_stream: bool,
     },
     Recv {

@@ -12,7 +12,8 @@
 //! docs/results/cpu.md, "all_reduce in two levels".
 
 use super::algorithms::{
-    block_lens, parts_of, premul_work, ring_all_gather, ring_all_reduce, ring_reduce_scatter, Ring, Scratch, RING_PIECE,
+    block_lens, gather_in_stream, parts_of, premul_work, ring_all_gather, ring_all_reduce, ring_reduce_scatter, Ring,
+    Scratch, RING_PIECE,
 };
 use super::engine::{Engine, OpCtx};
 use super::header::Tag;
@@ -93,7 +94,8 @@ pub(crate) fn all_reduce(
     let mut parts = parts_of(premul_work(buf, scaled, dtype, op), lens.iter().copied());
     ring_reduce_scatter(e, ctx, tag, local, &mut parts, dtype, op, tmp)?;
     ring_all_reduce(e, ctx, tag, across, parts[layout.local_pos], dtype, op, tmp)?;
-    ring_all_gather(e, ctx, tag, local, &mut parts, None, true)?;
+    let in_stream = gather_in_stream(&parts);
+    ring_all_gather(e, ctx, tag, local, &mut parts, None, in_stream)?;
     if premul {
         buf.copy_from_slice(scaled);
     }
