@@ -345,7 +345,8 @@ pub(crate) fn ring_all_reduce(
 ) -> Result<()> {
     let mut parts = parts_of(work, block_lens(work.len() / dtype.size(), ring.n, dtype.size()));
     ring_reduce_scatter(e, ctx, tag, ring, &mut parts, dtype, op, tmp)?;
-    ring_all_gather(e, ctx, tag, ring, &mut parts, None, gather_in_stream(&parts))
+    let in_stream = gather_in_stream(&parts);
+    ring_all_gather(e, ctx, tag, ring, &mut parts, None, in_stream)
 }
 
 /// Whether the all-gather phase of a ring all_reduce over `parts` keeps its blocks in the
