@@ -160,6 +160,21 @@ pub(crate) const RING_PIECE: usize = 256 << 10;
 /// MiB took 0.72 and 0.76 of the time at 2 processes, 0.75 and 0.86 at 4, medians of rounds).
 const RING_BY_REFERENCE: usize = 1 << 20;
 
+/// Whether a ring step's block of `len` bytes stays in the stream (`RING_BY_REFERENCE`).
+fn ring_in_stream(len: usize) -> bool {
+    len < RING_BY_REFERENCE
+}
+
+/// A ring step's send of `data` to `peer`: through the stream where `in_stream`, else by
+/// reference where the link sends so.
+fn ring_send<'b>(e: &mut Engine, peer: usize, tag: Tag, data: &'b [u8], in_stream: bool) -> Xfer<'b> {
+    if in_stream {
+        e.send_in_stream(peer, tag, data)
+    } else {
+        e.send(peer, tag, data)
+    }
+}
+
 /// Piece `i` of a block of `len` bytes.
 fn piece(len: usize, i: usize) -> Range<usize> {
     (i * RING_PIECE).min(len)..((i + 1) * RING_PIECE).min(len)
@@ -190,12 +205,13 @@ fn reducing_step(
             // wait out that reduction too (measured: by reference, all_reduce of 256 KiB took
             // 1.2-1.4x as long, docs/results/cpu.md).
             if i < sends {
-                let p = &out[piece(out.len(), i)];
-                x.push(if out.len() >= RING_BY_REFERENCE {
-                    e.send(right, tag, p)
-                } else {
-                    e.send_in_stream(right, tag, p)
-                });
+                x.push(ring_send(
+                    e,
+                    right,
+                    tag,
+                    &out[piece(out.len(), i)],
+                    ring_in_stream(out.len()),
+                ));
             }
             if i < recvs {
                 x.push(e.recv(left, tag, &mut tmp[..r.len()]));
@@ -315,11 +331,7 @@ pub(crate) fn ring_all_gather(
             Some(own) if s == 0 => own,
             _ => out,
         };
-        let send = if in_stream {
-            e.send_in_stream(right, tag, out)
-        } else {
-            e.send(right, tag, out)
-        };
+        let send = ring_send(e, right, tag, out, in_stream);
         let mut x = [send, e.recv(left, tag, inc)];
         e.exchange(ctx, &mut x)?;
         if let (Some(own), 0) = (own, s) {
@@ -353,7 +365,7 @@ pub(crate) fn ring_all_reduce(
 /// stream: where they are below `RING_BY_REFERENCE` (by reference, this phase made all_reduce
 /// of 256 KiB-1 MiB slower, 1.1-1.3x).
 pub(crate) fn gather_in_stream(parts: &[&mut [u8]]) -> bool {
-    parts.iter().map(|p| p.len()).max().unwrap_or(0) < RING_BY_REFERENCE
+    ring_in_stream(parts.iter().map(|p| p.len()).max().unwrap_or(0))
 }
 
 /// Everyone sends `mine` to everyone; `slots[r]` receives rank r's (our own slot is filled by
