@@ -256,7 +256,11 @@ run_gloo() {
   esac
 }
 
-tools_of() { [ "$1" = shm ] && echo "ferrocomm mpich openmpi" || echo "ferrocomm mpich openmpi gloo"; }
+# ferrocomm runs twice in each repetition, first and last: the second run ("ferrocommagain") is
+# no peer but the noise floor. Its ratio to the first says how far one build moves against
+# itself across the time the peers took; the report counts the rows lost by more than that.
+tools_of() { [ "$1" = shm ] && echo "ferrocomm mpich openmpi ferrocommagain" || echo "ferrocomm mpich openmpi gloo ferrocommagain"; }
+run_ferrocommagain() { run_ferrocomm "$@"; }
 
 # What the report says about how each tool ran: "transport|tool|text" per line.
 mpich_is="MPICH $(mpichversion | awk '/Version:/ {print $3}'), $(mpichversion | awk '/Device:/ {print $3}')"
@@ -273,7 +277,7 @@ ompi_is="Open MPI $(ompi_info --parsable | awk -F: '/^ompi:version:full/ {print 
   echo "tcp-veth|mpich|\`MPIR_CVAR_NOLOCAL=1 UCX_TLS=tcp mpiexec.mpich -launcher ssh -launcher-exec scripts/netns_exec.sh -localhost 10.77.0.1 -hosts 10.77.0.1:N/2,10.77.0.2:N/2 -n N\` in the first namespace"
   echo "tcp-veth|openmpi|\`mpirun.openmpi --mca mpi_yield_when_idle 1 --mca pml ob1 --mca btl tcp,self --mca btl_tcp_if_include 10.77.0.0/24 --mca oob_tcp_if_include 10.77.0.0/24 --mca plm_rsh_agent scripts/netns_exec.sh --host 10.77.0.1:N/2,10.77.0.2:N/2 -n N\` in the first namespace (yield: its launcher daemons share the cores with the ranks)"
   echo "tcp-veth|gloo|\`GLOO_SOCKET_IFNAME=VETH torchrun --nnodes 2 --node-rank R --nproc-per-node N/2 --master-addr 10.77.0.1 ...\` in each namespace"
-  echo "bind|all|With no more ranks than cores ($cores here), on one host ferrocomm runs with \`--bind-to core\` and MPICH with \`-bind-to core\`, one rank per core; Open MPI binds by default (to a core at up to 2 ranks, to a package above); Gloo (torchrun) has no such setting. Unbound, two ranks may share one core for a whole run (8-byte send/recv over TCP: 3.4–4.0 µs bound, up to 11.9 µs unbound, docs/results/cpu.md). Across the namespaces neither ferrocomm nor MPICH binds: each namespace's launcher would pick the same first cores"
+  echo "bind|all|With no more ranks than cores ($cores here), on one host ferrocomm runs with \`--bind-to core\` and MPICH with \`-bind-to core\`, one rank per core; Open MPI binds by default (to a core at up to 2 ranks, to a package above); Gloo (torchrun) has no such setting. Unbound, two ranks may share one core for a whole run (8-byte send/recv over TCP: 3.4–4.0 µs bound, up to 11.9 µs unbound, docs/results/cpu.md). Across the namespaces neither ferrocomm nor MPICH binds: each namespace's launcher would pick the same first cores. Open MPI's daemons do bind there, each from the first core: at 2 processes both ranks run on core 0 (both show \`Cpus_allowed_list: 0\`)"
   echo "over|ferrocomm|no setting: its waits spin briefly, then yield, then sleep"
   echo "over|mpich|none exists in $mpich_is: MPIR_CVAR_POLLS_BEFORE_YIELD is read by ch3:nemesis only, and MPIR_CVAR_DEFAULT_THREAD_LEVEL=MPI_THREAD_MULTIPLE (whose lock yields in some builds) did not change the time either; it busy-polls through its time slice"
   echo "over|openmpi|\`--oversubscribe --mca mpi_yield_when_idle 1\`"
@@ -343,7 +347,9 @@ fi
 for t in "${transports[@]}"; do
   # Every run of every tool: repeated runs of one tool, op and size merge, each size keeping
   # its fastest, as the tables do.
-  "$bench" plot -o "$img/cpu-collectives$([ "$t" = shm ] || echo "-$t").png" "$out/$t"/*.json
+  # The plot shows each tool once: ferrocomm's second runs (the noise floor) stay out of it.
+  mapfile -t jsons < <(find "$out/$t" -name '*.json' ! -name 'ferrocommagain-*' | sort)
+  "$bench" plot -o "$img/cpu-collectives$([ "$t" = shm ] || echo "-$t").png" "${jsons[@]}"
 done
 "$py" scripts/compare_report.py "$out" "$md" "$(git rev-parse --short HEAD)" \
   "./scripts/cpu_compare.sh$([ "$quick" = 1 ] && echo " --quick")"
