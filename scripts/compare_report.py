@@ -24,8 +24,10 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", 
 PEERS = ("mpich", "openmpi", "gloo")
 NAMES = {"ferrocomm": "ferrocomm", "mpich": "MPICH", "openmpi": "Open MPI", "gloo": "Gloo",
          "ferrocommagain": "ferrocomm (second run)"}
-# ferrocomm's second run in each repetition, after the peers: not a peer but the noise floor.
-AGAIN = "ferrocommagain"
+# ferrocomm runs twice in each repetition, before the peers and after them. Its time in the
+# repetition is the geometric mean of the two ("ferrocomm"); the runs themselves are kept as
+# FIRST and AGAIN, whose ratio is the noise floor.
+FIRST, AGAIN = "ferrocommfirst", "ferrocommagain"
 FILE = re.compile(r"(?P<tool>[a-z]+)-(?P<op>[a-z_]+)-(?P<n>\d+)-r(?P<rep>\d+)(?:-\d+)?\.json")
 
 
@@ -45,7 +47,29 @@ def load(d):
                 rows = json.load(f)["rows"]
             for r in rows:
                 runs[t][(m["op"], int(m["n"]))][m["tool"]][int(m["rep"])][r["bytes"]] = r
+    for t in runs:
+        for tools in runs[t].values():
+            if AGAIN in tools and "ferrocomm" in tools:
+                tools[FIRST] = tools["ferrocomm"]
+                tools["ferrocomm"] = bracketed(tools[FIRST], tools[AGAIN])
     return runs
+
+
+def bracketed(first, again):
+    """ferrocomm's rows per repetition from its two runs there, one before the peers and one
+    after: the geometric mean of the two times (and bus bandwidths), so that neither a drift
+    across the repetition nor the first place in it counts against ferrocomm or for it. A
+    size with one run keeps that run."""
+    out = defaultdict(dict)
+    for rep, rows in first.items():
+        for b, r in rows.items():
+            a = again.get(rep, {}).get(b)
+            out[rep][b] = r if a is None else {
+                **r,
+                "time_us": (r["time_us"] * a["time_us"]) ** 0.5,
+                "busbw": (r["busbw"] * a["busbw"]) ** 0.5,
+            }
+    return out
 
 
 def best(reps, b):
@@ -70,7 +94,7 @@ def against_itself(tools, b):
     """ferrocomm's first run / its second run of the same repetition at `b` bytes, for every
     repetition with both: how far one build moves against itself across the time the peers
     took between the two."""
-    first, again = tools.get("ferrocomm", {}), tools.get(AGAIN, {})
+    first, again = tools.get(FIRST, {}), tools.get(AGAIN, {})
     return sorted(rows[b]["time_us"] / again[rep][b]["time_us"]
                   for rep, rows in first.items() if b in rows and b in again.get(rep, {}))
 
@@ -156,14 +180,16 @@ def header(notes, transports, commit, command):
         "  outnumber the cores (0.3 s elsewhere), so that no tool is timed while the scheduler still runs three",
         "  ranks on one core (section \"Ranks placed three to one\").",
         f"- Repetitions: {notes['all'].get('reps', '?')}. Each runs every tool of a transport back to back for one op and",
-        "  world size. \"paired\" = the median over repetitions of ferrocomm's time / the fastest peer's time in the",
-        "  same repetition (min–max in brackets): the goal uses it, since a shared VM drifts between fast and slow",
-        "  phases that a comparison of bests can straddle. Below 1 ferrocomm is faster.",
-        "- Noise floor: ferrocomm runs twice in every repetition, first and again after the peers.",
-        "  \"ferrocomm / itself\" = the first run's time / the second's (median [min–max]); its spread,",
-        "  the larger of a ratio and its inverse, is how far this machine moved one build against itself",
-        "  across the time a peer comparison spans. The goal table counts the rows lost by more than that.",
-        "  The second runs stay out of the tables' times, the best peer and the plots.",
+        "  world size, ferrocomm twice: first and again after the peers. ferrocomm's time in a repetition is",
+        "  the geometric mean of its two runs, which bracket the peers', so that neither a drift across the",
+        "  repetition nor the first place in it counts for or against any tool. \"paired\" = the median over",
+        "  repetitions of that time / the fastest peer's time in the same repetition (min–max in brackets):",
+        "  the goal uses it, since a shared VM drifts between fast and slow phases that a comparison of bests",
+        "  can straddle. Below 1 ferrocomm is faster.",
+        "- Noise floor: \"ferrocomm / itself\" = ferrocomm's first run / its second in the same repetition",
+        "  (median [min–max]). Its spread, the larger of a ratio and its inverse, is how far this machine",
+        "  moved one build against itself across the time a peer comparison spans; the goal table counts the",
+        "  rows lost by more than that. The plots show each tool's fastest run per size, ferrocomm's first runs.",
         "- Transports: **shm** = each library's default between ranks of one host (shared memory; Gloo has none",
         "  and appears only under TCP); **tcp-loopback** = every link TCP over `lo`; **tcp-veth** = every link TCP,",
         "  half the ranks in each of two network namespaces (ranks 0..N/2-1 in the first, for every tool) joined",
