@@ -256,9 +256,10 @@ run_gloo() {
   esac
 }
 
-# ferrocomm runs twice in each repetition, first and last: the second run ("ferrocommagain") is
-# no peer but the noise floor. Its ratio to the first says how far one build moves against
-# itself across the time the peers took; the report counts the rows lost by more than that.
+# ferrocomm runs twice in each repetition, first and last ("ferrocommagain"), around the peers.
+# The report takes the geometric mean of the two as its time there, so that neither a drift
+# across the repetition nor the first place counts for or against a tool, and their ratio as
+# the noise floor: how far one build moves against itself across the time the peers took.
 tools_of() { [ "$1" = shm ] && echo "ferrocomm mpich openmpi ferrocommagain" || echo "ferrocomm mpich openmpi gloo ferrocommagain"; }
 run_ferrocommagain() { run_ferrocomm "$@"; }
 
@@ -346,8 +347,7 @@ else
 fi
 for t in "${transports[@]}"; do
   # Every run of every tool: repeated runs of one tool, op and size merge, each size keeping
-  # its fastest, as the tables do.
-  # The plot shows each tool once: ferrocomm's second runs (the noise floor) stay out of it.
+  # its fastest. ferrocomm's second runs stay out, so that it has as many runs as a peer.
   mapfile -t jsons < <(find "$out/$t" -name '*.json' ! -name 'ferrocommagain-*' | sort)
   "$bench" plot -o "$img/cpu-collectives$([ "$t" = shm ] || echo "-$t").png" "${jsons[@]}"
 done
