@@ -264,8 +264,9 @@ def results(runs, transports):
                     theirs = {p: best(tools[p], b) for p in present}
                     top = min((p for p in present if theirs[p]), key=lambda p: theirs[p]["time_us"], default=None)
                     pr, aa = paired(tools, b), against_itself(tools, b)
+                    noise = spread(aa) if aa else None
                     if aa:
-                        selfs.append((median(aa), spread(aa), op, n, b))
+                        selfs.append((median(aa), noise, op, n, b))
                     if pr:
                         total += 1
                         m = median(pr)
@@ -273,7 +274,7 @@ def results(runs, transports):
                             worst = (m, op, n, b, top)
                         if m > 1.0:
                             lost.append((op, n, b, m))
-                            if aa and m > spread(aa):
+                            if noise is not None and m > noise:
                                 clear.append((op, n, b, m))
                     cells = [f'{theirs[p]["time_us"]:.2f}' if theirs[p] else "-" for p in present]
                     pt = f"{median(pr):.2f} [{pr[0]:.2f}–{pr[-1]:.2f}]" if pr else "-"
