@@ -366,7 +366,10 @@ pub trait Collectives<'a>: Sized {
 
     /// Mixture-of-experts combine (DeepEP's `combine`): each expert row goes back to its
     /// token's rank, and `out[t] = Σ_k weight[t, k] * row(t, k)` in f32, k in order (the same
-    /// bits on every run).
+    /// bits on every run). A token whose row did not come back (its dispatch exceeded an
+    /// expert's capacity) or whose expert id is out of range keeps its old `out` bits, and the
+    /// call fails with `Error::InvalidArgument` naming the first such (token, k); every other
+    /// token is combined, on every backend alike.
     fn moe_combine(&self, shape: MoeShape, buffers: Combine<'a>) -> Result<Self::Output> {
         self.call(Op::MoeCombine(buffers.into_op(shape)))
     }

@@ -70,9 +70,11 @@ constexpr u32 MOE_MAX_RANKS = 16;
 constexpr u32 MOE_MAX_TOPK = 32;
 constexpr u32 MOE_THREADS = 256;
 constexpr u32 D_READY = 0, D_DONE = 1, C_READY = 1 + MOE_BLOCKS, C_DONE = 2 + MOE_BLOCKS;
-// Counters (u64): [dispatch sent: MAX_RANKS][dispatch received: BLOCKS][combine sent][combine received].
+// Counters (u64): [dispatch sent: MAX_RANKS][dispatch received: BLOCKS][combine sent][combine received]
+// [the first lost row of a combine, as ~(token << 32 | k << 16 | owner): 0 for none; the host
+// reads and clears it with the error record, so the report does not depend on which block won].
 constexpr u32 C_DSENT = 0, C_DRECV = MOE_MAX_RANKS, C_CSENT = MOE_MAX_RANKS + MOE_BLOCKS,
-              C_CRECV = 2 * MOE_MAX_RANKS + MOE_BLOCKS;
+              C_CRECV = 2 * MOE_MAX_RANKS + MOE_BLOCKS, C_MISSING = 2 * MOE_MAX_RANKS + 2 * MOE_BLOCKS;
 // The `op` of a status record with FERROCOMM_STATUS_INVALID (or MISMATCH for OP_STEP).
 constexpr u32 OP_CAPACITY = 0x4d01;  // peer = local expert, expected = capacity, observed = count
 constexpr u32 OP_EXPERT = 0x4d02;    // expected = index in topk_idx, observed = the id (as i64 bits)
@@ -601,6 +603,7 @@ FERROCOMM_DEVICE_INLINE const Byte* find_row(const Window& w, const Args& a, i32
 struct Found {
   const Byte* row[MOE_MAX_TOPK];
   float weight[MOE_MAX_TOPK];
+  bool lost[MOE_MAX_TOPK];  // a bad id or a missing row: the token stays unwritten
 };
 
 FERROCOMM_DEVICE_INLINE void combine_recv(const ferrocomm_window_handle& h, const Args& a, u64* counters) {
@@ -646,13 +649,23 @@ FERROCOMM_DEVICE_INLINE void combine_recv(const ferrocomm_window_handle& h, cons
       } else if (x >= 0) {
         const i32 p = static_cast<i32>(x / static_cast<i64>(a.local));
         row = find_row(w, a, p, static_cast<u64>(x) % a.local, static_cast<i32>(t), static_cast<i32>(k));
-        if (!row) invalid(a, OP_MISSING, p, t, k);
+        if (!row) {
+          invalid(a, OP_MISSING, p, t, k);
+          // The largest complement is the smallest (token, k): the CPU engine's first.
+          const u64 key = t << 32 | k << 16 | static_cast<u64>(p);
+          if (a.errors) atomicMax(reinterpret_cast<unsigned long long*>(counters + C_MISSING), ~key);
+        }
       }
       found.row[k] = row;
       found.weight[k] = weights[t * a.topk + k];
+      found.lost[k] = x != -1 && !row;
     }
     __syncthreads();
-    for (u64 j = threadIdx.x; j < a.hidden; j += blockDim.x) {
+    // A token with a lost row fails the call and keeps its old bits (as in the CPU engine),
+    // rather than a sum of the rows that did come back.
+    bool whole = true;
+    for (u64 k = 0; k < a.topk; ++k) whole = whole && !found.lost[k];
+    for (u64 j = whole ? threadIdx.x : a.hidden; j < a.hidden; j += blockDim.x) {
       float acc = 0.0f;
       for (u64 k = 0; k < a.topk; ++k) {
         if (found.row[k]) acc = fmaf(found.weight[k], value_at(found.row[k], j, a.dtype), acc);

@@ -238,6 +238,39 @@ fn moe_capacity_overflow_is_an_error_never_a_silent_drop() {
     assert_eq!((got[0].2, got[1].2), (2, 2));
 }
 
+/// A combine row that answers a dropped k (id -1) is stray, even from the rank that would own
+/// expert "-1 / local experts" by integer division; the token it spoils keeps its old bits.
+#[test]
+fn moe_combine_refuses_a_row_for_a_dropped_k() {
+    let s = shape(4, 2, 4, 4);
+    let got = run_group(2, "moe-dropped-k", options(Duration::from_secs(10)), |c| {
+        let x = vec![1f32; 4];
+        let ids = if c.rank() == 0 { [0i32, -1] } else { [2, -1] };
+        let (mut recv, mut counts, mut src) = (vec![0f32; 2 * 4 * 4], vec![0i32; 2], vec![0i32; 2 * 4 * 3]);
+        c.moe_dispatch(s, Dispatch::send(&x, &ids).recv(&mut recv, &mut counts, &mut src))
+            .unwrap();
+        if c.rank() == 0 {
+            // Row 0 of expert 0 is (rank 0, token 0, k 0): say k 1, whose id is -1.
+            assert_eq!(&src[..3], &[0, 0, 0]);
+            src[2] = 1;
+        }
+        let mut out = vec![-7f32; 4];
+        let r = c.moe_combine(
+            s,
+            Combine::send(&recv, &src, &counts).recv(&ids, &[1.0f32, 1.0], &mut out),
+        );
+        (r, out)
+    });
+    match &got[0].0 {
+        Err(Error::InvalidArgument { reason, .. })
+            if reason.contains("rank 0 returned a row for token 0, k = 1, which it was not sent") => {}
+        other => panic!("rank 0: {other:?}"),
+    }
+    assert_eq!(got[0].1, [-7f32; 4], "rank 0's token lost its row: its output stays");
+    assert!(got[1].0.is_ok(), "rank 1: {:?}", got[1].0);
+    assert_eq!(got[1].1, [1f32; 4], "rank 1's token came back whole");
+}
+
 #[test]
 fn moe_refuses_bad_routing_and_shapes() {
     let got = run_group(2, "moe-bad", options(Duration::from_secs(10)), |c| {

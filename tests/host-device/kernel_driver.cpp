@@ -361,7 +361,7 @@ void check_moe_on(int calls, bool hosts) {
     const u64 outbox = hosts ? size * (dslot + cslot) : 0;
     Group g(size, size * (dslot + cslot) + (hosts ? size * std::max(dslot, cslot) : 0), 2 + 2 * m::MOE_BLOCKS);
     Proxies proxies(g, [&](int r, int p) { return hosts && (r & 1) != (p & 1); });
-    std::vector<std::vector<u64>> counters(size, std::vector<u64>(2 * m::MOE_MAX_RANKS + 2 * m::MOE_BLOCKS, 0));
+    std::vector<std::vector<u64>> counters(size, std::vector<u64>(m::C_MISSING + 1, 0));
     std::vector<ferrocomm_status> errors(size);
     memset(errors.data(), 0, sizeof(ferrocomm_status) * size);
     for (int call = 0; call < calls; ++call) {

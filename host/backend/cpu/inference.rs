@@ -805,7 +805,10 @@ pub(super) fn moe_combine(e: &mut Engine, ctx: &OpCtx, pending: &mut Pending, m:
     let d = recv.out.dtype();
     let arrived = Arrived::take(OP, &mut pending.combine, s, d)?;
     let ids = expert_ids(recv.topk_idx.host_bytes(), recv.topk_idx.dtype());
-    check_ids(OP, &ids, s.experts)?;
+    // A bad id, a stray record or a missing row fails the call, but only the tokens it touches
+    // stay unwritten: the device kernels combine every token in parallel, and both engines
+    // leave the same bits.
+    let mut failed = check_ids(OP, &ids, s.experts).err();
     let tokens = ids.len() / s.topk;
     let weights = rows::load(recv.topk_weights.host_bytes(), DType::F32);
     let row = s.hidden * d.size();
@@ -817,12 +820,16 @@ pub(super) fn moe_combine(e: &mut Engine, ctx: &OpCtx, pending: &mut Pending, m:
         for (i, rec) in msg.chunks_exact(record).enumerate() {
             let t = u32::from_le_bytes(rec[..4].try_into().unwrap_or_default()) as usize;
             let k = u32::from_le_bytes(rec[4..8].try_into().unwrap_or_default()) as usize;
-            let owner = ids.get(t * s.topk + k).map(|&x| x / local as i64);
+            // A dropped k (-1) has no owner: a row for it is as stray as one for another rank.
+            let owner = ids.get(t * s.topk + k).filter(|&&x| x >= 0).map(|&x| x / local as i64);
             if t >= tokens || k >= s.topk || owner != Some(r as i64) {
-                return Err(Error::invalid(
-                    OP,
-                    format!("rank {r} returned a row for token {t}, k = {k}, which it was not sent"),
-                ));
+                failed.get_or_insert_with(|| {
+                    Error::invalid(
+                        OP,
+                        format!("rank {r} returned a row for token {t}, k = {k}, which it was not sent"),
+                    )
+                });
+                continue;
             }
             at[t * s.topk + k] = Some((r, i * record + 8));
         }
@@ -831,25 +838,36 @@ pub(super) fn moe_combine(e: &mut Engine, ctx: &OpCtx, pending: &mut Pending, m:
     let mut acc = vec![0f32; s.hidden];
     for t in 0..tokens {
         acc.fill(0.0);
+        let mut whole = true;
         for k in 0..s.topk {
             let x = ids[t * s.topk + k];
-            if x < 0 {
+            if x == -1 {
+                continue;
+            }
+            if x < -1 || x >= s.experts as i64 {
+                whole = false;
                 continue;
             }
             let Some((r, off)) = at[t * s.topk + k] else {
-                return Err(Error::invalid(
-                    OP,
-                    format!(
-                        "no row came back for token {t}, k = {k} (expert {x} on rank {}): its dispatch \
-                         exceeded that expert's capacity, or the expert rank's counts were cut",
-                        x / local as i64
-                    ),
-                ));
+                failed.get_or_insert_with(|| {
+                    Error::invalid(
+                        OP,
+                        format!(
+                            "no row came back for token {t}, k = {k} (expert {x} on rank {}): its dispatch \
+                             exceeded that expert's capacity, or the expert rank's counts were cut",
+                            x / local as i64
+                        ),
+                    )
+                });
+                whole = false;
+                continue;
             };
             rows::add_scaled_into(&mut acc, &arrived.from[r][off..off + row], d, weights[t * s.topk + k]);
         }
-        rows::store(&mut out[t * row..(t + 1) * row], &acc, d);
+        if whole {
+            rows::store(&mut out[t * row..(t + 1) * row], &acc, d);
+        }
     }
     pending.give_back(arrived.from);
-    Ok(())
+    failed.map_or(Ok(()), Err)
 }

@@ -66,7 +66,9 @@ const MOE_BLOCKS: u32 = 8;
 const MAX_RANKS: usize = 16;
 const MAX_TOPK: usize = 32;
 const SIGNAL_IDS: usize = 2 + 2 * MOE_BLOCKS as usize;
-const COUNTERS: usize = 2 * MAX_RANKS + 2 * MOE_BLOCKS as usize;
+const COUNTERS: usize = 2 * MAX_RANKS + 2 * MOE_BLOCKS as usize + 1;
+/// kernels/moe.cu's C_MISSING: the first lost row of a combine, complemented (0: none).
+const C_MISSING: usize = COUNTERS - 1;
 const OP_CAPACITY: u32 = 0x4d01;
 const OP_EXPERT: u32 = 0x4d02;
 const OP_SRC: u32 = 0x4d03;
@@ -579,6 +581,8 @@ impl OwnMoe {
             return Ok(());
         }
         live.errors.write(0, DeviceStatus::default());
+        let missing = !live.counters.read(C_MISSING);
+        live.counters.write(C_MISSING, 0);
         // Which call's shape the record belongs to is not kept: say what the record says.
         let peer = usize::try_from(s.peer).unwrap_or(usize::MAX);
         let expert = |i: u64, x: u64, experts: u32| {
@@ -691,7 +695,9 @@ impl OwnMoe {
                 format!(
                     "no row came back for token {}, k = {} (from rank {}): its dispatch exceeded that \
                      expert's capacity, or the expert rank's counts were cut",
-                    s.expected, s.observed, s.peer
+                    missing >> 32,
+                    (missing >> 16) & 0xffff,
+                    missing & 0xffff
                 ),
             ),
             (code, other) => Error::invalid(op, format!("MoE kernel error {code} (op {other:#x})")),

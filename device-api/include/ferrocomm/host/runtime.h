@@ -235,6 +235,13 @@ inline double atomicAdd(double* p, double v) {
   }
 }
 template <class T>
+inline T atomicMax(T* p, T v) {
+  T seen = __atomic_load_n(p, __ATOMIC_RELAXED);
+  while (seen < v && !__atomic_compare_exchange_n(p, &seen, v, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+  }
+  return seen;
+}
+template <class T>
 inline T atomicCAS(T* p, T expected, T desired) {
   __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
   return expected;
