@@ -349,7 +349,11 @@ struct Proxies {
 // with peers) run the dispatch only, with header-only announcements of a larger shape (hidden
 // 256, OP_GROW, as host/backend/device/moe.rs announces before it grows the window): by the last
 // rank alone (every rank records OP_SHAPE naming one of the other shape), then by every rank
-// (they agree: nothing recorded); nothing is written, and the next call runs normally.
+// (they agree: nothing recorded); nothing is written, and the next call runs normally. Call 5
+// (of more than 5, with peers) cuts every expert at 3 rows: a rank whose expert overflowed
+// records OP_CAPACITY, a rank whose token lost a row OP_MISSING with the smallest (token, k,
+// owner) in its C_MISSING counter; its tokens with a lost row keep their bits, the others
+// are combined.
 void check_moe_on(int calls, bool hosts) {
   namespace m = ferrocomm::moe;
   auto up16 = [](u64 x) { return (x + 15) / 16 * 16; };
@@ -367,6 +371,8 @@ void check_moe_on(int calls, bool hosts) {
     for (int call = 0; call < calls; ++call) {
       const bool bad = call == 1 && calls > 2 && size > 1;
       const bool grow = (call == 2 || call == 3) && calls > 4 && size > 1;
+      const bool cut = call == 5 && size > 1;
+      const u64 cap = cut ? 3 : capacity;
       auto tokens_of = [](int r) { return u64(5 + r); };
       std::vector<std::vector<u16>> tok(size), rt(size), eo(size), out(size);
       std::vector<std::vector<i32>> idx(size), counts(size), src(size);
@@ -390,7 +396,7 @@ void check_moe_on(int calls, bool hosts) {
       }
       g.ranks([&](int r) {
         m::Args a{};
-        a.hidden = hidden, a.topk = topk, a.experts = experts, a.local = local, a.capacity = capacity;
+        a.hidden = hidden, a.topk = topk, a.experts = experts, a.local = local, a.capacity = cap;
         a.row_bytes = hidden * 2, a.header = header, a.rows = rows, a.outbox = outbox;
         a.errors = reinterpret_cast<u64>(&errors[r]);
         ferrocomm_window_handle h = proxies.handle(r);
@@ -462,6 +468,49 @@ void check_moe_on(int calls, bool hosts) {
             if (c != -1) fail("moe announcement wrote a count", r, c, call);
           }
         }
+        memset(errors.data(), 0, sizeof(ferrocomm_status) * size);
+        continue;
+      }
+      if (cut) {
+        // Which (rank, token, k) kept its row: per expert, the first `cap` in (source, token, k)
+        // order, as the dispatch lays them out.
+        std::vector<std::vector<bool>> kept(size);
+        std::vector<u64> seen(experts, 0);
+        for (int p = 0; p < size; ++p) {
+          for (u64 q = 0; q < idx[p].size(); ++q) kept[p].push_back(idx[p][q] >= 0 && seen[idx[p][q]]++ < cap);
+        }
+        bool any_lost = false;
+        for (int r = 0; r < size; ++r) {
+          bool over = false;
+          for (u64 e = 0; e < local; ++e) over = over || seen[r * local + e] > cap;
+          u64 first = ~0ull;
+          for (u64 t = 0; t < tokens_of(r); ++t) {
+            bool whole = true;
+            for (u64 k = 0; k < topk; ++k) {
+              const u64 q = t * topk + k;
+              if (idx[r][q] < 0) continue;
+              if (!kept[r][q]) {
+                whole = false;
+                first = std::min(first, t << 32 | k << 16 | u64(idx[r][q]) / local);
+              }
+            }
+            for (u64 j = 0; j < hidden; ++j) {
+              float acc = 0.0f;
+              for (u64 k = 0; k < topk; ++k) {
+                if (idx[r][t * topk + k] >= 0) acc = fmaf(wts[r][t * topk + k], Bf16::get(tok[r][t * hidden + j]), acc);
+              }
+              if (out[r][t * hidden + j] != (whole ? Bf16::put(acc) : u16(0xffff))) fail("moe combine after a cut", r, t, j);
+            }
+          }
+          any_lost = any_lost || first != ~0ull;
+          const u32 want = over ? m::OP_CAPACITY : first != ~0ull ? m::OP_MISSING : 0;
+          if ((want == 0) != (errors[r].code == FERROCOMM_STATUS_OK) || (want != 0 && errors[r].op != want)) {
+            fail("moe record after a cut", r, errors[r].op, want);
+          }
+          if (counters[r][m::C_MISSING] != (first == ~0ull ? 0 : ~first)) fail("moe first lost row", r, counters[r][m::C_MISSING], first);
+          counters[r][m::C_MISSING] = 0;
+        }
+        if (!any_lost) fail("moe cut: no token lost a row", size, 0, 0);
         memset(errors.data(), 0, sizeof(ferrocomm_status) * size);
         continue;
       }
@@ -1205,7 +1254,7 @@ int main(int argc, char** argv) {
   const int max_ranks = argc > 1 ? atoi(argv[1]) : 4;
   // A second argument `moe` runs the MoE checks alone (the slow sanitizer runs of one kernel).
   if (argc > 2 && strcmp(argv[2], "moe") == 0) {
-    check_moe(5);
+    check_moe(6);
     return 0;
   }
   for (int n = 1; n <= max_ranks; n = n < 4 ? n + 1 : n * 2) {
@@ -1250,7 +1299,7 @@ int main(int argc, char** argv) {
     printf("ok: %d rank%s\n", n, n == 1 ? "" : "s");
     fflush(stdout);
   }
-  check_moe(5);
+  check_moe(6);
   check_norm_passes();
   return 0;
 }
