@@ -368,8 +368,8 @@ pub trait Collectives<'a>: Sized {
     /// token's rank, and `out[t] = Σ_k weight[t, k] * row(t, k)` in f32, k in order (the same
     /// bits on every run). A token whose row did not come back (its dispatch exceeded an
     /// expert's capacity) or whose expert id is out of range keeps its old `out` bits, and the
-    /// call fails with `Error::InvalidArgument` naming the first such (token, k); every other
-    /// token is combined, on every backend alike.
+    /// call fails with `Error::InvalidArgument` saying why (of lost rows, the first in token
+    /// order); every other token is combined, to the same bits on every backend.
     fn moe_combine(&self, shape: MoeShape, buffers: Combine<'a>) -> Result<Self::Output> {
         self.call(Op::MoeCombine(buffers.into_op(shape)))
     }
