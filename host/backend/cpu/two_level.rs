@@ -26,8 +26,11 @@ pub(crate) const CODE: u8 = 2;
 
 /// Where no hint says otherwise, an all_reduce of at least this many bytes runs in two levels
 /// wherever it can: measured over a link between two network namespaces (docs/results/cpu.md,
-/// "all_reduce in two levels").
-pub(crate) const TWO_LEVEL_FROM: usize = 64 << 10;
+/// "all_reduce in two levels" and part 21). At 32 KiB and 4 ranks the direct exchange sends
+/// 128 KiB each way across, 105 us at 10 Gbit/s: two levels took 69-75 us there against its
+/// 110 on the Intel Xeon guest (136 against 114 on the AMD EPYC guest of part 12, before
+/// parts 13-20); at 16 KiB the direct exchange still wins on both.
+pub(crate) const TWO_LEVEL_FROM: usize = 32 << 10;
 
 /// Where the ranks sit: the ranks of our machine, in rank order, and the ranks that hold our
 /// place on every machine, in machine order.
