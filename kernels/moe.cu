@@ -79,7 +79,8 @@ constexpr u32 C_DSENT = 0, C_DRECV = MOE_MAX_RANKS, C_CSENT = MOE_MAX_RANKS + MO
 constexpr u32 OP_CAPACITY = 0x4d01;  // peer = local expert, expected = capacity, observed = count
 constexpr u32 OP_EXPERT = 0x4d02;    // expected = index in topk_idx, observed = the id (as i64 bits)
 constexpr u32 OP_SRC = 0x4d03;       // peer = local expert, expected = row, observed = rank << 32 | k
-constexpr u32 OP_MISSING = 0x4d04;   // peer = owner rank, expected = token, observed = k
+constexpr u32 OP_MISSING = 0x4d04;   // peer = owner rank, expected = token, observed = k (some block's;
+                                      // the host names the first, from C_MISSING)
 constexpr u32 OP_STEP = 0x4d05;      // peer = source, expected = this epoch, observed = the slot's
 constexpr u32 OP_STRAY = 0x4d06;     // peer = source, expected = token, observed = k
 constexpr u32 OP_OUTBOX = 0x4d07;    // peer = destination behind the proxy queue, and no outbox

@@ -844,10 +844,7 @@ pub(super) fn moe_combine(e: &mut Engine, ctx: &OpCtx, pending: &mut Pending, m:
             if x == -1 {
                 continue;
             }
-            if x < -1 || x >= s.experts as i64 {
-                whole = false;
-                continue;
-            }
+            // A bad id has no row either (no owner accepts one), and `check_ids` named it.
             let Some((r, off)) = at[t * s.topk + k] else {
                 failed.get_or_insert_with(|| {
                     Error::invalid(
