@@ -377,6 +377,15 @@ void check_moe_on(int calls, bool hosts) {
       std::vector<std::vector<u16>> tok(size), rt(size), eo(size), out(size);
       std::vector<std::vector<i32>> idx(size), counts(size), src(size);
       std::vector<std::vector<float>> wts(size);
+      // Element j of token t's combine on rank r where every row came back as itself:
+      // sum_k w_k * token, in k order.
+      auto combined = [&](int r, u64 t, u64 j) {
+        float acc = 0.0f;
+        for (u64 k = 0; k < topk; ++k) {
+          if (idx[r][t * topk + k] >= 0) acc = fmaf(wts[r][t * topk + k], Bf16::get(tok[r][t * hidden + j]), acc);
+        }
+        return Bf16::put(acc);
+      };
       for (int r = 0; r < size; ++r) {
         const u64 t = tokens_of(r);
         for (u64 i = 0; i < t * hidden; ++i) tok[r].push_back(Bf16::put(float((long long)(mix(r * 7919 + i + call * 31) % 64) - 32) / 8.0f));
@@ -495,11 +504,7 @@ void check_moe_on(int calls, bool hosts) {
               }
             }
             for (u64 j = 0; j < hidden; ++j) {
-              float acc = 0.0f;
-              for (u64 k = 0; k < topk; ++k) {
-                if (idx[r][t * topk + k] >= 0) acc = fmaf(wts[r][t * topk + k], Bf16::get(tok[r][t * hidden + j]), acc);
-              }
-              if (out[r][t * hidden + j] != (whole ? Bf16::put(acc) : u16(0xffff))) fail("moe combine after a cut", r, t, j);
+              if (out[r][t * hidden + j] != (whole ? combined(r, t, j) : u16(0xffff))) fail("moe combine after a cut", r, t, j);
             }
           }
           any_lost = any_lost || first != ~0ull;
@@ -531,14 +536,10 @@ void check_moe_on(int calls, bool hosts) {
           }
           if (counts[r][e] != i32(i)) fail("moe dispatch count", r, e, counts[r][e]);
         }
-        // Combine: every row came back as itself, so out = sum_k w_k * token, in k order.
+        // Combine: every row came back as itself.
         for (u64 t = 0; t < tokens_of(r); ++t) {
           for (u64 j = 0; j < hidden; ++j) {
-            float acc = 0.0f;
-            for (u64 k = 0; k < topk; ++k) {
-              if (idx[r][t * topk + k] >= 0) acc = fmaf(wts[r][t * topk + k], Bf16::get(tok[r][t * hidden + j]), acc);
-            }
-            if (out[r][t * hidden + j] != Bf16::put(acc)) fail("moe combine", r, t, j);
+            if (out[r][t * hidden + j] != combined(r, t, j)) fail("moe combine", r, t, j);
           }
         }
       }
