@@ -2,6 +2,7 @@
 //! latency and of the device rows, and `plot`, which draws their JSON (and the peers').
 //! `ferrocomm-bench --help` lists the ops; `ferrocomm-bench OP --help` the flags.
 
+mod aligned;
 mod cli;
 mod device_coll;
 mod device_norm;

@@ -4,6 +4,7 @@
 //! Sizes follow nccl-tests: `bytes` is the per-rank buffer of all_reduce, broadcast, reduce and
 //! send_recv, and the *total* (all ranks' blocks) of all_gather, reduce_scatter and all_to_all.
 
+use crate::aligned::PageBuf;
 use crate::report::Row;
 use ferrocomm::prelude::*;
 use ferrocomm::{bf16, f16, Error, Result, WithOptions, F8E4M3, F8E5M2};
@@ -155,37 +156,35 @@ impl<'c> Bench<'c> {
         };
         let (right, left) = ((me + 1) % n, (me + n - 1) % n);
         let (op, root) = (self.redop, self.root);
-        let mut a = vec![
-            T::default();
+        let mut a = PageBuf::<T>::new(
             count
                 * if matches!(self.op.as_str(), "reduce_scatter" | "all_to_all") {
                     n
                 } else {
                     1
-                }
-        ];
-        let mut b = vec![
-            T::default();
+                },
+        );
+        let mut b = PageBuf::<T>::new(
             count
                 * if matches!(self.op.as_str(), "all_gather" | "all_to_all") {
                     n
                 } else {
                     1
-                }
-        ];
+                },
+        );
         fill(&mut a, me, 0);
         let secs = match self.op.as_str() {
-            "all_reduce" => self.time(|s| s.coll.all_reduce(&mut a, op))?,
-            "reduce" => self.time(|s| s.coll.reduce(&mut a, op, root))?,
-            "broadcast" => self.time(|s| s.coll.broadcast(&mut a, root))?,
-            "all_gather" => self.time(|s| s.coll.all_gather(&mut b, &a))?,
-            "reduce_scatter" => self.time(|s| s.coll.reduce_scatter(&mut b, &a, op))?,
-            "all_to_all" => self.time(|s| s.coll.all_to_all(&mut b, &a))?,
-            "send_recv" => self.time(|s| s.comm.batch().send(&a, right).recv(&mut b, left).issue())?,
+            "all_reduce" => self.time(|s| s.coll.all_reduce(&mut a[..], op))?,
+            "reduce" => self.time(|s| s.coll.reduce(&mut a[..], op, root))?,
+            "broadcast" => self.time(|s| s.coll.broadcast(&mut a[..], root))?,
+            "all_gather" => self.time(|s| s.coll.all_gather(&mut b[..], &a[..]))?,
+            "reduce_scatter" => self.time(|s| s.coll.reduce_scatter(&mut b[..], &a[..], op))?,
+            "all_to_all" => self.time(|s| s.coll.all_to_all(&mut b[..], &a[..]))?,
+            "send_recv" => self.time(|s| s.comm.batch().send(&a[..], right).recv(&mut b[..], left).issue())?,
             "put" => self.time(|s| {
                 let w = s.window.as_ref().expect("window");
                 s.epoch += 1;
-                w.put_signal(right, 0, &a, 0, SignalOp::Add, 1)?;
+                w.put_signal(right, 0, &a[..], 0, SignalOp::Add, 1)?;
                 w.wait_signal(0, SignalSource::Rank(left), Cmp::Ge, s.epoch).map(|_| ())
             })?,
             "queue_put" => {
@@ -193,7 +192,7 @@ impl<'c> Bench<'c> {
                 // the window's proxy queue and proxy thread onto the network link.
                 let w = self.window.take().expect("window");
                 let half = w.bytes() / 2;
-                let timed = w.write_local(0, &a).and_then(|_| {
+                let timed = w.write_local(0, &a[..]).and_then(|_| {
                     let q = w.proxy_queue()?;
                     self.time(|s| {
                         s.epoch += 1;
@@ -204,7 +203,7 @@ impl<'c> Bench<'c> {
                 self.window = Some(w);
                 timed?
             }
-            "get" => self.time(|s| s.window.as_ref().expect("window").get(right, 0, &mut b))?,
+            "get" => self.time(|s| s.window.as_ref().expect("window").get(right, 0, &mut b[..]))?,
             "signal" => {
                 // Ping-pong between ranks 0 and 1; a half round trip is the latency.
                 let rt = self.time(|s| {
@@ -248,12 +247,12 @@ impl<'c> Bench<'c> {
         let c = &self.coll;
         let bad = match self.op.as_str() {
             "all_reduce" | "reduce" => {
-                let mut a = vec![T::default(); count];
+                let mut a = PageBuf::<T>::new(count);
                 fill(&mut a, me, 0);
                 if self.op == "all_reduce" {
-                    c.all_reduce(&mut a, op)?;
+                    c.all_reduce(&mut a[..], op)?;
                 } else {
-                    c.reduce(&mut a, op, root)?;
+                    c.reduce(&mut a[..], op, root)?;
                 }
                 if self.op == "reduce" && me != root {
                     wrong(&a, |i| value(me, i))
@@ -262,69 +261,69 @@ impl<'c> Bench<'c> {
                 }
             }
             "broadcast" => {
-                let mut a = vec![T::default(); count];
+                let mut a = PageBuf::<T>::new(count);
                 fill(&mut a, me, 0);
-                c.broadcast(&mut a, root)?;
+                c.broadcast(&mut a[..], root)?;
                 wrong(&a, |i| value(root, i))
             }
             "all_gather" => {
-                let (mut a, mut b) = (vec![T::default(); count], vec![T::default(); count * n]);
+                let (mut a, mut b) = (PageBuf::<T>::new(count), PageBuf::<T>::new(count * n));
                 fill(&mut a, me, 0);
-                c.all_gather(&mut b, &a)?;
+                c.all_gather(&mut b[..], &a[..])?;
                 wrong(&b, |i| value(i / count, i % count))
             }
             "reduce_scatter" => {
-                let (mut a, mut b) = (vec![T::default(); count * n], vec![T::default(); count]);
+                let (mut a, mut b) = (PageBuf::<T>::new(count * n), PageBuf::<T>::new(count));
                 fill(&mut a, me, 0);
-                c.reduce_scatter(&mut b, &a, op)?;
+                c.reduce_scatter(&mut b[..], &a[..], op)?;
                 wrong(&b, |i| folded(op, n, me * count + i))
             }
             "all_to_all" => {
-                let (mut a, mut b) = (vec![T::default(); count * n], vec![T::default(); count * n]);
+                let (mut a, mut b) = (PageBuf::<T>::new(count * n), PageBuf::<T>::new(count * n));
                 fill(&mut a, me, 0);
-                c.all_to_all(&mut b, &a)?;
+                c.all_to_all(&mut b[..], &a[..])?;
                 wrong(&b, |i| value(i / count, me * count + i % count))
             }
             "send_recv" => {
-                let (mut a, mut b) = (vec![T::default(); count], vec![T::default(); count]);
+                let (mut a, mut b) = (PageBuf::<T>::new(count), PageBuf::<T>::new(count));
                 fill(&mut a, me, 0);
-                c.batch().send(&a, right).recv(&mut b, left).issue()?;
+                c.batch().send(&a[..], right).recv(&mut b[..], left).issue()?;
                 wrong(&b, |i| value(left, i))
             }
             "queue_put" => {
                 let w = self.window.as_ref().expect("window");
                 let half = w.bytes() / 2;
-                let mut a = vec![T::default(); count];
+                let mut a = PageBuf::<T>::new(count);
                 fill(&mut a, me, 0);
-                w.write_local(0, &a)?;
+                w.write_local(0, &a[..])?;
                 w.barrier()?;
                 let q = w.proxy_queue()?;
                 q.put(right, half, 0, count * std::mem::size_of::<T>())?;
                 q.flush()?;
                 w.barrier()?;
-                let mut b = vec![T::default(); count];
-                w.read_local(half, &mut b)?;
+                let mut b = PageBuf::<T>::new(count);
+                w.read_local(half, &mut b[..])?;
                 w.barrier()?;
                 wrong(&b, |i| value(left, i))
             }
             "put" | "get" => {
                 let w = self.window.as_ref().expect("window");
-                let mut a = vec![T::default(); count];
+                let mut a = PageBuf::<T>::new(count);
                 fill(&mut a, me, 0);
                 w.barrier()?;
                 if self.op == "put" {
-                    w.put(right, 0, &a)?;
+                    w.put(right, 0, &a[..])?;
                 } else {
-                    w.write_local(0, &a)?;
+                    w.write_local(0, &a[..])?;
                 }
                 w.barrier()?;
-                let mut b = vec![T::default(); count];
+                let mut b = PageBuf::<T>::new(count);
                 if self.op == "put" {
-                    w.read_local(0, &mut b)?;
+                    w.read_local(0, &mut b[..])?;
                     w.barrier()?;
                     wrong(&b, |i| value(left, i))
                 } else {
-                    w.get(right, 0, &mut b)?;
+                    w.get(right, 0, &mut b[..])?;
                     w.barrier()?;
                     wrong(&b, |i| value(right, i))
                 }
