@@ -297,6 +297,46 @@ pub(crate) struct Engine {
     deferred: Vec<Xfer<'static>>,
     /// Our calls to a peer that writes nothing in its collective, not yet sent (held_calls.rs).
     held: HeldCalls,
+    /// Kept between collectives, so that finding the pairs a first exchange leaves out
+    /// allocates nothing.
+    unreached: Unreached,
+}
+
+/// The peers a symmetric first exchange sends nothing to (`to`) and receives nothing from
+/// (`from`): header-only call messages cover those pairs.
+#[derive(Default)]
+struct Unreached {
+    /// Per rank: `SENT` and `RECEIVED` where the exchange does either.
+    reach: Vec<u8>,
+    to: Vec<usize>,
+    from: Vec<usize>,
+}
+
+const SENT: u8 = 1;
+const RECEIVED: u8 = 2;
+
+impl Unreached {
+    fn find(&mut self, rank: usize, size: usize, xfers: &[Xfer<'_>]) {
+        self.reach.clear();
+        self.reach.resize(size, 0);
+        self.reach[rank] = SENT | RECEIVED;
+        for x in xfers {
+            match x {
+                Xfer::Send { peer, .. } => self.reach[*peer] |= SENT,
+                Xfer::Recv { peer, .. } => self.reach[*peer] |= RECEIVED,
+            }
+        }
+        self.to.clear();
+        self.from.clear();
+        for (p, &r) in self.reach.iter().enumerate() {
+            if r & SENT == 0 {
+                self.to.push(p);
+            }
+            if r & RECEIVED == 0 {
+                self.from.push(p);
+            }
+        }
+    }
 }
 
 impl Engine {
@@ -314,6 +354,7 @@ impl Engine {
             open: None,
             deferred: Vec::new(),
             held: HeldCalls::default(),
+            unreached: Unreached::default(),
         }
     }
 
@@ -428,7 +469,9 @@ impl Engine {
     /// writes nothing may be held (`held`).
     fn call_messages(&mut self, open: &OpenCall, to: &[usize], from: &[usize]) -> Vec<Xfer<'static>> {
         let tag = Tag { nbytes: 0, ..open.tag };
-        let mut out: Vec<Xfer<'static>> = Vec::with_capacity(to.len() + from.len());
+        // Allocated only where a message goes in: most pairs of a broadcast's first exchange
+        // carry the call in its own messages, and a receiver's call to its root is held.
+        let mut out: Vec<Xfer<'static>> = Vec::new();
         for &p in to {
             let x = self.xfer_send(p, tag, &[], Some(open.call));
             let quiet = open.quiet_root && p == open.call.root as usize;
@@ -807,16 +850,10 @@ impl Engine {
                 if o.symmetric {
                     // Call messages for the pairs this first exchange does not reach. Nothing of
                     // this collective travels on those pairs yet, so they come first there.
-                    let (mut to, mut from) = (vec![true; self.size], vec![true; self.size]);
-                    (to[self.rank], from[self.rank]) = (false, false);
-                    for x in xfers.iter() {
-                        match x {
-                            Xfer::Send { peer, .. } => to[*peer] = false,
-                            Xfer::Recv { peer, .. } => from[*peer] = false,
-                        }
-                    }
-                    let pick = |v: &[bool]| (0..v.len()).filter(|&p| v[p]).collect::<Vec<_>>();
-                    o.preamble = self.call_messages(&o, &pick(&to), &pick(&from));
+                    let mut u = std::mem::take(&mut self.unreached);
+                    u.find(self.rank, self.size, xfers);
+                    o.preamble = self.call_messages(&o, &u.to, &u.from);
+                    self.unreached = u;
                 }
                 let pre = std::mem::take(&mut o.preamble);
                 self.open = Some(o);
