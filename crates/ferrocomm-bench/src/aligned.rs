@@ -5,8 +5,8 @@
 //! the bytes it copies lie at the same offset in source and destination. A vector per row
 //! comes from the heap at any 16-byte offset instead. A copy whose source and destination
 //! differ in their offset within a cache line is slower (the kernel's copy for a message
-//! by reference: 8–20% at 256 KiB on the 2-core guest, docs/results/cpu.md), so buffers at
-//! chance offsets would time ferrocomm on a layout its peers are never given.
+//! by reference: 5–12% at 256 KiB on the 2-core guest, docs/results/cpu.md part 23), so
+//! buffers at chance offsets would time ferrocomm on a layout its peers are never given.
 
 use std::ops::{Deref, DerefMut};
 
