@@ -23,10 +23,10 @@ impl<T: Default + Clone> PageBuf<T> {
     pub fn new(len: usize) -> PageBuf<T> {
         let size = std::mem::size_of::<T>().max(1);
         // A page's worth of elements more than asked for holds a page boundary before `len`
-        // elements, for every element size that divides the page (all the bench's types).
+        // elements. The vector starts on an element, and the bench's element sizes divide the
+        // page, so the boundary is an element's start.
         let vec = vec![T::default(); len + PAGE / size];
-        let offset = (PAGE - vec.as_ptr() as usize % PAGE) % PAGE;
-        let start = if offset.is_multiple_of(size) { offset / size } else { 0 };
+        let start = (PAGE - vec.as_ptr() as usize % PAGE) % PAGE / size;
         PageBuf { vec, start, len }
     }
 }
