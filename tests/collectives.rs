@@ -161,6 +161,44 @@ fn back_to_back_shared_memory_rounds_keep_every_result() {
     assert!(ok.iter().all(|&b| b));
 }
 
+/// A broadcast larger than a slot runs as shared-memory rounds a slot at a time (the `oneshot`
+/// hint here; by default where ranks outnumber CPUs), the root filling one slot while the
+/// receivers copy from the other. Ranks drift apart, lengths cross the slot's size (one piece,
+/// one piece and a byte, many and a part), roots change and small rounds come in between, and
+/// every result is checked, so a piece rewritten while a peer still reads it would show up as
+/// wrong data.
+#[test]
+fn broadcasts_larger_than_a_slot_go_in_pieces_and_keep_every_result() {
+    let mut o = options(Duration::from_secs(60)).with_hint("algorithm", "oneshot");
+    o.transport.force_tcp = false;
+    let slot = 64 << 10;
+    let lens = [slot, slot + 1, 3 * slot + 4100, slot - 1, 1 << 20, 2 * slot + 8];
+    for world in [2, 4] {
+        let ok = run_group(world, "pieces", o.clone(), |c| {
+            let me = c.rank();
+            for k in 0..60usize {
+                if (k + me) % 7 == 0 {
+                    std::thread::sleep(Duration::from_micros(300));
+                }
+                let (root, len) = (k % c.size(), lens[k % lens.len()]);
+                let value = |i: usize| (i.wrapping_mul(2654435761) >> 7) as u8 ^ (k * 31 + root) as u8;
+                let mut x: Vec<u8> = (0..len).map(|i| if me == root { value(i) } else { 0xa5 }).collect();
+                c.broadcast(&mut x, root).unwrap();
+                assert!(
+                    x.iter().enumerate().all(|(i, &v)| v == value(i)),
+                    "rank {me}, call {k}: {len} bytes from {root}"
+                );
+                let mut y = [me as u64 + k as u64];
+                c.all_reduce(&mut y[..], ReduceOp::Sum).unwrap();
+                let n = c.size() as u64;
+                assert_eq!(y[0], n * (n - 1) / 2 + n * k as u64, "rank {me}, call {k}");
+            }
+            true
+        });
+        assert!(ok.iter().all(|&b| b));
+    }
+}
+
 /// all_to_all_v goes through one shared-memory round only when every rank's blocks fit its
 /// slot, which only that rank knows: here rank 0 sends more than a slot holds, so every rank
 /// must fall back to messages together, and the data must still arrive. Then the same call

@@ -690,6 +690,38 @@ fn a_backend_panic_in_queued_work_is_that_works_error() {
     assert_eq!(x, [5]);
 }
 
+/// A broadcast larger than a slot goes through the board in pieces, and its first round
+/// carries every rank's whole length: a receiver with another length, whether it needs fewer
+/// pieces or fits one, is a mismatch on every rank before any piece lands.
+#[test]
+fn a_pieced_board_broadcast_receiver_with_another_length_is_a_mismatch_before_any_piece_lands() {
+    let mut o = options(Duration::from_secs(5))
+        .with_check_calls(false)
+        .with_hint("algorithm", "oneshot");
+    o.transport.force_tcp = false;
+    for short in [50_000usize, 1000] {
+        let r = run_group(3, "mm-bcast-pieces", o.clone(), |c| {
+            let count = if c.rank() == 2 { short } else { 65_536 };
+            let mut x = vec![c.rank() as f32 + 1.0; count];
+            let before = x.clone();
+            let r = c.broadcast(&mut x, 0);
+            (r, x == before)
+        });
+        let either = [
+            format!("bytes: this rank has {}, rank 0 has 262144", 4 * short),
+            format!("bytes: this rank has 262144, rank 2 has {}", 4 * short),
+        ];
+        for (rank, (r, untouched)) in r.iter().enumerate() {
+            assert!(untouched, "rank {rank}: its buffer changed: {r:?}");
+            assert!(
+                matches!(r, Err(Error::Mismatch { op: "broadcast", detail, .. })
+                    if either.iter().any(|w| detail.ends_with(w.as_str()))),
+                "rank {rank}, {short} elements at rank 2: {r:?}"
+            );
+        }
+    }
+}
+
 /// A small broadcast on one host is a shared-memory round in which every rank gives its
 /// buffer's length: a receiver with another length is a mismatch on every rank, named by
 /// field and both lengths, the root's and the other receiver's included, and no receiver's

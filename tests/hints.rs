@@ -187,6 +187,32 @@ fn a_hint_that_cannot_be_honoured_is_ignored_with_a_debug_event() {
     );
 }
 
+/// `oneshot` takes a broadcast of any size on one host: past a slot it runs in pieces, a round
+/// each, and nothing is ignored. Two ranks keep a small piece in the round's control line,
+/// more ranks in the slot's data: both are here, with last pieces of 1 byte and of many.
+#[test]
+fn the_oneshot_hint_takes_a_broadcast_larger_than_a_slot() {
+    let seed = fresh_seed();
+    let mut o = options(TIMEOUT).with_hint("algorithm", "oneshot");
+    o.transport.force_tcp = false;
+    for world in [2, 3] {
+        run_group(world, "hint-pieces", o.clone(), |c| {
+            let (events, _guard) = Events::capture();
+            let lens = [(64 << 10) + 1, 5 * (64 << 10) + 4100, 1 << 20];
+            for (i, n) in lens.into_iter().enumerate() {
+                check_broadcast(c, seed ^ i as u64, n, i % c.size()).unwrap();
+            }
+            assert!(events.matching(&["hint ignored"]).is_empty(), "{:?}", events.0);
+            assert_eq!(
+                events.matching(&["cpu algorithm: oneshot", "op=broadcast"]).len(),
+                lens.len(),
+                "{:?}",
+                events.0
+            );
+        });
+    }
+}
+
 #[test]
 fn the_oneshot_hint_over_tcp_runs_with_the_default_choice() {
     let seed = fresh_seed();

@@ -373,6 +373,13 @@ impl Engine {
         board.publish_count(label, nbytes, &self.send_seq)
     }
 
+    /// As `publish_round` of one part, with `nbytes` as the round's byte count
+    /// (`Board::publish_first_piece`).
+    pub(crate) fn publish_round_first_piece(&mut self, label: u64, data: &[u8], nbytes: u64) -> u64 {
+        let board = self.transport.board.as_mut().expect("callers check for a board");
+        board.publish_first_piece(label, data, nbytes, &self.send_seq)
+    }
+
     /// What our links carried, for `Comm::shrink` (see `LinkLedger`); `None` in the middle
     /// of a collective.
     pub(crate) fn ledger(&self) -> Option<LinkLedger> {

@@ -144,7 +144,8 @@ impl Tuning {
             Some(Wanted::OneShot) if available => true,
             Some(Wanted::OneShot) => {
                 let why = format!(
-                    "shared-memory rounds need every rank on this host and at most {} KiB per rank",
+                    "shared-memory rounds need every rank on this host and, but for broadcast, at \
+                     most {} KiB per rank",
                     crate::net::links::shm_board::SLOT_BYTES >> 10
                 );
                 crate::contracts::backend::hint_ignored("cpu", op, "algorithm", "oneshot", &why);
@@ -556,7 +557,7 @@ impl CpuBackend {
         let algo = |bytes: usize| self.tuning.choose(ctx.op, bytes, opts);
         // The largest operation of each kind (`RoundOp`; broadcast: its root's buffer) that
         // runs as a shared-memory round without a hint.
-        let round_max = |e: &Engine, op: RoundOp| oneshot::round_max(e, op).min(self.tuning.direct_max);
+        let round_max = |e: &Engine, op: RoundOp| oneshot::round_max(e, op, self.tuning.direct_max);
         // Whether an operation of `bytes` runs as a shared-memory round (`largest`: the bytes
         // one rank's slot must hold); if so, the calls peers still owe are taken in first and
         // the round is counted as a collective.
@@ -622,7 +623,8 @@ impl CpuBackend {
             Op::Broadcast { buf, root } => {
                 let (d, bytes) = (buf.dtype(), buf.host_bytes().len());
                 let t = tag(3, d, None);
-                if round(e, bytes, bytes, RoundOp::Broadcast)? {
+                // A round takes a broadcast of any size, a slot at a time.
+                if round(e, bytes, bytes.min(links::shm_board::SLOT_BYTES), RoundOp::Broadcast)? {
                     return oneshot::broadcast(e, ctx, t, buf.host_bytes_mut(), *root);
                 }
                 let a = algo(bytes)?;

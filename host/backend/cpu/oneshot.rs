@@ -36,21 +36,25 @@ pub(crate) enum RoundOp {
 }
 
 /// The largest contribution that runs as a round without a hint (`Broadcast`: its root's
-/// buffer; else the operation's bytes, as `Tuning::use_board` counts them). Where ranks
-/// outnumber CPUs the round wins at every size it takes (crowding.rs). Where every rank has a
-/// CPU of its own (2 processes bound to the 2 cores of the AMD EPYC guest, messages through the
-/// rings; docs/results/cpu.md, "Larger rounds where every rank has a CPU"): all_reduce's ring
-/// beats the round from 16 KiB (1.21-1.34 us against 1.34-1.38); the streamed broadcast, whose
-/// root runs ahead, is level with the round from 16 KiB and loses at 4-8 KiB (0.36-0.41 us
-/// against 0.23-0.28); all_gather, reduce_scatter and all_to_all keep winning in a round up to
-/// 32 KiB (all_gather at 16 KiB: 0.51-0.53 against 0.65-0.68).
-pub(crate) fn round_max(e: &Engine, op: RoundOp) -> usize {
-    if e.transport.crowded() {
-        return usize::MAX;
-    }
-    match op {
-        RoundOp::AllReduce | RoundOp::Broadcast => 8 << 10,
-        RoundOp::Exchange => 32 << 10,
+/// buffer; else the operation's bytes, as `Tuning::use_board` counts them); `direct_max`
+/// (`FERROCOMM_CPU_DIRECT_MAX`) bounds all but one. Where ranks outnumber CPUs (crowding.rs)
+/// the round wins at every size it takes, and a broadcast takes every size in pieces
+/// (`broadcast`): at 4 processes on 2 cores the pieces took 0.55-0.63 of the chain's time from
+/// 128 KiB to 4 MiB, 0.72 at 8-16 MiB and as long at 32-64 MiB, where both wait on memory
+/// (docs/results/cpu.md, part 25). Where every rank has a CPU of its own (2 processes bound to
+/// the 2 cores of the AMD EPYC guest, messages through the rings; docs/results/cpu.md, "Larger
+/// rounds where every rank has a CPU"): all_reduce's ring beats the round from 16 KiB
+/// (1.21-1.34 us against 1.34-1.38); the streamed broadcast, whose root runs ahead, is level
+/// with the round from 16 KiB and loses at 4-8 KiB (0.36-0.41 us against 0.23-0.28), and the
+/// chain beats the round's pieces at 128 KiB-16 MiB (part 25); all_gather, reduce_scatter and
+/// all_to_all keep winning in a round up to 32 KiB (all_gather at 16 KiB: 0.51-0.53 against
+/// 0.65-0.68).
+pub(crate) fn round_max(e: &Engine, op: RoundOp, direct_max: usize) -> usize {
+    match (e.transport.crowded(), op) {
+        (true, RoundOp::Broadcast) => usize::MAX,
+        (true, _) => direct_max,
+        (false, RoundOp::AllReduce | RoundOp::Broadcast) => direct_max.min(8 << 10),
+        (false, RoundOp::Exchange) => direct_max.min(32 << 10),
     }
 }
 
@@ -169,48 +173,63 @@ pub(crate) fn all_gather(e: &mut Engine, ctx: &OpCtx, tag: Tag, input: &[u8], ou
 /// A broadcast as one round: the root publishes `buf`, every other rank only its buffer's
 /// length (as the round's byte count, in the control line its peers wait on: reading it from a
 /// data line took the root a second line from each receiver's core: 0.83-0.90 of the time
-/// without it at 2 processes, in the guest's slow phase; docs/results/cpu.md, part 16), and the others copy the root's
-/// contribution once every peer's call has been checked. The root rides in the label, so
-/// ranks that name different roots disagree there; each rank checks every peer's length
-/// against its own, so a receiver with another count is a mismatch on every rank. Unlike the
-/// streamed broadcast, whose root runs ahead, the root waits for every peer's round; small
-/// messages still gain, as no rank sends a message per peer (measured: docs/results/cpu.md).
+/// without it at 2 processes, in the guest's slow phase; docs/results/cpu.md, part 16), and the
+/// others copy the root's contribution once every peer's call has been checked. The root rides
+/// in the label, so ranks that name different roots disagree there; each rank checks every
+/// peer's length against its own, so a receiver with another count is a mismatch on every rank.
+/// Unlike the streamed broadcast, whose root runs ahead, the root waits for every peer's round;
+/// small messages still gain, as no rank sends a message per peer (measured: docs/results/cpu.md).
+///
+/// A buffer larger than a slot goes in pieces of a slot, a round each. The first round's byte
+/// count is the whole length on every rank, the root's included, so every call is checked before
+/// any piece lands; the later rounds carry the pieces' lengths. With two slots the root copies
+/// piece k + 1 in while the receivers copy piece k out.
 pub(crate) fn broadcast(e: &mut Engine, ctx: &OpCtx, tag: Tag, buf: &mut [u8], root: usize) -> Result<()> {
     let (n, me, len) = (e.size, e.rank, buf.len());
     let label = tag.label() | (root as u64) << ARG_SHIFT;
-    let round = if me == root {
-        e.publish_round(label, &[buf])
-    } else {
-        e.publish_round_count(label, len as u64)
-    };
-    for p in (0..n).filter(|&p| p != me) {
-        // Every rank's byte count is its buffer's length, the root's and the receivers' alike.
-        let (got, nbytes) = await_round(e, ctx, p, round)?;
-        if got == label && nbytes == len as u64 {
-            continue;
+    let mut at = 0;
+    loop {
+        let piece = at..(at + SLOT_BYTES).min(len);
+        // Every rank's byte count is its buffer's length (first round) or the piece's, the
+        // root's and the receivers' alike.
+        let count = if at == 0 { len } else { piece.len() };
+        let round = match () {
+            _ if me != root => e.publish_round_count(label, count as u64),
+            _ if piece.len() < count => e.publish_round_first_piece(label, &buf[piece.clone()], count as u64),
+            _ => e.publish_round(label, &[&buf[piece.clone()]]),
+        };
+        for p in (0..n).filter(|&p| p != me) {
+            let (got, nbytes) = await_round(e, ctx, p, round)?;
+            if got == label && nbytes == count as u64 {
+                continue;
+            }
+            // Named by field where only one differs, as the call headers do (header.rs).
+            let same_call = got & ((1 << ARG_SHIFT) - 1) == tag.label();
+            return Err(Error::Mismatch {
+                op: ctx.op,
+                peer: p,
+                detail: if got == label {
+                    format!("bytes: this rank has {count}, rank {p} has {nbytes}")
+                } else if same_call {
+                    format!("root: this rank has {root}, rank {p} has {}", got >> ARG_SHIFT)
+                } else {
+                    format!(
+                        "it called {}, this rank {} with root {root}",
+                        Tag::from_label(got, nbytes).describe(),
+                        Tag::from_label(label, len as u64).describe()
+                    )
+                },
+            });
         }
-        // Named by field where only one differs, as the call headers do (header.rs).
-        let same_call = got & ((1 << ARG_SHIFT) - 1) == tag.label();
-        return Err(Error::Mismatch {
-            op: ctx.op,
-            peer: p,
-            detail: if got == label {
-                format!("bytes: this rank has {len}, rank {p} has {nbytes}")
-            } else if same_call {
-                format!("root: this rank has {root}, rank {p} has {}", got >> ARG_SHIFT)
-            } else {
-                format!(
-                    "it called {}, this rank {} with root {root}",
-                    Tag::from_label(got, nbytes).describe(),
-                    Tag::from_label(label, len as u64).describe()
-                )
-            },
-        });
+        if me != root {
+            let got = board(e).data(root, round, piece.len());
+            buf[piece.clone()].copy_from_slice(got);
+        }
+        at = piece.end;
+        if at == len {
+            return Ok(());
+        }
     }
-    if me != root {
-        buf.copy_from_slice(board(e).data(root, round, len));
-    }
-    Ok(())
 }
 
 pub(crate) fn barrier(e: &mut Engine, ctx: &OpCtx, tag: Tag) -> Result<()> {

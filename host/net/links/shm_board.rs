@@ -208,6 +208,18 @@ impl Board {
         self.publish_counted(label, &[], nbytes, sent)
     }
 
+    /// As `publish` of one part, `data`, but with `nbytes` as the round's byte count: the
+    /// first piece of a contribution larger than a slot, whose readers check the whole
+    /// contribution's length before they take any of it. `data` fills the slot's data (it is
+    /// not kept in the control line), and `nbytes` is at least its length.
+    pub(crate) fn publish_first_piece(&mut self, label: u64, data: &[u8], nbytes: u64, sent: &[u64]) -> u64 {
+        assert!(
+            data.len() <= SLOT_BYTES && data.len() as u64 <= nbytes && !self.data_inline(data.len() as u64),
+            "caller publishes a whole slot first"
+        );
+        self.publish_counted(label, &[data], nbytes, sent)
+    }
+
     fn publish_counted(&mut self, label: u64, parts: &[&[u8]], nbytes: u64, sent: &[u64]) -> u64 {
         debug_assert!(sent.len() <= self.layout, "one count per rank of the layout at most");
         let (e, me) = (self.next, self.rank);
