@@ -3,6 +3,7 @@
 
 mod common;
 use common::*;
+use ferrocomm::Error;
 use std::time::Duration;
 
 fn world(n: usize) {
@@ -269,6 +270,82 @@ fn a_large_group_makes_its_links_as_it_uses_them() {
         ring_ok && recv.iter().enumerate().all(|(p, &v)| v == p as u64 * 1000 + me)
     });
     assert!(ok.iter().all(|&k| k));
+}
+
+/// Between 2 ranks of one host a broadcast of 128-512 KiB goes by reference: the receiver
+/// copies out of the root's buffer, and the root waits for that copy. Data arrives from either
+/// root while the ranks drift; a receiver with another length fails at once with its buffer
+/// untouched, and its root learns of it by its next call at the latest (as a streamed root
+/// does) instead of waiting out its deadline; so does a receiver in another operation.
+#[test]
+fn a_broadcast_by_reference_between_two_ranks_delivers_and_reports_mismatches() {
+    let timeout = Duration::from_secs(10);
+    let mut o = options(timeout).with_check_calls(false);
+    o.transport.force_tcp = false;
+    // By reference even where this machine's copy out of another process is slow.
+    o.transport.shm_pull_bytes = Some(4096);
+    let direct = ferrocomm::OpOptions::new().hint("algorithm", "direct");
+    let start = std::time::Instant::now();
+    let ok = run_group(2, "bcast-ref", o.clone(), |c| {
+        let me = c.rank();
+        for k in 0..40usize {
+            if (k + me) % 5 == 0 {
+                std::thread::sleep(Duration::from_micros(500));
+            }
+            let (root, len) = (k % 2, [200_000, 256 << 10, 512 << 10, (128 << 10) + 1][k % 4]);
+            let value = |i: usize| (i.wrapping_mul(40503) >> 5) as u8 ^ k as u8;
+            let mut x: Vec<u8> = (0..len).map(|i| if me == root { value(i) } else { 0x5a }).collect();
+            let r = if k % 3 == 0 {
+                c.with_options(direct.clone()).broadcast(&mut x, root)
+            } else {
+                c.broadcast(&mut x, root)
+            };
+            r.unwrap();
+            assert!(x.iter().enumerate().all(|(i, &v)| v == value(i)), "rank {me}, call {k}");
+        }
+        true
+    });
+    assert!(ok.iter().all(|&b| b));
+    // Rank 1 expects fewer bytes than rank 0 sends.
+    let got = run_group(2, "bcast-ref-len", o.clone(), |c| {
+        let len = if c.rank() == 0 { 256 << 10 } else { 200_000 };
+        let mut x = vec![c.rank() as u8 + 1; len];
+        let first = c.with_options(direct.clone()).broadcast(&mut x, 0);
+        let untouched = x.iter().all(|&v| v == c.rank() as u8 + 1);
+        // A root whose call passed learns of the mismatch by its next call.
+        let next = first.is_ok().then(|| c.barrier());
+        (first, next, untouched)
+    });
+    let (first, _, untouched) = &got[1];
+    assert!(untouched, "rank 1: its buffer changed");
+    assert!(
+        matches!(
+            first,
+            Err(Error::Mismatch {
+                op: "broadcast",
+                peer: 0,
+                ..
+            })
+        ),
+        "{got:?}"
+    );
+    let (first, next, _) = &got[0];
+    assert!(
+        matches!(first, Err(Error::Mismatch { peer: 1, .. }))
+            || matches!(next, Some(Err(Error::Mismatch { peer: 1, .. }))),
+        "rank 0: {got:?}"
+    );
+    // Rank 1 in an all_reduce of as many bytes.
+    let got = run_group(2, "bcast-ref-op", o, |c| {
+        let mut x = vec![1.0f32; 64 << 10];
+        if c.rank() == 0 {
+            c.broadcast(&mut x, 0).and_then(|_| c.barrier())
+        } else {
+            c.all_reduce(&mut x, ReduceOp::Sum)
+        }
+    });
+    assert!(got.iter().all(|r| matches!(r, Err(Error::Mismatch { .. }))), "{got:?}");
+    assert!(start.elapsed() < timeout, "took {:?}", start.elapsed());
 }
 
 /// `finalize` is the last chance of a rank that left a collective before its peers' calls

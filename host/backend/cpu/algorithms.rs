@@ -8,7 +8,7 @@ use super::header::Tag;
 use crate::contracts::dtype::{DType, ReduceOp};
 use crate::contracts::error::Result;
 use crate::contracts::reduce::{epilogue, prologue, reduce_into};
-use std::ops::Range;
+use std::ops::{Range, RangeInclusive};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Algo {
@@ -500,6 +500,16 @@ pub(crate) fn reduce(
     Ok(())
 }
 
+/// The sizes at which a direct broadcast between 2 ranks sends its buffer by reference where
+/// the link does (net/links/pull.rs): the receiver copies once, out of the root's buffer, where
+/// through the ring the root copies in and the receiver out. Measured (2 processes bound to the
+/// 2 cores of the Intel Xeon guest, 3 rounds; docs/results/cpu.md, part 25): by reference took
+/// 0.73-0.93 of the chain's time at 192-512 KiB; it was level at 128 KiB (0.90-1.12) and 768 KiB
+/// (0.74-1.11), and slower at 1 MiB (1.09-1.33), where the chain's two copies run on both cores
+/// at once. Below, a root that need not wait for its receiver's copy wins (by reference, 16 KiB
+/// took 2.2 us against 1.2).
+pub(crate) const BROADCAST_BY_REFERENCE: RangeInclusive<usize> = (128 << 10) + 1..=512 << 10;
+
 pub(crate) fn broadcast(
     e: &mut Engine,
     ctx: &OpCtx,
@@ -515,12 +525,18 @@ pub(crate) fn broadcast(
     }
     if algo == Algo::Direct {
         if me == root {
-            // In the stream: the root runs ahead of its receivers instead of waiting for each
-            // to copy (measured: by reference, 16 KiB at 2 processes took 2.2 us against 1.2,
-            // docs/results/cpu.md).
+            // In the stream, the root runs ahead of its receivers instead of waiting for each
+            // to copy, but for the sizes where one copy wins (`BROADCAST_BY_REFERENCE`).
+            let by_reference = n == 2 && BROADCAST_BY_REFERENCE.contains(&buf.len());
             let mut x: Vec<Xfer> = (0..n)
                 .filter(|&p| p != me)
-                .map(|p| e.send_in_stream(p, tag, buf))
+                .map(|p| {
+                    if by_reference {
+                        e.send(p, tag, buf)
+                    } else {
+                        e.send_in_stream(p, tag, buf)
+                    }
+                })
                 .collect();
             return e.exchange(ctx, &mut x);
         }

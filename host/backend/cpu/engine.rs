@@ -43,7 +43,8 @@ pub(crate) enum Xfer<'b> {
         /// the payload.
         reference: Option<SentByReference>,
         /// Never by reference: the payload goes through the stream (a refusal's reason, which
-        /// the peer reads from there; a broadcast's messages, which stream ahead; the ring
+        /// the peer reads from there; a broadcast's messages, which stream ahead, but at the
+        /// sizes of algorithms.rs, `BROADCAST_BY_REFERENCE`; the ring
         /// steps of all_reduce and reduce_scatter on blocks below 1 MiB, which reduce between
         /// pieces: algorithms.rs, `RING_BY_REFERENCE`).
         in_stream: bool,

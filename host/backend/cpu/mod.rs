@@ -627,7 +627,20 @@ impl CpuBackend {
                 if round(e, bytes, bytes.min(links::shm_board::SLOT_BYTES), RoundOp::Broadcast)? {
                     return oneshot::broadcast(e, ctx, t, buf.host_bytes_mut(), *root);
                 }
-                let a = algo(bytes)?;
+                let mut a = algo(bytes)?;
+                // Between the 2 ranks of one host (a board: alike on both) the direct broadcast
+                // sends by reference at these sizes, which beats the chain (algorithms.rs).
+                if a == Algo::Ring
+                    && e.size == 2
+                    && oneshot::fits(e, 0)
+                    && algorithms::BROADCAST_BY_REFERENCE.contains(&bytes)
+                    && matches!(
+                        Tuning::wanted(ctx.op, opts.hints, false)?,
+                        None | Some(Wanted::TwoLevel)
+                    )
+                {
+                    a = Algo::Direct;
+                }
                 // The chain's first exchange is not symmetric (rank k forwards to k + 1 a step after
                 // k + 1 first receives from it): header-only call messages go first.
                 // The root writes nothing: a receiver's header-only call to it may be held.

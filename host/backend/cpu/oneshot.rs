@@ -39,9 +39,9 @@ pub(crate) enum RoundOp {
 /// buffer; else the operation's bytes, as `Tuning::use_board` counts them); `direct_max`
 /// (`FERROCOMM_CPU_DIRECT_MAX`) bounds all but one. Where ranks outnumber CPUs (crowding.rs)
 /// the round wins at every size it takes, and a broadcast takes every size in pieces
-/// (`broadcast`): at 4 processes on 2 cores the pieces took 0.55-0.63 of the chain's time from
-/// 128 KiB to 4 MiB, 0.72 at 8-16 MiB and as long at 32-64 MiB, where both wait on memory
-/// (docs/results/cpu.md, part 25). Where every rank has a CPU of its own (2 processes bound to
+/// (`broadcast`): at 4 processes on 2 cores the pieces took 0.46-0.78 of the chain's time from
+/// 128 KiB to 4 MiB (medians 0.53-0.63), 0.69-0.75 at 8-16 MiB and 0.97-1.05 at 32-64 MiB,
+/// where both wait on memory (docs/results/cpu.md, part 25). Where every rank has a CPU of its own (2 processes bound to
 /// the 2 cores of the AMD EPYC guest, messages through the rings; docs/results/cpu.md, "Larger
 /// rounds where every rank has a CPU"): all_reduce's ring beats the round from 16 KiB
 /// (1.21-1.34 us against 1.34-1.38); the streamed broadcast, whose root runs ahead, is level
