@@ -213,6 +213,23 @@ fn the_oneshot_hint_takes_a_broadcast_larger_than_a_slot() {
     }
 }
 
+/// Unhinted, a broadcast of 128-512 KiB between the 2 ranks of one host goes direct and by
+/// reference (or, where the ranks outnumber the CPUs, as shared-memory rounds), not by the
+/// chain its size alone would pick.
+#[test]
+fn a_broadcast_between_two_ranks_of_one_host_at_256_kib_is_direct_by_reference() {
+    let seed = fresh_seed();
+    let mut o = options(TIMEOUT);
+    o.transport.force_tcp = false;
+    run_group(2, "bcast-256k", o, |c| {
+        let (events, _guard) = Events::capture();
+        check_broadcast(c, seed, 256 << 10, 1).unwrap();
+        let direct = events.matching(&["cpu algorithm: direct by reference", "op=broadcast"]);
+        let rounds = events.matching(&["cpu algorithm: oneshot", "op=broadcast"]);
+        assert_eq!(direct.len() + rounds.len(), 1, "{:?}", events.0);
+    });
+}
+
 #[test]
 fn the_oneshot_hint_over_tcp_runs_with_the_default_choice() {
     let seed = fresh_seed();

@@ -1025,7 +1025,12 @@ impl Engine {
                     (pending, tx_busy[to]) = (true, true);
                 }
             }
-            for x in pre.iter_mut().chain(xfers.iter_mut()).filter(|x| x.is_call()) {
+            // A send already done has nothing left to move: stepping it again would report
+            // progress (a copied reference says so every time), and a drain that always sees
+            // progress never reaches its deadline. (A receive goes on past its buffer to the
+            // end of the message the peer sent, which `drain_one` knows.)
+            let sent = |x: &Xfer<'_>| matches!(x, Xfer::Send { .. }) && x.done();
+            for x in (pre.iter_mut().chain(xfers.iter_mut())).filter(|x| x.is_call() && !sent(x)) {
                 let peer = x.peer();
                 if moved_on[peer] {
                     continue;
@@ -1238,13 +1243,27 @@ impl Engine {
         if let Some(peer) = ahead {
             self.sweep_while_moving(ctx, pre, xfers)?;
             if waiting(pre, xfers).contains(&peer) {
+                // Named by field, as a header check names it, where the round says which
+                // operation the peer is in and it is another (the peer may have moved on to
+                // a later round since: then the fields stay unnamed).
+                let theirs = (self.transport.board.as_ref())
+                    .and_then(|b| b.peer_round(peer, b.peer_latest(peer)))
+                    .map(|(label, _)| header::op_name(label as u8));
+                let detail = match theirs {
+                    Some(t) if t != ctx.op => format!(
+                        "operation: this rank has {}, rank {peer} has {t} (in a shared-memory round, \
+                         while this rank waits for its message)",
+                        ctx.op
+                    ),
+                    _ => "it entered a shared-memory collective (all_reduce, all_gather, \
+                          reduce_scatter, all_to_all or barrier of a small size, or a broadcast) while \
+                          this rank waits for its message"
+                        .into(),
+                };
                 return Err(Error::Mismatch {
                     op: ctx.op,
                     peer,
-                    detail: "it entered a shared-memory collective (all_reduce, all_gather, \
-                             reduce_scatter, all_to_all, broadcast or barrier of a small size) while this rank \
-                             waits for its message"
-                        .into(),
+                    detail,
                 });
             }
         }

@@ -124,8 +124,9 @@ impl Tuning {
 
     /// Does this all_reduce, all_gather, reduce_scatter, all_to_all or broadcast go through the
     /// board (oneshot.rs)?
-    /// `available`: every rank shares this host and a contribution fits a slot (alike on every
-    /// rank, so ranks that ignore the hint all do).
+    /// `available`: every rank shares this host and a contribution fits a slot (a broadcast's
+    /// callers ask for one slot's piece of it); alike on every rank, so ranks that ignore the
+    /// hint all do.
     fn use_board(&self, op: &'static str, bytes: usize, opts: &RunOptions, available: bool) -> Result<bool> {
         self.use_board_up_to(op, bytes, opts, available, self.direct_max)
     }
@@ -630,6 +631,9 @@ impl CpuBackend {
                 let mut a = algo(bytes)?;
                 // Between the 2 ranks of one host (a board: alike on both) the direct broadcast
                 // sends by reference at these sizes, which beats the chain (algorithms.rs).
+                // Where the link sends nothing by reference (`FERROCOMM_SHM_PULL_BYTES`, or a
+                // slow copy out of another process) it streams one message, which measured
+                // level with the chain up to 512 KiB (docs/results/cpu.md, part 24).
                 if a == Algo::Ring
                     && e.size == 2
                     && oneshot::fits(e, 0)
@@ -640,6 +644,7 @@ impl CpuBackend {
                     )
                 {
                     a = Algo::Direct;
+                    tracing::trace!(op = ctx.op, bytes, "cpu algorithm: direct by reference between 2 ranks");
                 }
                 // The chain's first exchange is not symmetric (rank k forwards to k + 1 a step after
                 // k + 1 first receives from it): header-only call messages go first.

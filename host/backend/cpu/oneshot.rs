@@ -1,6 +1,6 @@
 //! One-shot collectives over the board (net/links/shm_board.rs), used when every rank shares this
 //! host: each rank publishes its contribution once and reads every peer's in place, instead of
-//! sending framed copies through the rings. all_reduce folds in rank order, as the direct
+//! sending framed copies through the rings (a broadcast larger than a slot, a slot per round). all_reduce folds in rank order, as the direct
 //! algorithm does, so every rank computes bit-identical results. Every round reads every
 //! peer's contribution, which the board's slot reuse relies on.
 
@@ -41,14 +41,14 @@ pub(crate) enum RoundOp {
 /// the round wins at every size it takes, and a broadcast takes every size in pieces
 /// (`broadcast`): at 4 processes on 2 cores the pieces took 0.46-0.78 of the chain's time from
 /// 128 KiB to 4 MiB (medians 0.53-0.63), 0.69-0.75 at 8-16 MiB and 0.97-1.05 at 32-64 MiB,
-/// where both wait on memory (docs/results/cpu.md, part 25). Where every rank has a CPU of its own (2 processes bound to
-/// the 2 cores of the AMD EPYC guest, messages through the rings; docs/results/cpu.md, "Larger
-/// rounds where every rank has a CPU"): all_reduce's ring beats the round from 16 KiB
-/// (1.21-1.34 us against 1.34-1.38); the streamed broadcast, whose root runs ahead, is level
-/// with the round from 16 KiB and loses at 4-8 KiB (0.36-0.41 us against 0.23-0.28), and the
-/// chain beats the round's pieces at 128 KiB-16 MiB (part 25); all_gather, reduce_scatter and
-/// all_to_all keep winning in a round up to 32 KiB (all_gather at 16 KiB: 0.51-0.53 against
-/// 0.65-0.68).
+/// where both wait on memory (docs/results/cpu.md, part 25). Where every rank has a CPU of its
+/// own (2 processes bound to the 2 cores of the AMD EPYC guest, messages through the rings;
+/// docs/results/cpu.md, "Larger rounds where every rank has a CPU"): all_reduce's ring beats
+/// the round from 16 KiB (1.21-1.34 us against 1.34-1.38); the streamed broadcast, whose root
+/// runs ahead, is level with the round from 16 KiB and loses at 4-8 KiB (0.36-0.41 us against
+/// 0.23-0.28), and the chain beats the round's pieces at 128 KiB-16 MiB (part 25); all_gather,
+/// reduce_scatter and all_to_all keep winning in a round up to 32 KiB (all_gather at 16 KiB:
+/// 0.51-0.53 against 0.65-0.68).
 pub(crate) fn round_max(e: &Engine, op: RoundOp, direct_max: usize) -> usize {
     match (e.transport.crowded(), op) {
         (true, RoundOp::Broadcast) => usize::MAX,
