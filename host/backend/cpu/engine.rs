@@ -1448,6 +1448,56 @@ mod tests {
         assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
     }
 
+    /// After a mismatch a rank drains every peer's call until the deadline. A send by
+    /// reference that its receiver has already taken in is done, and stepping it again must not
+    /// count as progress: the drain checks its deadline only when nothing moves, so a drain
+    /// still waiting for a peer that never calls would spin for ever (it did, in
+    /// tests/reliability.rs). Rank 1 calls with another dtype and reads past rank 0's
+    /// reference while it drains; rank 2 never calls.
+    #[test]
+    fn a_drain_after_a_copied_reference_still_ends_at_its_deadline() {
+        let mut e = engines(3);
+        // Rank 1 makes its link first, so that it offers to copy (rank 0 sends by reference).
+        let _ = e[1].transport.link(0);
+        let (bytes, floats) = (
+            super::super::tag(6, DType::U8, None),
+            super::super::tag(6, DType::F32, None),
+        );
+        let call = |count| Call {
+            count,
+            root: 0,
+            algo: 0,
+            seq: 0,
+        };
+        let mut ranks = e.drain(..);
+        let (mut r0, mut r1, _r2) = (ranks.next().unwrap(), ranks.next().unwrap(), ranks.next().unwrap());
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        let started = Instant::now();
+        std::thread::spawn(move || {
+            let abort = AtomicBool::new(false);
+            let (data, mut from1, mut from2) = (vec![1u8; 1 << 16], vec![0u8; 1 << 16], vec![0u8; 1 << 16]);
+            r0.begin_call(bytes, call(1 << 16), true, true);
+            let mut x = [
+                r0.send(1, bytes, &data),
+                r0.recv(1, bytes, &mut from1),
+                r0.recv(2, bytes, &mut from2),
+            ];
+            let r = r0.exchange(&ctx(&abort, Duration::from_secs(2)), &mut x);
+            let _ = done_tx.send(r);
+        });
+        let abort = AtomicBool::new(false);
+        let (data, mut from0) = (vec![2u8; 1 << 16], vec![0u8; 1 << 16]);
+        r1.begin_call(floats, call(1 << 14), true, true);
+        let mut x = [r1.send(0, floats, &data), r1.recv(0, floats, &mut from0)];
+        let r1_got = r1.exchange(&ctx(&abort, Duration::from_secs(2)), &mut x);
+        assert!(matches!(r1_got, Err(Error::Mismatch { peer: 0, .. })), "{r1_got:?}");
+        let r0_got = done_rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("rank 0's drain did not end at its deadline");
+        assert!(matches!(r0_got, Err(Error::Mismatch { peer: 1, .. })), "{r0_got:?}");
+        assert!(started.elapsed() < Duration::from_secs(10), "{:?}", started.elapsed());
+    }
+
     /// A shrink that leaves out the root a receiver holds calls for drops them (the root is
     /// gone, and its link may no longer take a byte); calls held for a member go to it.
     #[test]
