@@ -10,8 +10,7 @@
  *   cc -O2 -o cma_split benches/probes/cma_split.c
  *   ./cma_split SIZE ITERS
  */
-#define _GNU_SOURCE
-#include <sched.h>
+#include "probe.h"
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -20,21 +19,7 @@
 #include <sys/mman.h>
 #include <sys/uio.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec + t.tv_nsec * 1e-9;
-}
-
-static void bind_to(int cpu) {
-    cpu_set_t s;
-    CPU_ZERO(&s);
-    CPU_SET(cpu, &s);
-    sched_setaffinity(0, sizeof s, &s);
-}
 
 /* Two counters on a shared page: each side bumps its own and waits for the other's. */
 static _Atomic long *sync_page;
