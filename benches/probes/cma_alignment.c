@@ -8,8 +8,7 @@
  *   cc -O2 -o cma_alignment benches/probes/cma_alignment.c
  *   ./cma_alignment SIZE SRC_OFF DST_OFF ITERS
  */
-#define _GNU_SOURCE
-#include <sched.h>
+#include "probe.h"
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -17,21 +16,7 @@
 #include <sys/mman.h>
 #include <sys/uio.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec + t.tv_nsec * 1e-9;
-}
-
-static void bind_to(int cpu) {
-    cpu_set_t s;
-    CPU_ZERO(&s);
-    CPU_SET(cpu, &s);
-    sched_setaffinity(0, sizeof s, &s);
-}
 
 int main(int argc, char **argv) {
     if (argc != 5) {
