@@ -506,8 +506,8 @@ pub(crate) fn reduce(
 /// 2 cores of the Intel Xeon guest, 3 rounds; docs/results/cpu.md, part 25): by reference took
 /// 0.73-0.99 of the chain's time at 192-512 KiB (medians 0.75-0.92); it was level at 128 KiB
 /// (0.90-1.12), mixed at 768 KiB (0.74-1.11), and slower at 1 MiB (1.09-1.33), where the
-/// chain's two copies run on both cores at once. Below, a root that need not wait for its receiver's copy wins (by reference, 16 KiB
-/// took 2.2 us against 1.2).
+/// chain's two copies run on both cores at once. Below, a root that need not wait for its
+/// receiver's copy wins (by reference, 16 KiB took 2.2 us against 1.2).
 pub(crate) const BROADCAST_BY_REFERENCE: RangeInclusive<usize> = (128 << 10) + 1..=512 << 10;
 
 pub(crate) fn broadcast(

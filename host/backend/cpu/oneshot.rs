@@ -193,10 +193,12 @@ pub(crate) fn broadcast(e: &mut Engine, ctx: &OpCtx, tag: Tag, buf: &mut [u8], r
         // Every rank's byte count is its buffer's length (first round) or the piece's, the
         // root's and the receivers' alike.
         let count = if at == 0 { len } else { piece.len() };
-        let round = match () {
-            _ if me != root => e.publish_round_count(label, count as u64),
-            _ if piece.len() < count => e.publish_round_first_piece(label, &buf[piece.clone()], count as u64),
-            _ => e.publish_round(label, &[&buf[piece.clone()]]),
+        let round = if me != root {
+            e.publish_round_count(label, count as u64)
+        } else if piece.len() < count {
+            e.publish_round_first_piece(label, &buf[piece.clone()], count as u64)
+        } else {
+            e.publish_round(label, &[&buf[piece.clone()]])
         };
         for p in (0..n).filter(|&p| p != me) {
             let (got, nbytes) = await_round(e, ctx, p, round)?;
