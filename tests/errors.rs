@@ -690,15 +690,22 @@ fn a_backend_panic_in_queued_work_is_that_works_error() {
     assert_eq!(x, [5]);
 }
 
+/// Options that put a broadcast on the board whatever the environment says (transport, call
+/// checks, round sizes).
+fn pinned_to_the_board() -> CommOptions {
+    let mut o = options(Duration::from_secs(5))
+        .with_check_calls(false)
+        .with_hint("algorithm", "oneshot");
+    o.transport.force_tcp = false;
+    o
+}
+
 /// A broadcast larger than a slot goes through the board in pieces, and its first round
 /// carries every rank's whole length: a receiver with another length, whether it needs fewer
 /// pieces or fits one, is a mismatch on every rank before any piece lands.
 #[test]
 fn a_pieced_board_broadcast_receiver_with_another_length_is_a_mismatch_before_any_piece_lands() {
-    let mut o = options(Duration::from_secs(5))
-        .with_check_calls(false)
-        .with_hint("algorithm", "oneshot");
-    o.transport.force_tcp = false;
+    let o = pinned_to_the_board();
     for short in [50_000usize, 1000] {
         let r = run_group(3, "mm-bcast-pieces", o.clone(), |c| {
             let count = if c.rank() == 2 { short } else { 65_536 };
@@ -728,12 +735,7 @@ fn a_pieced_board_broadcast_receiver_with_another_length_is_a_mismatch_before_an
 /// buffer changes.
 #[test]
 fn a_board_broadcast_receiver_with_another_length_is_a_mismatch_everywhere() {
-    // Pinned to the board whatever the environment says (transport, call checks, round sizes).
-    let mut o = options(Duration::from_secs(5))
-        .with_check_calls(false)
-        .with_hint("algorithm", "oneshot");
-    o.transport.force_tcp = false;
-    let r = run_group(3, "mm-bcast-len", o, |c| {
+    let r = run_group(3, "mm-bcast-len", pinned_to_the_board(), |c| {
         let count = if c.rank() == 2 { 3 } else { 4 };
         let mut x = vec![c.rank() as f32 + 1.0; count];
         let before = x.clone();
