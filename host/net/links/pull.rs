@@ -111,20 +111,20 @@ pub(crate) fn pays() -> bool {
 ///   1.2-5x slower than through the rings;
 /// - an Intel Xeon Firecracker guest, in one phase: 1.8-2.0 (12.8 us against 6.4); from 64 KiB
 ///   to 16 MiB by reference took 0.42-0.85 of the time through the rings;
-/// - the same guest on another day: 3.5-4.3 (24-31 us against 6.3-8.5). The rings' time then
-///   swung with the cost of a line between the cores, which changes every few seconds there:
-///   send_recv between 2 processes, 256 KiB-4 MiB, took 0.5-0.9 of the time by reference in
-///   one phase and 2.0-2.7 times it in the other; by reference held steady.
+/// - an AMD EPYC guest under a Firecracker kernel (6.18.44-fc), later: 3.5-4.3 (24-31 us against
+///   6.3-8.5). The rings' time swung with the cost of a line between the cores, which changes
+///   every few seconds there: send_recv between 2 processes, 256 KiB-4 MiB, took 0.5-0.9 of the
+///   time by reference in one phase and 2.0-2.7 times it in the other; by reference held steady.
 ///
-/// A limit of 2, the two copies, fell between the Intel guest's tries of the probe on the first
-/// day, so each process chose by chance and a run could mix the two ways; a limit of 3 fell
-/// below every try on the second, so every process chose the rings and their swings.
+/// A limit of 2, the two copies, fell between the Intel guest's tries of the probe, so each
+/// process chose by chance and a run could mix the two ways; a limit of 3 fell below every try
+/// on the later AMD guest, so every process chose the rings and their swings.
 fn pays_at(pull: std::time::Duration, copy: std::time::Duration) -> bool {
     pull.as_secs_f64() < PAYS_BELOW * copy.as_secs_f64()
 }
 
 /// Plain copies a kernel copy out of another process must take less time than to pay
-/// (`pays_at`): between the 4.3 of a host where it paid and the 7.9 of one where it did not,
+/// (`pays_at`): between the 4.3 of a guest where it paid and the 7.9 of one where it did not,
 /// with room for the probe's spread on each (its tries on one host spread by up to 1.25x).
 const PAYS_BELOW: f64 = 5.5;
 
@@ -235,10 +235,10 @@ mod tests {
         let us = std::time::Duration::from_secs_f64;
         // The Intel Xeon guest, where by reference was faster from 64 KiB: 12.8 us against 6.4.
         assert!(pays_at(us(12.8e-6), us(6.4e-6)));
-        // The same guest on another day, where the rings took up to 2.7 times the time by
-        // reference: 29.9 us against 7.0 (4.3 plain copies; a limit of 3 chose the rings).
+        // The later AMD EPYC guest, where the rings took up to 2.7 times the time by reference:
+        // 29.9 us against 7.0 (4.3 plain copies; a limit of 3 chose the rings).
         assert!(pays_at(us(29.9e-6), us(6.98e-6)));
-        // The AMD EPYC guest, where it was slower at every size: 14.5 us against 1.8.
+        // The first AMD EPYC guest, where it was slower at every size: 14.5 us against 1.8.
         assert!(!pays_at(us(14.5e-6), us(1.8e-6)));
         // A forbidden call never pays.
         assert!(!pays_at(std::time::Duration::MAX, us(1e-6)));
