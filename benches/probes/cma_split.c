@@ -21,15 +21,6 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-/* Two counters on a shared page: each side bumps its own and waits for the other's. */
-static _Atomic long *sync_page;
-
-static void barrier(int me, long round) {
-    atomic_store_explicit(&sync_page[me * 8], round, memory_order_release);
-    while (atomic_load_explicit(&sync_page[(1 - me) * 8], memory_order_acquire) < round) {
-    }
-}
-
 int main(int argc, char **argv) {
     if (argc != 3) {
         fprintf(stderr, "usage: %s SIZE ITERS\n", argv[0]);

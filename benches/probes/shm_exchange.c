@@ -20,15 +20,6 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-/* Each side's counter on its own line of a shared page: bumped, then the other's awaited. */
-static _Atomic long *sync_page;
-
-static void barrier(int me, long round) {
-    atomic_store_explicit(&sync_page[me * 8], round, memory_order_release);
-    while (atomic_load_explicit(&sync_page[(1 - me) * 8], memory_order_acquire) < round) {
-    }
-}
-
 int main(int argc, char **argv) {
     if (argc != 4) {
         fprintf(stderr, "usage: %s SIZE ITERS ROUNDS\n", argv[0]);
