@@ -12,7 +12,6 @@
  */
 #include "probe.h"
 #include <signal.h>
-#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

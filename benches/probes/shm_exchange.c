@@ -11,7 +11,6 @@
  *   ./shm_exchange SIZE ITERS ROUNDS
  */
 #include "probe.h"
-#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
