@@ -142,7 +142,8 @@ impl Link {
             Link::Tcp(l) => l.read(dst),
             Link::SelfLoop(q) => {
                 // Two slice copies, not a byte at a time: a byte loop over the queue was a
-                // seventh of a send/recv to oneself.
+                // seventh of a send/recv to oneself. Not std's `Read` for the queue: it stops
+                // at the end of the front slice, a short read where more is there.
                 let n = dst.len().min(q.len());
                 let (front, back) = q.as_slices();
                 let from_front = n.min(front.len());
