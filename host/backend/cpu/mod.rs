@@ -327,6 +327,14 @@ fn block_digest(lens: impl Iterator<Item = usize>) -> u32 {
         })
 }
 
+/// The message of one point-to-point call of a batch.
+fn p2p_xfer<'b>(e: &mut Engine, p: &'b mut P2p<'_>) -> Xfer<'b> {
+    match p {
+        P2p::Send { buf, peer } => e.send(*peer, tag(10, buf.dtype(), None), buf.host_bytes()),
+        P2p::Recv { buf, peer } => e.recv(*peer, tag(10, buf.dtype(), None), buf.host_bytes_mut()),
+    }
+}
+
 fn tag(code: u8, dtype: DType, op: Option<ReduceOp>) -> Tag {
     Tag {
         op: code,
@@ -739,19 +747,23 @@ impl CpuBackend {
             Op::AllReduceRmsNorm(_) | Op::MoeDispatch(_) | Op::MoeCombine(_) => {
                 Err(Error::invalid(ctx.op, "run by the inference module, not the dispatch"))
             }
-            Op::Batch(list) => {
-                let mut x: SmallVec<[Xfer; 4]> = SmallVec::with_capacity(list.len());
-                for p in list.iter_mut() {
-                    x.push(match p {
-                        P2p::Send { buf, peer } => e.send(*peer, tag(10, buf.dtype(), None), buf.host_bytes()),
-                        P2p::Recv { buf, peer } => {
-                            let t = tag(10, buf.dtype(), None);
-                            e.recv(*peer, t, buf.host_bytes_mut())
-                        }
-                    });
+            // The messages are made where they stay: a batch of one or two (a send, a recv, a
+            // send_recv) in an array on the stack, larger ones on the heap. A list that could
+            // hold either moved its whole inline room with it.
+            Op::Batch(list) => match &mut list[..] {
+                [a] => {
+                    let mut x = [p2p_xfer(e, a)];
+                    e.exchange(ctx, &mut x)
                 }
-                e.exchange(ctx, &mut x)
-            }
+                [a, b] => {
+                    let mut x = [p2p_xfer(e, a), p2p_xfer(e, b)];
+                    e.exchange(ctx, &mut x)
+                }
+                list => {
+                    let mut x: Vec<Xfer> = list.iter_mut().map(|p| p2p_xfer(e, p)).collect();
+                    e.exchange(ctx, &mut x)
+                }
+            },
         }
     }
 }
