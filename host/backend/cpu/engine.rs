@@ -768,18 +768,21 @@ impl Engine {
                 self.tx_stamp[to] = self.sweep;
             }
         }
+        // A message counts against `all_done` only if it is still pending after its step: one
+        // that this sweep finishes needs no second sweep to be seen done.
         for x in pre.iter_mut().chain(xfers.iter_mut()) {
             if x.done() {
                 continue;
             }
-            all_done &= !x.needed();
             let peer = x.peer();
             let stamp = match x {
                 Xfer::Send { .. } => &mut self.tx_stamp[peer],
                 Xfer::Recv { .. } => &mut self.rx_stamp[peer],
             };
             if *stamp == self.sweep {
-                continue; // an earlier message to/from this peer is still in flight
+                // An earlier message to/from this peer is still in flight.
+                all_done &= !x.needed();
+                continue;
             }
             *stamp = self.sweep;
             moved |= match Self::step(self.transport.link(peer), x, ctx.op, &mut calls_pending) {
@@ -788,6 +791,7 @@ impl Engine {
                 Err(e) => return Err(e),
             };
             if !x.done() {
+                all_done &= !x.needed();
                 continue;
             }
             // A finished message frees its peer for the next one in this same sweep.
@@ -1390,6 +1394,27 @@ mod tests {
         let mut x = [e[1].recv(0, bytes, &mut got)];
         e[1].exchange(&c, &mut x).unwrap();
         assert_eq!(got, [5u8; 8]);
+    }
+
+    /// An exchange whose messages all move whole in its first sweep ends with that sweep: a
+    /// message the sweep finishes does not hold the exchange for another pass, which would
+    /// cost every small send and receive a second look at every message.
+    #[test]
+    fn an_exchange_that_its_first_sweep_finishes_takes_one_sweep() {
+        let mut e = engines(2);
+        let abort = AtomicBool::new(false);
+        let c = ctx(&abort, Duration::from_secs(10));
+        let t = super::super::tag(10, DType::U8, None);
+        let before = e[0].sweep;
+        let mut x = [e[0].send(1, t, &[7u8; 8])];
+        e[0].exchange(&c, &mut x).unwrap();
+        assert_eq!(e[0].sweep - before, 1, "the send");
+        let before = e[1].sweep;
+        let mut got = [0u8; 8];
+        let mut x = [e[1].recv(0, t, &mut got)];
+        e[1].exchange(&c, &mut x).unwrap();
+        assert_eq!(got, [7u8; 8]);
+        assert_eq!(e[1].sweep - before, 1, "the receive, its message already there");
     }
 
     /// A receiver holds its header-only calls to a root that writes nothing (held_calls.rs):
