@@ -424,7 +424,8 @@ pub trait Collectives<'a>: Sized {
     fn batch(&self) -> Batch<'a, '_, Self> {
         Batch {
             to: self,
-            list: Vec::new(),
+            // Room for a send and a receive, the most common batch, without a regrowth.
+            list: Vec::with_capacity(2),
         }
     }
 }

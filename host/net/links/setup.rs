@@ -90,13 +90,20 @@ impl Transport {
     /// The link to `peer`, made now if it is pending: its two rings are faulted in at once
     /// (`Segment::populate`; the first `WARM_RING_BYTES` of each past `WARM_BUDGET`) and its
     /// ends made.
+    // Inlined: every step of every message looks its link up here; making one is the rare case.
+    #[inline]
     pub(crate) fn link(&mut self, peer: usize) -> &mut Link {
         if matches!(self.links[peer], Link::Pending) {
-            if let Some(l) = self.make_shm_link(peer) {
-                self.links[peer] = Link::Shm(Box::new(l));
-            }
+            self.make_pending_link(peer);
         }
         &mut self.links[peer]
+    }
+
+    #[cold]
+    fn make_pending_link(&mut self, peer: usize) {
+        if let Some(l) = self.make_shm_link(peer) {
+            self.links[peer] = Link::Shm(Box::new(l));
+        }
     }
 
     fn make_shm_link(&self, peer: usize) -> Option<ShmLink> {
