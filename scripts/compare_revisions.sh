@@ -4,25 +4,14 @@
 # median new/old time ratio per op and size. For changes that must not cost speed (moves,
 # refactors). Usage:
 #   scripts/compare_revisions.sh OLD NEW [ROUNDS] [WORLD]
-# Builds each revision's release binary in a worktree under target/revisions/ (kept between
-# runs), writes JSON under target/revisions/runs/ and prints the table.
+# Builds each revision's release binary (scripts/revision_bench.sh), writes JSON under
+# target/revisions/runs/ and prints the table.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 old=$(git rev-parse --short "$1") new=$(git rev-parse --short "$2")
 rounds=${3:-5} world=${4:-2}
 base=target/revisions
-mkdir -p "$base"
-for rev in "$old" "$new"; do
-  if [ ! -x "$base/bin-$rev" ]; then
-    [ -d "$base/src-$rev" ] || git worktree add --detach "$base/src-$rev" "$rev" >/dev/null
-    # ferrocomm-bench became a package of its own (crates/ferrocomm-bench); before, it was a
-    # binary of the library's package. Its command line is the same in both.
-    if [ -f "$base/src-$rev/crates/ferrocomm-bench/Cargo.toml" ]; then which=(-p ferrocomm-bench); else which=(--bin ferrocomm-bench); fi
-    CARGO_TARGET_DIR="$PWD/$base/target" cargo build --release --quiet "${which[@]}" \
-      --manifest-path "$base/src-$rev/Cargo.toml"
-    cp "$base/target/release/ferrocomm-bench" "$base/bin-$rev"
-  fi
-done
+for rev in "$old" "$new"; do scripts/revision_bench.sh "$rev" >/dev/null; done
 runs="$base/runs" && rm -rf "$runs" && mkdir -p "$runs"
 # op, sizes: small messages for latency, one large one for bandwidth.
 sweeps=("all_reduce 8 65536 8 20000 1000" "all_reduce 4194304 4194304 2 50 5"
