@@ -304,40 +304,47 @@ impl Op<'_> {
             }
         };
         // A per-rank list: one part per rank, all of `dtype`, our own part of `own` elements.
-        // Looked at in place: this runs on every call.
-        let per_rank =
-            |what: &str, parts: &mut dyn ExactSizeIterator<Item = (DType, usize)>, dtype: DType, own: usize| {
-                if parts.len() != size {
-                    return Err(Error::SizeMismatch {
+        // Looked at in place, and generic over the list (no dynamic call per part): this runs
+        // on every call.
+        fn per_rank(
+            (name, rank, size): (&'static str, usize, usize),
+            what: &str,
+            parts: impl ExactSizeIterator<Item = (DType, usize)>,
+            dtype: DType,
+            own: usize,
+        ) -> Result<()> {
+            if parts.len() != size {
+                return Err(Error::SizeMismatch {
+                    op: name,
+                    what: format!("number of {what}"),
+                    expected: size,
+                    actual: parts.len(),
+                });
+            }
+            let mut own_count = 0;
+            for (r, (d, count)) in parts.enumerate() {
+                if d != dtype {
+                    return Err(Error::DTypeMismatch {
                         op: name,
-                        what: format!("number of {what}"),
-                        expected: size,
-                        actual: parts.len(),
+                        expected: dtype.name(),
+                        actual: d.name(),
                     });
                 }
-                let mut own_count = 0;
-                for (r, (d, count)) in parts.enumerate() {
-                    if d != dtype {
-                        return Err(Error::DTypeMismatch {
-                            op: name,
-                            expected: dtype.name(),
-                            actual: d.name(),
-                        });
-                    }
-                    if r == rank {
-                        own_count = count;
-                    }
+                if r == rank {
+                    own_count = count;
                 }
-                if own_count != own {
-                    return Err(Error::SizeMismatch {
-                        op: name,
-                        what: format!("{what}[{rank}] (own slot)"),
-                        expected: own,
-                        actual: own_count,
-                    });
-                }
-                Ok(())
-            };
+            }
+            if own_count != own {
+                return Err(Error::SizeMismatch {
+                    op: name,
+                    what: format!("{what}[{rank}] (own slot)"),
+                    expected: own,
+                    actual: own_count,
+                });
+            }
+            Ok(())
+        }
+        let call = (name, rank, size);
         fn shape<'s>(v: &'s [Buf<'_>]) -> impl ExactSizeIterator<Item = (DType, usize)> + 's {
             v.iter().map(|b| (b.dtype(), b.count()))
         }
@@ -354,22 +361,22 @@ impl Op<'_> {
             }
             Op::Broadcast { root, .. } => check_rank(*root),
             Op::AllGather { input, outputs } => {
-                per_rank("outputs", &mut shape_mut(outputs), input.dtype(), input.count())
+                per_rank(call, "outputs", shape_mut(outputs), input.dtype(), input.count())
             }
             Op::ReduceScatter { inputs, output, op } => {
-                per_rank("inputs", &mut shape(inputs), output.dtype(), output.count())?;
+                per_rank(call, "inputs", shape(inputs), output.dtype(), output.count())?;
                 op.check(name, output.dtype())
             }
             Op::AllToAll { inputs, outputs } => {
                 let dtype = inputs.first().map_or(DType::U8, |b| b.dtype());
                 let own = inputs.get(rank).map_or(0, |b| b.count());
-                per_rank("inputs", &mut shape(inputs), dtype, own)?;
-                per_rank("outputs", &mut shape_mut(outputs), dtype, own)
+                per_rank(call, "inputs", shape(inputs), dtype, own)?;
+                per_rank(call, "outputs", shape_mut(outputs), dtype, own)
             }
             Op::Scatter { inputs, output, root } => {
                 check_rank(*root)?;
                 match (inputs, rank == *root) {
-                    (Some(inputs), true) => per_rank("inputs", &mut shape(inputs), output.dtype(), output.count()),
+                    (Some(inputs), true) => per_rank(call, "inputs", shape(inputs), output.dtype(), output.count()),
                     (None, true) => Err(Error::invalid(name, "the root must pass the input buffer")),
                     (_, false) => Ok(()),
                 }
@@ -377,7 +384,9 @@ impl Op<'_> {
             Op::Gather { input, outputs, root } => {
                 check_rank(*root)?;
                 match (outputs, rank == *root) {
-                    (Some(outputs), true) => per_rank("outputs", &mut shape_mut(outputs), input.dtype(), input.count()),
+                    (Some(outputs), true) => {
+                        per_rank(call, "outputs", shape_mut(outputs), input.dtype(), input.count())
+                    }
                     (None, true) => Err(Error::invalid(name, "the root must pass the output buffer")),
                     (_, false) => Ok(()),
                 }
