@@ -748,8 +748,8 @@ impl CpuBackend {
                 Err(Error::invalid(ctx.op, "run by the inference module, not the dispatch"))
             }
             // The messages are made where they stay: a batch of one or two (a send, a recv, a
-            // send_recv) in an array on the stack, larger ones on the heap. A list that could
-            // hold either moved its whole inline room with it.
+            // send_recv) in an array on the stack, larger ones on the heap. (A list with inline
+            // room for four is moved whole when made: 656 bytes copied per call.)
             Op::Batch(list) => match &mut list[..] {
                 [a] => {
                     let mut x = [p2p_xfer(e, a)];
