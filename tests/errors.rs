@@ -757,3 +757,66 @@ fn a_board_broadcast_receiver_with_another_length_is_a_mismatch_everywhere() {
         );
     }
 }
+
+/// The CPU backend, driven directly through the public backend interface (no communicator to
+/// check first), refuses a buffer in device memory with an argument error naming the device,
+/// alone and beside host buffers, and never reads it.
+#[test]
+fn the_cpu_backend_refuses_device_buffers_given_to_it_directly() {
+    use ferrocomm::{backend_factory, BackendInit, Buf, BufMut, MemoryStore, Op, OutputBuffer, P2p, RunOptions};
+    use std::collections::BTreeMap;
+    use std::sync::Arc;
+    let options = CommOptions::from_env().unwrap();
+    let init = BackendInit {
+        rank: 0,
+        size: 1,
+        store: Arc::new(MemoryStore::new()),
+        name: "direct",
+        device: Device::Cpu,
+        options: &options,
+        lent_links: None,
+    };
+    let backend = backend_factory("cpu").unwrap()(&init).unwrap();
+    let hints = BTreeMap::new();
+    let opts = RunOptions {
+        timeout: Duration::from_secs(5),
+        hints: &hints,
+        stream: 0,
+        fence: None,
+    };
+    let device_view = || {
+        // SAFETY: never dereferenced: the backend refuses it before it touches any byte.
+        unsafe { ferrocomm::device::DeviceSliceMut::<f32>::from_raw(0, 0x10_0000, 4) }.unwrap()
+    };
+    let mut alone = Op::AllReduce {
+        buf: device_view().into_buf_mut(),
+        op: ReduceOp::Sum,
+    };
+    let host = [1f32; 4];
+    let mut beside_host = Op::Batch(vec![
+        P2p::Send {
+            buf: Buf::new(&host[..]),
+            peer: 0,
+        },
+        P2p::Recv {
+            buf: device_view().into_buf_mut(),
+            peer: 0,
+        },
+    ]);
+    for op in [&mut alone, &mut beside_host] {
+        let err = backend.run(op, &opts).unwrap_err();
+        assert!(
+            matches!(err, Error::InvalidArgument { .. }) && err.to_string().contains("CUDA device 0"),
+            "{err}"
+        );
+    }
+    // Still usable afterwards: an argument error moves nothing.
+    let mut x = [2f32; 4];
+    let mut ok = Op::AllReduce {
+        buf: BufMut::new(&mut x[..]),
+        op: ReduceOp::Sum,
+    };
+    backend.run(&mut ok, &opts).unwrap();
+    drop(ok);
+    assert_eq!(x, [2.0; 4]);
+}

@@ -169,6 +169,19 @@ impl Op<'_> {
         Ok(first.get())
     }
 
+    /// The CUDA device of the first buffer in device memory, if any: what a host-memory
+    /// backend refuses. Cheaper than `location`, which also finds buffers in two places.
+    pub fn device_ordinal(&self) -> Option<usize> {
+        let found = Cell::new(None);
+        let see = |l: Location| {
+            if let (Location::Cuda(ordinal), None) = (l, found.get()) {
+                found.set(Some(ordinal));
+            }
+        };
+        self.for_each_buffer(|b| see(b.location()), |b| see(b.location()));
+        found.get()
+    }
+
     /// The larger of the bytes this rank reads and the bytes it writes: the message size that
     /// algorithm choices go by.
     pub fn message_bytes(&self) -> usize {

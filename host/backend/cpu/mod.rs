@@ -16,7 +16,7 @@ use crate::contracts::backend::{Backend, BackendInit, LentLinks, LinkLedger, Run
 use crate::contracts::config::Config;
 use crate::contracts::dtype::{DType, ReduceOp};
 use crate::contracts::error::{Error, Result};
-use crate::contracts::ops::{Location, Op, P2p};
+use crate::contracts::ops::{Op, P2p};
 use crate::contracts::options::TransportOptions;
 use crate::contracts::store::Store;
 use crate::contracts::window::{WindowBackend, WindowSpec};
@@ -351,7 +351,7 @@ impl Backend for CpuBackend {
 
     fn run(&self, op: &mut Op<'_>, opts: &RunOptions) -> Result<()> {
         let name = op.name();
-        if let Some(Location::Cuda(ordinal)) = op.location()? {
+        if let Some(ordinal) = op.device_ordinal() {
             return Err(Error::invalid(
                 name,
                 format!("the cpu backend works on host memory; this buffer is on CUDA device {ordinal}"),
