@@ -171,7 +171,7 @@ impl Op<'_> {
 
     /// The CUDA device of the first buffer in device memory, if any: what a host-memory
     /// backend refuses. Cheaper than `location`, which also finds buffers in two places.
-    pub fn device_ordinal(&self) -> Option<usize> {
+    pub(crate) fn device_ordinal(&self) -> Option<usize> {
         let found = Cell::new(None);
         let see = |l: Location| {
             if let (Location::Cuda(ordinal), None) = (l, found.get()) {
