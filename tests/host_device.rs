@@ -734,6 +734,10 @@ mod with_kernels {
                 let seen = w.wait_signal(id, SignalSource::Sum, Cmp::Eq, 0).unwrap();
                 assert_eq!(seen.value, 0, "rank {me}: signal {id} moved");
             }
+            // Every rank has checked its signals before any rank's good ring signals its
+            // neighbour: without this barrier a fast rank's put_signal lands in a slow rank's
+            // signal 0 before that rank read it as 0, and the check waits out its deadline.
+            w.barrier().unwrap();
             // The errors were reported and cleared: the right handle works.
             let wrong = ring_block(good);
             w.synchronize().unwrap();
