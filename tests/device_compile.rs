@@ -51,6 +51,7 @@ fn ptx_names_every_kernel_and_uses_system_scope_orderings() {
         "ring_warp",
         "ring_block",
         "get_block",
+        "put_signal_block",
         "barrier_rounds",
         "wait_forever",
     ] {

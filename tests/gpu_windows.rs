@@ -450,18 +450,27 @@ fn other_hosts(timeout: Duration) -> CommOptions {
 }
 
 /// A kernel's put whose source is not window data cannot go through the proxy: every rank's
-/// kernel records it, the host reports it, and the window works on.
+/// kernel records it and sends no signal, the host reports it, and the window works on (a
+/// signal that had landed would end the suite's first wait a step early).
 fn proxy_put_from_outside_the_window_is_refused(c: &Comm, seed: u64) {
     let w = c.new_window(4096 * 8).unwrap();
     let stream = w.stream().unwrap();
     let h = w.device_handle().unwrap();
     assert_ne!(h.fifo, 0, "rank {}: peers on other hosts but no proxy queue", c.rank());
-    let (tile, wrong) = (
-        stream.alloc_zeros::<u64>(64).unwrap(),
-        stream.alloc_zeros::<u64>(1).unwrap(),
+    let tile = stream.alloc_zeros::<u64>(64).unwrap();
+    let (right, bytes, id, value) = (((c.rank() + 1) % c.size()) as i32, 64u64 * 8, 0u32, 1u64);
+    launch!(
+        stream,
+        "put_signal_block",
+        1,
+        64,
+        &h,
+        &right,
+        &tile,
+        &bytes,
+        &id,
+        &value
     );
-    let (words, iters) = (64u64, 1u32);
-    launch!(stream, "ring_thread", 1, 1, &h, &tile, &words, &iters, &seed, &wrong);
     let e = w.synchronize().unwrap_err();
     assert!(
         matches!(e, Error::InvalidArgument { .. }) && e.to_string().contains("not in this window"),

@@ -160,9 +160,10 @@ class Window {
   FERROCOMM_DEVICE_INLINE const ferrocomm_proxy_queue* queue() const;
   FERROCOMM_DEVICE_INLINE bool push(i32 peer, u64 w0, u64 w1, u64* taken) const;
   template <class Coop>
-  FERROCOMM_DEVICE_INLINE void proxy_put(Coop c, i32 peer, u64 dst_offset, const void* src, u64 bytes) const;
+  FERROCOMM_DEVICE_INLINE bool proxy_put(Coop c, i32 peer, u64 dst_offset, const void* src, u64 bytes) const;
   template <class Coop>
-  FERROCOMM_DEVICE_INLINE void proxy_signal(Coop c, i32 peer, u32 id, SignalOp op, u64 value) const;
+  FERROCOMM_DEVICE_INLINE void proxy_signal(Coop c, i32 peer, u32 id, SignalOp op, u64 value,
+                                            bool send = true) const;
   FERROCOMM_DEVICE_INLINE bool proxy_flush() const;
   FERROCOMM_DEVICE_INLINE void not_via_proxy(i32 peer) const;
 

@@ -42,15 +42,17 @@ FERROCOMM_DEVICE_INLINE bool Window::push(i32 peer, u64 w0, u64 w1, u64* taken) 
 }
 
 template <class Coop>
-FERROCOMM_DEVICE_INLINE void Window::proxy_put(Coop c, i32 peer, u64 dst_offset, const void* src, u64 bytes) const {
+// Returns, in the leader, whether every descriptor of the put was queued (true in the others):
+// a put_signal sends its signal only then.
+FERROCOMM_DEVICE_INLINE bool Window::proxy_put(Coop c, i32 peer, u64 dst_offset, const void* src, u64 bytes) const {
   c.sync();
-  if (!c.is_leader()) return;
+  if (!c.is_leader()) return true;
   // The proxy reads the source from this rank's window data, so it must lie there.
   const u64 src_offset = reinterpret_cast<u64>(src) - reinterpret_cast<u64>(local_ptr(0));
   if (reinterpret_cast<u64>(src) < reinterpret_cast<u64>(local_ptr(0)) || src_offset > h_.data_bytes ||
       bytes > h_.data_bytes - src_offset) {
     record_status(h_.status, FERROCOMM_STATUS_INVALID, FERROCOMM_OP_PROXY, peer, 0, bytes, src_offset);
-    return;
+    return false;
   }
   const u64 head = (static_cast<u64>(FERROCOMM_PROXY_PUT) << FERROCOMM_PROXY_OP_SHIFT) |
                    (static_cast<u64>(peer) << FERROCOMM_PROXY_PEER_SHIFT);
@@ -59,9 +61,9 @@ FERROCOMM_DEVICE_INLINE void Window::proxy_put(Coop c, i32 peer, u64 dst_offset,
     const u64 n = bytes - done < FERROCOMM_PROXY_MAX_PUT ? bytes - done : FERROCOMM_PROXY_MAX_PUT;
     const u64 w0 = head | ((dst_offset + done) & FERROCOMM_PROXY_OFFSET_MASK);
     const u64 w1 = (n << FERROCOMM_PROXY_BYTES_SHIFT) | ((src_offset + done) & FERROCOMM_PROXY_OFFSET_MASK);
-    if (!push(peer, w0, w1, &ticket)) return;
+    if (!push(peer, w0, w1, &ticket)) return false;
   }
-  if (bytes == 0) return;
+  if (bytes == 0) return true;
   // A put is complete locally when it returns (docs/memory-model.md): wait until the proxy
   // has copied the source, which it publishes by releasing the slot (tail passes our last
   // ticket; it consumes in ticket order). Acquire: our later writes of the source come after.
@@ -69,18 +71,21 @@ FERROCOMM_DEVICE_INLINE void Window::proxy_put(Coop c, i32 peer, u64 dst_offset,
   const u64 start = now_ns();
   for (u32 spin = 0;; ++spin) {
     const u64 freed = load_acquire(tail);
-    if (freed > ticket) return;
+    if (freed > ticket) return true;
+    // Queued all the same: a signal after it would follow it in the proxy's order.
     if ((spin & 31) == 31 && (failed() || now_ns() - start > h_.timeout_ns)) {
       give_up(FERROCOMM_OP_PROXY, peer, 0, ticket + 1, freed);
-      return;
+      return true;
     }
   }
 }
 
 template <class Coop>
-FERROCOMM_DEVICE_INLINE void Window::proxy_signal(Coop c, i32 peer, u32 id, SignalOp op, u64 value) const {
+// `send` false (a put_signal whose put was not queued): the coop syncs as always, and nothing
+// is queued.
+FERROCOMM_DEVICE_INLINE void Window::proxy_signal(Coop c, i32 peer, u32 id, SignalOp op, u64 value, bool send) const {
   c.sync();
-  if (!c.is_leader()) return;
+  if (!c.is_leader() || !send) return;
   const u64 w0 = (static_cast<u64>(FERROCOMM_PROXY_SIGNAL) << FERROCOMM_PROXY_OP_SHIFT) |
                  (static_cast<u64>(peer) << FERROCOMM_PROXY_PEER_SHIFT) |
                  (static_cast<u64>(static_cast<u32>(op)) << 32) | id;

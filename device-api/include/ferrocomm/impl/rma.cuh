@@ -29,7 +29,10 @@ FERROCOMM_DEVICE_INLINE void coop_copy(Coop c, void* dst, const void* src, u64 b
 template <class Coop>
 FERROCOMM_DEVICE_INLINE void Window::put(Coop c, i32 peer, u64 dst_offset, const void* src, u64 bytes) const {
   if (!abi_ok()) return;
-  if (via_proxy(peer)) return proxy_put(c, peer, dst_offset, src, bytes);
+  if (via_proxy(peer)) {
+    proxy_put(c, peer, dst_offset, src, bytes);
+    return;
+  }
   coop_copy(c, peer_ptr(peer, dst_offset), src, bytes);
 }
 

@@ -43,6 +43,13 @@ FERROCOMM_DEVICE_INLINE void Window::signal_relaxed(Coop c, i32 peer, u32 id, Si
 template <class Coop>
 FERROCOMM_DEVICE_INLINE void Window::put_signal(Coop c, i32 peer, u64 dst_offset, const void* src, u64 bytes, u32 id,
                                                 SignalOp op, u64 value) const {
+  if (!abi_ok()) return;
+  if (via_proxy(peer)) {
+    // A put the proxy refused, or could not queue, sends no signal: the peer would take the
+    // bytes already in its window for the new ones. The coop still syncs in both calls.
+    const bool queued = proxy_put(c, peer, dst_offset, src, bytes);
+    return proxy_signal(c, peer, id, op, value, queued);
+  }
   put(c, peer, dst_offset, src, bytes);
   signal(c, peer, id, op, value);
 }
