@@ -319,12 +319,14 @@ FERROCOMM_DEVICE_INLINE Byte* slot_for(const Window& w, const Args& a, i32 r, bo
 // records are in place and the block's release signal publishes them (rule 1). Behind the
 // proxy: one put (block scope: the block syncs, its leader queues it) carries the outbox into
 // slot `me` of r's region, and the signal after it in the same queue reaches r after the data
-// (rule 1; docs/memory-model.md, "The proxy queue"). The put returns once the proxy has copied
-// the outbox, so the next call may build there again.
+// (rule 1; docs/memory-model.md, "The proxy queue"), as one put_signal: a put that was not
+// queued sends no READY. The put returns once the proxy has copied the outbox, so the next
+// call may build there again.
 FERROCOMM_DEVICE_INLINE void publish(const Window& w, const Args& a, i32 r, bool direct, const Byte* slot, u64 bytes,
                                      u32 ready_id, u64 epoch) {
-  if (!direct) w.put(coop_block(), r, a.region + static_cast<u64>(w.rank()) * a.slot, slot, bytes);
-  w.signal(coop_block(), r, ready_id, SignalOp::Set, epoch);
+  if (direct) return w.signal(coop_block(), r, ready_id, SignalOp::Set, epoch);
+  w.put_signal(coop_block(), r, a.region + static_cast<u64>(w.rank()) * a.slot, slot, bytes, ready_id, SignalOp::Set,
+               epoch);
 }
 
 // False (recorded) when `r` is behind the proxy queue and the host gave no outboxes.
