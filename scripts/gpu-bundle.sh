@@ -15,8 +15,11 @@ CUDA_HOME=$(scripts/cuda-toolchain.sh)
 export CUDA_HOME FERROCOMM_REQUIRE_NVCC=1
 
 rm -rf .gpu-bundle && mkdir -p .gpu-bundle/lib
-cargo build --release --features host-kernels --bins --examples
 cargo build --release -p ferrocomm-bench --features host-kernels
+# The tests and examples without the release profile's whole-program optimisation, which
+# would take minutes per binary; the bench above keeps it, since its timings are reported.
+export CARGO_PROFILE_RELEASE_LTO=false CARGO_PROFILE_RELEASE_CODEGEN_UNITS=16
+cargo build --release --features host-kernels --bins --examples
 cargo test --release --features host-kernels --no-run --message-format=json \
   --test gpu_windows --test gpu_nccl --test gpu_collectives --test gpu_inference --test nccl --test device_compile --test host_device --test host_device_moe 2>/dev/null |
   python3 -c 'import json,sys
