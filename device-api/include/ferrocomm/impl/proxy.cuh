@@ -41,9 +41,9 @@ FERROCOMM_DEVICE_INLINE bool Window::push(i32 peer, u64 w0, u64 w1, u64* taken) 
   return true;
 }
 
-template <class Coop>
 // Returns, in the leader, whether every descriptor of the put was queued (true in the others):
 // a put_signal sends its signal only then.
+template <class Coop>
 FERROCOMM_DEVICE_INLINE bool Window::proxy_put(Coop c, i32 peer, u64 dst_offset, const void* src, u64 bytes) const {
   c.sync();
   if (!c.is_leader()) return true;
@@ -80,9 +80,9 @@ FERROCOMM_DEVICE_INLINE bool Window::proxy_put(Coop c, i32 peer, u64 dst_offset,
   }
 }
 
-template <class Coop>
 // `send` false (a put_signal whose put was not queued): the coop syncs as always, and nothing
 // is queued.
+template <class Coop>
 FERROCOMM_DEVICE_INLINE void Window::proxy_signal(Coop c, i32 peer, u32 id, SignalOp op, u64 value, bool send) const {
   c.sync();
   if (!c.is_leader() || !send) return;
