@@ -458,7 +458,7 @@ fn proxy_put_from_outside_the_window_is_refused(c: &Comm, seed: u64) {
     let h = w.device_handle().unwrap();
     assert_ne!(h.fifo, 0, "rank {}: peers on other hosts but no proxy queue", c.rank());
     let tile = stream.alloc_zeros::<u64>(64).unwrap();
-    let (right, bytes, id, value) = (((c.rank() + 1) % c.size()) as i32, 64u64 * 8, 0u32, 1u64);
+    let (right, dst, bytes, id, value) = (((c.rank() + 1) % c.size()) as i32, 0u64, 64u64 * 8, 0u32, 1u64);
     launch!(
         stream,
         "put_signal_block",
@@ -466,6 +466,7 @@ fn proxy_put_from_outside_the_window_is_refused(c: &Comm, seed: u64) {
         64,
         &h,
         &right,
+        &dst,
         &tile,
         &bytes,
         &id,

@@ -404,29 +404,44 @@ mod with_kernels {
         unsafe { test_kernels().launch(name, grid, block, args) }.unwrap_or_else(|e| panic!("{name}: {e}"));
     }
 
-    /// A kernel's put_signal whose put the proxy refuses (its source is not window data) sends
-    /// no signal: the peer would take the bytes already in its window for the new ones. The
-    /// block leaves the call all the same, and the host reports the refusal.
+    /// A kernel's put_signal whose put the proxy refuses (its source is not window data, or
+    /// its destination leaves the window) sends no signal: the peer would take the bytes
+    /// already in its window for the new ones. The block leaves the call all the same, and the
+    /// host reports the refusal.
     #[test]
     fn a_put_signal_the_proxy_refuses_sends_no_signal() {
         run_group_on_device("device", Device::Host(0), 2, "hd-refused-put", tcp_opts(), |c| {
             let w = c.new_window(4096).unwrap();
             let h = w.device_handle().unwrap();
             let (right, left) = ((c.rank() + 1) % c.size(), (c.rank() + c.size() - 1) % c.size());
-            let outside = [7u64; 8];
-            // put_signal_block takes (handle, i32 peer, u64* src, u64 bytes, u32 id, u64 value).
+            let (outside, inside) = ([7u64; 8], w.local_ptr() as u64 + 2048);
+            // put_signal_block takes (handle, i32 peer, u64 dst, u64* src, u64 bytes, u32 id,
+            // u64 value).
+            let refused = [
+                (
+                    (0u64, outside.as_ptr() as u64),
+                    "named a source that is not in this window",
+                ),
+                ((4096 - 32, inside), "of 64 bytes to rank"),
+            ];
+            for ((dst, src), says) in refused {
+                launch(
+                    "put_signal_block",
+                    1,
+                    64,
+                    (h, right as i32, dst, src, 64u64, 0u32, 1u64),
+                );
+                let e = w.synchronize().unwrap_err();
+                assert!(e.to_string().contains(says), "rank {}: {e}", c.rank());
+            }
+            // A put from the window with signal 1: the proxy carries one rank's descriptors to
+            // a peer in order, so once signal 1 has landed, whatever the refused calls sent has.
             launch(
                 "put_signal_block",
                 1,
                 64,
-                (h, right as i32, outside.as_ptr() as u64, 64u64, 0u32, 1u64),
+                (h, right as i32, 0u64, inside, 64u64, 1u32, 1u64),
             );
-            let e = w.synchronize().unwrap_err();
-            assert!(e.to_string().contains("not in this window"), "rank {}: {e}", c.rank());
-            // A put from the window with signal 1: the proxy carries one rank's descriptors to
-            // a peer in order, so once signal 1 has landed, whatever the refused call sent has.
-            let inside = w.local_ptr() as u64 + 2048;
-            launch("put_signal_block", 1, 64, (h, right as i32, inside, 64u64, 1u32, 1u64));
             w.synchronize().unwrap();
             w.wait_signal(1, SignalSource::Rank(left), Cmp::Ge, 1).unwrap();
             let seen = w.wait_signal(0, SignalSource::Sum, Cmp::Ge, 0).unwrap();

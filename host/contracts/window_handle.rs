@@ -52,6 +52,12 @@ pub const OP_COLLECTIVE: u32 = 4;
 /// [`DeviceStatus::op`]: a proxy queue push (the queue stayed full past the deadline) or a bad
 /// argument to one.
 pub const OP_PROXY: u32 = 5;
+/// [`DeviceStatus::op`]: a proxy put whose destination (`observed`, `expected` bytes) leaves
+/// the window.
+pub const OP_PROXY_DST: u32 = 6;
+/// [`DeviceStatus::op`]: a get, atomic or device barrier toward a rank behind the proxy queue,
+/// which carries puts and signals only.
+pub const OP_NOT_VIA_PROXY: u32 = 7;
 /// A `wait_signal` source meaning "any one rank's slot satisfies the comparison"
 /// (the device form of [`SignalSource::Any`](crate::SignalSource::Any)).
 pub const SOURCE_ANY: i32 = -1;

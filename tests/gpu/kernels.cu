@@ -84,11 +84,11 @@ extern "C" __global__ void fetch_add_storm(ferrocomm_window_handle h, u32 adds) 
   for (u32 i = 0; i < adds; ++i) w.fetch_add(0, 0, 1);
 }
 
-// One block-scope put_signal of `bytes` from `src` to `peer`'s offset 0, signal `id` set to
-// `value`: a put the proxy refuses must send no signal, and the block must still leave.
-extern "C" __global__ void put_signal_block(ferrocomm_window_handle h, i32 peer, const u64* src, u64 bytes, u32 id,
-                                            u64 value) {
-  Window(h).put_signal(coop_block(), peer, 0, src, bytes, id, SignalOp::Set, value);
+// One block-scope put_signal of `bytes` from `src` to `peer`'s offset `dst`, signal `id` set
+// to `value`: a put the proxy refuses must send no signal, and the block must still leave.
+extern "C" __global__ void put_signal_block(ferrocomm_window_handle h, i32 peer, u64 dst, const u64* src, u64 bytes,
+                                            u32 id, u64 value) {
+  Window(h).put_signal(coop_block(), peer, dst, src, bytes, id, SignalOp::Set, value);
 }
 
 // Warp-scope wait by ANY and block-scope fence / flush, so every verb is instantiated.

@@ -40,6 +40,8 @@ typedef int ferrocomm_i32;
 #define FERROCOMM_OP_FLUSH 3u
 #define FERROCOMM_OP_COLLECTIVE 4u
 #define FERROCOMM_OP_PROXY 5u /* a proxy queue push (full past the deadline) or a bad argument */
+#define FERROCOMM_OP_PROXY_DST 6u /* a proxy put whose destination leaves the window */
+#define FERROCOMM_OP_NOT_VIA_PROXY 7u /* a get, atomic or barrier toward a rank behind the queue */
 
 /* Signal operations and comparisons, numbered as host/window's SignalOp and Cmp. */
 #define FERROCOMM_SIGNAL_SET 0u

@@ -367,6 +367,21 @@ impl DeviceWindow {
             abi::STATUS_INVALID if s.op == abi::OP_COLLECTIVE => {
                 Error::invalid(op, "a multimem kernel ran on a window without a multicast object")
             }
+            abi::STATUS_INVALID if s.op == abi::OP_PROXY_DST => Error::invalid(
+                op,
+                format!(
+                    "a kernel's proxy put of {} bytes to rank {} at byte offset {:#x} leaves the window",
+                    s.expected, s.peer, s.observed
+                ),
+            ),
+            abi::STATUS_INVALID if s.op == abi::OP_NOT_VIA_PROXY => Error::invalid(
+                op,
+                format!(
+                    "a kernel's get, atomic or barrier reached rank {}, which is behind the proxy queue \
+                     (it carries puts and signals only)",
+                    s.peer
+                ),
+            ),
             abi::STATUS_INVALID => Error::invalid(
                 op,
                 format!(

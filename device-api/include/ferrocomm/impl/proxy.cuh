@@ -54,6 +54,12 @@ FERROCOMM_DEVICE_INLINE bool Window::proxy_put(Coop c, i32 peer, u64 dst_offset,
     record_status(h_.status, FERROCOMM_STATUS_INVALID, FERROCOMM_OP_PROXY, peer, 0, bytes, src_offset);
     return false;
   }
+  // The proxy refuses a destination past the window too (windows are alike on every rank);
+  // found here, the put_signal after it sends no signal either.
+  if (dst_offset > h_.data_bytes || bytes > h_.data_bytes - dst_offset) {
+    record_status(h_.status, FERROCOMM_STATUS_INVALID, FERROCOMM_OP_PROXY_DST, peer, 0, bytes, dst_offset);
+    return false;
+  }
   const u64 head = (static_cast<u64>(FERROCOMM_PROXY_PUT) << FERROCOMM_PROXY_OP_SHIFT) |
                    (static_cast<u64>(peer) << FERROCOMM_PROXY_PEER_SHIFT);
   u64 ticket = 0;
@@ -111,7 +117,7 @@ FERROCOMM_DEVICE_INLINE bool Window::proxy_flush() const {
 
 // Verbs the queue does not carry (get, atomics, barrier slots) record this and do nothing.
 FERROCOMM_DEVICE_INLINE void Window::not_via_proxy(i32 peer) const {
-  record_status(h_.status, FERROCOMM_STATUS_INVALID, FERROCOMM_OP_PROXY, peer, 0, 0, ~0ull);
+  record_status(h_.status, FERROCOMM_STATUS_INVALID, FERROCOMM_OP_NOT_VIA_PROXY, peer, 0, 0, ~0ull);
 }
 
 }  // namespace ferrocomm
