@@ -45,6 +45,23 @@ fn rust_mirrors_match_the_c_header() {
     ] {
         rust.push((name.to_string(), value));
     }
+    // The verbs a status names: the host's messages read them.
+    use ferrocomm::device::abi as a;
+    for (name, value) in [
+        ("FERROCOMM_STATUS_INVALID", a::STATUS_INVALID),
+        ("FERROCOMM_OP_WAIT_SIGNAL", a::OP_WAIT_SIGNAL),
+        ("FERROCOMM_OP_BARRIER", a::OP_BARRIER),
+        ("FERROCOMM_OP_FLUSH", a::OP_FLUSH),
+        ("FERROCOMM_OP_COLLECTIVE", a::OP_COLLECTIVE),
+        ("FERROCOMM_OP_PROXY", a::OP_PROXY),
+        ("FERROCOMM_OP_OUT_OF_WINDOW", a::OP_OUT_OF_WINDOW),
+        ("FERROCOMM_OP_NOT_VIA_PROXY", a::OP_NOT_VIA_PROXY),
+        ("FERROCOMM_OP_BAD_RANK", a::OP_BAD_RANK),
+        ("FERROCOMM_OP_BAD_SIGNAL", a::OP_BAD_SIGNAL),
+        ("FERROCOMM_OP_MISALIGNED", a::OP_MISALIGNED),
+    ] {
+        rust.push((name.to_string(), value as usize));
+    }
 
     let dir = std::env::temp_dir().join(format!("ferrocomm-abi-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();

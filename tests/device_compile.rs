@@ -52,6 +52,7 @@ fn ptx_names_every_kernel_and_uses_system_scope_orderings() {
         "ring_block",
         "get_block",
         "put_signal_block",
+        "one_verb",
         "barrier_rounds",
         "wait_forever",
     ] {

@@ -422,7 +422,7 @@ mod with_kernels {
                     (0u64, outside.as_ptr() as u64),
                     "named a source that is not in this window",
                 ),
-                ((4096 - 32, inside), "of 64 bytes to rank"),
+                ((4096 - 32, inside), "of 64 bytes at byte offset 0xfe0"),
             ];
             for ((dst, src), says) in refused {
                 launch(
@@ -446,6 +446,124 @@ mod with_kernels {
             w.wait_signal(1, SignalSource::Rank(left), Cmp::Ge, 1).unwrap();
             let seen = w.wait_signal(0, SignalSource::Sum, Cmp::Ge, 0).unwrap();
             assert_eq!(seen.value, 0, "rank {}: the refused put's signal landed", c.rank());
+            w.barrier().unwrap();
+        });
+    }
+
+    /// Every device verb checks its rank, offsets and signal id as the host API does, before
+    /// it touches memory: a put of 64 bytes 32 bytes before the end of the data would write
+    /// the peer's signal pad, a rank past the window another allocation. The host names what
+    /// was refused; nothing moved, and the window works afterwards.
+    #[test]
+    fn device_verbs_refuse_ranks_offsets_and_signal_ids_outside_the_window() {
+        let seed = fresh_seed();
+        // Load/store peers, then peers behind the proxy queue (TCP), whose verbs check first too.
+        for (name, o) in [("hd-bad-args", opts()), ("hd-bad-args-tcp", tcp_opts())] {
+            refuse_bad_arguments(name, o, seed);
+        }
+    }
+
+    fn refuse_bad_arguments(name: &str, o: CommOptions, seed: u64) {
+        run_group_on_device("device", Device::Host(0), 2, name, o, |c| {
+            let w = c.new_window(4096).unwrap();
+            let h = w.device_handle().unwrap();
+            let (n, ids) = (h.data_bytes, h.signals);
+            let (right, left) = ((c.rank() + 1) % c.size(), (c.rank() + c.size() - 1) % c.size());
+            let word = |r: usize, i: u64| (seed ^ ((r as u64) << 40) ^ i).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            // SAFETY: the window's data is n bytes of this rank's, and no kernel runs.
+            let data = unsafe { std::slice::from_raw_parts_mut(w.local_ptr() as *mut u64, n as usize / 8) };
+            for (i, x) in data.iter_mut().enumerate() {
+                *x = word(c.rank(), i as u64);
+            }
+            w.barrier().unwrap();
+            let r = right as i32;
+            // (verb of one_verb, peer, offset, bytes, signal id, what the error says)
+            let cases: Vec<(u32, i32, u64, u64, u32, String)> = vec![
+                (
+                    0,
+                    r,
+                    n - 32,
+                    64,
+                    0,
+                    format!("of 64 bytes at byte offset {:#x} of rank {r} leaves", n - 32),
+                ),
+                (
+                    0,
+                    r,
+                    u64::MAX - 7,
+                    16,
+                    0,
+                    "of 16 bytes at byte offset 0xfffffffffffffff8".into(),
+                ),
+                (0, 2, 0, 8, 0, "named rank 2, but the window has ranks 0..2".into()),
+                (0, -1, 0, 8, 0, "named rank -1,".into()),
+                (1, r, n, 8, 0, format!("of 8 bytes at byte offset {n:#x} of rank {r}")),
+                (
+                    2,
+                    r,
+                    0,
+                    0,
+                    ids,
+                    format!("named signal id {ids}, but the window has ids 0..{ids}"),
+                ),
+                (3, r, n - 4, 8, 0, format!("of 8 bytes at byte offset {:#x}", n - 4)),
+                (3, r, 0, 8, ids, format!("named signal id {ids}")),
+                (
+                    4,
+                    c.rank() as i32,
+                    0,
+                    0,
+                    ids + 5,
+                    format!("named signal id {}", ids + 5),
+                ),
+                (4, 7, 0, 0, 0, "named rank 7".into()),
+                (5, r, n - 4, 8, 0, "leaves".into()),
+                (
+                    5,
+                    r,
+                    4,
+                    8,
+                    0,
+                    format!("atomic at byte offset 0x4 of rank {r} is not 8-byte aligned"),
+                ),
+                (6, 3, 0, 8, 0, "named rank 3".into()),
+                (7, -2, 0, 0, 0, "named rank -2".into()),
+            ];
+            let mut scratch = [u64::MAX; 8];
+            for (verb, peer, offset, bytes, id, says) in &cases {
+                let args = (h, *verb, *peer, *offset, *bytes, *id, scratch.as_mut_ptr() as u64);
+                launch("one_verb", 1, 64, args);
+                let e = w.synchronize().unwrap_err();
+                assert!(
+                    e.to_string().contains(says.as_str()),
+                    "rank {}, verb {verb}: {e}",
+                    c.rank()
+                );
+                // A refused get writes nothing (read_signal, verb 7, stores its 0 in word 0).
+                let want = if *verb == 7 {
+                    [0, u64::MAX, u64::MAX, u64::MAX]
+                } else {
+                    [u64::MAX; 4]
+                };
+                assert_eq!(scratch[..4], want, "rank {}, verb {verb}: the scratch", c.rank());
+            }
+            w.barrier().unwrap();
+            for (i, x) in data.iter().enumerate() {
+                assert_eq!(*x, word(c.rank(), i as u64), "rank {}: word {i} changed", c.rank());
+            }
+            for id in 0..ids as usize {
+                let seen = w.wait_signal(id, SignalSource::Sum, Cmp::Ge, 0).unwrap();
+                assert_eq!(seen.value, 0, "rank {}: signal {id} moved", c.rank());
+            }
+            w.barrier().unwrap();
+            // The window still works: a good put_signal of words 256..264 to the right's 8..16
+            // (from window data, which the proxy requires).
+            let src = w.local_ptr() as u64 + 256 * 8;
+            launch("one_verb", 1, 64, (h, 3u32, r, 64u64, 64u64, 1u32, src));
+            w.synchronize().unwrap();
+            w.wait_signal(1, SignalSource::Rank(left), Cmp::Ge, 1).unwrap();
+            let sent: Vec<u64> = (256..264).map(|i| word(left, i)).collect();
+            assert_eq!(&data[8..16], &sent[..], "rank {}: the good put", c.rank());
             w.barrier().unwrap();
         });
     }

@@ -52,12 +52,20 @@ pub const OP_COLLECTIVE: u32 = 4;
 /// [`DeviceStatus::op`]: a proxy queue push (the queue stayed full past the deadline) or a bad
 /// argument to one.
 pub const OP_PROXY: u32 = 5;
-/// [`DeviceStatus::op`]: a proxy put whose destination (`observed`, `expected` bytes) leaves
-/// the window.
-pub const OP_PROXY_DST: u32 = 6;
+/// [`DeviceStatus::op`]: a put, get or atomic whose bytes (`expected` of them, at offset
+/// `observed`) leave a segment's data; the verb did nothing.
+pub const OP_OUT_OF_WINDOW: u32 = 6;
 /// [`DeviceStatus::op`]: a get, atomic or device barrier toward a rank behind the proxy queue,
 /// which carries puts and signals only.
 pub const OP_NOT_VIA_PROXY: u32 = 7;
+/// [`DeviceStatus::op`]: a verb named a rank (`peer`) that is not one of the window's
+/// (`expected`: its size); the verb did nothing.
+pub const OP_BAD_RANK: u32 = 8;
+/// [`DeviceStatus::op`]: a verb named a signal id (`signal_id`) past the pad (`expected`: ids
+/// per source); the verb did nothing.
+pub const OP_BAD_SIGNAL: u32 = 9;
+/// [`DeviceStatus::op`]: an atomic's offset (`observed`) is not 8-byte aligned; it did nothing.
+pub const OP_MISALIGNED: u32 = 10;
 /// A `wait_signal` source meaning "any one rank's slot satisfies the comparison"
 /// (the device form of [`SignalSource::Any`](crate::SignalSource::Any)).
 pub const SOURCE_ANY: i32 = -1;

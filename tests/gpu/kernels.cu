@@ -91,6 +91,26 @@ extern "C" __global__ void put_signal_block(ferrocomm_window_handle h, i32 peer,
   Window(h).put_signal(coop_block(), peer, dst, src, bytes, id, SignalOp::Set, value);
 }
 
+// One verb with the caller's arguments, for the verbs' argument checks: 0 put (block, from
+// `scratch`), 1 get (block, into `scratch`), 2 signal (block), 3 put_signal (block), 4
+// wait_signal (block, source `peer`, for 0), 5 fetch_add, 6 compare_swap, 7 read_signal
+// (source `peer`). A refused verb must touch nothing and return at once.
+extern "C" __global__ void one_verb(ferrocomm_window_handle h, u32 verb, i32 peer, u64 offset, u64 bytes, u32 id,
+                                    u64* scratch) {
+  const Window w(h);
+  const bool first = threadIdx.x == 0;
+  switch (verb) {
+    case 0: w.put(coop_block(), peer, offset, scratch, bytes); break;
+    case 1: w.get(coop_block(), peer, offset, scratch, bytes); break;
+    case 2: w.signal(coop_block(), peer, id, SignalOp::Add, 1); break;
+    case 3: w.put_signal(coop_block(), peer, offset, scratch, bytes, id, SignalOp::Add, 1); break;
+    case 4: w.wait_signal(coop_block(), id, peer, Cmp::Ge, 0); break;
+    case 5: if (first) w.fetch_add(peer, offset, 1); break;
+    case 6: if (first) w.compare_swap(peer, offset, 0, 1); break;
+    case 7: if (first) scratch[0] = w.read_signal(id, peer); break;
+  }
+}
+
 // Warp-scope wait by ANY and block-scope fence / flush, so every verb is instantiated.
 extern "C" __global__ void wait_any_warp(ferrocomm_window_handle h, u32 id, u64 value, u64* out) {
   Window w(h);

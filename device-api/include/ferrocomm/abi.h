@@ -25,7 +25,7 @@ typedef int ferrocomm_i32;
 #define FERROCOMM_STATUS_ABORTED 2u
 /* A peer's part of a collective disagreed with ours (expected: our bytes, observed: its). */
 #define FERROCOMM_STATUS_MISMATCH 3u
-/* A verb's argument the device cannot carry out (a proxy put whose source is not in the window). */
+/* A verb's argument the device cannot carry out (ferrocomm_status.op says which). */
 #define FERROCOMM_STATUS_INVALID 4u
 /* The window handle was made for another ABI than the kernel was compiled for
  * (expected: the kernel's FERROCOMM_ABI_VERSION, observed: the handle's abi_version; op 0). */
@@ -40,8 +40,15 @@ typedef int ferrocomm_i32;
 #define FERROCOMM_OP_FLUSH 3u
 #define FERROCOMM_OP_COLLECTIVE 4u
 #define FERROCOMM_OP_PROXY 5u /* a proxy queue push (full past the deadline) or a bad argument */
-#define FERROCOMM_OP_PROXY_DST 6u /* a proxy put whose destination leaves the window */
+/* 6, 8, 9, 10: a verb's argument outside the window, found before it touched memory (it did
+ * nothing): bytes past a segment's data (expected: bytes, observed: offset), a rank that is
+ * not one of the window's (peer; expected: size), a signal id past the pad (signal_id;
+ * expected: signal ids per source), an atomic's offset that is not 8-byte aligned (observed). */
+#define FERROCOMM_OP_OUT_OF_WINDOW 6u
 #define FERROCOMM_OP_NOT_VIA_PROXY 7u /* a get, atomic or barrier toward a rank behind the queue */
+#define FERROCOMM_OP_BAD_RANK 8u
+#define FERROCOMM_OP_BAD_SIGNAL 9u
+#define FERROCOMM_OP_MISALIGNED 10u
 
 /* Signal operations and comparisons, numbered as host/window's SignalOp and Cmp. */
 #define FERROCOMM_SIGNAL_SET 0u

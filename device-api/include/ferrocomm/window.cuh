@@ -6,6 +6,11 @@
 // timeout and the communicator's abort flag and reports failure through `ok`, never a trap.
 // Every verb first checks that the handle was made for the ABI these headers describe
 // (`abi_ok`); on a mismatch it records FERROCOMM_STATUS_ABI_MISMATCH and does nothing else.
+// Then its arguments, as the host API checks them: a rank outside the window, bytes past a
+// segment's data, a signal id past the pad or a misaligned atomic records
+// FERROCOMM_STATUS_INVALID and the verb does nothing (a store through such an offset would
+// land in a signal pad or another allocation). `peer_ptr` and `local_ptr` are the unchecked
+// way in.
 #pragma once
 #include "ferrocomm/atomics.cuh"
 #include "ferrocomm/coop.cuh"
@@ -112,7 +117,7 @@ class Window {
   FERROCOMM_DEVICE_INLINE Observed wait_signal(Coop c, u32 id, i32 source, Cmp cmp, u64 value) const;
   // This rank's own slot [id][source], read with acquire (no waiting).
   FERROCOMM_DEVICE_INLINE u64 read_signal(u32 id, i32 source) const {
-    if (!abi_ok()) return 0;
+    if (!abi_ok() || !signal_ok(source, id, true)) return 0;
     return load_acquire(signal_slot(h_.rank, id, source));
   }
 
@@ -129,7 +134,7 @@ class Window {
   // Atomics of rule 4 on the aligned u64 at `offset` of `peer` (one thread). Load/store peers
   // only: toward a rank behind the proxy queue they record FERROCOMM_STATUS_INVALID, return 0.
   FERROCOMM_DEVICE_INLINE u64 fetch_add(i32 peer, u64 offset, u64 value) const {
-    if (!abi_ok()) return 0;
+    if (!abi_ok() || !atomic_ok(peer, offset)) return 0;
     if (via_proxy(peer)) {
       not_via_proxy(peer);
       return 0;
@@ -137,7 +142,7 @@ class Window {
     return ferrocomm::fetch_add(peer_ptr<u64>(peer, offset), value);
   }
   FERROCOMM_DEVICE_INLINE u64 compare_swap(i32 peer, u64 offset, u64 expected, u64 desired) const {
-    if (!abi_ok()) return 0;
+    if (!abi_ok() || !atomic_ok(peer, offset)) return 0;
     if (via_proxy(peer)) {
       not_via_proxy(peer);
       return 0;
@@ -149,6 +154,34 @@ class Window {
   FERROCOMM_DEVICE_INLINE bool via_proxy(i32 peer) const;
 
  private:
+  // The argument checks. Every thread of a coop gets the same answer (a coop's threads pass
+  // the same arguments); `record` (its leader) writes the status, first error winning.
+  FERROCOMM_DEVICE_INLINE bool rank_ok(i32 peer, bool record) const {
+    if (peer >= 0 && peer < h_.size) return true;
+    if (record) record_status(h_.status, FERROCOMM_STATUS_INVALID, FERROCOMM_OP_BAD_RANK, peer, 0, h_.size, 0);
+    return false;
+  }
+  // Written so that offset + bytes cannot wrap past the check.
+  FERROCOMM_DEVICE_INLINE bool range_ok(i32 peer, u64 offset, u64 bytes, bool record) const {
+    if (!rank_ok(peer, record)) return false;
+    if (offset <= h_.data_bytes && bytes <= h_.data_bytes - offset) return true;
+    if (record) record_status(h_.status, FERROCOMM_STATUS_INVALID, FERROCOMM_OP_OUT_OF_WINDOW, peer, 0, bytes, offset);
+    return false;
+  }
+  FERROCOMM_DEVICE_INLINE bool signal_ok(i32 peer, u32 id, bool record) const {
+    if (!rank_ok(peer, record)) return false;
+    if (id < h_.signals) return true;
+    if (record) record_status(h_.status, FERROCOMM_STATUS_INVALID, FERROCOMM_OP_BAD_SIGNAL, peer, id, h_.signals, id);
+    return false;
+  }
+  // One thread's atomic: in the data and 8-byte aligned (a misaligned atomic faults the GPU).
+  FERROCOMM_DEVICE_INLINE bool atomic_ok(i32 peer, u64 offset) const {
+    if (!range_ok(peer, offset, 8, true)) return false;
+    if ((offset & 7) == 0) return true;
+    record_status(h_.status, FERROCOMM_STATUS_INVALID, FERROCOMM_OP_MISALIGNED, peer, 0, 8, offset);
+    return false;
+  }
+
   // Records why a wait gave up; the caller returns with ok = false.
   FERROCOMM_DEVICE_INLINE void give_up(u32 op, i32 peer, u32 id, u64 expected, u64 observed) const {
     bool aborted = h_.abort_flag != 0 && load_acquire(reinterpret_cast<const u32*>(h_.abort_flag)) != 0;

@@ -345,8 +345,6 @@ impl DeviceWindow {
                     format!("it sent {} bytes where this rank expected {}", s.observed, s.expected)
                 },
             },
-            // kernels/multimem.cu on a window without a multicast address (the host plans
-            // never launch it there; a user kernel might).
             abi::STATUS_ABI_MISMATCH => Error::invalid(
                 op,
                 format!(
@@ -364,33 +362,42 @@ impl DeviceWindow {
                     s.peer
                 ),
             ),
-            abi::STATUS_INVALID if s.op == abi::OP_COLLECTIVE => {
-                Error::invalid(op, "a multimem kernel ran on a window without a multicast object")
-            }
-            abi::STATUS_INVALID if s.op == abi::OP_PROXY_DST => Error::invalid(
-                op,
-                format!(
-                    "a kernel's proxy put of {} bytes to rank {} at byte offset {:#x} leaves the window",
-                    s.expected, s.peer, s.observed
-                ),
-            ),
-            abi::STATUS_INVALID if s.op == abi::OP_NOT_VIA_PROXY => Error::invalid(
-                op,
-                format!(
-                    "a kernel's get, atomic or barrier reached rank {}, which is behind the proxy queue \
-                     (it carries puts and signals only)",
-                    s.peer
-                ),
-            ),
-            abi::STATUS_INVALID => Error::invalid(
-                op,
-                format!(
-                    "a kernel's proxy put to rank {} named a source that is not in this window (byte offset {:#x})",
-                    s.peer, s.observed
-                ),
-            ),
+            abi::STATUS_INVALID => Error::invalid(op, self.invalid_argument(&s)),
             _ => Error::Timeout { op, peer, after: limit },
         })
+    }
+
+    /// What a device verb refused (`FERROCOMM_STATUS_INVALID`; the verb did nothing).
+    fn invalid_argument(&self, s: &DeviceStatus) -> String {
+        let (peer, bytes, offset) = (s.peer, s.expected, s.observed);
+        match s.op {
+            // kernels/multimem.cu on a window without a multicast address (the host plans
+            // never launch it there; a user kernel might).
+            abi::OP_COLLECTIVE => "a multimem kernel ran on a window without a multicast object".into(),
+            abi::OP_OUT_OF_WINDOW => format!(
+                "a kernel's put, get or atomic of {bytes} bytes at byte offset {offset:#x} of rank {peer} leaves \
+                 the window's {}-byte data; it did nothing",
+                self.handle.data_bytes
+            ),
+            abi::OP_BAD_RANK => {
+                format!("a kernel's verb named rank {peer}, but the window has ranks 0..{bytes}; it did nothing")
+            }
+            abi::OP_BAD_SIGNAL => format!(
+                "a kernel's verb named signal id {}, but the window has ids 0..{bytes}; it did nothing",
+                s.signal_id
+            ),
+            abi::OP_MISALIGNED => {
+                format!("a kernel's atomic at byte offset {offset:#x} of rank {peer} is not 8-byte aligned; it did nothing")
+            }
+            abi::OP_NOT_VIA_PROXY => format!(
+                "a kernel's get, atomic or barrier reached rank {peer}, which is behind the proxy queue (it carries \
+                 puts and signals only)"
+            ),
+            abi::OP_PROXY => format!(
+                "a kernel's proxy put to rank {peer} named a source that is not in this window (byte offset {offset:#x})"
+            ),
+            other => format!("a kernel's verb refused an argument (device op {other}, rank {peer})"),
+        }
     }
 
     fn enter(&self) -> Result<std::sync::MutexGuard<'_, ()>> {

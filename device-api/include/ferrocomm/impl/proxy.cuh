@@ -42,7 +42,7 @@ FERROCOMM_DEVICE_INLINE bool Window::push(i32 peer, u64 w0, u64 w1, u64* taken) 
 }
 
 // Returns, in the leader, whether every descriptor of the put was queued (true in the others):
-// a put_signal sends its signal only then.
+// a put_signal sends its signal only then. The caller has checked the peer and destination.
 template <class Coop>
 FERROCOMM_DEVICE_INLINE bool Window::proxy_put(Coop c, i32 peer, u64 dst_offset, const void* src, u64 bytes) const {
   c.sync();
@@ -52,12 +52,6 @@ FERROCOMM_DEVICE_INLINE bool Window::proxy_put(Coop c, i32 peer, u64 dst_offset,
   if (reinterpret_cast<u64>(src) < reinterpret_cast<u64>(local_ptr(0)) || src_offset > h_.data_bytes ||
       bytes > h_.data_bytes - src_offset) {
     record_status(h_.status, FERROCOMM_STATUS_INVALID, FERROCOMM_OP_PROXY, peer, 0, bytes, src_offset);
-    return false;
-  }
-  // The proxy refuses a destination past the window too (windows are alike on every rank);
-  // found here, the put_signal after it sends no signal either.
-  if (dst_offset > h_.data_bytes || bytes > h_.data_bytes - dst_offset) {
-    record_status(h_.status, FERROCOMM_STATUS_INVALID, FERROCOMM_OP_PROXY_DST, peer, 0, bytes, dst_offset);
     return false;
   }
   const u64 head = (static_cast<u64>(FERROCOMM_PROXY_PUT) << FERROCOMM_PROXY_OP_SHIFT) |

@@ -28,7 +28,7 @@ FERROCOMM_DEVICE_INLINE void coop_copy(Coop c, void* dst, const void* src, u64 b
 
 template <class Coop>
 FERROCOMM_DEVICE_INLINE void Window::put(Coop c, i32 peer, u64 dst_offset, const void* src, u64 bytes) const {
-  if (!abi_ok()) return;
+  if (!abi_ok() || !range_ok(peer, dst_offset, bytes, c.is_leader())) return;
   if (via_proxy(peer)) {
     proxy_put(c, peer, dst_offset, src, bytes);
     return;
@@ -40,7 +40,7 @@ FERROCOMM_DEVICE_INLINE void Window::put(Coop c, i32 peer, u64 dst_offset, const
 // only: the proxy queue carries no gets (FERROCOMM_STATUS_INVALID).
 template <class Coop>
 FERROCOMM_DEVICE_INLINE void Window::get(Coop c, i32 peer, u64 src_offset, void* dst, u64 bytes) const {
-  if (!abi_ok()) return;
+  if (!abi_ok() || !range_ok(peer, src_offset, bytes, c.is_leader())) return;
   if (via_proxy(peer)) {
     if (c.is_leader()) not_via_proxy(peer);
     c.sync();

@@ -8,7 +8,7 @@ namespace ferrocomm {
 // system-scope release is cumulative over them).
 template <class Coop>
 FERROCOMM_DEVICE_INLINE void Window::signal(Coop c, i32 peer, u32 id, SignalOp op, u64 value) const {
-  if (!abi_ok()) return;
+  if (!abi_ok() || !signal_ok(peer, id, c.is_leader())) return;
   // Through the queue, the proxy runs the signal after every earlier descriptor of ours.
   if (via_proxy(peer)) return proxy_signal(c, peer, id, op, value);
   c.sync();
@@ -28,7 +28,7 @@ FERROCOMM_DEVICE_INLINE void Window::signal(Coop c, i32 peer, u32 id, SignalOp o
 // with release, which is stronger than asked and costs nothing more there.
 template <class Coop>
 FERROCOMM_DEVICE_INLINE void Window::signal_relaxed(Coop c, i32 peer, u32 id, SignalOp op, u64 value) const {
-  if (!abi_ok()) return;
+  if (!abi_ok() || !signal_ok(peer, id, c.is_leader())) return;
   if (via_proxy(peer)) return proxy_signal(c, peer, id, op, value);
   if (c.is_leader()) {
     u64* slot = signal_slot(peer, id, h_.rank);
@@ -43,7 +43,8 @@ FERROCOMM_DEVICE_INLINE void Window::signal_relaxed(Coop c, i32 peer, u32 id, Si
 template <class Coop>
 FERROCOMM_DEVICE_INLINE void Window::put_signal(Coop c, i32 peer, u64 dst_offset, const void* src, u64 bytes, u32 id,
                                                 SignalOp op, u64 value) const {
-  if (!abi_ok()) return;
+  // A bad signal id refuses the put too: the caller's protocol is broken either way.
+  if (!abi_ok() || !range_ok(peer, dst_offset, bytes, c.is_leader()) || !signal_ok(peer, id, c.is_leader())) return;
   if (via_proxy(peer)) {
     // A put the proxy refused, or could not queue, sends no signal: the peer would take the
     // bytes already in its window for the new ones. The coop still syncs in both calls.
@@ -60,6 +61,8 @@ template <class Coop>
 FERROCOMM_DEVICE_INLINE Observed Window::wait_signal(Coop c, u32 id, i32 source, Cmp cmp, u64 value) const {
   Observed seen{false, source, 0};
   if (!abi_ok()) return seen;
+  const bool any_or_sum = source == SOURCE_ANY || source == SOURCE_SUM;
+  if (!signal_ok(any_or_sum ? h_.rank : source, id, c.is_leader())) return seen;
   if (c.is_leader()) {
     const u64 start = now_ns();
     for (u32 spin = 0;; ++spin) {
