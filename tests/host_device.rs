@@ -418,10 +418,7 @@ mod with_kernels {
             // put_signal_block takes (handle, i32 peer, u64 dst, u64* src, u64 bytes, u32 id,
             // u64 value).
             let refused = [
-                (
-                    (0u64, outside.as_ptr() as u64),
-                    "named a source that is not in this window",
-                ),
+                ((0u64, outside.as_ptr() as u64), "named a source (address"),
                 ((4096 - 32, inside), "of 64 bytes at byte offset 0xfe0"),
             ];
             for ((dst, src), says) in refused {
@@ -470,9 +467,14 @@ mod with_kernels {
             let (n, ids) = (h.data_bytes, h.signals);
             let (right, left) = ((c.rank() + 1) % c.size(), (c.rank() + c.size() - 1) % c.size());
             let word = |r: usize, i: u64| (seed ^ ((r as u64) << 40) ^ i).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-            // SAFETY: the window's data is n bytes of this rank's, and no kernel runs.
-            let data = unsafe { std::slice::from_raw_parts_mut(w.local_ptr() as *mut u64, n as usize / 8) };
-            for (i, x) in data.iter_mut().enumerate() {
+            // The window's data, n bytes of this rank's: a copy of it, taken where no kernel or
+            // peer writes it (after a barrier or the wait for the write).
+            let (words, len) = (w.local_ptr() as *mut u64, n as usize / 8);
+            // SAFETY: as above; no reference to the data outlives the statement.
+            let data = || unsafe { std::slice::from_raw_parts(words, len) }.to_vec();
+            // SAFETY: nothing runs on this window yet (no kernel, peers wait in the barrier).
+            let mine = unsafe { std::slice::from_raw_parts_mut(words, len) };
+            for (i, x) in mine.iter_mut().enumerate() {
                 *x = word(c.rank(), i as u64);
             }
             w.barrier().unwrap();
@@ -517,6 +519,9 @@ mod with_kernels {
                     format!("named signal id {}", ids + 5),
                 ),
                 (4, 7, 0, 0, 0, "named rank 7".into()),
+                (4, -1, 0, 0, ids, format!("named signal id {ids}")),
+                (4, -2, 0, 0, ids + 1, format!("named signal id {}", ids + 1)),
+                (4, -3, 0, 0, 0, "named rank -3".into()),
                 (5, r, n - 4, 8, 0, "leaves".into()),
                 (
                     5,
@@ -548,7 +553,7 @@ mod with_kernels {
                 assert_eq!(scratch[..4], want, "rank {}, verb {verb}: the scratch", c.rank());
             }
             w.barrier().unwrap();
-            for (i, x) in data.iter().enumerate() {
+            for (i, x) in data().iter().enumerate() {
                 assert_eq!(*x, word(c.rank(), i as u64), "rank {}: word {i} changed", c.rank());
             }
             for id in 0..ids as usize {
@@ -563,7 +568,7 @@ mod with_kernels {
             w.synchronize().unwrap();
             w.wait_signal(1, SignalSource::Rank(left), Cmp::Ge, 1).unwrap();
             let sent: Vec<u64> = (256..264).map(|i| word(left, i)).collect();
-            assert_eq!(&data[8..16], &sent[..], "rank {}: the good put", c.rank());
+            assert_eq!(&data()[8..16], &sent[..], "rank {}: the good put", c.rank());
             w.barrier().unwrap();
         });
     }

@@ -49,8 +49,8 @@ pub const OP_BARRIER: u32 = 2;
 pub const OP_FLUSH: u32 = 3;
 /// [`DeviceStatus::op`]: one of the library's collective kernels.
 pub const OP_COLLECTIVE: u32 = 4;
-/// [`DeviceStatus::op`]: a proxy queue push (the queue stayed full past the deadline) or a bad
-/// argument to one.
+/// [`DeviceStatus::op`]: a proxy queue push (the queue stayed full past the deadline), or a
+/// proxy put whose source (its address in `observed`, `expected` bytes) is not window data.
 pub const OP_PROXY: u32 = 5;
 /// [`DeviceStatus::op`]: a put, get or atomic whose bytes (`expected` of them, at offset
 /// `observed`) leave a segment's data; the verb did nothing.

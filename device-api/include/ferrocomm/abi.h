@@ -39,7 +39,9 @@ typedef int ferrocomm_i32;
 #define FERROCOMM_OP_BARRIER 2u
 #define FERROCOMM_OP_FLUSH 3u
 #define FERROCOMM_OP_COLLECTIVE 4u
-#define FERROCOMM_OP_PROXY 5u /* a proxy queue push (full past the deadline) or a bad argument */
+/* 5: a proxy queue push (full past the deadline), or a proxy put whose source is not window
+ * data (observed: the source's address). */
+#define FERROCOMM_OP_PROXY 5u
 /* 6, 8, 9, 10: a verb's argument outside the window, found before it touched memory (it did
  * nothing): bytes past a segment's data (expected: bytes, observed: offset), a rank that is
  * not one of the window's (peer; expected: size), a signal id past the pad (signal_id;

@@ -9,8 +9,8 @@
 // Then its arguments, as the host API checks them: a rank outside the window, bytes past a
 // segment's data, a signal id past the pad or a misaligned atomic records
 // FERROCOMM_STATUS_INVALID and the verb does nothing (a store through such an offset would
-// land in a signal pad or another allocation). `peer_ptr` and `local_ptr` are the unchecked
-// way in.
+// land in a signal pad or another allocation). `peer_ptr`, `local_ptr`, `signal_slot` and
+// `via_proxy` are the unchecked way in: their caller keeps the rank and offset in the window.
 #pragma once
 #include "ferrocomm/atomics.cuh"
 #include "ferrocomm/coop.cuh"

@@ -387,14 +387,17 @@ impl DeviceWindow {
                 s.signal_id
             ),
             abi::OP_MISALIGNED => {
-                format!("a kernel's atomic at byte offset {offset:#x} of rank {peer} is not 8-byte aligned; it did nothing")
+                format!(
+                    "a kernel's atomic at byte offset {offset:#x} of rank {peer} is not 8-byte aligned; it did nothing"
+                )
             }
             abi::OP_NOT_VIA_PROXY => format!(
                 "a kernel's get, atomic or barrier reached rank {peer}, which is behind the proxy queue (it carries \
                  puts and signals only)"
             ),
             abi::OP_PROXY => format!(
-                "a kernel's proxy put to rank {peer} named a source that is not in this window (byte offset {offset:#x})"
+                "a kernel's proxy put of {bytes} bytes to rank {peer} named a source (address {offset:#x}) that is not \
+                 in this window's data"
             ),
             other => format!("a kernel's verb refused an argument (device op {other}, rank {peer})"),
         }

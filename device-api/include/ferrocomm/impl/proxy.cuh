@@ -51,7 +51,7 @@ FERROCOMM_DEVICE_INLINE bool Window::proxy_put(Coop c, i32 peer, u64 dst_offset,
   const u64 src_offset = reinterpret_cast<u64>(src) - reinterpret_cast<u64>(local_ptr(0));
   if (reinterpret_cast<u64>(src) < reinterpret_cast<u64>(local_ptr(0)) || src_offset > h_.data_bytes ||
       bytes > h_.data_bytes - src_offset) {
-    record_status(h_.status, FERROCOMM_STATUS_INVALID, FERROCOMM_OP_PROXY, peer, 0, bytes, src_offset);
+    record_status(h_.status, FERROCOMM_STATUS_INVALID, FERROCOMM_OP_PROXY, peer, 0, bytes, reinterpret_cast<u64>(src));
     return false;
   }
   const u64 head = (static_cast<u64>(FERROCOMM_PROXY_PUT) << FERROCOMM_PROXY_OP_SHIFT) |
