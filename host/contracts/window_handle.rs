@@ -13,7 +13,7 @@ pub struct DeviceStatus {
     pub op: u32,
     /// The awaited rank, or [`SOURCE_ANY`] / [`SOURCE_SUM`].
     pub peer: i32,
-    /// The signal id, for [`OP_WAIT_SIGNAL`].
+    /// The signal id, for [`OP_WAIT_SIGNAL`] and [`OP_BAD_SIGNAL`].
     pub signal_id: u32,
     /// The value waited for (for [`STATUS_MISMATCH`]: this rank's bytes; for
     /// [`STATUS_ABI_MISMATCH`]: the kernel's ABI version).
