@@ -781,6 +781,74 @@ void check_user_api(const std::function<Group()>& fresh) {
   if (Window(old.handle(old.size - 1)).read_signal(1, 0) != 0) fail("the refused signal landed", 0, 0, 0);
 }
 
+// Verbs given a rank, offset or signal id outside the window (tests/gpu/kernels.cu `one_verb`)
+// record INVALID with the verb's op and touch nothing; a good put_signal (`put_signal_block`)
+// lands after them.
+void check_bad_arguments(const std::function<Group()>& fresh) {
+  Group g = fresh();
+  const u64 data = g.data_bytes;
+  const u32 ids = g.signals_;
+  const int n = g.size;
+  for (int r = 0; r < n; ++r) {
+    for (u64 i = 0; i < data / 8; ++i) *Window(g.handle(r)).local_ptr<u64>(i * 8) = mix(u64(r) << 40 ^ i);
+  }
+  struct Case {
+    u32 verb;
+    int peer;  // -100: the right neighbour
+    u64 offset, bytes;
+    u32 id, op;
+  };
+  const int right = -100;
+  const Case cases[] = {
+      {0, right, data - 32, 64, 0, FERROCOMM_OP_OUT_OF_WINDOW}, {0, right, ~7ull, 16, 0, FERROCOMM_OP_OUT_OF_WINDOW},
+      {0, n, 0, 8, 0, FERROCOMM_OP_BAD_RANK},                    {0, -1, 0, 8, 0, FERROCOMM_OP_BAD_RANK},
+      {1, right, data, 8, 0, FERROCOMM_OP_OUT_OF_WINDOW},        {2, right, 0, 0, ids, FERROCOMM_OP_BAD_SIGNAL},
+      {3, right, data - 4, 8, 0, FERROCOMM_OP_OUT_OF_WINDOW},    {3, right, 0, 8, ids, FERROCOMM_OP_BAD_SIGNAL},
+      {4, SOURCE_ANY, 0, 0, ids, FERROCOMM_OP_BAD_SIGNAL},       {4, -3, 0, 0, 0, FERROCOMM_OP_BAD_RANK},
+      {5, right, data - 4, 8, 0, FERROCOMM_OP_OUT_OF_WINDOW},    {5, right, 4, 8, 0, FERROCOMM_OP_MISALIGNED},
+      {6, n, 0, 8, 0, FERROCOMM_OP_BAD_RANK},                    {7, SOURCE_SUM, 0, 0, 0, FERROCOMM_OP_BAD_RANK},
+  };
+  std::vector<std::vector<u64>> scratch(n, std::vector<u64>(8, ~0ull));
+  g.ranks([&](int r) {
+    ferrocomm_window_handle h = g.handle(r);
+    u64* s = scratch[r].data();
+    for (const Case& c : cases) {
+      const int peer = c.peer == right ? (r + 1) % n : c.peer;
+      launch(1, 64, [=] { one_verb(h, c.verb, peer, c.offset, c.bytes, c.id, s); });
+      if (g.status[r].code != FERROCOMM_STATUS_INVALID || g.status[r].op != c.op) {
+        fail("a bad argument should be refused", r, c.verb, g.status[r].op);
+      }
+      g.status[r] = ferrocomm_status{};
+      if (s[1] != ~0ull || (c.verb != 7 && s[0] != ~0ull)) fail("a refused verb wrote the scratch", r, c.verb, 0);
+    }
+  });
+  for (int r = 0; r < n; ++r) {
+    Window w(g.handle(r));
+    for (u64 i = 0; i < data / 8; ++i) {
+      if (*w.local_ptr<u64>(i * 8) != mix(u64(r) << 40 ^ i)) fail("a refused verb wrote the data", r, static_cast<long long>(i), 0);
+    }
+    for (u64 o = g.signal_offset; o < g.barrier_offset; o += 8) {
+      if (*w.local_ptr<u64>(o) != 0) fail("a refused verb wrote a signal", r, static_cast<long long>(o), 0);
+    }
+  }
+  // The window still works: words 256..263 of every rank to its right neighbour's 8..15.
+  std::vector<u64> seen(n * 3, 0);
+  g.ranks([&](int r) {
+    ferrocomm_window_handle h = g.handle(r);
+    const u64* src = Window(h).local_ptr<u64>(256 * 8);
+    u64* o = &seen[r * 3];
+    launch(1, 64, [=] { put_signal_block(h, (r + 1) % n, 64, src, 64, 1, 1); });
+    launch(1, 1, [=] { ferrocomm_wait_signal(h, 1, (r + n - 1) % n, FERROCOMM_CMP_GE, 1, o); });
+  });
+  g.check_status("put_signal_block after refusals");
+  for (int r = 0; r < n; ++r) {
+    const int left = (r + n - 1) % n;
+    for (u64 i = 0; i < 8; ++i) {
+      if (*Window(g.handle(r)).local_ptr<u64>(64 + i * 8) != mix(u64(left) << 40 ^ (256 + i))) fail("put_signal_block", r, static_cast<long long>(i), 0);
+    }
+  }
+}
+
 // A wait that nobody satisfies ends by its deadline with a status naming the wait.
 void check_timeout(Group& g) {
   ferrocomm_window_handle h = g.handle(0);
@@ -1270,6 +1338,7 @@ int main(int argc, char** argv) {
     }
     check_device_api(fresh);
     check_user_api(fresh);
+    check_bad_arguments(fresh);
     {
       Group g = fresh();
       check_rest(g);
