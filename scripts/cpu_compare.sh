@@ -19,14 +19,17 @@
 #   scripts/cpu_compare.sh --quick    a few sizes, one repetition: a smoke test of minutes that
 #                                     writes its report to target/compare/ and leaves docs/ alone
 #   --reps N                          repetitions (default 3; --quick: 1)
+#   --ops "broadcast send_recv"       only these ops, at every size: a partial run, which also
+#                                     writes its report to target/compare/ and leaves docs/ alone
 set -euo pipefail
 cd "$(dirname "$0")/.."
-quick=0 reps=
+quick=0 reps= only=
 while [ $# -gt 0 ]; do
   case $1 in
     --quick) quick=1 ;;
     --reps) reps=${2:?--reps needs a number}; shift ;;
-    *) echo "usage: $0 [--quick] [--reps N]" >&2; exit 2 ;;
+    --ops) only=${2:?--ops needs a list of ops}; shift ;;
+    *) echo "usage: $0 [--quick] [--reps N] [--ops \"OP ...\"]" >&2; exit 2 ;;
   esac
   shift
 done
@@ -316,6 +319,9 @@ echo "all|caps|Gloo gets at most 200 iterations per size (its small calls take 0
 failures=$out/failures.txt
 : >"$failures"
 ops=(all_reduce all_gather reduce_scatter all_to_all broadcast send_recv)
+if [ -n "$only" ]; then
+  read -ra ops <<<"$only"
+fi
 start=$SECONDS
 for n in 2 4; do
   for op in "${ops[@]}"; do
@@ -339,7 +345,7 @@ for n in 2 4; do
 done
 echo "runs took $(((SECONDS - start) / 60)) min"
 
-if [ "$quick" = 1 ]; then
+if [ "$quick" = 1 ] || [ -n "$only" ]; then
   md=$out/cpu.md img=$out
   cp docs/results/cpu.md "$md"
 else
@@ -352,5 +358,5 @@ for t in "${transports[@]}"; do
   "$bench" plot -o "$img/cpu-collectives$([ "$t" = shm ] || echo "-$t").png" "${jsons[@]}"
 done
 "$py" scripts/compare_report.py "$out" "$md" "$(git rev-parse --short HEAD)" \
-  "./scripts/cpu_compare.sh$([ "$quick" = 1 ] && echo " --quick")"
+  "./scripts/cpu_compare.sh$([ "$quick" = 1 ] && echo " --quick")$([ -n "$only" ] && echo " --ops \"$only\"")"
 echo "wrote $md and its plots beside it"

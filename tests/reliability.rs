@@ -4,8 +4,8 @@
 //! ranks that only saw a neighbour fail because of it; an aborting rank sees `Closed`, the
 //! others `PeerLost` naming it, "aborted"; a mismatched call is `Error::Mismatch` naming the
 //! field on every rank, leaves every buffer untouched, and closes the communicator (a rank that
-//! writes nothing in the collective, such as a broadcast's root, may complete it and get the
-//! mismatch from its next call).
+//! writes nothing in the collective, such as a broadcast's root, or a broadcast's receiver whose
+//! root agrees with it, may complete it and get the mismatch from its next call).
 //!
 //! `FERROCOMM_RELIABILITY_TABLE=1` prints each row with its detection times (the source of
 //! docs/results/reliability.md).
@@ -96,8 +96,12 @@ fn mismatched_call(c: &Comm, row: &str, large: bool) -> (ferrocomm::Result<()>, 
             return (r, out.iter().all(|&x| x == -1.0));
         }
         "broadcast_root" => {
-            // Ranks 0 and 1 say the root is 0, ranks 2 and 3 say 1.
-            c.broadcast(&mut a, usize::from(c.rank() >= 2))
+            // Ranks 0 and 1 say the root is 0, ranks 2 and 3 say 1. Rank 1 may complete the
+            // call (its root agrees with it): then its buffer holds rank 0's, as they both asked.
+            let root = usize::from(c.rank() >= 2);
+            let r = c.broadcast(&mut a, root);
+            let want = if r.is_ok() { fill(root) } else { before };
+            return (r, a == want);
         }
         "op_kind" if odd => c.broadcast(&mut a, 0),
         "reduce_op" if odd => c.all_reduce(&mut a, ReduceOp::Max),
@@ -251,10 +255,12 @@ fn check(mode: &str, scenario: &str, rank: usize, seen: &[String], fault_at: u12
             let fields = [field];
             let fields: &[&str] = if board { &[] } else { &fields };
             // A rank that writes nothing in the collective (a broadcast's root, gather's other
-            // ranks, in their own view) does not wait for the others' calls: it may complete
-            // the call and meet the mismatch at its next one, which fails with it.
+            // ranks, in their own view) does not wait for the others' calls, nor does a
+            // broadcast's receiver wait for any but its root's (rank 1, whose root 0 agrees with
+            // it): it may complete the call and meet the mismatch at its next one, which fails
+            // with it.
             let sender_only = match row {
-                "broadcast_root" => rank == 0,
+                "broadcast_root" => rank <= 1,
                 "gather_root" => rank != 0,
                 _ => false,
             };

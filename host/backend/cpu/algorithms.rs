@@ -3,7 +3,7 @@
 //! use a ring (reduce-scatter, all-gather) or a chunked chain (broadcast), which work for any
 //! world size. Each step hands all its messages to the engine at once.
 
-use super::engine::{Engine, OpCtx, Xfer};
+use super::engine::{Engine, Lands, OpCtx, Xfer};
 use super::header::Tag;
 use crate::contracts::dtype::{DType, ReduceOp};
 use crate::contracts::error::Result;
@@ -509,6 +509,21 @@ pub(crate) fn reduce(
 /// chain's two copies run on both cores at once. Below, a root that need not wait for its
 /// receiver's copy wins (by reference, 16 KiB took 2.2 us against 1.2).
 pub(crate) const BROADCAST_BY_REFERENCE: RangeInclusive<usize> = (128 << 10) + 1..=512 << 10;
+
+/// Whose bytes land at `me` in a broadcast of `algo` (the root's in the direct broadcast, the
+/// previous rank's in the chain; none at the root), and the rank ours land at (the next in the
+/// chain): what `Engine::begin_broadcast_call` needs to check calls in the right order.
+pub(crate) fn broadcast_lands(me: usize, n: usize, root: usize, algo: Algo) -> (Lands, Option<usize>) {
+    if me == root {
+        let feeds = (algo != Algo::Direct && n > 1).then_some((me + 1) % n);
+        return (Lands::Nothing, feeds);
+    }
+    if algo == Algo::Direct {
+        return (Lands::From(root), None);
+    }
+    let last = (me + n - root) % n == n - 1;
+    (Lands::From((me + n - 1) % n), (!last).then_some((me + 1) % n))
+}
 
 pub(crate) fn broadcast(
     e: &mut Engine,

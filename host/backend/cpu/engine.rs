@@ -2,9 +2,10 @@
 //! advanced together so that no order of sends and receives can deadlock.
 //!
 //! Every message starts with a header (header.rs); the first message of a collective between
-//! two ranks carries the whole call, and every rank checks every peer's call before a byte
-//! lands in a user buffer, so a mismatched call is `Error::Mismatch` on every rank and never
-//! corrupted data.
+//! two ranks carries the whole call, and every rank checks the call of every peer whose bytes
+//! may land in a user buffer of its before they do (in most collectives every peer; `Lands`),
+//! and the others' as they come, so a mismatched call is `Error::Mismatch` on every rank and
+//! never corrupted data.
 
 use super::header::{self, Call, Header, Tag, HEADER_BYTES};
 use super::held_calls::HeldCalls;
@@ -98,9 +99,11 @@ impl Xfer<'_> {
         }
     }
 
-    /// A call receive whose header has not arrived (and been checked) yet.
+    /// A call receive whose header has not arrived (and been checked) yet, and which the gate of
+    /// its exchange waits for (a later one does not hold bytes from other peers back: engine.rs,
+    /// `Lands`).
     fn call_pending(&self) -> bool {
-        matches!(self, Xfer::Recv { call: true, hpos, .. } if *hpos < HEADER_BYTES)
+        matches!(self, Xfer::Recv { call: true, later: false, hpos, .. } if *hpos < HEADER_BYTES)
     }
 
     /// A receive whose header has been checked and whose payload waits for the gate.
@@ -166,12 +169,30 @@ struct OpenCall {
     /// messages cover the pairs it does not reach. Otherwise header-only call messages to and
     /// from every peer come first.
     symmetric: bool,
-    writes: bool,
-    /// The call's root writes nothing in it: our header-only call to it may be held.
-    quiet_root: bool,
+    /// Whose calls this rank checks before a byte lands in its buffer.
+    lands: Lands,
+    /// A broadcast's: our header-only calls may be held (held_calls.rs), but to `feeds`.
+    hold_calls: bool,
+    /// The peer our data lands at, which checks our call before it does (a chain's next rank).
+    feeds: Option<usize>,
     first_pending: bool,
     /// Header-only call messages, sent with the first exchange.
     preamble: Vec<Xfer<'static>>,
+}
+
+/// Whose bytes land in a rank's buffers in a collective: it checks their calls before they do,
+/// and the other peers' calls as they come (engine.rs, `begin_call`).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Lands {
+    /// Any peer's (its data, or a reduction that includes it).
+    FromAll,
+    /// Only this peer's, which checked the call of whoever its data came from in turn (a
+    /// broadcast's receiver: the root's in the direct broadcast, the previous rank's in the
+    /// chain).
+    From(usize),
+    /// None: this rank writes no user buffer (a broadcast's root, gather's and reduce's other
+    /// ranks).
+    Nothing,
 }
 
 /// Paces a host wait: backs off while nothing happens, and says when a stalled wait should
@@ -301,6 +322,8 @@ pub(crate) struct Engine {
     /// Kept between collectives, so that finding the pairs a first exchange leaves out
     /// allocates nothing.
     unreached: Unreached,
+    /// Kept between sweeps: the peers whose held calls are due.
+    due_scratch: Vec<usize>,
 }
 
 /// The peers a symmetric first exchange sends nothing to (`to`) and receives nothing from
@@ -356,6 +379,7 @@ impl Engine {
             deferred: Vec::new(),
             held: HeldCalls::default(),
             unreached: Unreached::default(),
+            due_scratch: Vec::new(),
         }
     }
 
@@ -412,9 +436,7 @@ impl Engine {
     /// without links.
     pub(crate) fn hand_over(&mut self, ctx: &OpCtx<'_>, members: &[usize], keep_board: bool) -> Result<Transport> {
         self.deferred.retain(|x| members.contains(&x.peer()));
-        if self.held.to().is_some_and(|to| !members.contains(&to)) {
-            self.held = HeldCalls::default();
-        }
+        self.held.keep_only(members);
         self.settle_deferred(ctx)?;
         Ok(self.transport.hand_over(members, keep_board))
     }
@@ -437,19 +459,41 @@ impl Engine {
     // of the time (docs/results/cpu.md, part 16).
     #[inline(always)]
     pub(crate) fn begin_call(&mut self, tag: Tag, call: Call, symmetric: bool, writes: bool) {
-        self.open_call(tag, call, symmetric, writes, false);
+        let lands = if writes { Lands::FromAll } else { Lands::Nothing };
+        self.open_call(tag, call, symmetric, lands, false, None);
     }
 
-    /// As `begin_call`, for a collective whose root writes nothing in it (a broadcast's): our
-    /// header-only call message to the root, which does not wait for it, may be held and sent
-    /// with later ones (held_calls.rs).
+    /// As `begin_call`, for a broadcast: a receiver checks before a byte lands only the call of
+    /// the rank its bytes come from (`lands`: the root in the direct broadcast, the previous
+    /// rank in the chain), which checked the call of the rank before it in turn, so the bytes
+    /// that land were sent under the very call this rank made. The other peers' calls it checks
+    /// as they come, as the root does, and reports a mismatch with them at the latest when it
+    /// next waits for them: so receivers do not wait for each other, and a root and its
+    /// receivers stream ahead as their messages allow. Our header-only calls, which no peer
+    /// waits for but `feeds` (the rank our data lands at, which checks our call first), are held
+    /// and sent several at a time (held_calls.rs).
     #[inline(always)]
-    pub(crate) fn begin_call_to_quiet_root(&mut self, tag: Tag, call: Call, symmetric: bool, writes: bool) {
-        self.open_call(tag, call, symmetric, writes, true);
+    pub(crate) fn begin_broadcast_call(
+        &mut self,
+        tag: Tag,
+        call: Call,
+        symmetric: bool,
+        lands: Lands,
+        feeds: Option<usize>,
+    ) {
+        self.open_call(tag, call, symmetric, lands, true, feeds);
     }
 
     #[inline(always)]
-    fn open_call(&mut self, tag: Tag, call: Call, symmetric: bool, writes: bool, quiet_root: bool) {
+    fn open_call(
+        &mut self,
+        tag: Tag,
+        call: Call,
+        symmetric: bool,
+        lands: Lands,
+        hold_calls: bool,
+        feeds: Option<usize>,
+    ) {
         self.calls += 1;
         let call = Call {
             seq: self.calls,
@@ -459,8 +503,9 @@ impl Engine {
             tag,
             call,
             symmetric,
-            writes,
-            quiet_root,
+            lands,
+            hold_calls,
+            feeds,
             first_pending: true,
             preamble: Vec::new(),
         };
@@ -472,19 +517,19 @@ impl Engine {
         self.open = Some(open);
     }
 
-    /// Header-only call messages to `to` and from `from`; the receives of a rank that writes
-    /// nothing go to `deferred` instead of the returned list, and a message to a root that
-    /// writes nothing may be held (`held`).
+    /// Header-only call messages to `to` and from `from`; the receives from peers whose bytes
+    /// do not land here go to `deferred` instead of the returned list, and a broadcast's
+    /// messages to peers that do not wait for them are held (`held`).
     fn call_messages(&mut self, open: &OpenCall, to: &[usize], from: &[usize]) -> Vec<Xfer<'static>> {
         let tag = Tag { nbytes: 0, ..open.tag };
         // Allocated only where a message goes in: most pairs of a broadcast's first exchange
-        // carry the call in its own messages, and a receiver's call to its root is held.
+        // carry the call in its own messages, and its header-only calls are held.
         let mut out: Vec<Xfer<'static>> = Vec::new();
         for &p in to {
             let x = self.xfer_send(p, tag, &[], Some(open.call));
-            let quiet = open.quiet_root && p == open.call.root as usize;
             if let Xfer::Send { hdr, .. } = &x {
-                if quiet && self.held.hold(p, hdr) {
+                if open.hold_calls && open.feeds != Some(p) {
+                    self.held.hold(p, hdr);
                     continue;
                 }
             }
@@ -492,7 +537,12 @@ impl Engine {
         }
         for &p in from {
             let mut recv = self.xfer_recv(p, tag, Default::default(), Some(open.call), true);
-            if open.writes {
+            let first = match open.lands {
+                Lands::FromAll => true,
+                Lands::From(q) => q == p,
+                Lands::Nothing => false,
+            };
+            if first {
                 out.push(recv);
             } else {
                 if let Xfer::Recv { later, earlier, .. } = &mut recv {
@@ -661,7 +711,7 @@ impl Engine {
                 gated,
                 earlier,
                 call,
-                ..
+                later,
             } => {
                 let mut moved = false;
                 if *hpos < HEADER_BYTES {
@@ -695,7 +745,7 @@ impl Engine {
                         },
                         other => other,
                     })?;
-                    if *call {
+                    if *call && !*later {
                         *calls_pending -= 1;
                     }
                 }
@@ -757,16 +807,22 @@ impl Engine {
         self.sweep += 1;
         let mut calls_pending = pre.iter().chain(xfers.iter()).filter(|x| x.call_pending()).count();
         let (mut all_done, mut moved) = (true, false);
-        if let (Some(to), true) = (self.held.to(), self.held.due()) {
+        if self.held.any_due() {
             // First on their stream: no later message to that peer moves until they are out.
-            moved |= match self.held.pump(self.transport.link(to)) {
-                Ok(m) => m,
-                Err(reason) => return Err(self.lost_at_root(ctx.op, to, reason)),
-            };
-            if self.held.to().is_some() {
-                all_done = false;
-                self.tx_stamp[to] = self.sweep;
+            let mut due = std::mem::take(&mut self.due_scratch);
+            due.clear();
+            due.extend(self.held.due_peers());
+            for &to in &due {
+                moved |= match self.held.pump(to, self.transport.link(to)) {
+                    Ok(m) => m,
+                    Err(reason) => return Err(self.lost_at_root(ctx.op, to, reason)),
+                };
+                if self.held.holds_for(to) {
+                    all_done = false;
+                    self.tx_stamp[to] = self.sweep;
+                }
             }
+            self.due_scratch = due;
         }
         // A message counts against `all_done` only if it is still pending after its step: one
         // that this sweep finishes needs no second sweep to be seen done.
@@ -877,9 +933,11 @@ impl Engine {
             }
         };
         // Held calls go out before any later message to their peer.
-        if let Some(to) = self.held.to() {
-            if (preamble.iter().chain(xfers.iter())).any(|x| matches!(x, Xfer::Send { peer, .. } if *peer == to)) {
-                self.held.make_due();
+        if self.held.any() {
+            for x in preamble.iter().chain(xfers.iter()) {
+                if let Xfer::Send { peer, .. } = x {
+                    self.held.make_due_for(*peer);
+                }
             }
         }
         // Calls deferred by earlier collectives come first: they are first on their streams.
@@ -965,7 +1023,7 @@ impl Engine {
     pub(crate) fn settle_deferred(&mut self, ctx: &OpCtx<'_>) -> Result<()> {
         // Our held calls go out first: the peers may be settling theirs, waiting for them.
         self.held.make_due();
-        if self.deferred.is_empty() && !self.held.due() {
+        if self.deferred.is_empty() && !self.held.any_due() {
             return Ok(());
         }
         for x in self.deferred.iter_mut() {
@@ -1019,13 +1077,14 @@ impl Engine {
             // Streams with an unfinished message in this pass: a later message on the same
             // stream must not start in the middle of it.
             let (mut tx_busy, mut rx_busy) = (vec![false; self.size], vec![false; self.size]);
-            // Our held calls, first on their stream: every peer reads every call.
-            if let Some(to) = self.held.to().filter(|&to| !moved_on[to]) {
-                match self.held.pump(self.transport.link(to)) {
+            // Our held calls, first on their streams: every peer reads every call.
+            let held: Vec<usize> = self.held.peers().filter(|&to| !moved_on[to]).collect();
+            for to in held {
+                match self.held.pump(to, self.transport.link(to)) {
                     Ok(m) => moved |= m,
                     Err(_) => moved_on[to] = true,
                 }
-                if self.held.to().is_some() && !moved_on[to] {
+                if self.held.holds_for(to) && !moved_on[to] {
                     (pending, tx_busy[to]) = (true, true);
                 }
             }
@@ -1221,7 +1280,7 @@ impl Engine {
         let mut pending = waiting(pre, xfers);
         // Held calls still going out wait on their peer too (a root that is gone never takes
         // them: its loss, not the deadline, is the error).
-        let held = self.held.to().filter(|p| self.held.due() && !pending.contains(p));
+        let held: Vec<usize> = self.held.due_peers().filter(|p| !pending.contains(p)).collect();
         pending.extend(held);
         ctx.check(now, || pending.first().copied())?;
         let gone = pending
@@ -1231,7 +1290,7 @@ impl Engine {
             // The peer may have written its last bytes just before leaving: its state store is a
             // Release, our read an Acquire, so sweeping once more sees everything it sent.
             self.sweep_while_moving(ctx, pre, xfers)?;
-            if waiting(pre, xfers).contains(&peer) || self.held.to() == Some(peer) {
+            if waiting(pre, xfers).contains(&peer) || self.held.holds_for(peer) {
                 return Err(Error::PeerLost {
                     op: ctx.op,
                     peer: g.rank,
@@ -1333,6 +1392,7 @@ fn drain_one(
 
 #[cfg(test)]
 mod tests {
+    use super::super::algorithms::Algo;
     use super::*;
     use crate::contracts::dtype::DType;
     use crate::net::links::{connect_threads_with, OwnerState};
@@ -1348,24 +1408,29 @@ mod tests {
 
     /// One direct broadcast of `buf` from `root`, as the backend runs it (mod.rs).
     fn broadcast(e: &mut Engine, abort: &AtomicBool, buf: &mut [u8], root: usize) -> Result<()> {
+        broadcast_by(e, abort, buf, root, Algo::Direct, 1 << 20)
+    }
+
+    /// One broadcast of `algo` (the chain in pieces of `chunk`), as the backend runs it.
+    fn broadcast_by(
+        e: &mut Engine,
+        abort: &AtomicBool,
+        buf: &mut [u8],
+        root: usize,
+        algo: Algo,
+        chunk: usize,
+    ) -> Result<()> {
         let tag = super::super::tag(3, DType::U8, None);
         let call = Call {
             count: buf.len() as u64,
             root: root as u32,
-            algo: super::super::algorithms::Algo::Direct.code(),
+            algo: algo.code(),
             seq: 0,
         };
-        e.begin_call_to_quiet_root(tag, call, true, e.rank != root);
+        let (lands, feeds) = super::super::algorithms::broadcast_lands(e.rank, e.size, root, algo);
+        e.begin_broadcast_call(tag, call, algo == Algo::Direct, lands, feeds);
         let ctx = OpCtx::new("broadcast", Duration::from_secs(10), abort);
-        let r = super::super::algorithms::broadcast(
-            e,
-            &ctx,
-            tag,
-            buf,
-            root,
-            super::super::algorithms::Algo::Direct,
-            1 << 20,
-        );
+        let r = super::super::algorithms::broadcast(e, &ctx, tag, buf, root, algo, chunk);
         e.end_call();
         r
     }
@@ -1438,11 +1503,88 @@ mod tests {
                 i == hold_max,
                 "after {i} broadcasts: calls in the root's stream: {sent}"
             );
-            assert_eq!(e[1].held.to(), (i < hold_max).then_some(0));
+            assert_eq!(e[1].held.holds_for(0), i < hold_max);
         }
         let c = OpCtx::new("finalize", Duration::from_secs(10), &abort);
         e[0].settle_deferred(&c).unwrap();
         assert!(e[0].deferred.is_empty() && !e[0].transport.has_unread(1));
+    }
+
+    /// A broadcast's receiver checks the call of the rank whose bytes land in its buffer before
+    /// they do, and the other receivers' calls as they come: it completes while another
+    /// receiver has not called yet, and a mismatch with that receiver is the error of its next
+    /// wait, naming it, as it is the root's.
+    #[test]
+    fn a_receiver_does_not_wait_for_the_other_receivers_and_meets_their_mismatch_later() {
+        let mut e = engines(3);
+        let abort = AtomicBool::new(false);
+        broadcast(&mut e[0], &abort, &mut [5u8; 8], 0).unwrap();
+        let mut got = [0u8; 8];
+        broadcast(&mut e[1], &abort, &mut got, 0).unwrap();
+        assert_eq!(got, [5u8; 8], "rank 2 has not called yet");
+        let mut ranks = e.iter_mut();
+        let (r0, r1, r2) = (ranks.next().unwrap(), ranks.next().unwrap(), ranks.next().unwrap());
+        let errs: Vec<Error> = std::thread::scope(|s| {
+            let late = s.spawn(move || {
+                let mut other = [0u8; 4];
+                let err = broadcast(r2, &AtomicBool::new(false), &mut other, 0).unwrap_err();
+                assert_eq!(other, [0u8; 4]);
+                err
+            });
+            let receiver = s.spawn(move || {
+                let abort = AtomicBool::new(false);
+                r1.settle_deferred(&OpCtx::new("finalize", Duration::from_secs(10), &abort))
+                    .unwrap_err()
+            });
+            let root = r0
+                .settle_deferred(&OpCtx::new("finalize", Duration::from_secs(10), &abort))
+                .unwrap_err();
+            vec![root, receiver.join().unwrap(), late.join().unwrap()]
+        });
+        for (rank, err) in errs.iter().enumerate() {
+            let peer = if rank == 2 { 0 } else { 2 };
+            assert!(
+                matches!(err, Error::Mismatch { peer: p, detail, .. } if *p == peer && detail.contains("count")),
+                "rank {rank}: {err}"
+            );
+        }
+    }
+
+    /// In the chain a receiver's bytes come from the rank before it, whose call it checks
+    /// first: where that rank's call differs from the root's, the bytes it would forward never
+    /// land, and both find the mismatch.
+    #[test]
+    fn a_chain_receiver_lands_nothing_from_a_rank_whose_call_differs() {
+        let e = engines(3);
+        let errs: Vec<(Result<()>, Vec<u8>)> = std::thread::scope(|s| {
+            let hs: Vec<_> = (e.into_iter())
+                .map(|mut e| {
+                    s.spawn(move || {
+                        let abort = AtomicBool::new(false);
+                        let len = if e.rank == 1 { 32 } else { 64 };
+                        let mut buf = vec![u8::from(e.rank == 0) * 9; len];
+                        let r = broadcast_by(&mut e, &abort, &mut buf, 0, Algo::Ring, 16);
+                        let r = r
+                            .and_then(|()| e.settle_deferred(&OpCtx::new("finalize", Duration::from_secs(10), &abort)));
+                        (r, buf)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (rank, (r, buf)) in errs.iter().enumerate().skip(1) {
+            let peer = if rank == 1 { 0 } else { 1 };
+            assert!(
+                matches!(r, Err(Error::Mismatch { peer: p, .. }) if *p == peer),
+                "rank {rank}: {r:?}"
+            );
+            assert!(buf.iter().all(|&b| b == 0), "rank {rank}: bytes landed");
+        }
+        assert!(
+            matches!(&errs[0].0, Err(Error::Mismatch { peer: 1, .. })),
+            "{:?}",
+            errs[0].0
+        );
     }
 
     /// Two ranks that each name the other as a broadcast's root both wait as receivers, each
@@ -1523,8 +1665,8 @@ mod tests {
         assert!(started.elapsed() < Duration::from_secs(10), "{:?}", started.elapsed());
     }
 
-    /// A shrink that leaves out the root a receiver holds calls for drops them (the root is
-    /// gone, and its link may no longer take a byte); calls held for a member go to it.
+    /// A shrink that leaves out a rank a receiver holds calls for drops them (the rank is gone,
+    /// and its link may no longer take a byte); calls held for a member go to it.
     #[test]
     fn a_hand_over_drops_calls_held_for_a_rank_left_out_and_sends_a_members() {
         let abort = AtomicBool::new(false);
@@ -1542,10 +1684,26 @@ mod tests {
                 broadcast(&mut a[0], &abort, &mut got0, root).unwrap();
                 h.join().unwrap();
             });
-            assert_eq!(e[0].held.to(), Some(root));
-            assert!(!e[root].transport.has_unread(0), "held, not sent");
+            assert_eq!(
+                e[0].held.peers().collect::<Vec<_>>(),
+                [1, 2],
+                "to the root and the other receiver"
+            );
+            assert!(
+                !e[root].transport.has_unread(0) && !e[other].transport.has_unread(0),
+                "held, not sent"
+            );
+            // The other receiver's call to rank 0, which rank 0 settles for a member, comes in.
+            let o = &mut e[other];
+            o.held.pump(0, o.transport.link(0)).unwrap();
             let _links = e[0].hand_over(&c, &members, false).unwrap();
-            assert_eq!(e[root].transport.has_unread(0), members.contains(&root), "root {root}");
+            for p in [root, other] {
+                assert_eq!(
+                    e[p].transport.has_unread(0),
+                    members.contains(&p),
+                    "root {root}, rank {p}"
+                );
+            }
         }
     }
 

@@ -1,26 +1,26 @@
-//! Call messages held back: the header-only call a rank sends a peer that writes nothing in a
-//! collective (a broadcast's root). That peer does not wait for it but checks it when it comes
-//! (engine.rs, `begin_call`), so nothing needs it at once; sent one per broadcast, it was a
-//! system call of the receiver's per broadcast on TCP. Held, up to `HOLD_MAX` go out together,
-//! in the order they were made and before any later message to that peer, or sooner where
-//! something may wait for them: an exchange that stalls, a shared-memory round (which compares
-//! message counts), a mismatch's drain, the links' close or hand-over (measured:
-//! docs/results/cpu.md, part 18).
+//! Call messages held back: the header-only calls a rank sends peers that do not wait for them
+//! (in a broadcast, every peer but the one that lands our data: the root writes nothing, and a
+//! receiver checks only the call of the rank whose bytes land in its buffer before they do;
+//! engine.rs, `begin_broadcast_call`). Such a peer checks them when they come, so nothing needs
+//! them at once; sent one per broadcast, each was a system call per broadcast per peer on TCP.
+//! Held, up to `HOLD_MAX` per peer go out together, in the order they were made and before any
+//! later message to that peer, or sooner where something may wait for them: an exchange that
+//! stalls, a shared-memory round (which compares message counts), a mismatch's drain, the
+//! links' close or hand-over (measured: docs/results/cpu.md, parts 18 and 30).
 
 use super::header::HEADER_BYTES;
 use crate::net::links::{Gone, Link};
 
-/// Held calls that make them due: half the unread calls per peer after which a root waits
-/// for the oldest (engine.rs, `LATER_MAX`, a bound on all peers' together), so that between
-/// two ranks no root waits for a call still held. With more ranks a root far ahead of one
-/// receiver may wait for another's held call: a delay, until that receiver holds its 8th, sends
-/// to the root, stalls or settles, not a hang.
+/// Held calls per peer that make them due: half the unread calls per peer after which a rank
+/// that does not wait for them waits for the oldest (engine.rs, `LATER_MAX`, a bound on all
+/// peers' together), so that between two ranks none waits for a call still held. With more
+/// ranks a rank far ahead of one peer may wait for another's held call: a delay, until that
+/// peer holds its 8th, sends to it, stalls or settles, not a hang.
 pub(crate) const HOLD_MAX: usize = 8;
 
 /// Header-only call messages to one peer, not yet (all) written.
 #[derive(Default)]
-pub(crate) struct HeldCalls {
-    to: usize,
+struct Held {
     /// The messages, back to back, and how much of them is written.
     bytes: Vec<u8>,
     written: usize,
@@ -28,44 +28,104 @@ pub(crate) struct HeldCalls {
     due: bool,
 }
 
+/// Held calls, per peer.
+#[derive(Default)]
+pub(crate) struct HeldCalls {
+    /// By rank; grown to the highest peer held for.
+    peers: Vec<Held>,
+    /// Peers with calls held (due or not), and with calls due: most exchanges look at no list.
+    holding: usize,
+    due: usize,
+}
+
 impl HeldCalls {
-    /// The peer the held calls go to, if any are held.
-    pub(crate) fn to(&self) -> Option<usize> {
-        (!self.bytes.is_empty()).then_some(self.to)
+    /// Whether calls to `peer` are held.
+    pub(crate) fn holds_for(&self, peer: usize) -> bool {
+        self.peers.get(peer).is_some_and(|h| !h.bytes.is_empty())
     }
 
-    /// Holds the call message `hdr` to `peer`; false where calls to another peer are held
-    /// (the caller then sends it itself: the order of messages is per peer).
-    pub(crate) fn hold(&mut self, peer: usize, hdr: &[u8; HEADER_BYTES]) -> bool {
-        if self.to().is_some_and(|to| to != peer) {
-            return false;
+    /// Whether calls to any peer are held.
+    pub(crate) fn any(&self) -> bool {
+        self.holding > 0
+    }
+
+    /// The peers calls are held for, in rank order.
+    pub(crate) fn peers(&self) -> impl Iterator<Item = usize> + '_ {
+        (self.peers.iter().enumerate())
+            .filter(|(_, h)| !h.bytes.is_empty())
+            .map(|(p, _)| p)
+    }
+
+    /// Holds the call message `hdr` to `peer`, after any held before it.
+    pub(crate) fn hold(&mut self, peer: usize, hdr: &[u8; HEADER_BYTES]) {
+        if self.peers.len() <= peer {
+            self.peers.resize_with(peer + 1, Held::default);
         }
-        self.to = peer;
-        self.bytes.extend_from_slice(hdr);
-        self.due |= self.bytes.len() >= HOLD_MAX * HEADER_BYTES;
-        true
+        let h = &mut self.peers[peer];
+        self.holding += usize::from(h.bytes.is_empty());
+        h.bytes.extend_from_slice(hdr);
+        if !h.due && h.bytes.len() >= HOLD_MAX * HEADER_BYTES {
+            h.due = true;
+            self.due += 1;
+        }
     }
 
-    /// The held calls must go out now.
+    /// The calls held for `peer` must go out now.
+    pub(crate) fn make_due_for(&mut self, peer: usize) {
+        if let Some(h) = self.peers.get_mut(peer).filter(|h| !h.bytes.is_empty() && !h.due) {
+            h.due = true;
+            self.due += 1;
+        }
+    }
+
+    /// Every held call must go out now.
     pub(crate) fn make_due(&mut self) {
-        self.due = !self.bytes.is_empty();
+        if self.due == self.holding {
+            return;
+        }
+        for p in 0..self.peers.len() {
+            self.make_due_for(p);
+        }
     }
 
-    /// Whether they must go out now (held calls that are not due wait for one of the events
-    /// of the module's comment).
-    pub(crate) fn due(&self) -> bool {
-        self.due
+    /// Whether any held calls must go out now (held calls that are not due wait for one of the
+    /// events of the module's comment).
+    pub(crate) fn any_due(&self) -> bool {
+        self.due > 0
     }
 
-    /// Writes as much as `link` (to `self.to()`) takes now; returns whether anything moved.
-    pub(crate) fn pump(&mut self, link: &mut Link) -> Result<bool, Gone> {
-        let n = link.write_messages(&self.bytes, HEADER_BYTES, self.written)?;
-        self.written += n;
-        if self.written == self.bytes.len() {
-            self.bytes.clear();
-            (self.written, self.due) = (0, false);
+    /// The peers whose held calls must go out now, in rank order.
+    pub(crate) fn due_peers(&self) -> impl Iterator<Item = usize> + '_ {
+        (self.peers.iter().enumerate()).filter(|(_, h)| h.due).map(|(p, _)| p)
+    }
+
+    /// Writes as much of the calls held for `peer` as `link` (to that peer) takes now; returns
+    /// whether anything moved. Where all are out, none is held for it any more.
+    pub(crate) fn pump(&mut self, peer: usize, link: &mut Link) -> Result<bool, Gone> {
+        let Some(h) = self.peers.get_mut(peer).filter(|h| !h.bytes.is_empty()) else {
+            return Ok(false);
+        };
+        let n = link.write_messages(&h.bytes, HEADER_BYTES, h.written)?;
+        h.written += n;
+        if h.written == h.bytes.len() {
+            h.bytes.clear();
+            self.holding -= 1;
+            self.due -= usize::from(h.due);
+            (h.written, h.due) = (0, false);
         }
         Ok(n > 0)
+    }
+
+    /// Drops the calls held for every peer not in `members` (a shrink that leaves them out:
+    /// their links may no longer take a byte).
+    pub(crate) fn keep_only(&mut self, members: &[usize]) {
+        for (p, h) in self.peers.iter_mut().enumerate() {
+            if !h.bytes.is_empty() && !members.contains(&p) {
+                self.holding -= 1;
+                self.due -= usize::from(h.due);
+                *h = Held::default();
+            }
+        }
     }
 }
 
@@ -74,26 +134,54 @@ mod tests {
     use super::*;
     use std::collections::VecDeque;
 
+    fn written(link: Link) -> Vec<u8> {
+        let Link::SelfLoop(q) = link else { unreachable!() };
+        q.into_iter().collect()
+    }
+
     #[test]
-    fn calls_to_one_peer_are_held_in_order_until_due_and_go_out_whole() {
+    fn calls_to_each_peer_are_held_in_order_until_due_and_go_out_whole() {
         let mut h = HeldCalls::default();
         let call = |i: u8| [i; HEADER_BYTES];
-        assert!(h.hold(1, &call(1)));
-        assert!(!h.hold(2, &call(9)), "calls to another peer are not held beside them");
-        assert!(!h.due());
+        h.hold(1, &call(1));
+        h.hold(2, &call(9));
+        assert!(!h.any_due());
+        assert_eq!(h.peers().collect::<Vec<_>>(), [1, 2]);
         for i in 2..HOLD_MAX as u8 {
-            assert!(h.hold(1, &call(i)));
+            h.hold(1, &call(i));
         }
-        assert!(!h.due(), "{} held", HOLD_MAX - 1);
-        assert!(h.hold(1, &call(HOLD_MAX as u8)));
-        assert!(h.due(), "the {HOLD_MAX}th makes them due");
+        assert!(!h.any_due(), "{} held", HOLD_MAX - 1);
+        h.hold(1, &call(HOLD_MAX as u8));
+        assert_eq!(
+            h.due_peers().collect::<Vec<_>>(),
+            [1],
+            "the {HOLD_MAX}th makes them due"
+        );
         let mut link = Link::SelfLoop(VecDeque::new());
-        assert!(h.pump(&mut link).unwrap());
-        assert_eq!(h.to(), None);
-        assert!(!h.due());
-        let Link::SelfLoop(q) = link else { unreachable!() };
+        assert!(h.pump(1, &mut link).unwrap());
+        assert!(!h.holds_for(1) && h.holds_for(2));
+        assert!(!h.any_due());
         let want: Vec<u8> = (1..=HOLD_MAX as u8).flat_map(call).collect();
-        assert_eq!(q.into_iter().collect::<Vec<u8>>(), want);
-        assert!(h.hold(2, &call(9)), "none held: any peer");
+        assert_eq!(written(link), want);
+        h.make_due();
+        assert_eq!(h.due_peers().collect::<Vec<_>>(), [2]);
+        let mut link = Link::SelfLoop(VecDeque::new());
+        assert!(h.pump(2, &mut link).unwrap());
+        assert_eq!(written(link), call(9));
+        assert!(!h.any() && !h.any_due());
+    }
+
+    #[test]
+    fn a_hand_over_keeps_the_calls_of_members_only() {
+        let mut h = HeldCalls::default();
+        for p in [0, 2, 3] {
+            h.hold(p, &[p as u8; HEADER_BYTES]);
+        }
+        h.make_due_for(3);
+        h.keep_only(&[0, 1, 2]);
+        assert_eq!(h.peers().collect::<Vec<_>>(), [0, 2]);
+        assert!(!h.any_due());
+        h.keep_only(&[]);
+        assert!(!h.any());
     }
 }

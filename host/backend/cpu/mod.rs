@@ -26,6 +26,7 @@ use engine::{Engine, OpCtx, Xfer};
 use header::{Call, Tag, ANY_COUNT};
 use oneshot::RoundOp;
 use smallvec::SmallVec;
+use std::ops::RangeInclusive;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -128,18 +129,18 @@ impl Tuning {
     /// callers ask for one slot's piece of it); alike on every rank, so ranks that ignore the
     /// hint all do.
     fn use_board(&self, op: &'static str, bytes: usize, opts: &RunOptions, available: bool) -> Result<bool> {
-        self.use_board_up_to(op, bytes, opts, available, self.direct_max)
+        self.use_board_for(op, bytes, opts, available, 0..=self.direct_max)
     }
 
-    /// As `use_board`, with `limit` instead of `FERROCOMM_CPU_DIRECT_MAX` as the largest
-    /// `bytes` that go through the board without a hint.
-    fn use_board_up_to(
+    /// As `use_board`, with `sizes` instead of up to `FERROCOMM_CPU_DIRECT_MAX` as the `bytes`
+    /// that go through the board without a hint.
+    fn use_board_for(
         &self,
         op: &'static str,
         bytes: usize,
         opts: &RunOptions,
         available: bool,
-        limit: usize,
+        sizes: RangeInclusive<usize>,
     ) -> Result<bool> {
         let board = match Self::wanted(op, opts.hints, true)? {
             Some(Wanted::OneShot) if available => true,
@@ -154,7 +155,7 @@ impl Tuning {
             }
             // Two levels serve all_reduce across machines only: elsewhere (one host) the
             // operation runs as without the hint.
-            Some(Wanted::TwoLevel) | None => available && bytes <= limit,
+            Some(Wanted::TwoLevel) | None => available && sizes.contains(&bytes),
             Some(_) => false,
         };
         if board {
@@ -571,10 +572,10 @@ impl CpuBackend {
         // one rank's slot must hold); if so, the calls peers still owe are taken in first and
         // the round is counted as a collective.
         let round = |e: &mut Engine, bytes: usize, largest: usize, op: RoundOp| -> Result<bool> {
-            let max = round_max(e, op);
+            let sizes = oneshot::round_sizes(e, op, self.tuning.direct_max);
             if !self
                 .tuning
-                .use_board_up_to(ctx.op, bytes, opts, oneshot::fits(e, largest), max)?
+                .use_board_for(ctx.op, bytes, opts, oneshot::fits(e, largest), sizes)?
             {
                 return Ok(false);
             }
@@ -656,9 +657,9 @@ impl CpuBackend {
                 }
                 // The chain's first exchange is not symmetric (rank k forwards to k + 1 a step after
                 // k + 1 first receives from it): header-only call messages go first.
-                // The root writes nothing: a receiver's header-only call to it may be held.
                 let call = call_of(elems(bytes, d), *root, a.code());
-                e.begin_call_to_quiet_root(t, call, a == Algo::Direct, e.rank != *root);
+                let (lands, feeds) = algorithms::broadcast_lands(e.rank, e.size, *root, a);
+                e.begin_broadcast_call(t, call, a == Algo::Direct, lands, feeds);
                 algorithms::broadcast(e, ctx, t, buf.host_bytes_mut(), *root, a, self.tuning.chunk)
             }
             Op::AllGather { input, outputs } => {

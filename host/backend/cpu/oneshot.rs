@@ -11,6 +11,7 @@ use crate::contracts::dtype::{DType, ReduceOp};
 use crate::contracts::error::{Error, Result};
 use crate::contracts::reduce::{epilogue, prologue, reduce_into};
 use crate::net::links::shm_board::{Board, SLOT_BYTES};
+use std::ops::RangeInclusive;
 
 /// Set in a round's label by a rank whose all_to_all blocks do not fit its slot.
 const DECLINED: u64 = 1 << 32;
@@ -57,6 +58,23 @@ pub(crate) fn round_max(e: &Engine, op: RoundOp, direct_max: usize) -> usize {
         (false, RoundOp::Exchange) => direct_max.min(32 << 10),
     }
 }
+
+/// The sizes of the operations of `op` that run as a shared-memory round without a hint
+/// (`round_max` is the largest). Where ranks outnumber CPUs a broadcast up to
+/// `CROWDED_BROADCAST_STREAMED` streams instead: its receivers wait only for the root's call
+/// (engine.rs, `begin_broadcast_call`), the round for every rank's.
+pub(crate) fn round_sizes(e: &Engine, op: RoundOp, direct_max: usize) -> RangeInclusive<usize> {
+    if e.transport.crowded() && op == RoundOp::Broadcast {
+        return CROWDED_BROADCAST_STREAMED + 1..=usize::MAX;
+    }
+    0..=round_max(e, op, direct_max)
+}
+
+/// The largest broadcast that streams rather than runs as a round where ranks outnumber CPUs.
+/// Measured (4 processes on the 2 cores of the AMD EPYC guest, 4 interleaved runs of each,
+/// docs/results/cpu.md, part 30): streamed, 8 B-512 B took 0.60-0.92 of the round's time
+/// (2.2-3.0 us against 3.1-5.2); at 4-64 KiB the two changed places from run to run.
+pub(crate) const CROWDED_BROADCAST_STREAMED: usize = 2 << 10;
 
 fn board(e: &Engine) -> &Board {
     e.transport.board.as_ref().expect("callers check `fits` first")

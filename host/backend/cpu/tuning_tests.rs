@@ -89,11 +89,13 @@ fn an_unknown_algorithm_is_an_argument_error_listing_the_accepted_values() {
 fn a_lower_round_limit_keeps_larger_operations_off_the_board_unless_the_hint_asks() {
     let h = hints(&[]);
     let o = RunOptions::new(Duration::from_secs(1), &h);
-    assert!(T.use_board_up_to("broadcast", 2048, &o, true, 2048).unwrap());
-    assert!(!T.use_board_up_to("broadcast", 2049, &o, true, 2048).unwrap());
+    assert!(T.use_board_for("broadcast", 2048, &o, true, 0..=2048).unwrap());
+    assert!(!T.use_board_for("broadcast", 2049, &o, true, 0..=2048).unwrap());
+    assert!(!T.use_board_for("broadcast", 2048, &o, true, 2049..=usize::MAX).unwrap());
     let h = hints(&[("algorithm", "oneshot")]);
     let o = RunOptions::new(Duration::from_secs(1), &h);
-    assert!(T.use_board_up_to("broadcast", 4096, &o, true, 2048).unwrap());
+    assert!(T.use_board_for("broadcast", 4096, &o, true, 0..=2048).unwrap());
+    assert!(T.use_board_for("broadcast", 8, &o, true, 2049..=usize::MAX).unwrap());
 }
 
 #[test]
