@@ -510,19 +510,14 @@ pub(crate) fn reduce(
 /// receiver's copy wins (by reference, 16 KiB took 2.2 us against 1.2).
 pub(crate) const BROADCAST_BY_REFERENCE: RangeInclusive<usize> = (128 << 10) + 1..=512 << 10;
 
-/// Whose bytes land at `me` in a broadcast of `algo` (the root's in the direct broadcast, the
-/// previous rank's in the chain; none at the root), and the rank ours land at (the next in the
-/// chain): what `Engine::begin_broadcast_call` needs to check calls in the right order.
-pub(crate) fn broadcast_lands(me: usize, n: usize, root: usize, algo: Algo) -> (Lands, Option<usize>) {
-    if me == root {
-        let feeds = (algo != Algo::Direct && n > 1).then_some((me + 1) % n);
-        return (Lands::Nothing, feeds);
+/// Whose bytes land at `me` in a broadcast of `algo`: the root's in the direct broadcast, the
+/// previous rank's in the chain, none at the root (`Engine::begin_broadcast_call`).
+pub(crate) fn broadcast_lands(me: usize, n: usize, root: usize, algo: Algo) -> Lands {
+    match () {
+        _ if me == root => Lands::Nothing,
+        _ if algo == Algo::Direct => Lands::From(root),
+        _ => Lands::From((me + n - 1) % n),
     }
-    if algo == Algo::Direct {
-        return (Lands::From(root), None);
-    }
-    let last = (me + n - root) % n == n - 1;
-    (Lands::From((me + n - 1) % n), (!last).then_some((me + 1) % n))
 }
 
 pub(crate) fn broadcast(

@@ -1,12 +1,12 @@
-//! Call messages held back: the header-only calls a rank sends peers that do not wait for them
-//! (in a broadcast, every peer but the one that lands our data: the root writes nothing, and a
-//! receiver checks only the call of the rank whose bytes land in its buffer before they do;
-//! engine.rs, `begin_broadcast_call`). Such a peer checks them when they come, so nothing needs
-//! them at once; sent one per broadcast, each was a system call per broadcast per peer on TCP.
-//! Held, up to `HOLD_MAX` per peer go out together, in the order they were made and before any
-//! later message to that peer, or sooner where something may wait for them: an exchange that
-//! stalls, a shared-memory round (which compares message counts), a mismatch's drain, the
-//! links' close or hand-over (measured: docs/results/cpu.md, parts 18 and 30).
+//! Call messages held back: the header-only call a rank sends over TCP to a peer that writes
+//! nothing in a collective (a broadcast's root). That peer does not wait for it but checks it
+//! when it comes (engine.rs, `begin_call`), so nothing needs it at once; sent one per
+//! broadcast, it was a system call of the receiver's per broadcast. Held, up to `HOLD_MAX` per
+//! peer go out together, in the order they were made and before any later message to that
+//! peer, or sooner where something may wait for them: an exchange that stalls, a shared-memory
+//! round (which compares message counts), a mismatch's drain, the links' close or hand-over
+//! (measured: docs/results/cpu.md, parts 18 and 30). Calls are held per peer, so that
+//! broadcasts from changing roots hold each root's.
 
 use super::header::HEADER_BYTES;
 use crate::net::links::{Gone, Link};

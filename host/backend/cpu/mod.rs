@@ -658,8 +658,8 @@ impl CpuBackend {
                 // The chain's first exchange is not symmetric (rank k forwards to k + 1 a step after
                 // k + 1 first receives from it): header-only call messages go first.
                 let call = call_of(elems(bytes, d), *root, a.code());
-                let (lands, feeds) = algorithms::broadcast_lands(e.rank, e.size, *root, a);
-                e.begin_broadcast_call(t, call, a == Algo::Direct, lands, feeds);
+                let lands = algorithms::broadcast_lands(e.rank, e.size, *root, a);
+                e.begin_broadcast_call(t, call, a == Algo::Direct, lands);
                 algorithms::broadcast(e, ctx, t, buf.host_bytes_mut(), *root, a, self.tuning.chunk)
             }
             Op::AllGather { input, outputs } => {

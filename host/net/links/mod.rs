@@ -31,8 +31,8 @@ pub(crate) use fault::{Cause, FaultRecord};
 pub(crate) use link::{back_off, check_owner, Gone, Link, PeerGone, PeerSegments, ShmLink};
 pub(crate) use liveness::ProcessWatch;
 pub(crate) use pull::REF_BYTES;
-#[cfg(test)]
-pub(crate) use setup::connect_threads_with;
 pub(crate) use setup::{bind_listener, connect_all, host_identity, machine, published_addr, Announcer, Transport};
+#[cfg(test)]
+pub(crate) use setup::{connect_threads_over_tcp, connect_threads_with};
 pub(crate) use shm::{OwnerState, Segment};
 pub(crate) use tcp::{accept_authenticated, dial, Expect, Handshaken, Lane};

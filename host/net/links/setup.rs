@@ -691,12 +691,23 @@ pub(crate) fn published_addr(listener: Option<&TcpListener>) -> Result<String> {
 /// for tests of the links and of the engine above them.
 #[cfg(test)]
 pub(crate) fn connect_threads_with(n: usize, shm_pull_bytes: Option<usize>) -> Vec<Transport> {
+    connect_threads_by(n, shm_pull_bytes, false)
+}
+
+/// As `connect_threads_with`, every link TCP over loopback.
+#[cfg(test)]
+pub(crate) fn connect_threads_over_tcp(n: usize) -> Vec<Transport> {
+    connect_threads_by(n, None, true)
+}
+
+#[cfg(test)]
+fn connect_threads_by(n: usize, shm_pull_bytes: Option<usize>, force_tcp: bool) -> Vec<Transport> {
     let store = crate::bootstrap::MemoryStore::new();
     let opts = TransportOptions {
         shm_ring_bytes: 1 << 16,
         shm_pull_bytes,
         tcp_bulk_bytes: None,
-        force_tcp: false,
+        force_tcp,
         net: crate::contracts::options::NetTransport::Auto,
         bind_addr: None,
         encrypt: crate::contracts::options::Encrypt::Auto,
