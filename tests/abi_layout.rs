@@ -21,6 +21,7 @@ fn rust_mirrors_match_the_c_header() {
     rust.extend(fields!(DeviceStatus, "ferrocomm_status": code, op, peer, signal_id, expected, observed));
     rust.extend(fields!(ProxyQueue, "ferrocomm_proxy_queue": slots, head, tail, done, remote, capacity, flags));
     // The descriptor format: host/net/windows/descriptor.rs decodes what device-api's producer encodes.
+    use ferrocomm::device::abi as a;
     use ferrocomm::net::descriptor as d;
     for (name, value) in [
         ("FERROCOMM_PROXY_PUT", d::PUT as usize),
@@ -33,34 +34,23 @@ fn rust_mirrors_match_the_c_header() {
         ("FERROCOMM_PROXY_MAX_PUT", d::MAX_PUT),
         ("FERROCOMM_PROXY_MAX_PEER", d::MAX_PEER),
         ("FERROCOMM_SIGNAL_ADD", 1),
-        ("FERROCOMM_ABI_VERSION", ferrocomm::device::abi::ABI_VERSION as usize),
-        (
-            "FERROCOMM_STATUS_ABI_MISMATCH",
-            ferrocomm::device::abi::STATUS_ABI_MISMATCH as usize,
-        ),
-        (
-            "FERROCOMM_STATUS_REFUSED",
-            ferrocomm::device::abi::STATUS_REFUSED as usize,
-        ),
+        ("FERROCOMM_ABI_VERSION", a::ABI_VERSION as usize),
+        ("FERROCOMM_STATUS_ABI_MISMATCH", a::STATUS_ABI_MISMATCH as usize),
+        ("FERROCOMM_STATUS_REFUSED", a::STATUS_REFUSED as usize),
+        // The verbs a status names: the host's messages read them.
+        ("FERROCOMM_STATUS_INVALID", a::STATUS_INVALID as usize),
+        ("FERROCOMM_OP_WAIT_SIGNAL", a::OP_WAIT_SIGNAL as usize),
+        ("FERROCOMM_OP_BARRIER", a::OP_BARRIER as usize),
+        ("FERROCOMM_OP_FLUSH", a::OP_FLUSH as usize),
+        ("FERROCOMM_OP_COLLECTIVE", a::OP_COLLECTIVE as usize),
+        ("FERROCOMM_OP_PROXY", a::OP_PROXY as usize),
+        ("FERROCOMM_OP_OUT_OF_WINDOW", a::OP_OUT_OF_WINDOW as usize),
+        ("FERROCOMM_OP_NOT_VIA_PROXY", a::OP_NOT_VIA_PROXY as usize),
+        ("FERROCOMM_OP_BAD_RANK", a::OP_BAD_RANK as usize),
+        ("FERROCOMM_OP_BAD_SIGNAL", a::OP_BAD_SIGNAL as usize),
+        ("FERROCOMM_OP_MISALIGNED", a::OP_MISALIGNED as usize),
     ] {
         rust.push((name.to_string(), value));
-    }
-    // The verbs a status names: the host's messages read them.
-    use ferrocomm::device::abi as a;
-    for (name, value) in [
-        ("FERROCOMM_STATUS_INVALID", a::STATUS_INVALID),
-        ("FERROCOMM_OP_WAIT_SIGNAL", a::OP_WAIT_SIGNAL),
-        ("FERROCOMM_OP_BARRIER", a::OP_BARRIER),
-        ("FERROCOMM_OP_FLUSH", a::OP_FLUSH),
-        ("FERROCOMM_OP_COLLECTIVE", a::OP_COLLECTIVE),
-        ("FERROCOMM_OP_PROXY", a::OP_PROXY),
-        ("FERROCOMM_OP_OUT_OF_WINDOW", a::OP_OUT_OF_WINDOW),
-        ("FERROCOMM_OP_NOT_VIA_PROXY", a::OP_NOT_VIA_PROXY),
-        ("FERROCOMM_OP_BAD_RANK", a::OP_BAD_RANK),
-        ("FERROCOMM_OP_BAD_SIGNAL", a::OP_BAD_SIGNAL),
-        ("FERROCOMM_OP_MISALIGNED", a::OP_MISALIGNED),
-    ] {
-        rust.push((name.to_string(), value as usize));
     }
 
     let dir = std::env::temp_dir().join(format!("ferrocomm-abi-{}", std::process::id()));

@@ -517,8 +517,8 @@ impl Engine {
                 // ranks of one host a call costs a write to a ring, and held it would keep the
                 // root waiting at its close for a rank that may close after it on the same
                 // thread (a group of threads dropped one by one).
-                let over_tcp = matches!(self.transport.link(p), Link::Tcp(_));
-                if open.quiet_root && p == open.call.root as usize && over_tcp {
+                let to_root = open.quiet_root && p == open.call.root as usize;
+                if to_root && matches!(self.transport.link(p), Link::Tcp(_)) {
                     self.held.hold(p, hdr);
                     continue;
                 }
