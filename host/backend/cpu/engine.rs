@@ -12,9 +12,12 @@ use super::held_calls::HeldCalls;
 use crate::contracts::backend::LinkLedger;
 use crate::contracts::error::{Error, Result};
 use crate::net::links::{self, back_off, Link, Transport, REF_BYTES};
+use late_calls::LateCalls;
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
+
+mod late_calls;
 
 /// How often a stalled engine looks at deadlines, abort flags and peer liveness.
 const CHECK_EVERY: Duration = Duration::from_millis(5);
@@ -23,12 +26,15 @@ const CHECK_EVERY: Duration = Duration::from_millis(5);
 /// whether it lost another rank first (`Engine::lost_at_root`); a peer announces that as soon
 /// as its own operation has failed.
 const ROOT_CAUSE_WAIT: Duration = Duration::from_millis(200);
-/// Peers' calls per peer that a rank which writes nothing lets gather before it looks at them
-/// (see `Engine::poll_due`).
+/// Late calls per peer that a rank lets gather before it looks at them (`Engine::poll_due`).
 const POLL_EVERY: usize = 8;
-/// Peers' calls per peer that a rank which writes nothing may leave unread before it waits for
-/// the oldest (see `Engine::bound_run_ahead`).
+/// Late calls per peer that a rank may leave unread before it waits for the oldest
+/// (`LateCalls::bound`).
 const LATER_MAX: usize = 2 * POLL_EVERY;
+
+/// The messages of one exchange: on the stack up to 8, so that most exchanges allocate nothing
+/// (a list per call was a `malloc` and a `free` of a broadcast's root per broadcast).
+pub(crate) type Xfers<'b> = smallvec::SmallVec<[Xfer<'b>; 8]>;
 
 /// One pending message.
 pub(crate) enum Xfer<'b> {
@@ -62,10 +68,10 @@ pub(crate) enum Xfer<'b> {
         /// Part of a collective's first exchange: no byte lands in `data` before every call
         /// of that exchange has been checked.
         gated: bool,
-        /// A peer's call to a rank that writes nothing in its collective: checked when it
-        /// arrives, in this exchange or a later one, which does not wait for it.
+        /// A late call (late_calls.rs): checked when it arrives, in this exchange or a later
+        /// one, and no gate waits for it.
         later: bool,
-        /// Deferred from an earlier collective (named in a mismatch), even once waited for.
+        /// Made by an earlier collective (named in a mismatch).
         earlier: bool,
     },
 }
@@ -114,18 +120,6 @@ impl Xfer<'_> {
     /// A message by reference all in the stream, waiting for its receiver to copy it.
     fn awaits_copy(&self) -> bool {
         matches!(self, Xfer::Send { reference: Some(SentByReference { end: Some(_), .. }), .. } if !self.done())
-    }
-
-    /// Must be done before its exchange is.
-    fn needed(&self) -> bool {
-        !matches!(self, Xfer::Recv { later: true, .. })
-    }
-
-    /// Makes a later call receive one its exchange waits for.
-    fn make_needed(&mut self) {
-        if let Xfer::Recv { later, .. } = self {
-            *later = false;
-        }
     }
 
     /// A later call receive that has not arrived, kept for the next exchange (its buffer is
@@ -313,8 +307,10 @@ pub(crate) struct Engine {
     /// Collectives started on this communicator (shared-memory rounds included).
     calls: u64,
     open: Option<OpenCall>,
-    /// Peers' calls to collectives in which this rank wrote nothing, not yet arrived.
-    deferred: Vec<Xfer<'static>>,
+    /// Peers' calls checked as they come, not yet arrived (late_calls.rs).
+    late: LateCalls,
+    /// The exchange being run reads the late calls (`poll_due`).
+    poll_late: bool,
     /// Our calls to a peer that writes nothing in its collective, not yet sent (held_calls.rs).
     held: HeldCalls,
     /// Kept between collectives, so that finding the pairs a first exchange leaves out
@@ -322,6 +318,8 @@ pub(crate) struct Engine {
     unreached: Unreached,
     /// Kept between sweeps: the peers whose held calls are due.
     due_scratch: Vec<usize>,
+    /// Kept between collectives: the list of header-only call messages, empty.
+    spare_preamble: Vec<Xfer<'static>>,
 }
 
 /// The peers a symmetric first exchange sends nothing to (`to`) and receives nothing from
@@ -374,10 +372,12 @@ impl Engine {
             sweep: 0,
             calls: 0,
             open: None,
-            deferred: Vec::new(),
+            late: LateCalls::default(),
+            poll_late: false,
             held: HeldCalls::default(),
             unreached: Unreached::default(),
             due_scratch: Vec::new(),
+            spare_preamble: Vec::new(),
         }
     }
 
@@ -409,11 +409,8 @@ impl Engine {
         if self.open.is_some() {
             return None;
         }
-        let mut owed = vec![0u64; self.size];
-        for x in &self.deferred {
-            owed[x.peer()] += 1;
-        }
-        // A deferred receive was counted when it was posted.
+        let owed: Vec<u64> = (0..self.size).map(|p| self.late.owed_by(p) as u64).collect();
+        // A late call's receive was counted when it was posted.
         let taken = (0..self.size).map(|p| self.recv_seq[p] - owed[p]).collect();
         let quiet = (0..self.size)
             .map(|p| p != self.rank && self.transport.check_peer(p).is_err())
@@ -433,7 +430,7 @@ impl Engine {
     /// held for them (a lost rank's link may no longer take a byte). This engine is left
     /// without links.
     pub(crate) fn hand_over(&mut self, ctx: &OpCtx<'_>, members: &[usize], keep_board: bool) -> Result<Transport> {
-        self.deferred.retain(|x| members.contains(&x.peer()));
+        self.late.keep_only(members);
         self.held.keep_only(members);
         self.settle_deferred(ctx)?;
         Ok(self.transport.hand_over(members, keep_board))
@@ -503,13 +500,13 @@ impl Engine {
     }
 
     /// Header-only call messages to `to` and from `from`; the receives from peers whose bytes
-    /// do not land here go to `deferred` instead of the returned list, and a message to a root
-    /// that writes nothing is held (`held`).
+    /// do not land here go to the late calls (`late`) instead of the returned list, and a
+    /// message to a root that writes nothing is held (`held`).
     fn call_messages(&mut self, open: &OpenCall, to: &[usize], from: &[usize]) -> Vec<Xfer<'static>> {
         let tag = Tag { nbytes: 0, ..open.tag };
-        // Allocated only where a message goes in: most pairs of a broadcast's first exchange
-        // carry the call in its own messages, and a receiver's call to its root is held.
-        let mut out: Vec<Xfer<'static>> = Vec::new();
+        // The list of the last collective, given back empty (`exchange_all`): most collectives
+        // allocate none.
+        let mut out = std::mem::take(&mut self.spare_preamble);
         for &p in to {
             let x = self.xfer_send(p, tag, &[], Some(open.call));
             if let Xfer::Send { hdr, .. } = &x {
@@ -538,7 +535,7 @@ impl Engine {
                 if let Xfer::Recv { later, earlier, .. } = &mut recv {
                     (*later, *earlier) = (true, true);
                 }
-                self.deferred.push(recv);
+                self.late.push(recv);
             }
         }
         out
@@ -814,6 +811,23 @@ impl Engine {
             }
             self.due_scratch = due;
         }
+        if self.poll_late {
+            // First on their streams: no later message from that peer moves until they are in.
+            for peer in 0..self.size {
+                if self.late.owed_by(peer) == 0 {
+                    continue;
+                }
+                moved |= match self.late.pump(peer, self.transport.link(peer), ctx.op) {
+                    Ok(m) => m,
+                    Err(Error::PeerLost { op, peer, reason }) => return Err(self.lost_at_root(op, peer, reason)),
+                    Err(e) => return Err(e),
+                };
+                if self.late.owed_by(peer) > 0 {
+                    self.rx_stamp[peer] = self.sweep;
+                    all_done &= !self.late.needs(peer);
+                }
+            }
+        }
         // A message counts against `all_done` only if it is still pending after its step: one
         // that this sweep finishes needs no second sweep to be seen done.
         for x in pre.iter_mut().chain(xfers.iter_mut()) {
@@ -827,7 +841,7 @@ impl Engine {
             };
             if *stamp == self.sweep {
                 // An earlier message to/from this peer is still in flight.
-                all_done &= !x.needed();
+                all_done = false;
                 continue;
             }
             *stamp = self.sweep;
@@ -837,7 +851,7 @@ impl Engine {
                 Err(e) => return Err(e),
             };
             if !x.done() {
-                all_done &= !x.needed();
+                all_done = false;
                 continue;
             }
             // A finished message frees its peer for the next one in this same sweep.
@@ -930,23 +944,20 @@ impl Engine {
                 }
             }
         }
-        // Calls deferred by earlier collectives come first: they are first on their streams.
-        // Most exchanges have none to look at: no list is built for them.
-        if !self.deferred.is_empty() {
-            self.bound_run_ahead();
+        // Most exchanges have no late call to look at.
+        if !self.late.is_empty() {
+            self.late.bound(LATER_MAX);
+            self.poll_late = self.poll_due(&preamble, xfers);
         }
-        let poll = self.poll_due(&preamble, xfers);
-        let mut pre: Vec<Xfer<'b>> = if poll {
-            std::mem::take(&mut self.deferred).into_iter().chain(preamble).collect()
-        } else {
-            preamble
-        };
+        let mut pre: Vec<Xfer<'b>> = preamble;
         let r = self.run(ctx, &mut pre, xfers);
+        self.poll_late = false;
         if matches!(r, Err(Error::Mismatch { .. } | Error::InvalidArgument { .. })) {
-            // Peers' deferred calls come in too: each rank finds the mismatch itself. Where they
-            // were not looked at, no message of this exchange comes from their peers
-            // (`poll_due`), so their place in `pre` is free.
-            pre.extend(std::mem::take(&mut self.deferred));
+            // Peers' late calls come in too, first on their streams: each rank finds the
+            // mismatch itself.
+            let mut all: Vec<Xfer<'b>> = self.late.take_all();
+            all.append(&mut pre);
+            pre = all;
         }
         match r {
             Err(e @ Error::Mismatch { .. }) => {
@@ -964,61 +975,38 @@ impl Engine {
             }
             _ => {}
         }
-        if poll {
-            self.deferred = pre.into_iter().filter(|x| !x.done()).filter_map(Xfer::detach).collect();
+        if pre.capacity() > 0 {
+            // Kept for the next collective's call messages (`call_messages`): in place, as none
+            // is left to detach, so nothing is allocated.
+            pre.clear();
+            self.spare_preamble = pre.into_iter().filter_map(Xfer::detach).collect();
         }
         r
     }
 
-    /// Whether the peers' calls deferred so far are looked at in an exchange of `preamble`
-    /// and `xfers`: where it receives from one of their peers (they come first on that
-    /// stream), where one must be waited for (`bound_run_ahead`, `settle_deferred`), and once
-    /// `POLL_EVERY` per peer have gathered. Not on every exchange: a root that is ahead would
-    /// otherwise move its whole list twice per call.
+    /// Whether the late calls are read in an exchange of `preamble` and `xfers`: where it
+    /// receives from one of their peers (they come first on that stream), where one must be
+    /// waited for (`LateCalls::bound`, `settle_deferred`), and once `POLL_EVERY` per peer have
+    /// gathered. Not on every exchange: a root that is ahead would otherwise try every
+    /// receiver's stream on every call.
     fn poll_due(&self, preamble: &[Xfer<'_>], xfers: &[Xfer<'_>]) -> bool {
-        if self.deferred.is_empty() {
-            return false;
-        }
-        self.deferred.len() >= POLL_EVERY * (self.size - 1).max(1)
-            || self.deferred.iter().any(Xfer::needed)
+        self.late.len() >= POLL_EVERY * (self.size - 1).max(1)
+            || self.late.any_needed()
             || (preamble.iter().chain(xfers.iter()))
-                .any(|x| matches!(x, Xfer::Recv { peer, .. } if self.deferred.iter().any(|d| d.peer() == *peer)))
+                .any(|x| matches!(x, Xfer::Recv { peer, .. } if self.late.owed_by(*peer) > 0))
     }
 
-    /// A rank that writes nothing (a broadcast's root) takes in its peers' calls as they come
-    /// and does not wait for them; but past `LATER_MAX` unread per peer (on average, the oldest
-    /// first) it waits for the oldest, so that the list it sweeps stays short (a root far ahead
-    /// of its receivers otherwise sweeps one entry per call it is ahead: 4 processes on 2 cores,
-    /// 8 B, docs/results/cpu.md, "A broadcast's root far ahead").
-    fn bound_run_ahead(&mut self) {
-        let later = self.deferred.iter().filter(|x| !x.needed()).count();
-        let limit = LATER_MAX * (self.size - 1).max(1);
-        if later <= limit {
-            return;
-        }
-        let mut excess = later - limit;
-        for x in self.deferred.iter_mut().filter(|x| !x.needed()) {
-            if excess == 0 {
-                break;
-            }
-            x.make_needed();
-            excess -= 1;
-        }
-    }
-
-    /// Sends our held calls and waits for every deferred call (before a shared-memory round,
+    /// Sends our held calls and waits for every late call (before a shared-memory round,
     /// which reads peers' state outside the streams: a call still in a stream would look like
     /// another operation's, and compares message counts; and before links close or change
     /// hands).
     pub(crate) fn settle_deferred(&mut self, ctx: &OpCtx<'_>) -> Result<()> {
         // Our held calls go out first: the peers may be settling theirs, waiting for them.
         self.held.make_due();
-        if self.deferred.is_empty() && !self.held.any_due() {
+        if self.late.is_empty() && !self.held.any_due() {
             return Ok(());
         }
-        for x in self.deferred.iter_mut() {
-            x.make_needed();
-        }
+        self.late.need_all();
         self.exchange(ctx, &mut [])
     }
 
@@ -1257,17 +1245,20 @@ impl Engine {
         // checked and whose payload only waits for the gate (another peer's call) does not
         // count: its bytes are in the stream already, and the peer may well have gone since.
         // A message by reference that only waits to be copied comes last: its receiver may be
-        // held by its own gate, waiting for the same late peer as we are.
-        let waiting = |pre: &[Xfer<'_>], xfers: &[Xfer<'_>]| -> Vec<usize> {
+        // held by its own gate, waiting for the same late peer as we are. Late calls waited
+        // for come first, as on their streams.
+        let waiting = |late: &LateCalls, pre: &[Xfer<'_>], xfers: &[Xfer<'_>]| -> Vec<usize> {
             let gate_closed = pre.iter().chain(xfers.iter()).any(Xfer::call_pending);
-            let mut peers: Vec<(bool, usize)> = (pre.iter().chain(xfers.iter()))
-                .filter(|x| x.needed() && !x.done() && !(gate_closed && x.held_by_gate()))
-                .map(|x| (x.awaits_copy(), x.peer()))
-                .collect();
+            let mut peers: Vec<(bool, usize)> = late.needed_peers().map(|p| (false, p)).collect();
+            peers.extend(
+                (pre.iter().chain(xfers.iter()))
+                    .filter(|x| !x.done() && !(gate_closed && x.held_by_gate()))
+                    .map(|x| (x.awaits_copy(), x.peer())),
+            );
             peers.sort_by_key(|&(copy, _)| copy);
             peers.into_iter().map(|(_, p)| p).collect()
         };
-        let mut pending = waiting(pre, xfers);
+        let mut pending = waiting(&self.late, pre, xfers);
         // Held calls still going out wait on their peer too (a root that is gone never takes
         // them: its loss, not the deadline, is the error).
         let held: Vec<usize> = self.held.due_peers().filter(|p| !pending.contains(p)).collect();
@@ -1280,7 +1271,7 @@ impl Engine {
             // The peer may have written its last bytes just before leaving: its state store is a
             // Release, our read an Acquire, so sweeping once more sees everything it sent.
             self.sweep_while_moving(ctx, pre, xfers)?;
-            if waiting(pre, xfers).contains(&peer) || self.held.holds_for(peer) {
+            if waiting(&self.late, pre, xfers).contains(&peer) || self.held.holds_for(peer) {
                 return Err(Error::PeerLost {
                     op: ctx.op,
                     peer: g.rank,
@@ -1295,7 +1286,7 @@ impl Engine {
         let ahead = pending.iter().copied().find(|&p| b.peer_latest(p) >= b.next_round());
         if let Some(peer) = ahead {
             self.sweep_while_moving(ctx, pre, xfers)?;
-            if waiting(pre, xfers).contains(&peer) {
+            if waiting(&self.late, pre, xfers).contains(&peer) {
                 // Named by field, as a header check names it, where the round says which
                 // operation the peer is in and it is another (the peer may have moved on to
                 // a later round since: then the fields stay unnamed).
@@ -1497,7 +1488,7 @@ mod tests {
         }
         let c = OpCtx::new("finalize", Duration::from_secs(10), &abort);
         e[0].settle_deferred(&c).unwrap();
-        assert!(e[0].deferred.is_empty() && !e[0].transport.has_unread(1));
+        assert!(e[0].late.is_empty() && !e[0].transport.has_unread(1));
     }
 
     /// A broadcast's receiver checks the call of the rank whose bytes land in its buffer before
@@ -1707,7 +1698,7 @@ mod tests {
         let mut most = 0;
         for _ in 0..calls {
             broadcast(&mut e[0], &abort, &mut [1u8; 8], 0).unwrap();
-            most = most.max(e[0].deferred.len());
+            most = most.max(e[0].late.len());
         }
         assert!(most <= LATER_MAX + 1, "{most} calls unread");
         receiver.join().unwrap();

@@ -12,10 +12,8 @@ use super::header::HEADER_BYTES;
 use crate::net::links::{Gone, Link};
 
 /// Held calls per peer that make them due: half the unread calls per peer after which a rank
-/// that does not wait for them waits for the oldest (engine.rs, `LATER_MAX`, a bound on all
-/// peers' together), so that between two ranks none waits for a call still held. With more
-/// ranks a rank far ahead of one peer may wait for another's held call: a delay, until that
-/// peer holds its 8th, sends to it, stalls or settles, not a hang.
+/// that does not wait for them waits for the oldest (engine.rs, `LATER_MAX`), so that no rank
+/// waits for a call still held.
 pub(crate) const HOLD_MAX: usize = 8;
 
 /// Header-only call messages to one peer, not yet (all) written.

@@ -22,7 +22,7 @@ use crate::contracts::store::Store;
 use crate::contracts::window::{WindowBackend, WindowSpec};
 use crate::net::links::{self, Cause, FaultRecord, OwnerState};
 use algorithms::{Algo, Scratch};
-use engine::{Engine, OpCtx, Xfer};
+use engine::{Engine, OpCtx, Xfer, Xfers};
 use header::{Call, Tag, ANY_COUNT};
 use oneshot::RoundOp;
 use smallvec::SmallVec;
@@ -761,7 +761,7 @@ impl CpuBackend {
                     e.exchange(ctx, &mut x)
                 }
                 list => {
-                    let mut x: Vec<Xfer> = list.iter_mut().map(|p| p2p_xfer(e, p)).collect();
+                    let mut x: Xfers = list.iter_mut().map(|p| p2p_xfer(e, p)).collect();
                     e.exchange(ctx, &mut x)
                 }
             },
