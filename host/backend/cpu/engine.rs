@@ -1252,7 +1252,7 @@ impl Engine {
             let mut peers: Vec<(bool, usize)> = late.needed_peers().map(|p| (false, p)).collect();
             peers.extend(
                 (pre.iter().chain(xfers.iter()))
-                    .filter(|x| !x.done() && !(gate_closed && x.held_by_gate()))
+                    .filter(|x| !(x.done() || gate_closed && x.held_by_gate()))
                     .map(|x| (x.awaits_copy(), x.peer())),
             );
             peers.sort_by_key(|&(copy, _)| copy);
