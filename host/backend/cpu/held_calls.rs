@@ -11,9 +11,9 @@
 use super::header::HEADER_BYTES;
 use crate::net::links::{Gone, Link};
 
-/// Held calls per peer that make them due: half the unread calls per peer after which a rank
-/// that does not wait for them waits for the oldest (engine.rs, `LATER_MAX`), so that no rank
-/// waits for a call still held.
+/// Held calls per peer that make them due: fewer than the unread calls per peer after which a
+/// rank that does not wait for them waits for the oldest (engine.rs, `LATER_MAX`), so that no
+/// rank waits for a call still held.
 pub(crate) const HOLD_MAX: usize = 8;
 
 /// Header-only call messages to one peer, not yet (all) written.
