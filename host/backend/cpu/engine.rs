@@ -31,7 +31,7 @@ const POLL_EVERY: usize = 8;
 /// Late calls per peer that a rank may leave unread before it waits for the oldest
 /// (`LateCalls::bound`). Where ranks outnumber CPUs, the farther a root may run ahead, the
 /// longer each rank runs before it yields its CPU: 4 processes on 2 cores, 8 B-2 KiB
-/// broadcasts, 0.69-1.20 us at 256 against 0.76-1.31 at 64 and 0.93-1.42 at 16 (three
+/// broadcasts, 0.69-1.20 us at 256 against 0.74-1.31 at 64 and 0.93-1.42 at 16 (three
 /// interleaved rounds; context switches per broadcast 0.12 at 256, 0.17 at 64, 0.37 at 16).
 /// Kept per peer (late_calls.rs), a longer list costs no sweep more.
 const LATER_MAX: usize = 256;
@@ -1682,7 +1682,7 @@ mod tests {
     }
 
     /// A root far ahead of a late receiver keeps at most `LATER_MAX` of its calls unread, and
-    /// then waits for the oldest: its list, swept on every exchange, stays short.
+    /// then waits for the oldest: what it keeps stays bounded.
     #[test]
     fn a_root_ahead_of_its_receivers_bounds_the_calls_it_has_not_read() {
         let mut e = engines(2);
