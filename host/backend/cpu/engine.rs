@@ -9,15 +9,13 @@
 
 use super::header::{self, Call, Header, Tag, HEADER_BYTES};
 use super::held_calls::HeldCalls;
+use super::late_calls::LateCalls;
 use crate::contracts::backend::LinkLedger;
 use crate::contracts::error::{Error, Result};
 use crate::net::links::{self, back_off, Link, Transport, REF_BYTES};
-use late_calls::LateCalls;
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
-
-mod late_calls;
 
 /// How often a stalled engine looks at deadlines, abort flags and peer liveness.
 const CHECK_EVERY: Duration = Duration::from_millis(5);
@@ -312,7 +310,7 @@ pub(crate) struct Engine {
     calls: u64,
     open: Option<OpenCall>,
     /// Peers' calls checked as they come, not yet arrived (late_calls.rs).
-    late: LateCalls,
+    late: LateCalls<Xfer<'static>>,
     /// The exchange being run reads the late calls (`poll_due`).
     poll_late: bool,
     /// Our calls to a peer that writes nothing in its collective, not yet sent (held_calls.rs).
@@ -539,7 +537,7 @@ impl Engine {
                 if let Xfer::Recv { later, earlier, .. } = &mut recv {
                     (*later, *earlier) = (true, true);
                 }
-                self.late.push(recv);
+                self.late.push(p, recv);
             }
         }
         out
@@ -821,7 +819,10 @@ impl Engine {
                 if self.late.owed_by(peer) == 0 {
                     continue;
                 }
-                moved |= match self.late.pump(peer, self.transport.link(peer), ctx.op) {
+                let link = self.transport.link(peer);
+                // Late calls count against no gate (`Xfer::call_pending`).
+                let step = |x: &mut Xfer<'static>| Ok((Self::step(link, x, ctx.op, &mut 0)?, x.done()));
+                moved |= match self.late.pump(peer, step) {
                     Ok(m) => m,
                     Err(Error::PeerLost { op, peer, reason }) => return Err(self.lost_at_root(op, peer, reason)),
                     Err(e) => return Err(e),
@@ -1251,7 +1252,7 @@ impl Engine {
         // A message by reference that only waits to be copied comes last: its receiver may be
         // held by its own gate, waiting for the same late peer as we are. Late calls waited
         // for come first, as on their streams.
-        let waiting = |late: &LateCalls, pre: &[Xfer<'_>], xfers: &[Xfer<'_>]| -> Vec<usize> {
+        let waiting = |late: &LateCalls<Xfer<'static>>, pre: &[Xfer<'_>], xfers: &[Xfer<'_>]| -> Vec<usize> {
             let gate_closed = pre.iter().chain(xfers.iter()).any(Xfer::call_pending);
             let mut peers: Vec<(bool, usize)> = late.needed_peers().map(|p| (false, p)).collect();
             peers.extend(

@@ -8,6 +8,7 @@ mod engine;
 mod header;
 mod held_calls;
 mod inference;
+mod late_calls;
 mod oneshot;
 mod two_level;
 mod window;
