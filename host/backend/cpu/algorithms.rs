@@ -199,7 +199,7 @@ fn reducing_step(
     for i in 0..sends.max(recvs) {
         let r = piece(in_len, i);
         {
-            let mut x = Xfers::new();
+            let mut x = Xfers::with_capacity(2);
             // Blocks below `RING_BY_REFERENCE` through the rings, not by reference: each rank
             // reduces between pieces, and a sender that waited for its neighbour to copy would
             // wait out that reduction too (measured: by reference, all_reduce of 256 KiB took
@@ -372,7 +372,7 @@ pub(crate) fn gather_in_stream(parts: &[&mut [u8]]) -> bool {
 /// the caller).
 fn direct_all_to_all_same(e: &mut Engine, ctx: &OpCtx, tag: Tag, mine: &[u8], slots: &mut [&mut [u8]]) -> Result<()> {
     let me = e.rank;
-    let mut x = Xfers::new();
+    let mut x = Xfers::with_capacity(2 * e.size);
     for (p, slot) in slots.iter_mut().enumerate().filter(|(p, _)| *p != me) {
         x.push(e.send(p, tag, mine));
         x.push(e.recv(p, tag, slot));
@@ -456,7 +456,7 @@ pub(crate) fn reduce(
             let mut slots = parts_of(work, std::iter::repeat(len).take(n));
             slots[me].copy_from_slice(buf);
             prologue(dtype, op, slots[me]);
-            let mut x = Xfers::new();
+            let mut x = Xfers::with_capacity(n);
             for (p, slot) in slots.iter_mut().enumerate().filter(|(p, _)| *p != me) {
                 x.push(e.recv(p, tag, slot));
             }
@@ -484,7 +484,7 @@ pub(crate) fn reduce(
             if me == root {
                 let mut dst = parts_of(buf, lens);
                 dst[me].copy_from_slice(parts[me]);
-                let mut x = Xfers::new();
+                let mut x = Xfers::with_capacity(n);
                 for (p, d) in dst.iter_mut().enumerate().filter(|(p, _)| *p != me) {
                     x.push(e.recv(p, tag, d));
                 }
@@ -570,7 +570,7 @@ pub(crate) fn broadcast(
     };
     for i in 0..=chunks.len() {
         let (head, tail) = buf.split_at_mut(chunks.get(i).map_or(buf.len(), |c| c.start));
-        let mut x = Xfers::new();
+        let mut x = Xfers::with_capacity(2);
         if pos == 0 {
             if let Some(c) = chunks.get(i) {
                 x.push(e.send_in_stream(next, tag, &tail[..c.len()]));
@@ -635,7 +635,7 @@ pub(crate) fn reduce_scatter(
             };
             let mut slots = parts_of(tmp, std::iter::repeat(output.len()).take(n));
             slots[me].copy_from_slice(parts[me]);
-            let mut x = Xfers::new();
+            let mut x = Xfers::with_capacity(2 * n);
             for (p, slot) in slots.iter_mut().enumerate().filter(|(p, _)| *p != me) {
                 x.push(e.send(p, tag, parts[p]));
                 x.push(e.recv(p, tag, slot));
@@ -671,7 +671,7 @@ pub(crate) fn all_to_all(
     outputs: &mut [&mut [u8]],
 ) -> Result<()> {
     let me = e.rank;
-    let mut x = Xfers::new();
+    let mut x = Xfers::with_capacity(2 * e.size);
     for (p, out) in outputs.iter_mut().enumerate().filter(|(p, _)| *p != me) {
         x.push(e.send(p, tag, inputs[p]));
         x.push(e.recv(p, tag, out));
@@ -721,7 +721,7 @@ pub(crate) fn gather(
     let me = e.rank;
     match outputs {
         Some(outputs) if me == root => {
-            let mut x = Xfers::new();
+            let mut x = Xfers::with_capacity(e.size);
             for (p, out) in outputs.iter_mut().enumerate().filter(|(p, _)| *p != me) {
                 x.push(e.recv(p, tag, out));
             }
@@ -741,7 +741,7 @@ pub(crate) fn gather(
 pub(crate) fn barrier(e: &mut Engine, ctx: &OpCtx, tag: Tag) -> Result<()> {
     let me = e.rank;
     let mut none: Vec<[u8; 0]> = vec![[]; e.size];
-    let mut x = Xfers::new();
+    let mut x = Xfers::with_capacity(2 * e.size);
     for (p, slot) in none.iter_mut().enumerate().filter(|(p, _)| *p != me) {
         x.push(e.send(p, tag, &[]));
         x.push(e.recv(p, tag, slot));
