@@ -981,8 +981,9 @@ impl Engine {
             _ => {}
         }
         if pre.capacity() > 0 {
-            // Kept for the next collective's call messages (`call_messages`): in place, as none
-            // is left to detach, so nothing is allocated.
+            // Kept for the next collective's call messages (`call_messages`). The list is typed
+            // with this exchange's borrows; emptied, std collects it into the `'static` list in
+            // place, in its own buffer, so nothing is allocated (gdb on `malloc`: cpu.md, part 31).
             pre.clear();
             self.spare_preamble = pre.into_iter().filter_map(Xfer::detach).collect();
         }
