@@ -240,3 +240,41 @@ fn a_rank_that_failed_and_then_left_still_points_at_the_root_rank() {
         assert!(matches!(e, Err(Error::PeerLost { peer: 2, .. })), "{e:?}");
     });
 }
+
+/// A group of threads whose last collective is a broadcast, its communicators then dropped one
+/// after another on one thread (as the `Collectives` example does): the root's close waits
+/// for its receivers' calls, which a receiver may hold back (over TCP) until its next call or
+/// its own close. The close must not stall on a rank that closes after it.
+#[test]
+fn ranks_dropped_one_by_one_on_one_thread_after_a_broadcast_close_at_once() {
+    for tcp in [true, false] {
+        let timeout = Duration::from_secs(5);
+        let opts = if tcp { tcp_options(timeout) } else { options(timeout) };
+        let name = format!("drop-in-turn-{tcp}");
+        let comms = Comm::new_group("cpu", &[Device::Cpu; 4], &name, opts).expect("new_group");
+        let comms: Vec<Comm> = std::thread::scope(|s| {
+            let hs: Vec<_> = (comms.into_iter())
+                .map(|c| {
+                    s.spawn(move || {
+                        let mut x = [c.rank() as f32; 2];
+                        for _ in 0..3 {
+                            c.broadcast(&mut x, 0).expect("broadcast");
+                        }
+                        assert_eq!(x, [0.0; 2]);
+                        c
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("rank")).collect()
+        });
+        let t0 = Instant::now();
+        for c in comms {
+            drop(c);
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(2),
+            "tcp {tcp}: closing took {:?}",
+            t0.elapsed()
+        );
+    }
+}

@@ -438,6 +438,30 @@ impl Engine {
         Ok(self.transport.hand_over(members, keep_board))
     }
 
+    /// Collectives begun so far (a quiet rank's count stays put: idle_senders.rs).
+    pub(crate) fn ops_begun(&self) -> u64 {
+        self.calls
+    }
+
+    /// Whether calls to any peer are held (held_calls.rs).
+    pub(crate) fn holds_calls(&self) -> bool {
+        self.held.any()
+    }
+
+    /// Writes every held call the links take now, for a rank that runs nothing (idle_senders.rs);
+    /// returns whether some are left for a later try. A link that fails keeps its calls and
+    /// leaves none to try: the rank's own next use of it reports the failure.
+    pub(crate) fn send_held_calls(&mut self) -> bool {
+        self.held.make_due();
+        let peers: smallvec::SmallVec<[usize; 8]> = self.held.peers().collect();
+        for p in peers {
+            if self.held.pump(p, self.transport.link(p)).is_err() {
+                return false;
+            }
+        }
+        self.held.any()
+    }
+
     /// Framed messages received from `peer` so far.
     pub(crate) fn received_from(&self, peer: usize) -> u64 {
         self.recv_seq[peer]

@@ -7,6 +7,7 @@ mod algorithms;
 mod engine;
 mod header;
 mod held_calls;
+mod idle_senders;
 mod inference;
 mod late_calls;
 mod oneshot;
@@ -29,7 +30,7 @@ use oneshot::RoundOp;
 use smallvec::SmallVec;
 use std::ops::RangeInclusive;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 
 /// Algorithm choice. `FERROCOMM_CPU_DIRECT_MAX` (bytes per rank, default 64 KiB): at or below,
 /// direct exchanges; above, ring or chain. `FERROCOMM_CPU_CHUNK` (default 256 KiB): the
@@ -227,10 +228,37 @@ struct State {
     /// Set once `link_ledger` reported what the links carried: nothing more may travel on
     /// them, or the ledger the shrink decides by would be wrong.
     frozen: bool,
+    /// The engine holds calls and the thread that sends a quiet rank's has it on its list
+    /// (idle_senders.rs).
+    watched: bool,
+    /// The engine's count of operations when that thread last looked.
+    ops_at_last_look: Option<u64>,
+}
+
+impl idle_senders::QuietSender for Mutex<State> {
+    fn send_if_quiet(&self) -> bool {
+        let mut st = match self.try_lock() {
+            Ok(st) => st,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            // Running: it sends its held calls itself when it waits, or with later ones.
+            Err(std::sync::TryLockError::WouldBlock) => return true,
+        };
+        // A frozen engine's links carry nothing more (its hand-over sends them).
+        let ops = st.engine.ops_begun();
+        let quiet = st.ops_at_last_look.replace(ops) == Some(ops);
+        let holds = !st.broken && !st.frozen && st.engine.holds_calls();
+        let still = holds && (!quiet || st.engine.send_held_calls());
+        st.watched = still;
+        if !still {
+            st.ops_at_last_look = None;
+        }
+        still
+    }
 }
 
 pub(crate) struct CpuBackend {
-    state: Mutex<State>,
+    /// Shared with the thread that sends a quiet rank's held calls (idle_senders.rs).
+    state: Arc<Mutex<State>>,
     abort: Arc<AtomicBool>,
     /// Set once `lend_links` handed the links to a smaller communicator: this engine runs
     /// nothing more and announces nothing on links that are no longer its own.
@@ -288,14 +316,21 @@ pub(crate) fn create_host(init: &BackendInit) -> Result<CpuBackend> {
     };
     let announce = t.announcer();
     let layout = two_level::Layout::of(t.machines(), init.rank);
+    // Held calls need the thread that sends a quiet rank's.
+    idle_senders::start().map_err(|e| Error::Unavailable {
+        backend: "cpu".into(),
+        reason: format!("the thread that sends the calls of quiet ranks did not start: {e}"),
+    })?;
     Ok(CpuBackend {
-        state: Mutex::new(State {
+        state: Arc::new(Mutex::new(State {
             engine: Engine::new(init.rank, init.size, t),
             scratch: Scratch::default(),
             pending: Default::default(),
             broken: false,
             frozen: false,
-        }),
+            watched: false,
+            ops_at_last_look: None,
+        })),
         abort: Arc::new(AtomicBool::new(false)),
         lent: AtomicBool::new(false),
         announce,
@@ -381,6 +416,7 @@ impl Backend for CpuBackend {
             scratch,
             pending,
             broken,
+            watched,
             ..
         } = &mut *st;
         let r = match op {
@@ -392,6 +428,10 @@ impl Backend for CpuBackend {
             _ => self.dispatch(engine, scratch, &ctx, op, opts),
         };
         engine.end_call();
+        if !*watched && engine.holds_calls() {
+            *watched = true;
+            idle_senders::watch(Arc::downgrade(&self.state) as Weak<dyn idle_senders::QuietSender>);
+        }
         let Err(e) = r else { return Ok(()) };
         // Argument errors are found before any byte moves; everything else may leave a
         // message half sent.
