@@ -520,6 +520,14 @@ pub(crate) fn broadcast_lands(me: usize, n: usize, root: usize, algo: Algo) -> L
     }
 }
 
+/// The peer whose bytes come from `me` in a broadcast of `algo` and that checks our call before
+/// they land (`broadcast_lands`): the chain's next rank but the root; in the direct broadcast
+/// the root's data carries its call, and a receiver feeds nobody.
+pub(crate) fn broadcast_feeds(me: usize, n: usize, root: usize, algo: Algo) -> Option<usize> {
+    let next = (me + 1) % n;
+    (algo != Algo::Direct && next != root && n > 1).then_some(next)
+}
+
 pub(crate) fn broadcast(
     e: &mut Engine,
     ctx: &OpCtx,

@@ -167,8 +167,12 @@ struct OpenCall {
     symmetric: bool,
     /// Whose calls this rank checks before a byte lands in its buffer.
     lands: Lands,
-    /// The call's root writes nothing in it: our header-only call to it may be held.
-    quiet_root: bool,
+    /// A broadcast's: no peer waits for our header-only call but `feeds`, so the others may be
+    /// held (held_calls.rs).
+    hold_calls: bool,
+    /// The peer our data lands at, which checks our call before it does (the chain's next rank;
+    /// in the direct broadcast the root's data carries its call).
+    feeds: Option<usize>,
     first_pending: bool,
     /// Header-only call messages, sent with the first exchange.
     preamble: Vec<Xfer<'static>>,
@@ -313,7 +317,7 @@ pub(crate) struct Engine {
     late: LateCalls<Xfer<'static>>,
     /// The exchange being run reads the late calls (`poll_due`).
     poll_late: bool,
-    /// Our calls to a peer that writes nothing in its collective, not yet sent (held_calls.rs).
+    /// Our header-only calls that no peer waits for, not yet sent (held_calls.rs).
     held: HeldCalls,
     /// Kept between collectives, so that finding the pairs a first exchange leaves out
     /// allocates nothing.
@@ -481,7 +485,7 @@ impl Engine {
     #[inline(always)]
     pub(crate) fn begin_call(&mut self, tag: Tag, call: Call, symmetric: bool, writes: bool) {
         let lands = if writes { Lands::FromAll } else { Lands::Nothing };
-        self.open_call(tag, call, symmetric, lands, false);
+        self.open_call(tag, call, symmetric, lands, None);
     }
 
     /// As `begin_call`, for a broadcast: a receiver checks before a byte lands only the call of
@@ -490,19 +494,32 @@ impl Engine {
     /// that land were sent under the very call this rank made. The other peers' calls it checks
     /// as they come, as the root does, and reports a mismatch with them at the latest when it
     /// next waits for them: so receivers do not wait for each other, and a root and its
-    /// receivers stream ahead as their messages allow. Our header-only call to the root, which
-    /// writes nothing and waits for nobody's, is held and sent with later ones (held_calls.rs);
-    /// those to other receivers go at once: a rank's `finalize` or drop waits for the calls its
-    /// peers owe it, and the ranks of a group in one process may close one after another on one
-    /// thread, where a call held by a rank not yet closed would stall the closing one until the
-    /// timeout.
+    /// receivers stream ahead as their messages allow. Our header-only calls, which no peer
+    /// waits for but `feeds` (the rank our data lands at, which checks our call first), are
+    /// held over TCP and sent several at a time (held_calls.rs); a rank that goes quiet holding
+    /// some has them sent for it (idle_senders.rs), as a peer's close waits for them.
     #[inline(always)]
-    pub(crate) fn begin_broadcast_call(&mut self, tag: Tag, call: Call, symmetric: bool, lands: Lands) {
-        self.open_call(tag, call, symmetric, lands, true);
+    pub(crate) fn begin_broadcast_call(
+        &mut self,
+        tag: Tag,
+        call: Call,
+        symmetric: bool,
+        lands: Lands,
+        feeds: Option<usize>,
+    ) {
+        self.open_call(tag, call, symmetric, lands, Some(feeds));
     }
 
     #[inline(always)]
-    fn open_call(&mut self, tag: Tag, call: Call, symmetric: bool, lands: Lands, quiet_root: bool) {
+    /// `broadcast_feeds`: a broadcast's, with the peer our data lands at (`begin_broadcast_call`).
+    fn open_call(
+        &mut self,
+        tag: Tag,
+        call: Call,
+        symmetric: bool,
+        lands: Lands,
+        broadcast_feeds: Option<Option<usize>>,
+    ) {
         self.calls += 1;
         let call = Call {
             seq: self.calls,
@@ -513,7 +530,8 @@ impl Engine {
             call,
             symmetric,
             lands,
-            quiet_root,
+            hold_calls: broadcast_feeds.is_some(),
+            feeds: broadcast_feeds.flatten(),
             first_pending: true,
             preamble: Vec::new(),
         };
@@ -527,7 +545,7 @@ impl Engine {
 
     /// Header-only call messages to `to` and from `from`; the receives from peers whose bytes
     /// do not land here go to the late calls (`late`) instead of the returned list, and a
-    /// message to a root that writes nothing is held (`held`).
+    /// message no peer waits for may be held (`held`).
     fn call_messages(&mut self, open: &OpenCall, to: &[usize], from: &[usize]) -> Vec<Xfer<'static>> {
         let tag = Tag { nbytes: 0, ..open.tag };
         // The list of the last collective, given back empty (`exchange_all`): most collectives
@@ -537,11 +555,9 @@ impl Engine {
             let x = self.xfer_send(p, tag, &[], Some(open.call));
             if let Xfer::Send { hdr, .. } = &x {
                 // Over TCP only, where each message is a system call (held_calls.rs): between
-                // ranks of one host a call costs a write to a ring, and held it would keep the
-                // root waiting at its close for a rank that may close after it on the same
-                // thread (a group of threads dropped one by one).
-                let to_root = open.quiet_root && p == open.call.root as usize;
-                if to_root && matches!(self.transport.link(p), Link::Tcp(_)) {
+                // ranks of one host a call costs a write to a ring, a message at a time.
+                let waited_for = open.feeds == Some(p);
+                if open.hold_calls && !waited_for && matches!(self.transport.link(p), Link::Tcp(_)) {
                     self.held.hold(p, hdr);
                     continue;
                 }
@@ -1445,7 +1461,8 @@ mod tests {
             seq: 0,
         };
         let lands = super::super::algorithms::broadcast_lands(e.rank, e.size, root, algo);
-        e.begin_broadcast_call(tag, call, algo == Algo::Direct, lands);
+        let feeds = super::super::algorithms::broadcast_feeds(e.rank, e.size, root, algo);
+        e.begin_broadcast_call(tag, call, algo == Algo::Direct, lands, feeds);
         let ctx = OpCtx::new("broadcast", Duration::from_secs(10), abort);
         let r = super::super::algorithms::broadcast(e, &ctx, tag, buf, root, algo, chunk);
         e.end_call();
@@ -1519,6 +1536,46 @@ mod tests {
         let c = OpCtx::new("finalize", Duration::from_secs(10), &abort);
         e[0].settle_deferred(&c).unwrap();
         assert!(e[0].late.is_empty() && !e[0].transport.has_unread(1));
+    }
+
+    /// Over TCP every header-only call of a broadcast that no peer waits for is held: a direct
+    /// broadcast's receivers hold theirs to the root and to each other, and the root holds
+    /// none (its data carries its call); in the chain each rank holds all but its call to the
+    /// next rank, which checks it before the bytes land. Settled, every call arrives.
+    #[test]
+    fn broadcast_ranks_hold_every_call_no_peer_waits_for() {
+        let root = 1;
+        for algo in [Algo::Direct, Algo::Ring] {
+            let mut e = tcp_engines(4);
+            std::thread::scope(|s| {
+                for eng in e.iter_mut() {
+                    s.spawn(move || {
+                        let mut buf = [eng.rank as u8; 64];
+                        broadcast_by(eng, &AtomicBool::new(false), &mut buf, root, algo, 16).unwrap();
+                        assert_eq!(buf, [root as u8; 64]);
+                    });
+                }
+            });
+            for eng in &e {
+                let me = eng.rank;
+                let waits = match algo {
+                    Algo::Direct => (0..4).filter(|&p| p != me && me == root).collect::<Vec<_>>(),
+                    _ => [(me + 1) % 4].into_iter().filter(|&p| p != root).collect(),
+                };
+                let want: Vec<usize> = (0..4).filter(|&p| p != me && !waits.contains(&p)).collect();
+                assert_eq!(eng.held.peers().collect::<Vec<_>>(), want, "{algo:?}, rank {me}");
+            }
+            std::thread::scope(|s| {
+                for eng in e.iter_mut() {
+                    s.spawn(move || {
+                        let abort = AtomicBool::new(false);
+                        eng.settle_deferred(&OpCtx::new("finalize", Duration::from_secs(10), &abort))
+                            .unwrap();
+                        assert!(eng.late.is_empty() && !eng.held.any());
+                    });
+                }
+            });
+        }
     }
 
     /// A broadcast's receiver checks the call of the rank whose bytes land in its buffer before
@@ -1676,8 +1733,9 @@ mod tests {
         assert!(started.elapsed() < Duration::from_secs(10), "{:?}", started.elapsed());
     }
 
-    /// A shrink that leaves out the root a receiver holds calls for drops them (the root is
-    /// gone, and its link may no longer take a byte); calls held for a member go to it.
+    /// A shrink that leaves out a rank a receiver holds calls for (the root, or the other
+    /// receiver) drops them (that rank is gone, and its link may no longer take a byte); calls
+    /// held for a member go to it.
     #[test]
     fn a_hand_over_drops_calls_held_for_a_rank_left_out_and_sends_a_members() {
         let abort = AtomicBool::new(false);
@@ -1695,7 +1753,18 @@ mod tests {
                 broadcast(&mut a[0], &abort, &mut got0, root).unwrap();
                 h.join().unwrap();
             });
-            assert_eq!(e[0].held.peers().collect::<Vec<_>>(), [root], "to the root only");
+            let mut both = [root, other];
+            both.sort();
+            assert_eq!(
+                e[0].held.peers().collect::<Vec<_>>(),
+                both,
+                "to the root and the other receiver"
+            );
+            if members.contains(&other) {
+                // A member's call that rank 0 is owed: sent by that member's own hand-over.
+                let o = &mut e[other];
+                o.held.pump(0, o.transport.link(0)).unwrap();
+            }
             let _links = e[0].hand_over(&c, &members, false).unwrap();
             assert!(!e[0].held.any(), "sent or dropped");
             if members.contains(&root) {

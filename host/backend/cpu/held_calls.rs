@@ -1,12 +1,13 @@
-//! Call messages held back: the header-only call a rank sends over TCP to a peer that writes
-//! nothing in a collective (a broadcast's root). That peer does not wait for it but checks it
-//! when it comes (engine.rs, `begin_call`), so nothing needs it at once; sent one per
-//! broadcast, it was a system call of the receiver's per broadcast. Held, up to `HOLD_MAX` per
-//! peer go out together, in the order they were made and before any later message to that
-//! peer, or sooner where something may wait for them: an exchange that stalls, a shared-memory
-//! round (which compares message counts), a mismatch's drain, the links' close or hand-over
-//! (measured: docs/results/cpu.md, parts 18 and 30). Calls are held per peer, so that
-//! broadcasts from changing roots hold each root's.
+//! Call messages held back: the header-only calls of a broadcast that a rank sends over TCP to
+//! peers that do not wait for them (the root, which writes nothing, and the other receivers;
+//! all but the chain's next rank: engine.rs, `begin_broadcast_call`). Those peers check them
+//! when they come, so nothing needs them at once; sent one by one, they were most of a
+//! broadcast's system calls. Held, up to `HOLD_MAX` per peer go out together, in the order they
+//! were made and before any later message to that peer, or sooner where something may wait for
+//! them: an exchange that stalls, a shared-memory round (which compares message counts), a
+//! mismatch's drain, the links' close or hand-over, and a rank that has gone quiet
+//! (idle_senders.rs) (measured: docs/results/cpu.md, parts 18, 30 and 32). Calls are held per
+//! peer, so that broadcasts from changing roots hold each root's.
 
 use super::header::HEADER_BYTES;
 use crate::net::links::{Gone, Link};

@@ -700,7 +700,8 @@ impl CpuBackend {
                 // k + 1 first receives from it): header-only call messages go first.
                 let call = call_of(elems(bytes, d), *root, a.code());
                 let lands = algorithms::broadcast_lands(e.rank, e.size, *root, a);
-                e.begin_broadcast_call(t, call, a == Algo::Direct, lands);
+                let feeds = algorithms::broadcast_feeds(e.rank, e.size, *root, a);
+                e.begin_broadcast_call(t, call, a == Algo::Direct, lands, feeds);
                 algorithms::broadcast(e, ctx, t, buf.host_bytes_mut(), *root, a, self.tuning.chunk)
             }
             Op::AllGather { input, outputs } => {
