@@ -496,8 +496,8 @@ impl Engine {
     /// next waits for them: so receivers do not wait for each other, and a root and its
     /// receivers stream ahead as their messages allow. Our header-only calls, which no peer
     /// waits for but `feeds` (the rank our data lands at, which checks our call first), are
-    /// held over TCP and sent several at a time (held_calls.rs); a rank that goes quiet holding
-    /// some has them sent for it (idle_senders.rs), as a peer's close waits for them.
+    /// held and sent several at a time (held_calls.rs); a rank that goes quiet holding some has
+    /// them sent for it (idle_senders.rs), as a peer's close waits for them.
     #[inline(always)]
     pub(crate) fn begin_broadcast_call(
         &mut self,
@@ -554,10 +554,10 @@ impl Engine {
         for &p in to {
             let x = self.xfer_send(p, tag, &[], Some(open.call));
             if let Xfer::Send { hdr, .. } = &x {
-                // Over TCP only, where each message is a system call (held_calls.rs): between
-                // ranks of one host a call costs a write to a ring, a message at a time.
+                // Over TCP a message is a system call, on one host a ring's line that the
+                // peer's core reads (held_calls.rs).
                 let waited_for = open.feeds == Some(p);
-                if open.hold_calls && !waited_for && matches!(self.transport.link(p), Link::Tcp(_)) {
+                if open.hold_calls && !waited_for {
                     self.held.hold(p, hdr);
                     continue;
                 }
@@ -1538,15 +1538,20 @@ mod tests {
         assert!(e[0].late.is_empty() && !e[0].transport.has_unread(1));
     }
 
-    /// Over TCP every header-only call of a broadcast that no peer waits for is held: a direct
+    /// Every header-only call of a broadcast that no peer waits for is held: a direct
     /// broadcast's receivers hold theirs to the root and to each other, and the root holds
     /// none (its data carries its call); in the chain each rank holds all but its call to the
     /// next rank, which checks it before the bytes land. Settled, every call arrives.
     #[test]
     fn broadcast_ranks_hold_every_call_no_peer_waits_for() {
         let root = 1;
-        for algo in [Algo::Direct, Algo::Ring] {
-            let mut e = tcp_engines(4);
+        for (algo, tcp) in [
+            (Algo::Direct, true),
+            (Algo::Ring, true),
+            (Algo::Direct, false),
+            (Algo::Ring, false),
+        ] {
+            let mut e = if tcp { tcp_engines(4) } else { engines(4) };
             std::thread::scope(|s| {
                 for eng in e.iter_mut() {
                     s.spawn(move || {

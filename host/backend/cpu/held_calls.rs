@@ -1,13 +1,13 @@
-//! Call messages held back: the header-only calls of a broadcast that a rank sends over TCP to
-//! peers that do not wait for them (the root, which writes nothing, and the other receivers;
-//! all but the chain's next rank: engine.rs, `begin_broadcast_call`). Those peers check them
-//! when they come, so nothing needs them at once; sent one by one, they were most of a
-//! broadcast's system calls. Held, up to `HOLD_MAX` per peer go out together, in the order they
-//! were made and before any later message to that peer, or sooner where something may wait for
-//! them: an exchange that stalls, a shared-memory round (which compares message counts), a
-//! mismatch's drain, the links' close or hand-over, and a rank that has gone quiet
-//! (idle_senders.rs) (measured: docs/results/cpu.md, parts 18, 30 and 32). Calls are held per
-//! peer, so that broadcasts from changing roots hold each root's.
+//! Call messages held back: the header-only calls of a broadcast that a rank sends to peers
+//! that do not wait for them (the root, which writes nothing, and the other receivers; all but
+//! the chain's next rank: engine.rs, `begin_broadcast_call`). Those peers check them when they
+//! come, so nothing needs them at once; sent one by one, they were most of a broadcast's system
+//! calls over TCP, and of its messages on one host. Held, up to `HOLD_MAX` per peer go out
+//! together, in the order they were made and before any later message to that peer, or sooner
+//! where something may wait for them: an exchange that stalls, a shared-memory round (which
+//! compares message counts), a mismatch's drain, the links' close or hand-over, and a rank
+//! that has gone quiet (idle_senders.rs) (measured: docs/results/cpu.md, parts 18, 30 and 32).
+//! Calls are held per peer, so that broadcasts from changing roots hold each root's.
 
 use super::header::HEADER_BYTES;
 use crate::net::links::{Gone, Link};
