@@ -47,6 +47,37 @@ fn every_collective_over_sealed_tcp_links() {
     assert!(checks.iter().all(|&k| k == checks[0] && k > 0));
 }
 
+/// Where the ranks span hosts (over TCP every rank is a host of its own here) a broadcast the
+/// direct algorithm would take goes down a tree (broadcast_tree.rs): at 4, 5 and 8 ranks, from
+/// every root, sizes from one element past a second TCP connection's threshold, back to back
+/// with a sum between roots, every element checked on every rank.
+#[test]
+fn broadcasts_down_a_tree_between_hosts_reach_every_rank_from_every_root() {
+    for n in [4, 5, 8] {
+        let mut o = tcp_options(Duration::from_secs(60));
+        o.transport.tcp_bulk_bytes = Some(4096);
+        let calls = run_group(n, &format!("tree{n}"), o, |c| {
+            let (n, me) = (c.size(), c.rank());
+            let val = |root: usize, i: usize| (root * 1_000_003 + i * 7) as i32;
+            let mut calls = 0;
+            for root in 0..n {
+                for len in [1usize, 7, 1000, 5000] {
+                    let mut x: Vec<i32> = (0..len).map(|i| if me == root { val(root, i) } else { -1 }).collect();
+                    c.broadcast(&mut x, root).expect("broadcast");
+                    let wrong = (0..len).filter(|&i| x[i] != val(root, i)).count();
+                    assert_eq!(wrong, 0, "n {n}, root {root}, {len} elements, rank {me}");
+                    calls += 1;
+                }
+                let mut sum = [1i32];
+                c.all_reduce(&mut sum, ferrocomm::ReduceOp::Sum).expect("all_reduce");
+                assert_eq!(sum[0], n as i32);
+            }
+            calls
+        });
+        assert!(calls.iter().all(|&k| k == 4 * n), "{calls:?}");
+    }
+}
+
 /// Over TCP links whose large payloads go on a second connection (from 4 KiB here; tcp.rs):
 /// every collective at sizes on both sides of that threshold with small calls in between, and
 /// a batch that sends both ways on every pair at once, each element checked. Three ranks, so

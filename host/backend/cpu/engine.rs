@@ -13,6 +13,7 @@ use super::late_calls::LateCalls;
 use crate::contracts::backend::LinkLedger;
 use crate::contracts::error::{Error, Result};
 use crate::net::links::{self, back_off, Link, Transport, REF_BYTES};
+use smallvec::SmallVec;
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -173,6 +174,9 @@ struct OpenCall {
     /// The peer our data lands at, which checks our call before it does (the chain's next rank;
     /// in the direct broadcast the root's data carries its call).
     feeds: Option<usize>,
+    /// Peers whose first message from us in this collective comes after its first exchange
+    /// and carries the call (a tree's children: broadcast_tree.rs); taken off as it goes.
+    carries_later: SmallVec<[usize; 4]>,
     first_pending: bool,
     /// Header-only call messages, sent with the first exchange.
     preamble: Vec<Xfer<'static>>,
@@ -510,6 +514,17 @@ impl Engine {
         self.open_call(tag, call, symmetric, lands, Some(feeds));
     }
 
+    /// As `begin_broadcast_call` with a symmetric first exchange, for an algorithm whose rank
+    /// first sends to `carries_later` after it: its first message to each of them carries the
+    /// call, as a first exchange's would (a tree's inner rank, which receives from its parent
+    /// before it sends to its children: broadcast_tree.rs). No peer waits for our other calls.
+    pub(crate) fn begin_broadcast_call_carried(&mut self, tag: Tag, call: Call, lands: Lands, carries_later: &[usize]) {
+        self.open_call(tag, call, true, lands, Some(None));
+        if let Some(o) = &mut self.open {
+            o.carries_later.extend_from_slice(carries_later);
+        }
+    }
+
     #[inline(always)]
     /// `broadcast_feeds`: a broadcast's, with the peer our data lands at (`begin_broadcast_call`).
     fn open_call(
@@ -534,6 +549,7 @@ impl Engine {
             feeds: broadcast_feeds.flatten(),
             first_pending: true,
             preamble: Vec::new(),
+            carries_later: SmallVec::new(),
         };
         if !symmetric {
             // Created before any message of the algorithm, so first on every stream.
@@ -641,7 +657,17 @@ impl Engine {
     /// Queues a message to `peer`. Messages to one peer arrive in the order they are created.
     pub(crate) fn send<'b>(&mut self, peer: usize, tag: Tag, data: &'b [u8]) -> Xfer<'b> {
         let (call, _) = self.first_exchange();
+        let call = call.or_else(|| self.carried_later(peer));
         self.xfer_send(peer, tag, data, call)
+    }
+
+    /// The call, if our first message to `peer` in this collective carries it past the first
+    /// exchange (`begin_broadcast_call_carried`); once.
+    fn carried_later(&mut self, peer: usize) -> Option<Call> {
+        let o = self.open.as_mut().filter(|o| !o.carries_later.is_empty())?;
+        let i = o.carries_later.iter().position(|&p| p == peer)?;
+        o.carries_later.swap_remove(i);
+        Some(o.call)
     }
 
     /// As `send`, but the payload always goes through the stream, never by reference
@@ -969,6 +995,8 @@ impl Engine {
                     // this collective travels on those pairs yet, so they come first there.
                     let mut u = std::mem::take(&mut self.unreached);
                     u.find(self.rank, self.size, xfers);
+                    // Reached later, by a message that carries the call.
+                    u.to.retain(|p| !o.carries_later.contains(p));
                     o.preamble = self.call_messages(&o, &u.to, &u.from);
                     self.unreached = u;
                 }
@@ -1003,6 +1031,13 @@ impl Engine {
             let mut all: Vec<Xfer<'b>> = self.late.take_all();
             all.append(&mut pre);
             pre = all;
+            // The peers our call was still to reach on a later message get it now.
+            if let Some(o) = &mut self.open {
+                let (tag, call, later) = (Tag { nbytes: 0, ..o.tag }, o.call, std::mem::take(&mut o.carries_later));
+                for p in later {
+                    pre.push(self.xfer_send(p, tag, &[], Some(call)));
+                }
+            }
         }
         match r {
             Err(e @ Error::Mismatch { .. }) => {
@@ -1552,15 +1587,14 @@ mod tests {
             (Algo::Ring, false),
         ] {
             let mut e = if tcp { tcp_engines(4) } else { engines(4) };
-            std::thread::scope(|s| {
-                for eng in e.iter_mut() {
-                    s.spawn(move || {
-                        let mut buf = [eng.rank as u8; 64];
-                        broadcast_by(eng, &AtomicBool::new(false), &mut buf, root, algo, 16).unwrap();
-                        assert_eq!(buf, [root as u8; 64]);
-                    });
-                }
-            });
+            // In order from the root on one thread: each rank's bytes are there when it starts,
+            // so none stalls (a stall sends what it holds).
+            for k in 0..4 {
+                let eng = &mut e[(root + k) % 4];
+                let mut buf = [eng.rank as u8; 64];
+                broadcast_by(eng, &AtomicBool::new(false), &mut buf, root, algo, 16).unwrap();
+                assert_eq!(buf, [root as u8; 64]);
+            }
             for eng in &e {
                 let me = eng.rank;
                 let waits = match algo {

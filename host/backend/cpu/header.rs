@@ -100,6 +100,7 @@ fn algo_name(code: u8) -> &'static str {
         0 => "direct",
         1 => "ring",
         2 => "two_level",
+        3 => "tree",
         _ => "unknown",
     }
 }

@@ -4,6 +4,7 @@
 //! May import: the contracts, bootstrap and the network (links and the window path).
 
 mod algorithms;
+mod broadcast_tree;
 mod engine;
 mod header;
 mod held_calls;
@@ -695,6 +696,19 @@ impl CpuBackend {
                 {
                     a = Algo::Direct;
                     tracing::trace!(op = ctx.op, bytes, "cpu algorithm: direct by reference between 2 ranks");
+                }
+                // Where ranks span hosts, a tree instead of the root sending to every rank itself
+                // (broadcast_tree.rs); the hosts are alike on every rank.
+                if a == Algo::Direct
+                    && e.size >= broadcast_tree::MIN_RANKS
+                    && e.transport.spans_hosts()
+                    && Tuning::wanted(ctx.op, opts.hints, false)?.is_none()
+                {
+                    let (me, n) = (e.rank, e.size);
+                    let call = call_of(elems(bytes, d), *root, broadcast_tree::CODE);
+                    let lands = broadcast_tree::lands(me, n, *root);
+                    e.begin_broadcast_call_carried(t, call, lands, &broadcast_tree::carried_later(me, n, *root));
+                    return broadcast_tree::broadcast(e, ctx, t, buf.host_bytes_mut(), *root);
                 }
                 // The chain's first exchange is not symmetric (rank k forwards to k + 1 a step after
                 // k + 1 first receives from it): header-only call messages go first.

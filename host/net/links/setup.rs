@@ -68,6 +68,9 @@ pub(crate) struct Transport {
     /// The machine of every rank, numbered in rank order of first appearance (ranks that
     /// `FERROCOMM_TRANSPORT=tcp` makes hosts of their own share their machine's number).
     machines: Vec<usize>,
+    /// The host of every rank, numbered alike: ranks of one host share memory, and links
+    /// between hosts are TCP (those `FERROCOMM_TRANSPORT=tcp` makes hosts of their own too).
+    hosts: Vec<usize>,
 }
 
 impl Transport {
@@ -196,6 +199,7 @@ impl Transport {
             pull_bytes: self.pull_bytes,
             crowded: self.crowded,
             machines: machine_numbers(members.iter().map(|&m| self.machines[m])),
+            hosts: machine_numbers(members.iter().map(|&m| self.hosts[m])),
         };
         // Ranks left out that still wait on us learn at once that we are gone, over TCP; on
         // shared memory our segment now belongs to the new communicator, so they wait for
@@ -230,6 +234,11 @@ impl Transport {
     /// appearance); alike on every rank.
     pub(crate) fn machines(&self) -> &[usize] {
         &self.machines
+    }
+
+    /// Whether the ranks are on more than one host (some links are TCP); alike on every rank.
+    pub(crate) fn spans_hosts(&self) -> bool {
+        self.hosts.iter().any(|&h| h != self.hosts[0])
     }
 
     /// Says that the ranks run on these machines (`machines[r]` for rank `r`), as a test of
@@ -539,6 +548,7 @@ pub(crate) fn connect_all(
         },
         crowded,
         machines: machine_numbers(hellos.iter().map(|h| machine(h.host))),
+        hosts: machine_numbers(hellos.iter().map(|h| h.host)),
     })
 }
 
