@@ -461,7 +461,7 @@ impl Engine {
     /// leaves none to try: the rank's own next use of it reports the failure.
     pub(crate) fn send_held_calls(&mut self) -> bool {
         self.held.make_due();
-        let peers: smallvec::SmallVec<[usize; 8]> = self.held.peers().collect();
+        let peers: SmallVec<[usize; 8]> = self.held.peers().collect();
         for p in peers {
             if self.held.pump(p, self.transport.link(p)).is_err() {
                 return false;
