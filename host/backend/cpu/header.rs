@@ -261,6 +261,14 @@ pub(crate) fn check(op: &'static str, peer: usize, raw: &[u8; HEADER_BYTES], wan
         }
         (None, None) => {}
     }
+    if want.call.is_some() && got.call == want.call && g.nbytes == 0 && w.nbytes > 0 {
+        // The same call, without its data: a tree's inner rank that failed before it forwarded
+        // sends its children its call alone (engine.rs, `exchange_all`).
+        return Err(mismatch(format!(
+            "it sent its call of {} without the data: it failed in this collective (another rank's call differs)",
+            w.describe()
+        )));
+    }
     if g != w {
         return Err(mismatch(format!(
             "it sent {}, this rank expected {}",
@@ -353,6 +361,20 @@ mod tests {
             }),
             refused: false,
         }
+    }
+
+    /// A call that comes alone where the same call was to come with data (a tree's inner rank
+    /// that failed before it forwarded) says so, rather than naming a length.
+    #[test]
+    fn the_same_call_without_its_data_says_its_sender_failed() {
+        let mut want = header(0, 2);
+        want.tag.nbytes = 8;
+        let alone = header(0, 2);
+        let Err(Error::Mismatch { peer, detail, .. }) = check("broadcast", 2, &encode(&alone), &want) else {
+            panic!("a call without its data passed the check");
+        };
+        assert_eq!(peer, 2);
+        assert!(detail.contains("without the data"), "{detail}");
     }
 
     #[test]
