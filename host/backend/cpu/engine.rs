@@ -457,17 +457,17 @@ impl Engine {
     }
 
     /// Writes every held call the links take now, for a rank that runs nothing (idle_senders.rs);
-    /// returns whether some are left for a later try. A link that fails keeps its calls and
-    /// leaves none to try: the rank's own next use of it reports the failure.
+    /// returns whether some are left for a later try on a link that has not failed. A link that
+    /// fails keeps its calls (the rank's own next use of it reports the failure); the others'
+    /// still go.
     pub(crate) fn send_held_calls(&mut self) -> bool {
         self.held.make_due();
         let peers: SmallVec<[usize; 8]> = self.held.peers().collect();
+        let mut failed = 0;
         for p in peers {
-            if self.held.pump(p, self.transport.link(p)).is_err() {
-                return false;
-            }
+            failed += usize::from(self.held.pump(p, self.transport.link(p)).is_err());
         }
-        self.held.any()
+        self.held.peers().count() > failed
     }
 
     /// Framed messages received from `peer` so far.

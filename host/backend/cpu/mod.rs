@@ -234,6 +234,8 @@ struct State {
     watched: bool,
     /// The engine's count of operations when that thread last looked.
     ops_at_last_look: Option<u64>,
+    /// The communicator's abort flag (`CpuBackend::abort`): an aborted rank sends nothing more.
+    aborted: Arc<AtomicBool>,
 }
 
 impl idle_senders::QuietSender for Mutex<State> {
@@ -244,10 +246,12 @@ impl idle_senders::QuietSender for Mutex<State> {
             // Running: it sends its held calls itself when it waits, or with later ones.
             Err(std::sync::TryLockError::WouldBlock) => return true,
         };
-        // A frozen engine's links carry nothing more (its hand-over sends them).
         let ops = st.engine.ops_begun();
         let quiet = st.ops_at_last_look.replace(ops) == Some(ops);
-        let holds = !st.broken && !st.frozen && st.engine.holds_calls();
+        // A frozen engine's links carry nothing more (its hand-over sends them); a broken or
+        // aborted one's peers learn of it otherwise.
+        let stopped = st.broken || st.frozen || st.aborted.load(Ordering::Acquire);
+        let holds = !stopped && st.engine.holds_calls();
         let still = holds && (!quiet || st.engine.send_held_calls());
         st.watched = still;
         if !still {
@@ -322,6 +326,7 @@ pub(crate) fn create_host(init: &BackendInit) -> Result<CpuBackend> {
         backend: "cpu".into(),
         reason: format!("the thread that sends the calls of quiet ranks did not start: {e}"),
     })?;
+    let abort = Arc::new(AtomicBool::new(false));
     Ok(CpuBackend {
         state: Arc::new(Mutex::new(State {
             engine: Engine::new(init.rank, init.size, t),
@@ -331,8 +336,9 @@ pub(crate) fn create_host(init: &BackendInit) -> Result<CpuBackend> {
             frozen: false,
             watched: false,
             ops_at_last_look: None,
+            aborted: abort.clone(),
         })),
-        abort: Arc::new(AtomicBool::new(false)),
+        abort,
         lent: AtomicBool::new(false),
         announce,
         faults: FaultRecord::new(init.store.clone(), init.rank),
@@ -497,10 +503,18 @@ impl Backend for CpuBackend {
     /// Busy (an operation holds the engine, such as one stuck on a silent peer) is no ledger:
     /// the shrink must not wait for it.
     fn link_ledger(&self) -> Option<LinkLedger> {
-        let mut st = match self.state.try_lock() {
-            Ok(st) => st,
-            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
-            Err(std::sync::TryLockError::WouldBlock) => return None,
+        // The thread that sends quiet ranks' held calls takes the lock for a few microseconds
+        // (idle_senders.rs): a millisecond of tries tells it from an operation.
+        let tries_until = std::time::Instant::now() + std::time::Duration::from_millis(1);
+        let mut st = loop {
+            match self.state.try_lock() {
+                Ok(st) => break st,
+                Err(std::sync::TryLockError::Poisoned(p)) => break p.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) if std::time::Instant::now() < tries_until => {
+                    std::thread::yield_now()
+                }
+                Err(std::sync::TryLockError::WouldBlock) => return None,
+            }
         };
         if st.broken || self.abort.load(Ordering::SeqCst) || self.lent.load(Ordering::SeqCst) {
             return None;
