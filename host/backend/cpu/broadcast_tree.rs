@@ -12,7 +12,7 @@
 //! comes, and no peer waits for it, so it is held (held_calls.rs).
 
 use super::engine::{Engine, Lands, OpCtx, Xfers};
-use super::header::Tag;
+use super::header::{Call, Tag};
 use crate::contracts::error::Result;
 use smallvec::SmallVec;
 
@@ -55,28 +55,18 @@ pub(crate) fn children(me: usize, n: usize, root: usize) -> SmallVec<[usize; 4]>
     out
 }
 
-/// Whose bytes land at `me` (`Engine::begin_broadcast_call_carried`).
-pub(crate) fn lands(me: usize, n: usize, root: usize) -> Lands {
-    parent(me, n, root).map_or(Lands::Nothing, Lands::From)
-}
-
-/// The peers an inner rank's call reaches after its first exchange: its children (the root's
-/// go in its first exchange).
-pub(crate) fn carried_later(me: usize, n: usize, root: usize) -> SmallVec<[usize; 4]> {
-    if me == root {
-        SmallVec::new()
-    } else {
-        children(me, n, root)
-    }
-}
-
-pub(crate) fn broadcast(e: &mut Engine, ctx: &OpCtx, tag: Tag, buf: &mut [u8], root: usize) -> Result<()> {
+/// Opens the call (`Engine::begin_broadcast_call_carried`: our parent's bytes land here, and an
+/// inner rank's call reaches its children on its data) and runs the broadcast.
+pub(crate) fn broadcast(e: &mut Engine, ctx: &OpCtx, tag: Tag, call: Call, buf: &mut [u8], root: usize) -> Result<()> {
     let (n, me) = (e.size, e.rank);
-    if let Some(p) = parent(me, n, root) {
+    let parent = parent(me, n, root);
+    let kids = children(me, n, root);
+    let carried_later: &[usize] = if parent.is_some() { &kids } else { &[] };
+    e.begin_broadcast_call_carried(tag, call, parent.map_or(Lands::Nothing, Lands::From), carried_later);
+    if let Some(p) = parent {
         let x = e.recv(p, tag, buf);
         e.exchange(ctx, &mut [x])?;
     }
-    let kids = children(me, n, root);
     if kids.is_empty() {
         return Ok(());
     }

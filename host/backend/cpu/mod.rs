@@ -718,11 +718,8 @@ impl CpuBackend {
                     && e.transport.spans_hosts()
                     && Tuning::wanted(ctx.op, opts.hints, false)?.is_none()
                 {
-                    let (me, n) = (e.rank, e.size);
                     let call = call_of(elems(bytes, d), *root, broadcast_tree::CODE);
-                    let lands = broadcast_tree::lands(me, n, *root);
-                    e.begin_broadcast_call_carried(t, call, lands, &broadcast_tree::carried_later(me, n, *root));
-                    return broadcast_tree::broadcast(e, ctx, t, buf.host_bytes_mut(), *root);
+                    return broadcast_tree::broadcast(e, ctx, t, call, buf.host_bytes_mut(), *root);
                 }
                 // The chain's first exchange is not symmetric (rank k forwards to k + 1 a step after
                 // k + 1 first receives from it): header-only call messages go first.
