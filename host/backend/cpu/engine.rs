@@ -8,7 +8,7 @@
 //! never corrupted data.
 
 use super::header::{self, Call, Header, Tag, HEADER_BYTES};
-use super::held_calls::HeldCalls;
+use super::held_calls::{self, HeldCalls};
 use super::late_calls::LateCalls;
 use crate::contracts::backend::LinkLedger;
 use crate::contracts::error::{Error, Result};
@@ -574,7 +574,8 @@ impl Engine {
                 // peer's core reads (held_calls.rs).
                 let waited_for = open.feeds == Some(p);
                 if open.hold_calls && !waited_for {
-                    self.held.hold(p, hdr);
+                    let max = held_calls::hold_max(self.transport.link(p));
+                    self.held.hold(p, hdr, max);
                     continue;
                 }
             }
@@ -1552,13 +1553,13 @@ mod tests {
     }
 
     /// Over TCP a receiver holds its header-only calls to a root that writes nothing
-    /// (held_calls.rs): none goes out until `HOLD_MAX` are held, then all go out together in
+    /// (held_calls.rs): none goes out until `HOLD_MAX_TCP` are held, then all go out together in
     /// the exchange that holds the last, and the root checks every one.
     #[test]
     fn a_receiver_holds_its_calls_to_a_quiet_root_and_sends_them_together() {
         let mut e = tcp_engines(2);
         let abort = AtomicBool::new(false);
-        let hold_max = super::super::held_calls::HOLD_MAX;
+        let hold_max = super::super::held_calls::HOLD_MAX_TCP;
         for _ in 0..hold_max {
             broadcast(&mut e[0], &abort, &mut [3u8; 8], 0).unwrap();
         }

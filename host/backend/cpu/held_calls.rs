@@ -2,7 +2,7 @@
 //! that do not wait for them (the root, which writes nothing, and the other receivers; all but
 //! the chain's next rank: engine.rs, `begin_broadcast_call`). Those peers check them when they
 //! come, so nothing needs them at once; sent one by one, they were most of a broadcast's system
-//! calls over TCP, and of its messages on one host. Held, up to `HOLD_MAX` per peer go out
+//! calls over TCP, and of its messages on one host. Held, up to `hold_max` per peer go out
 //! together, in the order they were made and before any later message to that peer, or sooner
 //! where something may wait for them: an exchange that stalls, a shared-memory round (which
 //! compares message counts), a mismatch's drain, the links' close or hand-over, and a rank
@@ -12,10 +12,27 @@
 use super::header::HEADER_BYTES;
 use crate::net::links::{Gone, Link};
 
-/// Held calls per peer that make them due: fewer than the unread calls per peer after which a
-/// rank that does not wait for them waits for the oldest (engine.rs, `LATER_MAX`), so that no
-/// rank waits for a call still held.
-pub(crate) const HOLD_MAX: usize = 8;
+/// Held calls per peer that make them due on a shared-memory ring. Both limits stay below the
+/// unread calls per peer after which a rank that does not wait for them waits for the oldest
+/// (engine.rs, `LATER_MAX`), so that no rank waits for a call still held.
+pub(crate) const HOLD_MAX_SHM: usize = 8;
+
+/// Held calls per peer that make them due over TCP, where each write of them is a system call
+/// that also runs the peer's receive path: at 8, those writes were a quarter of the writes of a
+/// broadcast at 4 processes (1.15 of 4.15 per broadcast) and 13-15% of both cores' samples.
+/// At 64, 8-512 B broadcasts over loopback took 10.3-13.5 us against 13.0-15.4 at 8 (five
+/// interleaved rounds, 4 processes on 2 cores), and between two network namespaces 12.8-17.2
+/// against 15.1-19.2 (three of four rounds; docs/results/cpu.md, part 33). On a ring, 64 was
+/// no faster than 8.
+pub(crate) const HOLD_MAX_TCP: usize = 64;
+
+/// Held calls per peer that make them due on `link`.
+pub(crate) fn hold_max(link: &Link) -> usize {
+    match link {
+        Link::Tcp(_) => HOLD_MAX_TCP,
+        _ => HOLD_MAX_SHM,
+    }
+}
 
 /// Header-only call messages to one peer, not yet (all) written.
 #[derive(Default)]
@@ -55,15 +72,16 @@ impl HeldCalls {
             .map(|(p, _)| p)
     }
 
-    /// Holds the call message `hdr` to `peer`, after any held before it.
-    pub(crate) fn hold(&mut self, peer: usize, hdr: &[u8; HEADER_BYTES]) {
+    /// Holds the call message `hdr` to `peer`, after any held before it; `max` held make them
+    /// due (`hold_max`).
+    pub(crate) fn hold(&mut self, peer: usize, hdr: &[u8; HEADER_BYTES], max: usize) {
         if self.peers.len() <= peer {
             self.peers.resize_with(peer + 1, Held::default);
         }
         let h = &mut self.peers[peer];
         self.holding += usize::from(h.bytes.is_empty());
         h.bytes.extend_from_slice(hdr);
-        if !h.due && h.bytes.len() >= HOLD_MAX * HEADER_BYTES {
+        if !h.due && h.bytes.len() >= max * HEADER_BYTES {
             h.due = true;
             self.due += 1;
         }
@@ -142,25 +160,25 @@ mod tests {
     fn calls_to_each_peer_are_held_in_order_until_due_and_go_out_whole() {
         let mut h = HeldCalls::default();
         let call = |i: u8| [i; HEADER_BYTES];
-        h.hold(1, &call(1));
-        h.hold(2, &call(9));
+        h.hold(1, &call(1), HOLD_MAX_SHM);
+        h.hold(2, &call(9), HOLD_MAX_SHM);
         assert!(!h.any_due());
         assert_eq!(h.peers().collect::<Vec<_>>(), [1, 2]);
-        for i in 2..HOLD_MAX as u8 {
-            h.hold(1, &call(i));
+        for i in 2..HOLD_MAX_SHM as u8 {
+            h.hold(1, &call(i), HOLD_MAX_SHM);
         }
-        assert!(!h.any_due(), "{} held", HOLD_MAX - 1);
-        h.hold(1, &call(HOLD_MAX as u8));
+        assert!(!h.any_due(), "{} held", HOLD_MAX_SHM - 1);
+        h.hold(1, &call(HOLD_MAX_SHM as u8), HOLD_MAX_SHM);
         assert_eq!(
             h.due_peers().collect::<Vec<_>>(),
             [1],
-            "the {HOLD_MAX}th makes them due"
+            "the {HOLD_MAX_SHM}th makes them due"
         );
         let mut link = Link::SelfLoop(VecDeque::new());
         assert!(h.pump(1, &mut link).unwrap());
         assert!(!h.holds_for(1) && h.holds_for(2));
         assert!(!h.any_due());
-        let want: Vec<u8> = (1..=HOLD_MAX as u8).flat_map(call).collect();
+        let want: Vec<u8> = (1..=HOLD_MAX_SHM as u8).flat_map(call).collect();
         assert_eq!(written(link), want);
         h.make_due();
         assert_eq!(h.due_peers().collect::<Vec<_>>(), [2]);
@@ -174,7 +192,7 @@ mod tests {
     fn a_hand_over_keeps_the_calls_of_members_only() {
         let mut h = HeldCalls::default();
         for p in [0, 2, 3] {
-            h.hold(p, &[p as u8; HEADER_BYTES]);
+            h.hold(p, &[p as u8; HEADER_BYTES], HOLD_MAX_SHM);
         }
         h.make_due_for(3);
         h.keep_only(&[0, 1, 2]);

@@ -75,7 +75,7 @@ impl<T> LateCalls<T> {
 
     /// Past `max` owed by one peer, the exchange waits for the oldest of them: the queues stay
     /// bounded, and the peer's oldest was sent (a peer holds fewer than `max` calls back:
-    /// held_calls.rs, `HOLD_MAX`).
+    /// held_calls.rs, `hold_max`).
     pub(crate) fn bound(&mut self, max: usize) {
         for (q, n) in self.queues.iter().zip(self.needed.iter_mut()) {
             let want = q.len().saturating_sub(max);
