@@ -25,8 +25,6 @@ const CHECK_EVERY: Duration = Duration::from_millis(5);
 /// whether it lost another rank first (`Engine::lost_at_root`); a peer announces that as soon
 /// as its own operation has failed.
 const ROOT_CAUSE_WAIT: Duration = Duration::from_millis(200);
-/// Late calls per peer that a rank lets gather before it looks at them (`Engine::poll_due`).
-const POLL_EVERY: usize = 8;
 /// Late calls per peer that a rank may leave unread before it waits for the oldest
 /// (`LateCalls::bound`). Where ranks outnumber CPUs, the farther a root may run ahead, the
 /// longer each rank runs before it yields its CPU: 4 processes on 2 cores, 8 B-2 KiB
@@ -321,6 +319,12 @@ pub(crate) struct Engine {
     late: LateCalls<Xfer<'static>>,
     /// The exchange being run reads the late calls (`poll_due`).
     poll_late: bool,
+    /// Late calls left after the last look at them (lowered as they are read otherwise), and
+    /// how many more may gather before the next look (`poll_due`).
+    late_after_poll: usize,
+    late_poll_step: usize,
+    /// Exchanges that looked at the late calls (tests count them).
+    late_looks: u64,
     /// Our header-only calls that no peer waits for, not yet sent (held_calls.rs).
     held: HeldCalls,
     /// Kept between collectives, so that finding the pairs a first exchange leaves out
@@ -374,7 +378,6 @@ impl Engine {
         Engine {
             rank,
             size,
-            transport,
             send_seq: vec![0; size],
             recv_seq: vec![0; size],
             tx_stamp: vec![0; size],
@@ -384,10 +387,14 @@ impl Engine {
             open: None,
             late: LateCalls::default(),
             poll_late: false,
+            late_after_poll: 0,
+            late_poll_step: size.saturating_sub(1).max(1) * held_calls::hold_max_of(&transport.links),
+            late_looks: 0,
             held: HeldCalls::default(),
             unreached: Unreached::default(),
             due_scratch: Vec::new(),
             spare_preamble: Vec::new(),
+            transport,
         }
     }
 
@@ -1025,7 +1032,10 @@ impl Engine {
         }
         let mut pre: Vec<Xfer<'b>> = preamble;
         let r = self.run(ctx, &mut pre, xfers);
-        self.poll_late = false;
+        if std::mem::take(&mut self.poll_late) {
+            self.late_after_poll = self.late.len();
+            self.late_looks += 1;
+        }
         if matches!(r, Err(Error::Mismatch { .. } | Error::InvalidArgument { .. })) {
             // Peers' late calls come in too, first on their streams: each rank finds the
             // mismatch itself.
@@ -1068,11 +1078,15 @@ impl Engine {
 
     /// Whether the late calls are read in an exchange of `preamble` and `xfers`: where it
     /// receives from one of their peers (they come first on that stream), where one must be
-    /// waited for (`LateCalls::bound`, `settle_deferred`), and once `POLL_EVERY` per peer have
-    /// gathered. Not on every exchange: a root that is ahead would otherwise try every
-    /// receiver's stream on every call.
-    fn poll_due(&self, preamble: &[Xfer<'_>], xfers: &[Xfer<'_>]) -> bool {
-        self.late.len() >= POLL_EVERY * (self.size - 1).max(1)
+    /// waited for (`LateCalls::bound`, `settle_deferred`), and once as many more as the peers
+    /// hold back at a time (held_calls.rs, `hold_max`) have gathered since the last look. Not
+    /// on every exchange: a root that is ahead would otherwise try every receiver's stream on
+    /// every call, and not on every exchange once that many are owed either: over TCP each try
+    /// is a system call, and a root that looked on every broadcast until the receiver's held
+    /// calls came spent one `recvfrom` that found nothing for nearly every `writev`.
+    fn poll_due(&mut self, preamble: &[Xfer<'_>], xfers: &[Xfer<'_>]) -> bool {
+        self.late_after_poll = self.late_after_poll.min(self.late.len());
+        self.late.len() >= self.late_after_poll + self.late_poll_step
             || self.late.any_needed()
             || (preamble.iter().chain(xfers.iter()))
                 .any(|x| matches!(x, Xfer::Recv { peer, .. } if self.late.owed_by(*peer) > 0))
@@ -1572,6 +1586,32 @@ mod tests {
         let c = OpCtx::new("finalize", Duration::from_secs(10), &abort);
         e[0].settle_deferred(&c).unwrap();
         assert!(e[0].late.is_empty() && !e[0].transport.has_unread(1));
+    }
+
+    /// A root ahead of a receiver that holds its calls looks at the receiver's stream once per
+    /// batch the receiver holds back (`poll_due`), not on every broadcast once that many are
+    /// owed: over TCP every look is a system call. It looked on 185 of 192 before.
+    #[test]
+    fn a_root_ahead_looks_for_held_calls_once_per_batch_held() {
+        let mut e = tcp_engines(2);
+        let abort = AtomicBool::new(false);
+        let batch = super::super::held_calls::HOLD_MAX_TCP;
+        for _ in 0..3 * batch {
+            broadcast(&mut e[0], &abort, &mut [3u8; 8], 0).unwrap();
+        }
+        assert_eq!(e[0].late.len(), 3 * batch);
+        assert!(
+            e[0].late_looks <= 3,
+            "{} looks in {} broadcasts",
+            e[0].late_looks,
+            3 * batch
+        );
+        for _ in 0..3 * batch {
+            broadcast(&mut e[1], &abort, &mut [0u8; 8], 0).unwrap();
+        }
+        let c = OpCtx::new("finalize", Duration::from_secs(10), &abort);
+        e[0].settle_deferred(&c).unwrap();
+        assert!(e[0].late.is_empty());
     }
 
     /// Every header-only call of a broadcast that no peer waits for is held: a direct

@@ -34,6 +34,11 @@ pub(crate) fn hold_max(link: &Link) -> usize {
     }
 }
 
+/// The most calls any peer over `links` holds back at a time.
+pub(crate) fn hold_max_of(links: &[Link]) -> usize {
+    links.iter().map(hold_max).max().unwrap_or(HOLD_MAX_SHM)
+}
+
 /// Header-only call messages to one peer, not yet (all) written.
 #[derive(Default)]
 struct Held {
