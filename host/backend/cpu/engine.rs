@@ -33,6 +33,9 @@ const ROOT_CAUSE_WAIT: Duration = Duration::from_millis(200);
 /// Kept per peer (late_calls.rs), a longer list costs no sweep more.
 const LATER_MAX: usize = 256;
 
+// A rank that must wait for a peer's oldest late call finds it sent: peers hold fewer.
+const _: () = assert!(held_calls::HOLD_MAX_TCP < LATER_MAX && held_calls::HOLD_MAX_SHM < LATER_MAX);
+
 /// The messages of one exchange: on the stack up to 8, so that most exchanges allocate nothing
 /// (a list per call was a `malloc` and a `free` of a broadcast's root per broadcast).
 pub(crate) type Xfers<'b> = smallvec::SmallVec<[Xfer<'b>; 8]>;
@@ -388,7 +391,7 @@ impl Engine {
             late: LateCalls::default(),
             poll_late: false,
             late_after_poll: 0,
-            late_poll_step: size.saturating_sub(1).max(1) * held_calls::hold_max_of(&transport.links),
+            late_poll_step: held_calls::hold_max_sum(&transport.links, rank),
             late_looks: 0,
             held: HeldCalls::default(),
             unreached: Unreached::default(),
@@ -581,7 +584,8 @@ impl Engine {
                 // peer's core reads (held_calls.rs).
                 let waited_for = open.feeds == Some(p);
                 if open.hold_calls && !waited_for {
-                    let max = held_calls::hold_max(self.transport.link(p));
+                    // A pending link is to a peer on this host (made at first use, not here).
+                    let max = held_calls::hold_max(&self.transport.links[p]);
                     self.held.hold(p, hdr, max);
                     continue;
                 }
@@ -1117,8 +1121,11 @@ impl Engine {
                 pace.progressed();
             } else if let Some(now) = pace.stalled(ctx) {
                 // A peer may wait for a call we hold (one that names another root waits for
-                // us as its root): they go out whenever we wait.
+                // us as its root): they go out whenever we wait. And a peer's may wait for
+                // room in its ring to us, filled with calls we have not looked at yet: a
+                // stalled exchange reads them.
                 self.held.make_due();
+                self.poll_late |= !self.late.is_empty();
                 self.check_stalled(ctx, pre, xfers, now)?;
             }
         }
@@ -1586,6 +1593,32 @@ mod tests {
         let c = OpCtx::new("finalize", Duration::from_secs(10), &abort);
         e[0].settle_deferred(&c).unwrap();
         assert!(e[0].late.is_empty() && !e[0].transport.has_unread(1));
+    }
+
+    /// An exchange that stalls reads the late calls it owes before as many as its peers hold
+    /// back have gathered: a peer's next calls may wait for room in a ring that the unread
+    /// ones fill (a rank with a TCP link looks less often at its peers on one host too).
+    #[test]
+    fn a_stalled_exchange_reads_the_late_calls_it_owes() {
+        let mut e = engines(3);
+        let abort = AtomicBool::new(false);
+        for r in [0, 2, 1] {
+            for _ in 0..3 {
+                broadcast(&mut e[r], &abort, &mut [1u8; 8], 0).unwrap();
+            }
+            if r == 2 {
+                e[2].send_held_calls();
+            }
+        }
+        // Rank 1 owes rank 2's three calls, fewer than a look waits for.
+        assert_eq!((e[1].late.len(), e[1].late.owed_by(2)), (3, 3));
+        let c = ctx(&abort, Duration::from_millis(200));
+        let t = super::super::tag(10, DType::U8, None);
+        let mut got = [0u8; 8];
+        let mut x = [e[1].recv(0, t, &mut got)];
+        let err = e[1].exchange(&c, &mut x).unwrap_err();
+        assert!(matches!(err, Error::Timeout { .. }), "{err}");
+        assert!(e[1].late.is_empty(), "{} calls unread after the stall", e[1].late.len());
     }
 
     /// A root ahead of a receiver that holds its calls looks at the receiver's stream once per

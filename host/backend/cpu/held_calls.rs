@@ -22,8 +22,9 @@ pub(crate) const HOLD_MAX_SHM: usize = 8;
 /// broadcast at 4 processes (1.15 of 4.15 per broadcast) and 13-15% of both cores' samples.
 /// At 64, 8-512 B broadcasts over loopback took 10.3-13.5 us against 13.0-15.4 at 8 (five
 /// interleaved rounds, 4 processes on 2 cores), and between two network namespaces 12.8-17.2
-/// against 15.1-19.2 (three of four rounds; docs/results/cpu.md, part 33). On a ring, 64 was
-/// no faster than 8.
+/// against 15.1-19.2 (three of four rounds; docs/results/cpu.md, part 33). Part 32 had found
+/// 32 and 128 no faster than 8, while the root still looked at its receivers' streams on every
+/// broadcast once 8 per peer were owed (engine.rs, `poll_due`). On a ring, 64 was no faster.
 pub(crate) const HOLD_MAX_TCP: usize = 64;
 
 /// Held calls per peer that make them due on `link`.
@@ -34,9 +35,14 @@ pub(crate) fn hold_max(link: &Link) -> usize {
     }
 }
 
-/// The most calls any peer over `links` holds back at a time.
-pub(crate) fn hold_max_of(links: &[Link]) -> usize {
-    links.iter().map(hold_max).max().unwrap_or(HOLD_MAX_SHM)
+/// The calls rank `me`'s peers over `links` hold back at a time, all together: how many late
+/// calls may gather before it looks at them (engine.rs, `poll_due`). At least 1.
+pub(crate) fn hold_max_sum(links: &[Link], me: usize) -> usize {
+    let sum = (links.iter().enumerate())
+        .filter(|&(p, _)| p != me)
+        .map(|(_, l)| hold_max(l))
+        .sum();
+    std::cmp::max(sum, 1)
 }
 
 /// Header-only call messages to one peer, not yet (all) written.
