@@ -20,9 +20,10 @@ pub(crate) const HOLD_MAX_SHM: usize = 8;
 /// Held calls per peer that make them due over TCP, where each write of them is a system call
 /// that also runs the peer's receive path: at 8, those writes were a quarter of the writes of a
 /// broadcast at 4 processes (1.15 of 4.15 per broadcast) and 13-15% of both cores' samples.
-/// At 64, 8-512 B broadcasts over loopback took 10.3-13.5 us against 13.0-15.4 at 8 (five
-/// interleaved rounds, 4 processes on 2 cores), and between two network namespaces 12.8-17.2
-/// against 15.1-19.2 (three of four rounds; docs/results/cpu.md, part 33). Part 32 had found
+/// At 64, 8-512 B broadcasts over loopback took 10.3-15.6 us (median 12.3) against 13.0-17.1
+/// (median 14.2) at 8 (five interleaved rounds, 4 processes on 2 cores), and between two
+/// network namespaces 12.8-17.2 against 15.1-22.2 (three of four rounds; docs/results/cpu.md,
+/// part 33). Part 32 had found
 /// 32 and 128 no faster than 8, while the root still looked at its receivers' streams on every
 /// broadcast once 8 per peer were owed (engine.rs, `poll_due`). On a ring, 64 was no faster.
 pub(crate) const HOLD_MAX_TCP: usize = 64;
