@@ -1082,12 +1082,13 @@ impl Engine {
 
     /// Whether the late calls are read in an exchange of `preamble` and `xfers`: where it
     /// receives from one of their peers (they come first on that stream), where one must be
-    /// waited for (`LateCalls::bound`, `settle_deferred`), and once as many more as the peers
-    /// hold back at a time (held_calls.rs, `hold_max`) have gathered since the last look. Not
-    /// on every exchange: a root that is ahead would otherwise try every receiver's stream on
-    /// every call, and not on every exchange once that many are owed either: over TCP each try
-    /// is a system call, and a root that looked on every broadcast until the receiver's held
-    /// calls came spent one `recvfrom` that found nothing for nearly every `writev`.
+    /// waited for (`LateCalls::bound`, `settle_deferred`), and once as many more have gathered
+    /// since the last look as the peers hold back at a time, all together (held_calls.rs,
+    /// `hold_max_sum`); a stalled exchange reads them too (`run`). Not on every exchange: a
+    /// root that is ahead would otherwise try every receiver's stream on every call, and not on
+    /// every exchange once that many are owed either: over TCP each try is a system call, and a
+    /// root that looked on every broadcast until the receiver's held calls came spent one
+    /// `recvfrom` that found nothing for nearly every `writev`.
     fn poll_due(&mut self, preamble: &[Xfer<'_>], xfers: &[Xfer<'_>]) -> bool {
         self.late_after_poll = self.late_after_poll.min(self.late.len());
         self.late.len() >= self.late_after_poll + self.late_poll_step

@@ -23,9 +23,9 @@ pub(crate) const HOLD_MAX_SHM: usize = 8;
 /// At 64, 8-512 B broadcasts over loopback took 10.3-15.6 us (median 12.3) against 13.0-17.1
 /// (median 14.2) at 8 (five interleaved rounds, 4 processes on 2 cores), and between two
 /// network namespaces 12.8-17.2 against 15.1-22.2 (three of four rounds; docs/results/cpu.md,
-/// part 33). Part 32 had found
-/// 32 and 128 no faster than 8, while the root still looked at its receivers' streams on every
-/// broadcast once 8 per peer were owed (engine.rs, `poll_due`). On a ring, 64 was no faster.
+/// part 33). Part 32 had found 32 and 128 no faster than 8, while the root still looked at its
+/// receivers' streams on every broadcast once 8 per peer were owed (engine.rs, `poll_due`). On
+/// a ring, 64 was no faster.
 pub(crate) const HOLD_MAX_TCP: usize = 64;
 
 /// Held calls per peer that make them due on `link`.
